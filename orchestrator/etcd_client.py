@@ -1,0 +1,444 @@
+"""All etcd access goes through this module.
+
+It wraps the ``etcd3`` v3-API client (installed from the ``cslab-etcd3``
+distribution) with what the rest of ringmaster needs and nothing else:
+
+* :func:`connect` tries every endpoint within a connect timeout and fails with
+  an :class:`~orchestrator.api.EtcdUnavailableError` naming each endpoint tried
+  and why; TLS (CA, client cert/key) and user/password are options.
+* Calls fail over between endpoints and are retried for up to the operation
+  timeout when an endpoint is unreachable, so a single member going down is
+  invisible to callers.
+* Values are ``bytes`` in, ``bytes`` out; JSON helpers sit on top.
+* Compare-and-set on ``mod_revision`` (the primitive rendezvous, leader
+  election and fencing are built from), leases, prefix watches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import etcd3
+import etcd3.exceptions as etcd_exc
+import grpc
+
+from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How long :func:`connect` waits for some endpoint to answer.
+DEFAULT_CONNECT_TIMEOUT = timedelta(
+    seconds=float(os.environ.get("RINGMASTER_ETCD_CONNECT_TIMEOUT", "5"))
+)
+#: Per-operation deadline, including fail-over retries across endpoints.
+DEFAULT_OP_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_OP_TIMEOUT", "10")))
+#: How long a failed endpoint is avoided before it is tried again.
+ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
+
+_RETRYABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """How to reach etcd.
+
+    Attributes:
+        endpoints: ``host:port`` or ``http(s)://host:port`` client endpoints.
+        ca_cert / cert / key: TLS files; ``ca_cert`` alone means server-auth TLS.
+        user / password: etcd RBAC credentials (the password is never logged).
+        connect_timeout: how long :func:`connect` waits for some endpoint.
+        op_timeout: deadline of each call, fail-over retries included.
+    """
+
+    endpoints: tuple[str, ...]
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT
+    op_timeout: timedelta = DEFAULT_OP_TIMEOUT
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.ca_cert) or any(e.startswith("https://") for e in self.endpoints)
+
+
+def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"a:1,b:2"`` or a list → a tuple of endpoints, whitespace trimmed, empties dropped."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    return tuple(s.strip() for s in items if s.strip())
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    rest = endpoint.split("://", 1)[1] if "://" in endpoint else endpoint
+    rest = rest.rstrip("/")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise EtcdError(f"etcd endpoint {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """A key with its value and revisions."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    version: int
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A put (``value`` set) or delete (``value`` is None) seen by a watch."""
+
+    key: str
+    value: bytes | None
+    mod_revision: int
+
+    @property
+    def deleted(self) -> bool:
+        return self.value is None
+
+
+class Lease:
+    """An etcd lease; keys put with it vanish when it expires or is revoked."""
+
+    def __init__(self, client: EtcdClient, raw: Any, ttl: int) -> None:
+        self._client = client
+        self._raw = raw
+        self.ttl = ttl
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def id(self) -> int:
+        return int(self._raw.id)
+
+    def refresh(self) -> None:
+        self._client._call(lambda c: list(c.refresh_lease(self.id)))
+
+    def revoke(self) -> None:
+        self.stop_keepalive()
+        try:
+            self._client._call(lambda c: c.revoke_lease(self.id))
+        except EtcdError as e:  # the lease expires on its own anyway
+            log.debug("revoking lease %x failed: %s", self.id, e)
+
+    def remaining(self) -> int:
+        """Seconds left, or -1 when the lease is gone."""
+        info = self._client._call(lambda c: c.get_lease_info(self.id))
+        return int(info.TTL)
+
+    def keep_alive(self, interval: float | None = None) -> None:
+        """Refresh in a daemon thread every ``interval`` s (default ttl/3) until stopped."""
+        if self._thread is not None:
+            return
+        every = interval if interval is not None else max(self.ttl / 3.0, 0.2)
+
+        def loop() -> None:
+            while not self._stop.wait(every):
+                try:
+                    self.refresh()
+                except EtcdError as e:
+                    log.warning("lease %x keep-alive failed: %s", self.id, e)
+
+        self._thread = threading.Thread(target=loop, name=f"lease-{self.id:x}", daemon=True)
+        self._thread.start()
+
+    def stop_keepalive(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
+class Watch:
+    """A running watch; iterate it for events, ``cancel()`` to stop."""
+
+    def __init__(self, events: Iterator[Any], cancel: Callable[[], None]) -> None:
+        self._events = events
+        self._cancel = cancel
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        for ev in self._events:
+            value = None if isinstance(ev, etcd3.events.DeleteEvent) else bytes(ev.value)
+            yield WatchEvent(ev.key.decode(), value, int(ev.mod_revision))
+
+    def cancel(self) -> None:
+        self._cancel()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class EtcdClient:
+    """A connected etcd client with fail-over.  Build it with :func:`connect`."""
+
+    def __init__(self, options: EtcdOptions, raw: Any) -> None:
+        self.options = options
+        self._raw = raw
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.options.endpoints
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[Any], T], timeout: timedelta | None = None) -> T:
+        """Run ``fn(raw_client)``; on connection errors fail over and retry until the deadline."""
+        deadline = time.monotonic() + (timeout or self.options.op_timeout).total_seconds()
+        last: Exception | None = None
+        while True:
+            try:
+                return fn(self._raw)
+            except _RETRYABLE as e:
+                last = e
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise EtcdAuthError(f"etcd refused the request: {e.details()}") from e
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
+                last = e
+            if time.monotonic() >= deadline:
+                reasons = {ep: type(last).__name__ for ep in self.endpoints}
+                raise EtcdUnavailableError(
+                    list(self.endpoints),
+                    timeout or self.options.op_timeout,
+                    reasons,
+                ) from last
+            time.sleep(0.1)
+
+    # -- key/value ---------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        value, meta = self._call(lambda c: c.get(key))
+        if meta is None:
+            return None
+        return _kv(key, value, meta)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        """All keys under ``prefix``, sorted by key."""
+        items = self._call(lambda c: list(c.get_prefix(prefix, sort_order="ascend")))
+        return [_kv(meta.key.decode(), value, meta) for value, meta in items]
+
+    def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> int:
+        """Write ``key``; returns the new revision."""
+        data = value.encode() if isinstance(value, str) else value
+        resp = self._call(lambda c: c.put(key, data, lease=lease.id if lease else None))
+        return int(resp.header.revision)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(lambda c: c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        resp = self._call(lambda c: c.delete_prefix(prefix))
+        return int(resp.deleted)
+
+    def put_json(self, key: str, obj: Any, lease: Lease | None = None) -> int:
+        return self.put(key, json.dumps(obj, sort_keys=True), lease)
+
+    def get_json(self, key: str) -> Any | None:
+        kv = self.get(key)
+        return None if kv is None else json.loads(kv.value)
+
+    # -- transactions ------------------------------------------------------------------
+
+    def compare_and_set(
+        self,
+        key: str,
+        value: bytes | str,
+        expected_mod_revision: int | None,
+        lease: Lease | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Write ``key`` only if its ``mod_revision`` is still ``expected_mod_revision``.
+
+        ``expected_mod_revision=None`` means: only if the key does not exist.
+
+        Returns:
+            ``(True, new KeyValue)`` on success, ``(False, current KeyValue or None)``
+            when the revision moved (someone else wrote first).
+        """
+        data = value.encode() if isinstance(value, str) else value
+        lease_id = lease.id if lease else None
+
+        def txn(c: Any) -> Any:
+            if expected_mod_revision is None:
+                compare = [c.transactions.create(key) == 0]
+            else:
+                compare = [c.transactions.mod(key) == expected_mod_revision]
+            return c.transaction(
+                compare=compare,
+                success=[c.transactions.put(key, data, lease=lease_id), c.transactions.get(key)],
+                failure=[c.transactions.get(key)],
+            )
+
+        ok, responses = self._call(txn)
+        got = responses[-1]
+        current = _kv(key, got[0][0], got[0][1]) if got else None
+        return bool(ok), current
+
+    def create(self, key: str, value: bytes | str, lease: Lease | None = None) -> bool:
+        """Write ``key`` only if absent; True when this call created it."""
+        ok, _ = self.compare_and_set(key, value, None, lease)
+        return ok
+
+    # -- leases ------------------------------------------------------------------------
+
+    def lease(self, ttl: int) -> Lease:
+        """Grant a lease of ``ttl`` seconds (etcd's minimum effective TTL is a few seconds)."""
+        raw = self._call(lambda c: c.lease(int(ttl)))
+        return Lease(self, raw, int(ttl))
+
+    # -- watches -----------------------------------------------------------------------
+
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
+        """Watch a key (or every key under a prefix) from ``start_revision`` on."""
+        kwargs: dict[str, Any] = {}
+        if start_revision is not None:
+            kwargs["start_revision"] = start_revision
+        if prefix:
+            events, cancel = self._call(lambda c: c.watch_prefix(key, **kwargs))
+        else:
+            events, cancel = self._call(lambda c: c.watch(key, **kwargs))
+        return Watch(events, cancel)
+
+    # -- cluster -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        st = self._call(lambda c: c.status())
+        return {"version": st.version, "db_size": st.db_size, "raft_index": st.raft_index}
+
+
+def _kv(key: str, value: bytes, meta: Any) -> KeyValue:
+    return KeyValue(
+        key=key,
+        value=bytes(value),
+        mod_revision=int(meta.mod_revision),
+        create_revision=int(meta.create_revision),
+        version=int(meta.version),
+        lease_id=int(meta.lease_id),
+    )
+
+
+def connect(options: EtcdOptions) -> EtcdClient:
+    """Connect to the first etcd endpoint that answers within ``connect_timeout``.
+
+    Raises:
+        EtcdUnavailableError: no endpoint answered; names every endpoint and its error.
+        EtcdAuthError: an endpoint answered but refused the credentials.
+        EtcdError: an endpoint is malformed or a TLS file cannot be read.
+    """
+    if not options.endpoints:
+        raise EtcdError("no etcd endpoints given; pass --etcd host:port or set RINGMASTER_ETCD")
+    creds = None
+    if options.secure:
+        if not options.ca_cert:
+            raise EtcdError("https etcd endpoints need a CA certificate (--etcd-ca)")
+        try:
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(
+                options.ca_cert, options.key, options.cert
+            )
+        except OSError as e:
+            raise EtcdError(f"cannot read etcd TLS file: {e}") from e
+    deadline = time.monotonic() + options.connect_timeout.total_seconds()
+    reasons: dict[str, str] = {}
+    while True:
+        for ep in options.endpoints:
+            host, port = _host_port(ep)
+            remaining = max(deadline - time.monotonic(), 0.2)
+            try:
+                raw = _open(options, host, port, creds, remaining)
+            except EtcdAuthError:
+                raise
+            except Exception as e:
+                reasons[ep] = _reason(e)
+                continue
+            # Re-open with every endpoint for fail-over once one is known to work.
+            if len(options.endpoints) > 1:
+                raw.close()
+                raw = _open_all(options, creds)
+            return EtcdClient(options, raw)
+        if time.monotonic() >= deadline:
+            raise EtcdUnavailableError(list(options.endpoints), options.connect_timeout, reasons)
+        time.sleep(0.2)
+
+
+def _endpoint(host: str, port: int, creds: Any) -> Any:
+    return etcd3.Endpoint(
+        host,
+        port,
+        secure=creds is not None,
+        creds=creds,
+        time_retry=ENDPOINT_RETRY_AFTER.total_seconds(),
+    )
+
+
+def _open(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float) -> Any:
+    try:
+        raw = etcd3.MultiEndpointEtcd3Client(
+            endpoints=[_endpoint(host, port, creds)],
+            timeout=timeout,
+            user=options.user,
+            password=options.password,
+            failover=True,
+        )
+        raw.status()
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+            raise EtcdAuthError(
+                f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}"
+            ) from e
+        raise
+    raw.timeout = options.op_timeout.total_seconds()
+    return raw
+
+
+def _open_all(options: EtcdOptions, creds: Any) -> Any:
+    endpoints = [_endpoint(*_host_port(ep), creds) for ep in options.endpoints]
+    raw = etcd3.MultiEndpointEtcd3Client(
+        endpoints=endpoints,
+        timeout=options.op_timeout.total_seconds(),
+        user=options.user,
+        password=options.password,
+        failover=True,
+    )
+    return raw
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    name = type(e).__name__
+    text = str(e)
+    return f"{name}: {text}" if text else name

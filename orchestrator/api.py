@@ -479,10 +479,14 @@ def _collect(obj: Any, prefix: str) -> Problems:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
+        out = {
             f.metadata.get("key", f.name): _to_plain(getattr(value, f.name))
             for f in dataclasses.fields(value)
         }
+        if isinstance(value, CompressionSpec):  # only the parameters of the chosen kind
+            keep = {"type", "inter_node_only", *COMPRESSION_PARAMS[value.type]}
+            out = {k: v for k, v in out.items() if k in keep}
+        return out
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, Enum):

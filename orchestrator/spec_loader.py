@@ -72,7 +72,7 @@ def load_job_node(root: yaml.Node | None, source: str) -> JobSpec:
         raise SpecError(builder.problems)
     spec = builder.build(JobSpec, root, "")
     if builder.problems:
-        raise SpecError(sorted(builder.problems, key=lambda p: (p.line or 0, p.path)))
+        raise SpecError(sorted(builder.problems, key=lambda p: p.line or 0))
     assert isinstance(spec, JobSpec)
     return spec
 
@@ -105,7 +105,7 @@ class _Builder:
         if not isinstance(node, yaml.MappingNode):
             self.add(path, f"must be a mapping of fields, got {_describe(node)}", _line(node))
             return _MISSING
-        direct_failed = False
+        direct_failed: set[str] = set()
         nested_failed: set[str] = set()
         hints = typing.get_type_hints(cls)
         fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
@@ -133,7 +133,7 @@ class _Builder:
             elif dataclasses.is_dataclass(tp):
                 nested_failed.add(f.name)
             else:
-                direct_failed = True
+                direct_failed.add(key)
         for key, f in fields.items():
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required and f.name not in given:
@@ -143,25 +143,22 @@ class _Builder:
                 if f.name in nested_failed:
                     given[f.name] = hints[f.name]()  # placeholder; its problems are reported
                 else:
-                    direct_failed = True
+                    return _MISSING  # a required scalar is missing: nothing to check
         if cls is CompressionSpec:
             self._check_compression_params(node, path, given, seen)
-        if direct_failed:
-            # Cross-field checks on a section with a bad field would judge defaults
-            # standing in for the bad values; report the field problems only.
-            return _MISSING
         obj = cls(**given)
-        if nested_failed:
-            self.lines.setdefault(path, _line(node))
-            for sub, msg in obj.problems():
-                full = ".".join(p for p in (path, sub) if p)
-                if sub.split(".")[0] not in nested_failed:
-                    self.add(full, msg, self.line_of(full))
-            return _MISSING
+        failed = direct_failed | nested_failed
+        # Defaults stand in for bad values: skip checks that involve a bad field
+        # (by path, or by naming it in the message: "nodes.min (4) ... nodes.max").
         for sub, msg in obj.problems():
             full = ".".join(p for p in (path, sub) if p)
+            if failed and (
+                sub.split(".")[0] in failed
+                or any(re.search(rf"\b{re.escape(k)}\b", msg) for k in failed)
+            ):
+                continue
             self.add(full, msg, self.line_of(full))
-        return obj
+        return _MISSING if failed else obj
 
     def _check_compression_params(
         self, node: yaml.Node, path: str, given: dict[str, Any], seen: set[str]
@@ -303,6 +300,9 @@ def _type_name(tp: Any) -> str:
 
 
 def _unknown_key_message(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = (
+        difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        or [k for k in known if k.startswith(key) or key.startswith(k)][:1]
+    )
     hint = f"did you mean '{close[0]}'? " if close else ""
     return f"unknown key '{key}'; {hint}known keys here: {', '.join(known)}"

@@ -1,0 +1,43 @@
+"""`ringmaster validate` prints OK or every problem and exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_validate_ok(tmp_path: Path) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: train.py\n")
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 0, result.output
+    assert "OK" in result.output and "demo" in result.output
+
+
+def test_validate_lists_problems_and_exits_2(tmp_path: Path) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: train.py\nnodes: {min: 4, max: 2}\nnproc: 1\n")
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2
+    assert f"{f}:3: nodes.min: nodes.min (4) is larger than nodes.max (2)" in result.output
+    assert f"{f}:4: nproc: unknown key 'nproc'; did you mean 'nproc_per_node'?" in result.output
+
+
+def test_validate_missing_file_exits_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "cannot read" in result.output
+
+
+def test_every_example_job_validates() -> None:
+    examples = sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml"))
+    assert examples, "examples/ has no job files"
+    for f in examples:
+        result = CliRunner().invoke(main, ["validate", str(f)])
+        assert result.exit_code == 0, f"{f}: {result.output}"

@@ -496,3 +496,54 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
     return value
+
+
+# --------------------------------------------------------------------------- membership
+
+
+@dataclass
+class Member:
+    """One node of a generation and the global ranks its workers take.
+
+    Ranks ``rank_base .. rank_base + nproc - 1`` belong to this node, in local-rank
+    order; nodes appear in topology order, so ring neighbours share host, then rack.
+    """
+
+    node: str
+    rank_base: int
+    nproc: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """Who trains in a generation.  Written by the controller, read by every worker.
+
+    A new generation is published whenever membership changes (failure, hot-swap,
+    drain, scale); workers of the listed nodes re-form the process group for it
+    in-process.  ``generation`` only grows; it also fences stale writers.
+    """
+
+    generation: int
+    members: list[Member]
+    spares: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    def member(self, node: str) -> Member | None:
+        return next((m for m in self.members if m.node == node), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            generation=int(data["generation"]),
+            members=[Member(**m) for m in data["members"]],
+            spares=list(data.get("spares", [])),
+            reason=str(data.get("reason", "")),
+        )

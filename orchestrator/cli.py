@@ -206,5 +206,91 @@ def stop(job: str, **kw: Any) -> None:
     console.print(f"stop requested for job '{job}'", highlight=False)
 
 
+@main.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--kill-node-at-step",
+    type=int,
+    help="SIGKILL one active node (agent and workers) at this step, to show recovery",
+)
+@click.option("--timeout", type=float, default=1800, show_default=True, help="seconds")
+@etcd_options
+@handle_errors
+def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any) -> None:
+    """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    from orchestrator.local_run import run_job
+    from orchestrator.spec_loader import load_job_file
+
+    spec = load_job_file(job_file)
+    result = run_job(
+        spec,
+        etcd=build_etcd_options(kw),
+        kill_node_at_step=kill_node_at_step,
+        timeout=timedelta(seconds=timeout),
+    )
+    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
+    table.add_row(
+        spec.name,
+        result.phase.value,
+        str(result.step),
+        str(result.recoveries),
+        f"{result.killed_node} at step {result.killed_at_step}" if result.killed_node else "-",
+        f"{result.wall_s:.1f}s",
+    )
+    console.print(table)
+    if result.phase.value != "Succeeded":
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--job", required=True, envvar="RINGMASTER_JOB", help="job to serve")
+@click.option("--node", required=True, envvar="RINGMASTER_NODE", help="this node's name")
+@click.option("--labels", envvar="RINGMASTER_LABELS", help="topology labels: zone=a,rack=r1")
+@click.option("--address", default="127.0.0.1", envvar="RINGMASTER_ADDRESS", show_default=True)
+@etcd_options
+@handle_errors
+def agent(job: str, node: str, labels: str | None, address: str, **kw: Any) -> None:
+    """Run the node agent: register, start workers, supervise (SIGTERM = preemption)."""
+    import logging
+
+    from agents.node_agent import NodeAgent, parse_labels
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    try:
+        parsed = parse_labels(labels)
+    except ValueError as e:
+        _fail(f"--labels: {e}", 2)
+        return
+    options = build_etcd_options(kw)
+    if options is None:
+        _fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        return
+    with connect(options) as client:
+        node_agent = NodeAgent(client, options, job, node, parsed, address)
+        signal.signal(signal.SIGTERM, lambda *_: node_agent.preempt())
+        signal.signal(signal.SIGINT, lambda *_: node_agent.request_stop())
+        code = node_agent.run()
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--job", envvar="RINGMASTER_JOB", help="serve only this job (default: all)")
+@etcd_options
+@handle_errors
+def controller(job: str | None, **kw: Any) -> None:
+    """Run a controller; the first one leads, the others stand by."""
+    import logging
+    import threading
+
+    from orchestrator.controller import Controller
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with _connect(kw) as client:
+        Controller(client, job).run(stop)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -45,6 +45,7 @@ class JobStatus:
     failed_nodes: list[str] = field(default_factory=list)
     recoveries: int = 0
     last_checkpoint: str | None = None
+    last_checkpoint_at: float | None = None
     message: str = ""
     updated_at: float = 0.0
 

@@ -6,7 +6,14 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/status            phase, step, world size ... (JSON)
     /ringmaster/jobs/<job>/events/<seq>      event log
     /ringmaster/jobs/<job>/nodes/<node>      node registrations (leased)
-    /ringmaster/jobs/<job>/commands/<seq>    controller commands (checkpoint, drain, stop)
+    /ringmaster/jobs/<job>/commands/<seq>    user commands to the controller (stop, checkpoint)
+    /ringmaster/jobs/<job>/plan              current generation: members and ranks (JSON)
+    /ringmaster/jobs/<job>/control           requests to workers (checkpoint seq, stop)
+    /ringmaster/jobs/<job>/reports/<gen>/<w> a worker saw generation <gen> break
+    /ringmaster/jobs/<job>/progress/<w>      last step reached by worker <w> (node-localrank)
+    /ringmaster/jobs/<job>/done/<w>          worker <w> finished the training loop
+    /ringmaster/jobs/<job>/agents/<node>/cmd commands from the controller to a node agent
+    /ringmaster/jobs/<job>/pg/<gen>/...      process-group bootstrap store of a generation
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
     /ringmaster/controller/leader            leader election (leased)
@@ -73,6 +80,39 @@ def job_node(job: str, node: str) -> str:
 
 def job_commands(job: str) -> str:
     return job_prefix(job) + "commands/"
+
+
+def job_plan(job: str) -> str:
+    return job_prefix(job) + "plan"
+
+
+def job_control(job: str) -> str:
+    return job_prefix(job) + "control"
+
+
+def job_reports(job: str, generation: int) -> str:
+    return job_prefix(job) + f"reports/{int(generation)}/"
+
+
+def job_progress(job: str) -> str:
+    return job_prefix(job) + "progress/"
+
+
+def job_done(job: str) -> str:
+    return job_prefix(job) + "done/"
+
+
+def agent_commands(job: str, node: str) -> str:
+    return job_prefix(job) + f"agents/{segment(node, 'node name')}/cmd/"
+
+
+def pg_store(job: str, generation: int) -> str:
+    return job_prefix(job) + f"pg/{int(generation)}/"
+
+
+def worker_id(node: str, local_rank: int) -> str:
+    """The name of one worker: ``<node>-<local_rank>``."""
+    return f"{segment(node, 'node name')}-{int(local_rank)}"
 
 
 def rdzv_prefix(run_id: str) -> str:

@@ -1,0 +1,104 @@
+"""Contracts of the node side: worker environment, errors, stateful objects.
+
+The node agent starts workers with the environment described by
+:class:`WorkerEnv`; the worker runtime (:mod:`agents.runtime`) reads it.  The
+worker runtime never imports the controller: the two meet only through etcd
+keys (:mod:`orchestrator.keys`) and the :class:`~orchestrator.api.Plan`
+contract.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+# Environment variables the agent sets for each worker.
+ENV_JOB = "RINGMASTER_JOB"
+ENV_NODE = "RINGMASTER_NODE"
+ENV_ETCD = "RINGMASTER_ETCD"
+ENV_ETCD_CA = "RINGMASTER_ETCD_CA"
+ENV_ETCD_CERT = "RINGMASTER_ETCD_CERT"
+ENV_ETCD_KEY = "RINGMASTER_ETCD_KEY"
+ENV_ETCD_USER = "RINGMASTER_ETCD_USER"
+ENV_ETCD_PASSWORD = "RINGMASTER_ETCD_PASSWORD"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_ADDRESS = "RINGMASTER_ADDRESS"
+
+
+class AgentError(Exception):
+    """Base of every error raised by the ``agents`` package."""
+
+
+class RecoveryError(AgentError):
+    """The job could not be recovered in-process (e.g. too many failures of one step)."""
+
+
+class JobEndedError(AgentError):
+    """The job reached a terminal phase while this worker waited for work."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a worker learns from its agent through the environment."""
+
+    job: str
+    node: str
+    local_rank: int
+    local_world_size: int
+    etcd_endpoints: str
+    address: str = "127.0.0.1"
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = None
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv | None:
+        """The worker's env, or None when not started by a ringmaster agent."""
+        env = dict(os.environ if environ is None else environ)
+        if ENV_JOB not in env:
+            return None
+        return cls(
+            job=env[ENV_JOB],
+            node=env[ENV_NODE],
+            local_rank=int(env.get(ENV_LOCAL_RANK, "0")),
+            local_world_size=int(env.get(ENV_LOCAL_WORLD_SIZE, "1")),
+            etcd_endpoints=env[ENV_ETCD],
+            address=env.get(ENV_ADDRESS, "127.0.0.1"),
+            etcd_ca=env.get(ENV_ETCD_CA),
+            etcd_cert=env.get(ENV_ETCD_CERT),
+            etcd_key=env.get(ENV_ETCD_KEY),
+            etcd_user=env.get(ENV_ETCD_USER),
+            etcd_password=env.get(ENV_ETCD_PASSWORD),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        out = {
+            ENV_JOB: self.job,
+            ENV_NODE: self.node,
+            ENV_LOCAL_RANK: str(self.local_rank),
+            ENV_LOCAL_WORLD_SIZE: str(self.local_world_size),
+            ENV_ETCD: self.etcd_endpoints,
+            ENV_ADDRESS: self.address,
+        }
+        optional = {
+            ENV_ETCD_CA: self.etcd_ca,
+            ENV_ETCD_CERT: self.etcd_cert,
+            ENV_ETCD_KEY: self.etcd_key,
+            ENV_ETCD_USER: self.etcd_user,
+            ENV_ETCD_PASSWORD: self.etcd_password,
+        }
+        out.update({k: v for k, v in optional.items() if v})
+        return out
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()`` (modules, optimizers...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...

@@ -1,0 +1,348 @@
+"""The node agent (``ringmaster agent``): one per node, supervises its workers.
+
+It registers the node in etcd under a lease (host, address, slots, topology
+labels), starts ``nproc_per_node`` workers with the job's entrypoint and the
+environment of :class:`~agents.api.WorkerEnv`, and then:
+
+* restarts a worker that exits with an error (up to ``max_restarts``),
+  reporting the exit code or signal and the root cause from the worker's
+  error file (torch elastic's ``@record`` format, ``TORCHELASTIC_ERROR_FILE``);
+  the restarted worker rejoins as a spare and gets its state from a live peer;
+* executes the controller's commands (``kill-worker`` for a hung worker, ``stop``);
+* treats SIGTERM as a preemption: asks for a checkpoint, gives the workers up
+  to ``preemption_grace`` to save, then stops them and leaves (revoking the
+  lease, so the controller sees the node gone at once).
+
+Workers die with their agent (``PR_SET_PDEATHSIG``), so a SIGKILLed agent
+never leaves half a node behind.  A spare agent is simply an agent whose
+workers wait, warm, for a generation that includes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from agents.api import WorkerEnv
+from orchestrator import events, keys
+from orchestrator.api import JobPhase, JobSpec
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease
+from orchestrator.jobs import read_spec, read_status, send_command
+
+log = logging.getLogger("ringmaster.agent")
+
+#: Node registration lease; a dead agent's node disappears within this time.
+DEFAULT_NODE_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_NODE_TTL", "3")))
+#: How often workers are polled.
+POLL = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent(agent_pid: int) -> None:  # runs in the worker before exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:
+        os._exit(1)
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    error_file: Path
+    restarts: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+def parse_labels(text: str | None) -> dict[str, str]:
+    """``zone=a,rack=r1`` → ``{"zone": "a", "rack": "r1"}``.
+
+    Raises:
+        ValueError: an item is not ``key=value``.
+    """
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"label {item!r} is not key=value (e.g. zone=a,rack=r1)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def read_error_file(path: Path) -> str | None:
+    """The root-cause message from a torch elastic error file, if the worker wrote one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message", data)
+    if isinstance(message, dict):
+        message = message.get("message", json.dumps(message))
+    return str(message).splitlines()[0][:300] if message else None
+
+
+class NodeAgent:
+    """Runs one node.  Build it, then :meth:`run` until the job ends or it is stopped."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        etcd: EtcdOptions,
+        job: str,
+        node: str,
+        labels: dict[str, str] | None = None,
+        address: str = "127.0.0.1",
+        workdir: str | None = None,
+        ttl: timedelta = DEFAULT_NODE_TTL,
+    ) -> None:
+        self.client = client
+        self.etcd = etcd
+        self.job = job
+        self.node = keys.segment(node, "node name")
+        self.labels = dict(labels or {})
+        self.labels.setdefault("host", socket.gethostname())
+        self.address = address
+        self.workdir = workdir or os.getcwd()
+        self.ttl = ttl
+        self.spec: JobSpec | None = None
+        self.workers: dict[int, _Worker] = {}
+        self._lease: Lease | None = None
+        self._stop = threading.Event()
+        self._preempted_at: float | None = None
+        self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
+        self.exit_code = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def run(self, spec_timeout: timedelta = timedelta(seconds=60)) -> int:
+        """Register, start workers, supervise.  Returns the process exit code."""
+        self.spec = self._wait_for_spec(spec_timeout)
+        self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
+        self._lease.keep_alive()
+        for i in range(self.spec.nproc_per_node):
+            self._start_worker(i)
+        self._register()
+        watch = self.client.watch(keys.agent_commands(self.job, self.node), prefix=True)
+        threading.Thread(target=self._follow_commands, args=(watch,), daemon=True).start()
+        try:
+            self._supervise()
+        finally:
+            watch.cancel()
+            self._stop_workers()
+            if self._lease is not None:
+                self._lease.revoke()
+        return self.exit_code
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def preempt(self) -> None:
+        """SIGTERM handler: save first (within the grace period), then leave."""
+        if self._preempted_at is not None:
+            return
+        self._preempted_at = time.monotonic()
+        grace = self.spec.fault_tolerance.preemption_grace if self.spec else timedelta(0)
+        log.warning("[%s] preempted: saving within %.0fs", self.node, grace.total_seconds())
+        with contextlib.suppress(Exception):
+            events.emit(
+                self.client,
+                self.job,
+                "Preempted",
+                f"{self.node} got SIGTERM; checkpoint requested",
+                source=self.node,
+            )
+            send_command(self.client, self.job, "checkpoint", reason=f"preemption of {self.node}")
+
+    def _wait_for_spec(self, timeout: timedelta) -> JobSpec:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            if self.client.get(keys.job_spec(self.job)) is not None:
+                return read_spec(self.client, self.job)[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job '{self.job}' was not submitted within {timeout.total_seconds():g}s"
+                )
+            time.sleep(0.2)
+
+    def _register(self) -> None:
+        assert self._lease is not None and self.spec is not None
+        info = {
+            "host": socket.gethostname(),
+            "address": self.address,
+            "slots": self.spec.nproc_per_node,
+            "labels": self.labels,
+            "pid": os.getpid(),
+            "worker_pids": [w.proc.pid for w in self.workers.values()],
+            "started": time.time(),
+        }
+        self.client.put_json(keys.job_node(self.job, self.node), info, lease=self._lease)
+
+    # -- workers -----------------------------------------------------------------------
+
+    def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
+        assert self.spec is not None
+        env = dict(os.environ)
+        env.update(self.spec.entrypoint.env)
+        env.update(
+            WorkerEnv(
+                job=self.job,
+                node=self.node,
+                local_rank=local_rank,
+                local_world_size=self.spec.nproc_per_node,
+                etcd_endpoints=",".join(self.etcd.endpoints),
+                address=self.address,
+                etcd_ca=self.etcd.ca_cert,
+                etcd_cert=self.etcd.cert,
+                etcd_key=self.etcd.key,
+                etcd_user=self.etcd.user,
+                etcd_password=self.etcd.password,
+            ).to_environ()
+        )
+        error_file = self._errors_dir / f"worker-{local_rank}-{restarts}.json"
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        agent_pid = os.getpid()
+        proc = subprocess.Popen(
+            [sys.executable, *self.spec.entrypoint.command()],
+            cwd=self.workdir,
+            env=env,
+            preexec_fn=lambda: _die_with_agent(agent_pid),
+        )
+        self.workers[local_rank] = _Worker(local_rank, proc, error_file, restarts)
+        if self._lease is not None:
+            self._register()
+
+    def _supervise(self) -> None:
+        assert self.spec is not None
+        max_restarts = self.spec.fault_tolerance.max_restarts
+        grace = self.spec.fault_tolerance.preemption_grace.total_seconds()
+        while not self._stop.is_set():
+            if self._preempted_at is not None and time.monotonic() - self._preempted_at > grace:
+                log.warning("[%s] preemption grace over; leaving", self.node)
+                return
+            finished = 0
+            for w in list(self.workers.values()):
+                code = w.proc.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    finished += 1
+                    continue
+                self._on_worker_failure(w, code, max_restarts)
+            if finished == len(self.workers):
+                return
+            if self._preempted_at is not None and self._saved_since_preemption():
+                log.warning("[%s] preemption checkpoint committed; leaving", self.node)
+                return
+            self._stop.wait(POLL)
+
+    def _saved_since_preemption(self) -> bool:
+        status = read_status(self.client, self.job)
+        return bool(
+            status
+            and status.last_checkpoint_at
+            and self._preempted_wall is not None
+            and status.last_checkpoint_at >= self._preempted_wall
+        )
+
+    @property
+    def _preempted_wall(self) -> float | None:
+        if self._preempted_at is None:
+            return None
+        return time.time() - (time.monotonic() - self._preempted_at)
+
+    def _on_worker_failure(self, w: _Worker, code: int, max_restarts: int) -> None:
+        cause = read_error_file(w.error_file)
+        what = describe_exit(code) + (f": {cause}" if cause else "")
+        name = keys.worker_id(self.node, w.local_rank)
+        log.warning("[%s] worker %s failed (%s)", self.node, name, what)
+        phase = self._job_phase()
+        with contextlib.suppress(Exception):
+            events.emit(
+                self.client,
+                self.job,
+                "WorkerExited",
+                f"{name} {what}",
+                source=self.node,
+                worker=name,
+                exit_code=code,
+            )
+        if phase is not None and phase.terminal:
+            self.workers.pop(w.local_rank)
+            return
+        if w.restarts >= max_restarts:
+            log.error("[%s] %s exhausted %d restarts", self.node, name, max_restarts)
+            self.exit_code = 1
+            self._stop.set()
+            return
+        self._start_worker(w.local_rank, w.restarts + 1)
+
+    def _job_phase(self) -> JobPhase | None:
+        with contextlib.suppress(Exception):
+            status = read_status(self.client, self.job)
+            return status.phase if status else None
+        return None
+
+    def _stop_workers(self, timeout: float = 5.0) -> None:
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                w.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for w in self.workers.values():
+            try:
+                w.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+
+    def _follow_commands(self, watch: Any) -> None:
+        try:
+            for ev in watch:
+                if ev.value is None:
+                    continue
+                self._execute(json.loads(ev.value))
+                with contextlib.suppress(Exception):
+                    self.client.delete(ev.key)
+        except Exception as e:  # the watch ends when cancelled
+            log.debug("command watch ended: %s", e)
+
+    def _execute(self, cmd: dict[str, Any]) -> None:
+        name = cmd.get("command")
+        if name == "kill-worker":
+            w = self.workers.get(int(cmd.get("local_rank", -1)))
+            if w is not None and w.proc.poll() is None:
+                log.warning(
+                    "[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.get("reason")
+                )
+                w.proc.kill()
+        elif name == "stop":
+            self._stop.set()
+        else:
+            log.warning("[%s] unknown command %r", self.node, name)

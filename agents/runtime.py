@@ -1,0 +1,492 @@
+"""The worker runtime: what a training script imports.
+
+A torchrun-style script becomes fault tolerant with a few lines::
+
+    from agents import runtime
+
+    session = runtime.init()
+    model = session.wrap(Net())                      # DDP that survives hot-swaps
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session.track(model=model, optimizer=opt)         # what a replacement receives
+    for step in session.steps(1000):
+        with session.guard():                        # a peer's death is caught here
+            x, y = batch(step, session.rank, session.world_size)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        session.report(loss=loss.item())
+
+How recovery works: when a peer dies, the gloo collective inside the step
+raises in the survivors; :meth:`Session.guard` swallows it and
+:meth:`Session.steps` tears the group down, reports to etcd, waits for the
+controller's next generation (a warm spare in the dead node's place), forms a
+new group in-process and brings every rank to the freshest live state
+(:mod:`agents.state_sync`).  The failed step runs again; no completed step is
+lost or applied twice.  Survivors never restart and never read object storage.
+
+At every step boundary the ranks all-reduce a few control integers (known
+generation, checkpoint request, stop), so planned changes (drain, scale,
+checkpoint-now, stop) happen at the same step on every rank.
+
+A spare's workers wait inside :meth:`Session.steps` until a generation
+includes their node; when the job ends first, the loop simply ends
+(``session.finished`` stays False).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agents.api import JobEndedError, RecoveryError, Stateful, WorkerEnv
+from agents.elastic_ddp import ElasticDDP, HookInstaller
+from agents.process_group import form_group, is_collective_failure, teardown_group
+from agents.state_sync import NO_STATE, sync_state
+from orchestrator import keys
+from orchestrator.api import JobPhase, JobSpec, Plan
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, parse_endpoints
+
+log = logging.getLogger("ringmaster.worker")
+
+#: A step that fails this many times in a row is not a peer failure: give up.
+MAX_FAILURES_PER_STEP = 5
+#: Longest wait for the controller's next generation before giving up.
+DEFAULT_PLAN_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_PLAN_TIMEOUT", "600")))
+
+# Indices of the control vector all-reduced (MAX) at every step boundary.
+_CTL_GENERATION, _CTL_CHECKPOINT, _CTL_STOP, _CTL_LEN = 0, 1, 2, 3
+
+SaveFn = Callable[["Session", str], None]
+
+
+class Session:
+    """One worker's view of the job; build it with :func:`init`."""
+
+    def __init__(self, env: WorkerEnv, client: EtcdClient, spec: JobSpec) -> None:
+        self.env = env
+        self.client = client
+        self.spec = spec
+        self.rank = -1
+        self.world_size = 0
+        self.generation = 0
+        self.step = 0
+        self.has_state = False
+        self.recoveries = 0
+        self.finished = False
+        self.last_recovery_s: float | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._wrapped: list[ElasticDDP] = []
+        self._metrics: dict[str, float] = {}
+        self._step_error: BaseException | None = None
+        self._failures_at_step = 0
+        self._control_seen = 0
+        self._stop_requested = False
+        self._save_fn: SaveFn | None = None
+        self._watch = _PlanWatcher(client, env.job)
+        self._heartbeat = _Heartbeat(self, spec.fault_tolerance.heartbeat_interval)
+        self._heartbeat.start()
+        self._heartbeat.beat_now()  # a waiting worker is a warm one: the controller counts it
+
+    # -- identity ----------------------------------------------------------------------
+
+    @property
+    def worker(self) -> str:
+        return keys.worker_id(self.env.node, self.env.local_rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    # -- what the script registers -----------------------------------------------------
+
+    def wrap(self, module: nn.Module, hook_installer: HookInstaller | None = None) -> ElasticDDP:
+        """Wrap ``module`` for data-parallel training across generations."""
+        wrapped = ElasticDDP(
+            module,
+            hook_installer=hook_installer,
+            bucket_cap_mb=self.spec.comm.bucket_cap_mb,
+        )
+        self._wrapped.append(wrapped)
+        if dist.is_initialized():
+            wrapped.rebuild()
+        return wrapped
+
+    def track(self, **objects: Stateful) -> None:
+        """Register state a replacement must receive (model, optimizer, scheduler, data)."""
+        for name, obj in objects.items():
+            if not isinstance(obj, Stateful):
+                raise TypeError(f"{name} has no state_dict()/load_state_dict()")
+            self._tracked[name] = obj
+
+    def on_save(self, fn: SaveFn) -> None:
+        """Call ``fn(session, reason)`` on every rank when a durable save is due."""
+        self._save_fn = fn
+
+    def report(self, **metrics: float) -> None:
+        """Record metrics of the last step (published with progress)."""
+        self._metrics.update({k: float(v) for k, v in metrics.items()})
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """Yield step numbers from the restored step to ``total``, recovering as needed."""
+        limit = total if total is not None else (self.spec.max_steps or math.inf)
+        try:
+            self._join(self._await_plan(1))
+            yield from self._loop(limit)
+        except JobEndedError as e:
+            log.warning("[%s] %s; leaving", self.worker, e)
+            self.close()
+            return
+        self.finished = True
+        self._finish()
+
+    def _loop(self, limit: float) -> Iterator[int]:
+        while self.step < limit and not self._stop_requested:
+            self._step_error = None
+            current = self.step
+            yield current
+            if self._step_error is not None:
+                self._recover(f"step {current} failed: {_short(self._step_error)}")
+                continue
+            self.step = current + 1
+            self.has_state = True
+            self._failures_at_step = 0
+            try:
+                self._boundary()
+            except RecoveryError:
+                raise
+            except Exception as e:
+                if not is_collective_failure(e):
+                    raise
+                self._recover(f"step boundary {self.step} failed: {_short(e)}")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run one step's body; a collective failure inside it triggers recovery."""
+        try:
+            yield
+        except Exception as e:
+            if not dist.is_initialized() or not is_collective_failure(e):
+                raise
+            self._step_error = e
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def _recover(self, reason: str, planned: bool = False) -> None:
+        started = time.monotonic()
+        self._failures_at_step += 0 if planned else 1
+        if self._failures_at_step > MAX_FAILURES_PER_STEP:
+            raise RecoveryError(
+                f"step {self.step} failed {self._failures_at_step} times in a row; last: {reason}"
+            )
+        self.recoveries += 0 if planned else 1
+        log.warning("[%s] generation %d ends: %s", self.worker, self.generation, reason)
+        for w in self._wrapped:
+            w.drop()
+        teardown_group()
+        self.client.put_json(
+            keys.job_reports(self.env.job, self.generation) + self.worker,
+            {"step": self.step, "reason": reason, "planned": planned, "at": time.time()},
+        )
+        while True:
+            plan = self._await_plan(self.generation + 1)
+            try:
+                self._join(plan)
+                break
+            except RecoveryError as e:
+                log.warning("[%s] %s", self.worker, e)
+                self.client.put_json(
+                    keys.job_reports(self.env.job, plan.generation) + self.worker,
+                    {"step": self.step, "reason": str(e), "planned": False, "at": time.time()},
+                )
+        self.last_recovery_s = time.monotonic() - started
+        log.warning(
+            "[%s] rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
+            self.worker,
+            self.rank,
+            self.world_size,
+            self.generation,
+            self.step,
+            self.last_recovery_s,
+        )
+
+    def _await_plan(self, min_generation: int) -> Plan:
+        """Block until a plan of at least ``min_generation`` that includes this worker."""
+        deadline = time.monotonic() + DEFAULT_PLAN_TIMEOUT.total_seconds()
+        while True:
+            plan = self._watch.wait_newer(min_generation - 1, timeout=1.0)
+            if plan is not None:
+                member = plan.member(self.env.node)
+                if member is not None and self.env.local_rank < member.nproc:
+                    return plan
+                min_generation = plan.generation + 1  # not in it: wait as a spare
+            phase = self._job_phase()
+            if phase is not None and phase.terminal:
+                raise JobEndedError(f"job {self.env.job} is {phase.value}")
+            if time.monotonic() > deadline:
+                raise RecoveryError(
+                    f"no generation >= {min_generation} including {self.worker} within "
+                    f"{DEFAULT_PLAN_TIMEOUT.total_seconds():g}s"
+                )
+
+    def _join(self, plan: Plan) -> None:
+        member = plan.member(self.env.node)
+        assert member is not None
+        self.generation = plan.generation
+        self.rank = member.rank_base + self.env.local_rank
+        self.world_size = plan.world_size
+        form_group(
+            self.client,
+            self.env.job,
+            plan.generation,
+            self.rank,
+            self.world_size,
+            self.env.address,
+            collective_timeout=self.spec.fault_tolerance.hang_timeout * 2,
+        )
+        result = sync_state(self.step if self.has_state else NO_STATE, self._capture, self._restore)
+        if result.step != NO_STATE:
+            self.step = result.step
+            self.has_state = True
+        for w in self._wrapped:
+            w.rebuild()
+        self._heartbeat.start()
+        self._heartbeat.beat_now()
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
+            "rng": torch.get_rng_state(),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        for name, obj in self._tracked.items():
+            if name in state["tracked"]:
+                obj.load_state_dict(state["tracked"][name])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.has_state = True
+
+    # -- step boundary -----------------------------------------------------------------
+
+    def _boundary(self) -> None:
+        control = self._watch.control()
+        vec = torch.zeros(_CTL_LEN, dtype=torch.int64)
+        vec[_CTL_GENERATION] = self._watch.latest_generation()
+        vec[_CTL_CHECKPOINT] = int(control.get("checkpoint", 0))
+        vec[_CTL_STOP] = int(bool(control.get("stop", False)))
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        self._heartbeat.beat_now()
+        every = self.spec.checkpoint.every_steps
+        if int(vec[_CTL_CHECKPOINT]) > self._control_seen:
+            self._control_seen = int(vec[_CTL_CHECKPOINT])
+            self._save("requested")
+        elif every and self.step % every == 0:
+            self._save("periodic")
+        if int(vec[_CTL_STOP]):
+            self._save("stop")
+            self._stop_requested = True
+            return
+        if int(vec[_CTL_GENERATION]) > self.generation:
+            self._recover(f"generation {int(vec[_CTL_GENERATION])} published", planned=True)
+
+    def _save(self, reason: str) -> None:
+        if self._save_fn is not None:
+            self._save_fn(self, reason)
+
+    def _finish(self) -> None:
+        self._heartbeat.beat_now()
+        self.client.put_json(
+            keys.job_done(self.env.job) + self.worker,
+            {"step": self.step, "generation": self.generation, "at": time.time()},
+        )
+        self._heartbeat.stop()
+        for w in self._wrapped:
+            w.drop()
+        teardown_group()
+
+    def _job_phase(self) -> JobPhase | None:
+        data = self.client.get_json(keys.job_status(self.env.job))
+        return JobPhase(data["phase"]) if data else None
+
+    def progress(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "generation": self.generation,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "recoveries": self.recoveries,
+            "last_recovery_s": self.last_recovery_s,
+            "metrics": dict(self._metrics),
+            "pid": os.getpid(),
+        }
+
+    def close(self) -> None:
+        self._heartbeat.stop()
+        self._watch.stop()
+        teardown_group()
+        self.client.close()
+
+
+class _PlanWatcher:
+    """Follows the plan and control keys in a background thread."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self._client = client
+        self._job = job
+        self._cond = threading.Condition()
+        self._plan: Plan | None = None
+        self._control: dict[str, Any] = {}
+        self._watches = [
+            client.watch(keys.job_plan(job)),
+            client.watch(keys.job_control(job)),
+        ]
+        self._load()
+        for w in self._watches:
+            threading.Thread(target=self._follow, args=(w,), daemon=True).start()
+
+    def _load(self) -> None:
+        data = self._client.get_json(keys.job_plan(self._job))
+        control = self._client.get_json(keys.job_control(self._job))
+        with self._cond:
+            if data is not None:
+                self._set_plan(Plan.from_dict(data))
+            if control is not None:
+                self._control = control
+            self._cond.notify_all()
+
+    def _set_plan(self, plan: Plan) -> None:
+        if self._plan is None or plan.generation > self._plan.generation:
+            self._plan = plan
+
+    def _follow(self, watch: Any) -> None:
+        import json
+
+        try:
+            for ev in watch:
+                if ev.value is None:
+                    continue
+                data = json.loads(ev.value)
+                with self._cond:
+                    if ev.key.endswith("/plan"):
+                        self._set_plan(Plan.from_dict(data))
+                    else:
+                        self._control = data
+                    self._cond.notify_all()
+        except Exception as e:  # the watch ends when cancelled or when etcd goes away
+            log.debug("watch ended: %s", e)
+
+    def wait_newer(self, generation: int, timeout: float) -> Plan | None:
+        """The current plan if newer than ``generation``, waiting up to ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._plan is not None and self._plan.generation > generation, timeout
+            )
+            plan = self._plan
+        if plan is None or plan.generation <= generation:
+            self._load()  # a watch may have missed an event while etcd was away
+            plan = self._plan
+        return plan if plan is not None and plan.generation > generation else None
+
+    def latest_generation(self) -> int:
+        with self._cond:
+            return self._plan.generation if self._plan else 0
+
+    def control(self) -> dict[str, Any]:
+        with self._cond:
+            return dict(self._control)
+
+    def stop(self) -> None:
+        for w in self._watches:
+            with contextlib.suppress(Exception):
+                w.cancel()
+
+
+class _Heartbeat:
+    """Publishes progress every ``interval`` from a thread (a frozen process stops beating)."""
+
+    def __init__(self, session: Session, interval: timedelta) -> None:
+        self._session = session
+        self._interval = interval.total_seconds()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_step = -1
+        self._step_time = time.time()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            with contextlib.suppress(Exception):
+                self.beat_now()
+
+    def beat_now(self) -> None:
+        s = self._session
+        now = time.time()
+        if s.step != self._last_step:
+            self._last_step = s.step
+            self._step_time = now
+        data = s.progress()
+        data.update({"beat": now, "step_time": self._step_time})
+        s.client.put_json(keys.job_progress(s.env.job) + s.worker, data)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:200]
+
+
+def init(env: WorkerEnv | None = None) -> Session:
+    """Start the runtime in a worker launched by ``ringmaster agent``.
+
+    Raises:
+        RecoveryError: when not launched by an agent (no ``RINGMASTER_JOB``); use
+            :func:`init_or_plain` for scripts that also run under plain torchrun.
+    """
+    env = env or WorkerEnv.from_environ()
+    if env is None:
+        raise RecoveryError(
+            "not started by `ringmaster agent` (RINGMASTER_JOB is not set); "
+            "run the script through `ringmaster run job.yaml`"
+        )
+    logging.basicConfig(
+        level=os.environ.get("RINGMASTER_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s [{env.node}/{env.local_rank}] %(message)s",
+    )
+    client = connect(
+        EtcdOptions(
+            endpoints=parse_endpoints(env.etcd_endpoints),
+            ca_cert=env.etcd_ca,
+            cert=env.etcd_cert,
+            key=env.etcd_key,
+            user=env.etcd_user,
+            password=env.etcd_password,
+        )
+    )
+    from orchestrator.jobs import read_spec
+
+    spec, _ = read_spec(client, env.job)
+    return Session(env, client, spec)

@@ -1,0 +1,442 @@
+"""The controller: decides who trains, notices failures, publishes generations.
+
+One leader (:mod:`orchestrator.leader`) runs a :class:`JobController` per
+job.  Everything it knows lives in etcd, so a standby that takes over simply
+reads it back.  Per job it:
+
+* starts the job when ``nodes.max`` nodes registered (or ``nodes.min`` after
+  the last-call timeout), taking the first ones in topology order as active
+  and the rest as warm spares;
+* detects failures: workers report a broken generation the moment a
+  collective fails; a member node none of whose workers reported within
+  ``REPORT_GRACE`` is dead (SIGKILL, power loss); a member whose registration
+  lease expired is dead; a worker whose heartbeat thread stopped while its
+  step stalled for ``hang_timeout`` is hung and gets killed by its agent;
+* publishes the next generation with a warm spare in each dead node's slot
+  (same ranks, so the ring order is kept), or scales down to ``nodes.min``
+  when no spare is left;
+* relays checkpoint and stop requests to the workers (the ``control`` key,
+  agreed on by all ranks at the same step), and records phase and events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from orchestrator import events, keys
+from orchestrator.api import EtcdError, JobPhase, Member, Plan
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.jobs import JobStatus, read_spec, read_status
+from orchestrator.leader import LeaderElection
+
+log = logging.getLogger("ringmaster.controller")
+
+#: After the first failure report, how long to wait for the other survivors' reports.
+REPORT_GRACE = timedelta(seconds=1.0)
+#: A worker whose heartbeat is older than this many intervals is frozen or gone.
+STALE_BEATS = 3
+#: Controller loop period when nothing wakes it.
+TICK = timedelta(seconds=0.2)
+
+
+@dataclass
+class _Break:
+    generation: int
+    seen_at: float
+    steps: dict[str, int] = field(default_factory=dict)
+
+
+class JobController:
+    """Reconciles one job; :meth:`tick` is called whenever something may have changed."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self.client = client
+        self.job = job
+        self.spec, self.spec_hash = read_spec(client, job)
+        self.status = read_status(client, job) or JobStatus(job)
+        self._min_reached_at: float | None = None
+        self._break: _Break | None = None
+        self._recovery_started: float | None = None
+        self._recovery_step = 0
+        self._killed: dict[str, float] = {}
+        self._last_written: dict[str, Any] = {}
+
+    # -- reading the world -------------------------------------------------------------
+
+    def _nodes(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for kv in self.client.get_prefix(keys.job_nodes(self.job)):
+            out[kv.key.rsplit("/", 1)[1]] = json.loads(kv.value)
+        return out
+
+    def _progress(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for kv in self.client.get_prefix(keys.job_progress(self.job)):
+            out[kv.key.rsplit("/", 1)[1]] = json.loads(kv.value)
+        return out
+
+    def _plan(self) -> Plan | None:
+        data = self.client.get_json(keys.job_plan(self.job))
+        return Plan.from_dict(data) if data else None
+
+    def _workers(self, member: Member) -> list[str]:
+        return [keys.worker_id(member.node, i) for i in range(member.nproc)]
+
+    def _warm(self, node: str, info: dict[str, Any], progress: dict[str, Any]) -> bool:
+        """A node whose every worker is alive and beating (ready to take a slot)."""
+        interval = self.spec.fault_tolerance.heartbeat_interval.total_seconds()
+        now = time.time()
+        for i in range(int(info.get("slots", self.spec.nproc_per_node))):
+            p = progress.get(keys.worker_id(node, i))
+            if p is None or now - float(p.get("beat", 0)) > STALE_BEATS * interval:
+                return False
+            pids = info.get("worker_pids")
+            if p.get("pid") is not None and pids is not None and p["pid"] not in pids:
+                return False
+        return True
+
+    # -- the loop body -----------------------------------------------------------------
+
+    def tick(self) -> None:
+        if self.status.phase.terminal:
+            return
+        self._handle_commands()
+        if self.status.phase.terminal:
+            return
+        nodes = self._nodes()
+        progress = self._progress()
+        plan = self._plan()
+        if plan is None:
+            self._maybe_start(nodes, progress)
+        else:
+            self._watch_running(plan, nodes, progress)
+        self._write_status()
+
+    def _maybe_start(self, nodes: dict[str, dict[str, Any]], progress: dict[str, Any]) -> None:
+        warm = [n for n, info in nodes.items() if self._warm(n, info, progress)]
+        need_max, need_min = self.spec.nodes.max, self.spec.nodes.min
+        now = time.monotonic()
+        if len(warm) >= need_min and self._min_reached_at is None:
+            self._min_reached_at = now
+        last_call = self.spec.rendezvous.last_call_timeout.total_seconds()
+        ready = len(warm) >= need_max or (
+            len(warm) >= need_min
+            and self._min_reached_at is not None
+            and now - self._min_reached_at >= last_call
+        )
+        self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
+        if not ready:
+            return
+        ordered = _topology_order(warm, nodes, self.spec.comm.topology_labels)
+        active = ordered[:need_max]
+        plan = self._make_plan(1, active, nodes, ordered[need_max:], "start")
+        self._publish(plan)
+        self._set_phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
+
+    def _watch_running(
+        self, plan: Plan, nodes: dict[str, dict[str, Any]], progress: dict[str, dict[str, Any]]
+    ) -> None:
+        members = {m.node: m for m in plan.members}
+        workers = [w for m in plan.members for w in self._workers(m)]
+        self.status.generation = plan.generation
+        self.status.world_size = plan.world_size
+        self.status.active_nodes = [m.node for m in plan.members]
+        self.status.spare_nodes = [
+            n for n, info in nodes.items() if n not in members and self._warm(n, info, progress)
+        ]
+        steps = [int(progress[w]["step"]) for w in workers if w in progress]
+        if steps:
+            self.status.step = max(self.status.step, max(steps))
+
+        done = {kv.key.rsplit("/", 1)[1] for kv in self.client.get_prefix(keys.job_done(self.job))}
+        if workers and all(w in done for w in workers):
+            self._set_phase(JobPhase.SUCCEEDED, f"finished at step {self.status.step}")
+            return
+        if self.client.get_json(keys.job_control(self.job)) or {}:
+            control = self.client.get_json(keys.job_control(self.job)) or {}
+            if control.get("stop") and all(w in done for w in workers if w in progress):
+                self._set_phase(JobPhase.STOPPED, "stopped on request")
+                return
+
+        reports = {
+            kv.key.rsplit("/", 1)[1]: json.loads(kv.value)
+            for kv in self.client.get_prefix(keys.job_reports(self.job, plan.generation))
+        }
+        if reports:
+            self._handle_break(plan, nodes, progress, reports)
+            return
+        gone = [n for n in members if n not in nodes]
+        if gone:
+            self._replace(plan, nodes, progress, set(gone), f"lease expired: {', '.join(gone)}")
+            return
+        self._detect_hangs(plan, nodes, progress)
+        if self.status.phase is JobPhase.RECOVERING and self._recovered(plan, workers, progress):
+            took = time.monotonic() - (self._recovery_started or time.monotonic())
+            self._set_phase(
+                JobPhase.RUNNING,
+                f"generation {plan.generation} trains again ({took:.2f}s after the failure)",
+                recovery_s=round(took, 3),
+            )
+            self._recovery_started = None
+
+    def _recovered(self, plan: Plan, workers: list[str], progress: dict[str, Any]) -> bool:
+        for w in workers:
+            p = progress.get(w)
+            if p is None or p.get("generation") != plan.generation:
+                return False
+            if int(p.get("step", 0)) <= self._recovery_step:
+                return False
+        return True
+
+    def _handle_break(
+        self,
+        plan: Plan,
+        nodes: dict[str, dict[str, Any]],
+        progress: dict[str, Any],
+        reports: dict[str, Any],
+    ) -> None:
+        now = time.monotonic()
+        if self._break is None or self._break.generation != plan.generation:
+            self._break = _Break(plan.generation, now)
+            first = next(iter(reports.values()))
+            if self._recovery_started is None:
+                self._recovery_started = now
+            self._recovery_step = int(first.get("step", 0))
+            if not all(r.get("planned") for r in reports.values()):
+                self._set_phase(
+                    JobPhase.RECOVERING,
+                    f"generation {plan.generation} broke: {first.get('reason', '')}",
+                )
+        silent = {m.node for m in plan.members if not all(w in reports for w in self._workers(m))}
+        if silent and now - self._break.seen_at < REPORT_GRACE.total_seconds():
+            return  # give the other survivors time to report
+        if all(r.get("planned") for r in reports.values()) and not silent:
+            return  # a planned switch: the new generation is already published
+        self._replace(plan, nodes, progress, silent, f"no report from {', '.join(sorted(silent))}")
+
+    def _replace(
+        self,
+        plan: Plan,
+        nodes: dict[str, dict[str, Any]],
+        progress: dict[str, Any],
+        failed: set[str],
+        why: str,
+    ) -> None:
+        members = [m.node for m in plan.members]
+        spares = [
+            n
+            for n in _topology_order(list(nodes), nodes, self.spec.comm.topology_labels)
+            if n not in members and n not in failed and self._warm(n, nodes[n], progress)
+        ]
+        new_members: list[str] = []
+        swapped: list[str] = []
+        for node in members:
+            if node not in failed:
+                new_members.append(node)
+            elif spares:
+                spare = spares.pop(0)
+                new_members.append(spare)
+                swapped.append(f"{spare} replaces {node}")
+        if len(new_members) < self.spec.nodes.min:
+            self.status.message = (
+                f"{why}; {len(new_members)} nodes left, need {self.spec.nodes.min}: waiting"
+            )
+            self._set_phase(JobPhase.RECOVERING, self.status.message)
+            return
+        for node in failed:
+            if node not in self.status.failed_nodes:
+                self.status.failed_nodes.append(node)
+            events.emit(self.client, self.job, "NodeFailed", f"{node}: {why}", node=node)
+        if self._recovery_started is None:
+            self._recovery_started = time.monotonic()
+            self._recovery_step = self.status.step
+        self.status.recoveries += 1
+        reason = "; ".join(swapped) or f"scaled down to {len(new_members)} nodes"
+        new_plan = self._make_plan(plan.generation + 1, new_members, nodes, spares, reason)
+        self._publish(new_plan)
+        self._set_phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")
+
+    def _detect_hangs(
+        self, plan: Plan, nodes: dict[str, dict[str, Any]], progress: dict[str, Any]
+    ) -> None:
+        ft = self.spec.fault_tolerance
+        now = time.time()
+        stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+        for m in plan.members:
+            for i, w in enumerate(self._workers(m)):
+                p = progress.get(w)
+                if p is None or p.get("generation") != plan.generation:
+                    continue
+                frozen = now - float(p.get("beat", now)) > stale_after
+                stalled = now - float(p.get("step_time", now)) > ft.hang_timeout.total_seconds()
+                if frozen and stalled and now - self._killed.get(w, 0) > stale_after:
+                    self._killed[w] = now
+                    self.client.put_json(
+                        keys.agent_commands(self.job, m.node) + f"{time.time_ns():020d}",
+                        {"command": "kill-worker", "local_rank": i, "reason": "hang"},
+                    )
+                    events.emit(
+                        self.client,
+                        self.job,
+                        "WorkerHung",
+                        f"{w}: no step for {now - float(p['step_time']):.1f}s and no heartbeat;"
+                        " killing it",
+                        worker=w,
+                    )
+
+    def _handle_commands(self) -> None:
+        for kv in self.client.get_prefix(keys.job_commands(self.job)):
+            cmd = json.loads(kv.value)
+            self.client.delete(kv.key)
+            control = self.client.get_json(keys.job_control(self.job)) or {}
+            name = cmd.get("command")
+            if name == "stop":
+                control["stop"] = True
+                if self._plan() is None:
+                    self._set_phase(JobPhase.STOPPED, "stopped before it started")
+            elif name == "checkpoint":
+                control["checkpoint"] = int(control.get("checkpoint", 0)) + 1
+            else:
+                events.emit(self.client, self.job, "BadCommand", f"unknown command {name!r}")
+                continue
+            self.client.put_json(keys.job_control(self.job), control)
+            events.emit(
+                self.client,
+                self.job,
+                "Command",
+                f"{name} requested" + (f" ({cmd['args']['reason']})" if cmd.get("args") else ""),
+            )
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _make_plan(
+        self,
+        generation: int,
+        active: list[str],
+        nodes: dict[str, dict[str, Any]],
+        spares: list[str],
+        reason: str,
+    ) -> Plan:
+        members = []
+        base = 0
+        for node in active:
+            info = nodes.get(node, {})
+            nproc = int(info.get("slots", self.spec.nproc_per_node))
+            members.append(Member(node, base, nproc, dict(info.get("labels", {}))))
+            base += nproc
+        return Plan(generation, members, spares=list(spares), reason=reason)
+
+    def _publish(self, plan: Plan) -> None:
+        self.client.put_json(keys.job_plan(self.job), plan.to_dict())
+        log.warning(
+            "[%s] generation %d: %s (%s)",
+            self.job,
+            plan.generation,
+            ", ".join(m.node for m in plan.members),
+            plan.reason,
+        )
+        events.emit(
+            self.client,
+            self.job,
+            "Generation",
+            f"generation {plan.generation}: {', '.join(m.node for m in plan.members)} "
+            f"({plan.reason})",
+            generation=plan.generation,
+        )
+
+    def _set_phase(self, phase: JobPhase, message: str, **data: Any) -> None:
+        self.status.message = message
+        if phase is self.status.phase:
+            return
+        if not self.status.phase.can_move_to(phase):
+            log.error("[%s] refusing %s -> %s", self.job, self.status.phase.value, phase.value)
+            return
+        self.status.phase = phase
+        events.emit(self.client, self.job, "Phase", f"{phase.value}: {message}", **data)
+        log.warning("[%s] %s: %s", self.job, phase.value, message)
+        self._write_status()
+
+    def _write_status(self) -> None:
+        data = self.status.to_dict()
+        comparable = {k: v for k, v in data.items() if k != "updated_at"}
+        if comparable == self._last_written:
+            return
+        self._last_written = comparable
+        data["updated_at"] = time.time()
+        self.client.put_json(keys.job_status(self.job), data)
+
+
+def _topology_order(
+    nodes: list[str], info: dict[str, dict[str, Any]], labels: list[str]
+) -> list[str]:
+    """Sort nodes so that nodes sharing zone, then rack, then host are adjacent."""
+
+    def key(node: str) -> tuple[str, ...]:
+        node_labels = info.get(node, {}).get("labels", {})
+        return (*(str(node_labels.get(label, "")) for label in labels), node)
+
+    return sorted(nodes, key=key)
+
+
+class Controller:
+    """Leader-elected controller for one job (``job``) or for every job in etcd."""
+
+    def __init__(self, client: EtcdClient, job: str | None = None) -> None:
+        self.client = client
+        self.job = job
+        self.election = LeaderElection(client)
+        self._jobs: dict[str, JobController] = {}
+        self._wake = threading.Event()
+
+    def run(self, stop: threading.Event, exit_when_done: bool = False) -> None:
+        """Lead (after winning the election) until ``stop`` is set."""
+        if not self.election.wait_for_leadership(stop):
+            return
+        watch = self.client.watch(keys.jobs_prefix(), prefix=True)
+        threading.Thread(target=self._follow, args=(watch,), daemon=True).start()
+        try:
+            while not stop.is_set():
+                if not self.election.is_leader:
+                    log.warning("leadership lost; campaigning again")
+                    if not self.election.wait_for_leadership(stop):
+                        return
+                try:
+                    self._tick_all()
+                except EtcdError as e:
+                    log.warning("etcd unavailable, retrying: %s", e)
+                current = self._jobs.get(self.job) if self.job else None
+                if exit_when_done and current is not None and current.status.phase.terminal:
+                    return
+                self._wake.wait(TICK.total_seconds())
+                self._wake.clear()
+        finally:
+            watch.cancel()
+            self.election.resign()
+
+    def _follow(self, watch: Any) -> None:
+        try:
+            for _ in watch:
+                self._wake.set()
+        except Exception as e:  # cancelled or etcd gone; the loop's timeout keeps us going
+            log.debug("controller watch ended: %s", e)
+
+    def _tick_all(self) -> None:
+        names = [self.job] if self.job else _job_names(self.client)
+        for name in names:
+            jc = self._jobs.get(name)
+            if jc is None:
+                if self.client.get(keys.job_spec(name)) is None:
+                    continue
+                jc = self._jobs[name] = JobController(self.client, name)
+            jc.tick()
+
+
+def _job_names(client: EtcdClient) -> list[str]:
+    prefix = keys.jobs_prefix()
+    return sorted({kv.key[len(prefix) :].split("/", 1)[0] for kv in client.get_prefix(prefix)})

@@ -1,0 +1,107 @@
+"""Leader election through an etcd lease.
+
+The leader holds ``/ringmaster/controller/leader`` under a lease it keeps
+alive.  A standby waits; when the leader dies its lease expires (within the
+TTL), the key vanishes and the first standby to create it leads.  A leader
+that cannot refresh its lease (partitioned) knows it is no longer leader by
+the lease's own deadline and stops acting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from orchestrator import keys
+from orchestrator.api import EtcdError
+from orchestrator.etcd_client import EtcdClient, Lease
+
+log = logging.getLogger(__name__)
+
+#: Leader lease; a standby takes over at most this long after the leader dies.
+DEFAULT_LEADER_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_LEADER_TTL", "3")))
+
+
+class LeaderElection:
+    """Campaign for leadership; ``is_leader`` stays true while the lease is fresh."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        identity: str | None = None,
+        ttl: timedelta = DEFAULT_LEADER_TTL,
+        key: str | None = None,
+    ) -> None:
+        self.client = client
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}"
+        self.ttl = ttl
+        self.key = key or keys.controller_leader()
+        self._lease: Lease | None = None
+        self._valid_until = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._lease is not None and time.monotonic() < self._valid_until
+
+    def try_acquire(self) -> bool:
+        """One attempt: True when this process now leads."""
+        if self.is_leader:
+            return True
+        lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
+        if self.client.create(self.key, self.identity, lease=lease):
+            self._lease = lease
+            self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
+            self._start_keepalive()
+            log.warning("%s is now the leader", self.identity)
+            return True
+        lease.revoke()
+        return False
+
+    def wait_for_leadership(self, stop: threading.Event, poll: float = 0.2) -> bool:
+        """Block until leader (True) or ``stop`` is set (False)."""
+        while not stop.is_set():
+            try:
+                if self.try_acquire():
+                    return True
+            except EtcdError as e:
+                log.warning("election: %s", e)
+            stop.wait(poll)
+        return False
+
+    def current_leader(self) -> str | None:
+        kv = self.client.get(self.key)
+        return kv.value.decode() if kv else None
+
+    def _start_keepalive(self) -> None:
+        self._stop.clear()
+        interval = self.ttl.total_seconds() / 3
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                lease = self._lease
+                if lease is None:
+                    return
+                try:
+                    lease.refresh()
+                    if lease.remaining() <= 0:
+                        raise EtcdError("leader lease expired")
+                    self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
+                except EtcdError as e:
+                    log.warning("%s lost leadership: %s", self.identity, e)
+                    self._lease = None
+                    return
+
+        self._thread = threading.Thread(target=loop, name="leader-lease", daemon=True)
+        self._thread.start()
+
+    def resign(self) -> None:
+        self._stop.set()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.revoke()

@@ -1,0 +1,244 @@
+"""``ringmaster run``: a whole job on this machine.
+
+Starts (or uses) etcd, submits the job, starts a controller and
+``nodes.max + nodes.spares`` node agents as separate processes (each agent in
+its own process group, so "killing a node" kills the agent and its workers
+together, as on a real machine), streams their output with a prefix, follows
+the job's events and status, and stops everything when the job ends.
+
+``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
+to show a warm spare taking over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO, Any
+
+from orchestrator import events, jobs
+from orchestrator.api import JobPhase, JobSpec
+from orchestrator.embedded_etcd import EmbeddedEtcd
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+
+_PR_SET_PDEATHSIG = 1
+
+Printer = Callable[[str], None]
+
+
+def _die_with_parent(parent_pid: int) -> None:  # runs in the child before exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+@dataclass
+class RunResult:
+    """How a local run ended."""
+
+    phase: JobPhase
+    step: int
+    recoveries: int
+    wall_s: float
+    killed_node: str | None = None
+    killed_at_step: int | None = None
+    events: list[events.Event] = field(default_factory=list)
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+
+
+class LocalRun:
+    """Run ``spec`` with local processes; see the module docstring."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        etcd: EtcdOptions | None = None,
+        kill_node_at_step: int | None = None,
+        printer: Printer | None = None,
+        workdir: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        controllers: int = 1,
+    ) -> None:
+        self.spec = spec
+        self.etcd_options = etcd
+        self.kill_node_at_step = kill_node_at_step
+        self.print = printer or (lambda line: print(line, flush=True))
+        self.workdir = workdir or os.getcwd()
+        self.timeout = timeout
+        self.controllers = controllers
+        self.procs: dict[str, _Proc] = {}
+        self._embedded: EmbeddedEtcd | None = None
+        self._client: EtcdClient | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- processes ---------------------------------------------------------------------
+
+    def _cli_args(self) -> list[str]:
+        assert self.etcd_options is not None
+        opts = self.etcd_options
+        args = ["--etcd", ",".join(opts.endpoints)]
+        for flag, value in (
+            ("--etcd-ca", opts.ca_cert),
+            ("--etcd-cert", opts.cert),
+            ("--etcd-key", opts.key),
+            ("--etcd-user", opts.user),
+        ):
+            if value:
+                args += [flag, value]
+        return args
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.etcd_options and self.etcd_options.password:
+            env["RINGMASTER_ETCD_PASSWORD"] = self.etcd_options.password
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> _Proc:
+        parent = os.getpid()
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", *args, *self._cli_args()],
+            cwd=self.workdir,
+            env=self._env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(parent),
+        )
+        proc = _Proc(name, popen)
+        self.procs[name] = proc
+        t = threading.Thread(target=self._pump, args=(name, popen.stdout), daemon=True)
+        t.start()
+        self._threads.append(t)
+        return proc
+
+    def _pump(self, name: str, stream: IO[bytes] | None) -> None:
+        if stream is None:
+            return
+        for raw in iter(stream.readline, b""):
+            self.print(f"[{name}] {raw.decode(errors='replace').rstrip()}")
+
+    def node_names(self) -> list[str]:
+        count = self.spec.nodes.max + self.spec.nodes.spares
+        return [f"node-{i}" for i in range(count)]
+
+    def start(self) -> None:
+        if self.etcd_options is None:
+            self._embedded = EmbeddedEtcd().start()
+            self.etcd_options = EtcdOptions((self._embedded.endpoint,))
+            self.print(f"[run] embedded etcd on {self._embedded.endpoint}")
+        self._client = connect(self.etcd_options)
+        jobs.submit(self._client, self.spec)
+        self.print(f"[run] submitted job '{self.spec.name}'")
+        for i in range(self.controllers):
+            self._spawn(f"controller-{i}", ["controller", "--job", self.spec.name])
+        for i, node in enumerate(self.node_names()):
+            labels = f"zone=local,rack=rack-{i // 2},host={node}"
+            self._spawn(
+                node, ["agent", "--job", self.spec.name, "--node", node, "--labels", labels]
+            )
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL a node: its agent and all its workers (one process group)."""
+        proc = self.procs[node].popen
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def signal_node(self, node: str, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.procs[node].popen.pid, sig)
+
+    # -- following the job -------------------------------------------------------------
+
+    def wait(self) -> RunResult:
+        assert self._client is not None
+        started = time.monotonic()
+        seen = 0
+        killed: str | None = None
+        killed_at: int | None = None
+        status = jobs.JobStatus(self.spec.name)
+        while time.monotonic() - started < self.timeout.total_seconds():
+            status = jobs.read_status(self._client, self.spec.name) or status
+            log = events.list_events(self._client, self.spec.name)
+            for ev in log[seen:]:
+                self.print(f"[event] {ev.type}: {ev.message}")
+            seen = len(log)
+            if (
+                self.kill_node_at_step is not None
+                and killed is None
+                and status.phase is JobPhase.RUNNING
+                and status.step >= self.kill_node_at_step
+                and status.active_nodes
+            ):
+                killed = status.active_nodes[0]
+                killed_at = status.step
+                self.print(f"[run] step {status.step}: SIGKILL {killed} (agent and workers)")
+                self.kill_node(killed)
+            if status.phase.terminal:
+                break
+            time.sleep(0.1)
+        else:
+            self.print(f"[run] timed out after {self.timeout.total_seconds():g}s")
+        return RunResult(
+            phase=status.phase,
+            step=status.step,
+            recoveries=status.recoveries,
+            wall_s=time.monotonic() - started,
+            killed_node=killed,
+            killed_at_step=killed_at,
+            events=events.list_events(self._client, self.spec.name),
+        )
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Let agents finish, then terminate what is left and stop etcd."""
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            if proc.name.startswith("controller"):
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(max(deadline - time.monotonic(), 0.1))
+        for proc in self.procs.values():
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+        for t in self._threads:
+            t.join(timeout=2)
+        if self._client is not None:
+            self._client.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+
+    def __enter__(self) -> LocalRun:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def run_job(spec: JobSpec, **kwargs: Any) -> RunResult:
+    """Start, follow and stop a local run (``ringmaster run``)."""
+    with LocalRun(spec, **kwargs) as run:
+        return run.wait()

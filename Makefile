@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/ringmaster run examples/demo.yaml
+	$(VENV)/bin/ringmaster run examples/demo.yaml --kill-node-at-step 100
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check orchestrator checkpoint agents tests benchmarks examples

@@ -173,6 +173,11 @@ class Session:
                     raise
                 self._recover(f"step boundary {self.step} failed: {_short(e)}")
 
+    @property
+    def step_failed(self) -> bool:
+        """True after a :meth:`guard` body whose step failed (it will run again)."""
+        return self._step_error is not None
+
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Run one step's body; a collective failure inside it triggers recovery."""

@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
+    parser.add_argument("--step-log", help="directory: each worker logs the steps it applied")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -68,7 +69,12 @@ def main() -> None:
                 import time
 
                 time.sleep(args.step_time)
+        if session.step_failed:
+            continue  # the step runs again in the next generation
         session.report(loss=loss.item())
+        if args.step_log:
+            with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
+                f.write(f"{step} {session.generation} {session.rank}\n")
         if session.rank == 0 and step % log_every == 0:
             print(f"step {step} loss {float(loss):.4f} world {session.world_size}", flush=True)
     if session.finished and session.rank == 0:

@@ -225,6 +225,9 @@ class LocalRun:
                 proc.popen.wait()
         for t in self._threads:
             t.join(timeout=2)
+        for proc in self.procs.values():
+            if proc.popen.stdout is not None:
+                proc.popen.stdout.close()
         if self._client is not None:
             self._client.close()
         if self._embedded is not None:

@@ -1,0 +1,79 @@
+"""Job specs and run helpers shared by the chaos tests."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+from orchestrator.api import JobSpec
+from orchestrator.local_run import LocalRun, RunResult
+from orchestrator.spec_loader import load_job_data
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_job(
+    name: str,
+    tmp: Path,
+    steps: int = 120,
+    step_time: float = 0.03,
+    spares: int = 1,
+    hang_timeout: str = "30s",
+    extra_args: list[str] | None = None,
+) -> JobSpec:
+    """2 active nodes + ``spares`` spares running examples/train_tiny.py."""
+    (tmp / "steps").mkdir(exist_ok=True)
+    return load_job_data(
+        {
+            "name": name,
+            "entrypoint": {
+                "script": str(REPO / "examples" / "train_tiny.py"),
+                "args": [
+                    "--step-time",
+                    str(step_time),
+                    "--out",
+                    str(tmp / "final.pt"),
+                    "--step-log",
+                    str(tmp / "steps"),
+                    *(extra_args or []),
+                ],
+                "env": {"RINGMASTER_LOG_EVERY": "1000"},
+            },
+            "nodes": {"min": 2, "max": 2, "spares": spares},
+            "max_steps": steps,
+            "checkpoint": {"url": f"file://{tmp}/ckpt", "every_steps": 0},
+            "fault_tolerance": {
+                "hang_timeout": hang_timeout,
+                "heartbeat_interval": "500ms",
+                "preemption_grace": "20s",
+            },
+        }
+    )
+
+
+def quiet_run(spec: JobSpec, lines: list[str], **kwargs: object) -> LocalRun:
+    return LocalRun(spec, printer=lines.append, workdir=str(REPO), **kwargs)  # type: ignore[arg-type]
+
+
+def step_log(tmp: Path) -> dict[str, list[int]]:
+    """Steps applied by each worker process, in order."""
+    out = {}
+    for f in sorted((tmp / "steps").glob("*.log")):
+        out[f.stem] = [int(line.split()[0]) for line in f.read_text().splitlines()]
+    return out
+
+
+def assert_exactly_once(tmp: Path, steps: int) -> None:
+    """No worker applied a step twice, and every step was applied by someone."""
+    logs = step_log(tmp)
+    assert logs, "no step logs written"
+    for worker, seq in logs.items():
+        assert seq == sorted(set(seq)), f"{worker} applied a step twice or out of order: {seq}"
+    counts = collections.Counter(s for seq in logs.values() for s in set(seq))
+    missing = [s for s in range(steps) if counts[s] == 0]
+    assert not missing, f"steps never applied: {missing}"
+
+
+def summary(result: RunResult, lines: list[str]) -> str:
+    tail = "\n".join(lines[-60:])
+    return f"phase={result.phase.value} step={result.step} recoveries={result.recoveries}\n{tail}"

@@ -1,0 +1,126 @@
+"""Hot-swap with real processes and real signals: nothing completed is lost.
+
+Each run starts a private etcd, a controller and three node agents (two active,
+one warm spare) as separate processes on 127.0.0.1; each agent runs its
+workers.  Failures are real signals to real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.api import JobPhase
+from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final parameters of a fault-free run of the same job."""
+    tmp = tmp_path_factory.mktemp("reference")
+    lines: list[str] = []
+    spec = tiny_job("reference", tmp, steps=STEPS, spares=0)
+    with quiet_run(spec, lines) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries == 0
+    assert_exactly_once(tmp, STEPS)
+    return torch.load(tmp / "final.pt")  # type: ignore[no-any-return]
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7), f"{k} differs"
+
+
+def test_sigkill_whole_node_spare_takes_over_nothing_lost(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    lines: list[str] = []
+    spec = tiny_job("kill-node", tmp_path, steps=STEPS)
+    with quiet_run(spec, lines, kill_node_at_step=40) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.killed_node is not None
+    assert result.recoveries == 1, summary(result, lines)
+    kinds = [e.type for e in result.events]
+    assert "NodeFailed" in kinds
+    generations = [e for e in result.events if e.type == "Generation"]
+    assert len(generations) == 2 and "replaces" in generations[1].message
+    assert_exactly_once(tmp_path, STEPS)
+    # the spare's worker trained: it has a step log starting after the kill
+    spare_logs = [s for w, s in step_log(tmp_path).items() if not w.startswith(result.killed_node)]
+    assert any(seq and seq[0] >= 40 for seq in spare_logs)
+    assert_same_params(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_sigstop_worker_hang_is_detected_and_recovered(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    lines: list[str] = []
+    spec = tiny_job("hang", tmp_path, steps=STEPS, hang_timeout="3s")
+    with quiet_run(spec, lines) as run:
+        victim_pid = _wait_for_worker_at_step(run, 30)
+        stopped_at = time.monotonic()
+        os.kill(victim_pid, signal.SIGSTOP)
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    hung = [e for e in result.events if e.type == "WorkerHung"]
+    assert hung, summary(result, lines)
+    detected_after = hung[0].time - (time.time() - (time.monotonic() - stopped_at))
+    assert detected_after < 3 + 3 * 0.5 + 2, f"hang detected after {detected_after:.1f}s"
+    assert result.recoveries >= 1
+    assert_exactly_once(tmp_path, STEPS)
+    assert_same_params(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_sigkill_leader_controller_standby_takes_over(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    lines: list[str] = []
+    spec = tiny_job("leader", tmp_path, steps=STEPS)
+    with quiet_run(spec, lines, controllers=2, kill_node_at_step=80) as run:
+        _wait_for_worker_at_step(run, 20)
+        leader = next(
+            p
+            for name, p in run.procs.items()
+            if name.startswith("controller")
+            and any(f"[{name}]" in line and "is now the leader" in line for line in lines)
+        )
+        leader.popen.send_signal(signal.SIGKILL)
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    leaders = [line for line in lines if "is now the leader" in line]
+    assert len(leaders) == 2, leaders
+    # the new leader handled the node failure that came after the old one died
+    assert result.recoveries == 1
+    assert_exactly_once(tmp_path, STEPS)
+    assert_same_params(torch.load(tmp_path / "final.pt"), reference)
+
+
+def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # type: ignore[no-untyped-def]
+    """Wait until the job reaches ``step``; return the pid of an active worker."""
+    from orchestrator import jobs, keys
+
+    deadline = time.monotonic() + timeout
+    client = run._client
+    while time.monotonic() < deadline:
+        status = jobs.read_status(client, run.spec.name)
+        if status and status.step >= step and status.active_nodes:
+            progress = client.get_json(
+                keys.job_progress(run.spec.name) + keys.worker_id(status.active_nodes[-1], 0)
+            )
+            if progress:
+                return int(progress["pid"])
+        time.sleep(0.1)
+    raise AssertionError(f"job did not reach step {step} in {timeout}s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -66,15 +67,13 @@ def main() -> None:
             loss.backward()
             opt.step()
             if args.step_time:
-                import time
-
                 time.sleep(args.step_time)
         if session.step_failed:
             continue  # the step runs again in the next generation
         session.report(loss=loss.item())
         if args.step_log:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
-                f.write(f"{step} {session.generation} {session.rank}\n")
+                f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")
         if session.rank == 0 and step % log_every == 0:
             print(f"step {step} loss {float(loss):.4f} world {session.world_size}", flush=True)
     if session.finished and session.rank == 0:

@@ -12,6 +12,8 @@ distribution) with what the rest of ringmaster needs and nothing else:
 * Values are ``bytes`` in, ``bytes`` out; JSON helpers sit on top.
 * Compare-and-set on ``mod_revision`` (the primitive rendezvous, leader
   election and fencing are built from), leases, prefix watches.
+* For the c10d store: compare-and-set on a value, multi-key reads and writes
+  in one transaction, and waits that watch a key from the revision a read saw.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ DEFAULT_CONNECT_TIMEOUT = timedelta(
 DEFAULT_OP_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_OP_TIMEOUT", "10")))
 #: How long a failed endpoint is avoided before it is tried again.
 ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
+#: Operations per transaction (etcd's default ``--max-txn-ops``).
+MAX_TXN_OPS = 128
 
 _RETRYABLE = (
     etcd_exc.ConnectionFailedError,
@@ -312,6 +316,107 @@ class EtcdClient:
         """Write ``key`` only if absent; True when this call created it."""
         ok, _ = self.compare_and_set(key, value, None, lease)
         return ok
+
+    def compare_value_and_set(
+        self,
+        key: str,
+        expected_value: bytes,
+        value: bytes | str,
+        lease: Lease | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Write ``key`` only if it exists and holds exactly ``expected_value``.
+
+        Returns:
+            ``(True, new KeyValue)`` on success, ``(False, current KeyValue or None)``
+            otherwise (a missing key never matches).
+        """
+        data = value.encode() if isinstance(value, str) else value
+        lease_id = lease.id if lease else None
+
+        def txn(c: Any) -> Any:
+            return c.transaction(
+                compare=[c.transactions.value(key) == expected_value],
+                success=[c.transactions.put(key, data, lease=lease_id), c.transactions.get(key)],
+                failure=[c.transactions.get(key)],
+            )
+
+        ok, responses = self._call(txn)
+        got = responses[-1]
+        current = _kv(key, got[0][0], got[0][1]) if got else None
+        return bool(ok), current
+
+    def get_many(self, keys: list[str]) -> dict[str, KeyValue]:
+        """Read several keys in one transaction; the result holds those that exist.
+
+        Batches of :data:`MAX_TXN_OPS` keys are read atomically each.
+        """
+        found: dict[str, KeyValue] = {}
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            batch = keys[start : start + MAX_TXN_OPS]
+
+            def txn(c: Any, batch: list[str] = batch) -> Any:
+                return c.transaction(
+                    compare=[], success=[c.transactions.get(k) for k in batch], failure=[]
+                )
+
+            _, responses = self._call(txn)
+            for key, got in zip(batch, responses, strict=True):
+                if got:
+                    found[key] = _kv(key, got[0][0], got[0][1])
+        return found
+
+    def put_many(self, items: list[tuple[str, bytes]], lease: Lease | None = None) -> None:
+        """Write several keys, atomically per batch of :data:`MAX_TXN_OPS`."""
+        lease_id = lease.id if lease else None
+        for start in range(0, len(items), MAX_TXN_OPS):
+            batch = items[start : start + MAX_TXN_OPS]
+
+            def txn(c: Any, batch: list[tuple[str, bytes]] = batch) -> Any:
+                ops = [c.transactions.put(k, v, lease=lease_id) for k, v in batch]
+                return c.transaction(compare=[], success=ops, failure=[])
+
+            self._call(txn)
+
+    def get_with_revision(self, key: str) -> tuple[KeyValue | None, int]:
+        """Read ``key`` and the store revision the read saw (to watch from without gaps)."""
+        resp = self._call(lambda c: c.get_response(key))
+        revision = int(resp.header.revision)
+        if not resp.kvs:
+            return None, revision
+        kv = resp.kvs[0]
+        value = KeyValue(
+            key=key,
+            value=bytes(kv.value),
+            mod_revision=int(kv.mod_revision),
+            create_revision=int(kv.create_revision),
+            version=int(kv.version),
+            lease_id=int(kv.lease),
+        )
+        return value, revision
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys live under ``prefix`` (counted by etcd, values not sent)."""
+        resp = self._call(lambda c: c.get_prefix_response(prefix, count_only=True))
+        return int(resp.count)
+
+    def wait_for_change(self, key: str, after_revision: int, timeout: timedelta) -> bool:
+        """Block until ``key`` changes after ``after_revision``, or ``timeout`` passes.
+
+        Returns:
+            True when a change (or a watch error worth re-reading for) arrived,
+            False on timeout.
+        """
+        seconds = max(timeout.total_seconds(), 0.0)
+
+        def watch(c: Any) -> Any:
+            try:
+                return c.watch_once_response(
+                    key, timeout=seconds, start_revision=after_revision + 1
+                )
+            except etcd_exc.WatchTimedOut:
+                return None
+
+        return self._call(watch, timeout=timeout + self.options.op_timeout) is not None
 
     # -- leases ------------------------------------------------------------------------
 

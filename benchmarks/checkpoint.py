@@ -1,0 +1,275 @@
+"""Checkpoint benchmark: training-thread blocking time and upload throughput.
+
+On a model + Adam state of at least 1 GiB, in one process (a gloo group of
+one, so the distributed code paths run), this measures:
+
+* blocking time of ringmaster's ``Checkpointer.save_async`` (agreement +
+  staging into reused buffers) in steady state, and of the first save,
+  which also allocates the buffers;
+* blocking time of DCP's plain ``torch.distributed.checkpoint.async_save``;
+* the time of a synchronous ``torch.save`` of the same state;
+* ringmaster's upload throughput (background write, checksums, fsync,
+  manifest) against a raw write + fsync of the same bytes to the same
+  filesystem (a local temp directory).
+
+Each round measures all four; ratios are taken within a round and the
+medians over rounds are reported, because on a shared machine I/O and CPU
+speed drift a lot during a run.
+
+Targets: blocking <= 10% of the synchronous save; throughput >= 70% of raw.
+The last line of stdout is one JSON object with the headline figures.
+
+Usage: ``python benchmarks/checkpoint.py [--gib 1.1] [--dir /tmp]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from checkpoint import Checkpointer, TrainState
+
+WIDTH = 4096
+
+
+def build_state(gib: float) -> TrainState:
+    """Linear layers + Adam (params, exp_avg, exp_avg_sq) totalling at least ``gib`` GiB."""
+    per_layer = WIDTH * WIDTH * 4 * 3  # weights + two Adam moments, float32
+    layers = max(1, int(-(-gib * 2**30 // per_layer)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(1, WIDTH)).sum().backward()
+    optimizer.step()
+    for p in model.parameters():
+        p.grad = None
+    return TrainState(model, optimizer, samples_seen=0)
+
+
+def state_bytes(state: TrainState) -> int:
+    total = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    assert state.optimizer is not None
+    for s in state.optimizer.state.values():
+        total += sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
+    return total
+
+
+def touch(state: TrainState) -> None:
+    """A stand-in for a training step between saves (state changes in place)."""
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1e-6)
+
+
+def fsync_dir_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def bench_torch_save(state: TrainState, workdir: Path) -> float:
+    assert state.optimizer is not None
+    path = workdir / "torch_save.pt"
+    settle()
+    started = time.perf_counter()
+    torch.save({"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}, path)
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return elapsed
+
+
+def settle() -> None:
+    """Start each measurement with no dirty pages of an earlier one being written back."""
+    gc.collect()
+    os.sync()
+
+
+class RingmasterSaves:
+    """Repeated ringmaster saves into one root (keep=1), recording each save's figures."""
+
+    def __init__(self, workdir: Path, thread_count: int) -> None:
+        self.ckpt = Checkpointer(f"file://{workdir}/ringmaster", keep=1, thread_count=thread_count)
+        self.step = 0
+
+    def save(self, state: TrainState) -> dict[str, float]:
+        touch(state)
+        settle()
+        self.step += 1
+        started = time.perf_counter()
+        handle = self.ckpt.save_async(self.step, state)
+        blocking = time.perf_counter() - started
+        assert handle is not None
+        manifest = handle.wait(timedelta(minutes=10))
+        assert handle.upload_seconds is not None
+        return {
+            "blocking_s": blocking,
+            "upload_s": handle.upload_seconds,
+            "upload_bytes": float(manifest.total_bytes),
+        }
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def bench_dcp_async(state: TrainState, workdir: Path) -> float:
+    """Blocking time of one plain ``dcp.async_save`` (it stages a full copy each time)."""
+    assert state.optimizer is not None
+    touch(state)
+    settle()
+    target = workdir / "dcp"
+    started = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    future = dcp.async_save(
+        {"model": model_sd, "optim": optim_sd}, storage_writer=FsspecWriter(str(target))
+    )
+    blocking = time.perf_counter() - started
+    result: Any = future
+    if hasattr(result, "upload_completion"):
+        result = result.upload_completion
+    result.result(timeout=600)
+    shutil.rmtree(target)
+    return blocking
+
+
+def _raw_write_file(path: Path, tensors: list[torch.Tensor]) -> int:
+    written = 0
+    with open(path, "wb") as f:
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            f.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
+            written += n
+        f.flush()
+        os.fsync(f.fileno())
+    return written
+
+
+def bench_raw_write(state: TrainState, workdir: Path, files: int) -> dict[str, float]:
+    """Write every tensor's bytes to ``files`` files in parallel, fsync: the filesystem's limit.
+
+    Uses as many files and threads as ringmaster's writer, so both get the
+    same I/O parallelism.
+    """
+    assert state.optimizer is not None
+    tensors = [p.detach().contiguous() for p in state.model.parameters()]
+    for s in state.optimizer.state.values():
+        tensors += [t.contiguous() for t in s.values() if torch.is_tensor(t)]
+    shares: list[list[torch.Tensor]] = [[] for _ in range(files)]
+    for i, t in enumerate(sorted(tensors, key=lambda t: -t.numel())):
+        shares[i % files].append(t)
+    settle()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(files) as pool:
+        written = sum(
+            pool.map(lambda i: _raw_write_file(workdir / f"raw-{i}.bin", shares[i]), range(files))
+        )
+    elapsed = time.perf_counter() - started
+    for i in range(files):
+        (workdir / f"raw-{i}.bin").unlink()
+    return {"raw_s": elapsed, "raw_bytes": float(written)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.1, help="state size (model + Adam)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved steady-state rounds")
+    args = parser.parse_args()
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tempfile.mktemp(prefix='rm-bench-pg-')}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(minutes=5),
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="rm-bench-ckpt-", dir=args.dir))
+    try:
+        state = build_state(args.gib)
+        size = state_bytes(state)
+        print(f"state: {size / 2**30:.2f} GiB (model + Adam), writing under {workdir}")
+
+        saves = RingmasterSaves(workdir, args.threads)
+        first = saves.save(state)
+        rounds: list[dict[str, float]] = []
+        for i in range(args.rounds):
+            # Every round measures everything, and ratios are taken within a
+            # round: on a shared machine, I/O and CPU speed drift over a run.
+            r: dict[str, float] = {"torch_save_s": bench_torch_save(state, workdir)}
+            r["dcp_async_blocking_s"] = bench_dcp_async(state, workdir)
+            r.update(bench_raw_write(state, workdir, args.threads))
+            r.update(saves.save(state))
+            r["blocking_ratio"] = r["blocking_s"] / r["torch_save_s"]
+            r["throughput_ratio"] = (r["upload_bytes"] / r["upload_s"]) / (
+                r["raw_bytes"] / r["raw_s"]
+            )
+            rounds.append(r)
+            print(
+                f"round {i + 1}: torch.save {r['torch_save_s']:.3f} s | DCP async_save blocks "
+                f"{r['dcp_async_blocking_s']:.3f} s | ringmaster blocks {r['blocking_s']:.3f} s, "
+                f"uploads {r['upload_bytes'] / r['upload_s'] / 2**20:.0f} MiB/s | raw write "
+                f"{r['raw_bytes'] / r['raw_s'] / 2**20:.0f} MiB/s"
+            )
+        saves.close()
+
+        def med(key: str) -> float:
+            return statistics.median(r[key] for r in rounds)
+
+        upload_mib_s = statistics.median(r["upload_bytes"] / r["upload_s"] for r in rounds) / 2**20
+        raw_mib_s = statistics.median(r["raw_bytes"] / r["raw_s"] for r in rounds) / 2**20
+        print(
+            f"medians of {args.rounds} rounds: torch.save {med('torch_save_s'):.3f} s; "
+            f"DCP async_save blocks {med('dcp_async_blocking_s'):.3f} s; ringmaster blocks "
+            f"{med('blocking_s'):.3f} s (first save, allocating buffers: "
+            f"{first['blocking_s']:.3f} s; Checkpointer.prepare() moves that to start-up)"
+        )
+        print(
+            f"upload: ringmaster {upload_mib_s:.0f} MiB/s ({args.threads} writer threads; "
+            f"checksums, fsync and manifest included) vs raw write + fsync of the same "
+            f"bytes ({args.threads} files in parallel) {raw_mib_s:.0f} MiB/s"
+        )
+        headline = {
+            "state_gib": round(size / 2**30, 3),
+            "blocking_s": round(med("blocking_s"), 4),
+            "first_blocking_s": round(first["blocking_s"], 4),
+            "dcp_async_blocking_s": round(med("dcp_async_blocking_s"), 4),
+            "torch_save_s": round(med("torch_save_s"), 4),
+            "blocking_ratio": round(med("blocking_ratio"), 4),
+            "upload_mib_per_s": round(upload_mib_s, 1),
+            "raw_write_mib_per_s": round(raw_mib_s, 1),
+            "throughput_ratio": round(med("throughput_ratio"), 4),
+            "writer_threads": args.threads,
+            "rounds": args.rounds,
+        }
+        print(json.dumps(headline))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

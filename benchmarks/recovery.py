@@ -1,0 +1,214 @@
+"""Recovery after a whole node is SIGKILLed: ringmaster against stock torchrun.
+
+The same tiny job runs twice in this process's lifetime, on 127.0.0.1:
+
+* ringmaster: ``LocalRun`` with 2 active nodes and 1 warm spare; one active
+  node (agent and workers, one process group) is SIGKILLed mid-run.
+* torchrun: three ``torchrun --nnodes=2:3`` agents with the c10d rendezvous
+  whose store lives in a process of its own (torchrun's best case: when the
+  killed agent hosts the store, the whole job ends), short rendezvous
+  timeouts, ``--max-restarts 3``, the script checkpointing every step; one
+  node (torchrun agent and its worker) is SIGKILLed mid-run.
+
+Measured for each: seconds from the SIGKILL to the next completed training
+step anywhere in the job, and steps lost (steps completed before the kill that
+had to be computed again).  The last line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator.embedded_etcd import free_port  # noqa: E402
+
+STEPS = 400
+KILL_AT = 100
+STEP_TIME = 0.02
+
+
+def _entries(log_dir: Path, by_file: bool) -> list[tuple[float, int, str]]:
+    """(time, step, epoch) of every completed step; the epoch is the group that ran it.
+
+    ringmaster's epoch is the generation (workers survive a failure); torchrun's
+    is the worker process (every recovery restarts the workers).
+    """
+    out = []
+    for f in log_dir.glob("*.log"):
+        for line in f.read_text().splitlines():
+            step, generation, _rank, t = line.split()
+            out.append((float(t), int(step), f.stem if by_file else generation))
+    return sorted(out)
+
+
+def _steps_by_time(log_dir: Path) -> list[tuple[float, int]]:
+    return [(t, s) for t, s, _ in _entries(log_dir, by_file=True)]
+
+
+def _measure(log_dir: Path, killed_at: float, by_file: bool) -> tuple[float, int]:
+    """(seconds from the kill to the first step of the re-formed group, steps lost)."""
+    entries = _entries(log_dir, by_file)
+    old_epochs = {e for t, _, e in entries if t <= killed_at}
+    last_before = max((s for t, s, _ in entries if t <= killed_at), default=-1)
+    after = [(t, s) for t, s, e in entries if t > killed_at and e not in old_epochs]
+    if not after:
+        return float("inf"), -1
+    first_t = after[0][0]
+    # steps that had completed before the kill and were computed again afterwards
+    resumed = min(s for _, s in after)
+    done_late = max((s for t, s, e in entries if e in old_epochs), default=-1)
+    lost = max(0, min(last_before, done_late) + 1 - resumed)
+    return first_t - killed_at, lost
+
+
+def run_ringmaster(tmp: Path) -> dict[str, float]:
+    from orchestrator.local_run import LocalRun
+    from orchestrator.spec_loader import load_job_data
+
+    logs = tmp / "steps"
+    logs.mkdir()
+    spec = load_job_data(
+        {
+            "name": "bench-recovery",
+            "entrypoint": {
+                "script": str(REPO / "examples" / "train_tiny.py"),
+                "args": ["--step-time", str(STEP_TIME), "--step-log", str(logs)],
+                "env": {"RINGMASTER_LOG_EVERY": "100000"},
+            },
+            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "max_steps": STEPS,
+            "fault_tolerance": {"heartbeat_interval": "500ms"},
+        }
+    )
+    lines: list[str] = []
+    with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
+        from orchestrator import jobs
+
+        killed_at = 0.0
+        while True:
+            status = jobs.read_status(run._client, spec.name)
+            if status and status.step >= KILL_AT and status.active_nodes:
+                node = status.active_nodes[0]
+                killed_at = time.time()
+                run.kill_node(node)
+                break
+            time.sleep(0.01)
+        result = run.wait()
+    assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
+    recovery, lost = _measure(logs, killed_at, by_file=False)
+    return {"recovery_s": recovery, "steps_lost": lost}
+
+
+def run_torchrun(tmp: Path) -> dict[str, float]:
+    logs = tmp / "steps"
+    logs.mkdir()
+    ckpt = tmp / "ckpt.pt"
+    port = free_port()
+    store = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, datetime, torch.distributed as d;"
+            f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False,"
+            " timeout=datetime.timedelta(seconds=600));"
+            "print('ready', flush=True); time.sleep(3600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert store.stdout is not None
+    store.stdout.readline()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = []
+    for _ in range(3):
+        nodes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2:3",
+                    "--nproc-per-node=1",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=bench",
+                    "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1,"
+                    "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                    "--max-restarts=3",
+                    "--monitor-interval=0.1",
+                    str(REPO / "benchmarks" / "_torchrun_job.py"),
+                    "--steps",
+                    str(STEPS),
+                    "--ckpt",
+                    str(ckpt),
+                    "--steplog-dir",
+                    str(logs),
+                    "--step-time",
+                    str(STEP_TIME),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
+    killed_at = 0.0
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            done = [s for _, s in _steps_by_time(logs)]
+            if done and max(done) >= KILL_AT:
+                killed_at = time.time()
+                os.killpg(nodes[0].pid, signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        for n in nodes[1:]:
+            try:
+                n.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                os.killpg(n.pid, signal.SIGKILL)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
+        store.kill()
+        store.wait()
+    recovery, lost = _measure(logs, killed_at, by_file=True)
+    completed = max((s for _, s in _steps_by_time(logs)), default=-1) + 1
+    return {"recovery_s": recovery, "steps_lost": lost, "completed": completed}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        rm = run_ringmaster(Path(a))
+        print(f"ringmaster: {rm['recovery_s']:.2f}s to the next step, {rm['steps_lost']} lost")
+        tr = run_torchrun(Path(b))
+        print(
+            f"torchrun:   {tr['recovery_s']:.2f}s to the next step, {tr['steps_lost']} lost, "
+            f"{tr['completed']}/{STEPS} steps completed"
+        )
+    speedup = tr["recovery_s"] / rm["recovery_s"] if rm["recovery_s"] > 0 else float("inf")
+    print(
+        json.dumps(
+            {
+                "recovery_s": round(rm["recovery_s"], 3),
+                "steps_lost": rm["steps_lost"],
+                "torchrun_recovery_s": round(tr["recovery_s"], 3),
+                "torchrun_steps_lost": tr["steps_lost"],
+                "speedup": round(speedup, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

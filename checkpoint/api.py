@@ -1,0 +1,317 @@
+"""Contracts of the checkpoint package: what is saved, what a commit is, and errors.
+
+A training runtime hands a :class:`TrainState` to a checkpointer.  A durable
+checkpoint is a directory of objects (one per writing rank plus DCP's
+``.metadata``) and a :class:`Manifest` written last; the manifest's presence
+and integrity *is* the commit.  Saves are asynchronous and return a
+:class:`SaveHandle`.  Restores pick the freshest valid source among the
+:class:`StateTier` implementations (node memory, a live peer, durable storage).
+
+Errors share one base, :class:`CheckpointError`.  A
+:class:`RetryableCheckpointError` may succeed if tried again (storage hiccup,
+a timeout, a save skipped because the previous one is still uploading); a
+:class:`PermanentCheckpointError` will not (corrupt data, a state that does not
+match the checkpoint, no checkpoint at all).
+
+Nothing here imports an implementation module.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+# --------------------------------------------------------------------------- constants
+
+#: Name of the commit object inside a checkpoint directory.  Written last.
+MANIFEST_NAME = "manifest.json"
+
+#: Prefix of checkpoint directory names: ``step-<step>-<token>``.
+STEP_DIR_PREFIX = "step-"
+
+#: Version of the manifest format; readers reject newer versions.
+MANIFEST_FORMAT = 1
+
+#: Checksum algorithm recorded in manifests.
+CHECKSUM_ALGORITHM = "crc32"
+
+
+def _env_seconds(name: str, default: float) -> timedelta:
+    return timedelta(seconds=float(os.environ.get(name, default)))
+
+
+#: Default bound on one save's upload (all ranks write and the manifest lands).
+#: Override with ``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (seconds).
+DEFAULT_SAVE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_SAVE_TIMEOUT", 1800)
+
+#: Default bound on collectives of the checkpoint process groups.
+#: Override with ``RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT`` (seconds).
+DEFAULT_COLLECTIVE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT", 600)
+
+#: Default bound on a restore (discovery, verification, load).
+#: Override with ``RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT`` (seconds).
+DEFAULT_RESTORE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT", 1800)
+
+# --------------------------------------------------------------------------- errors
+
+
+class CheckpointError(Exception):
+    """Base of every error raised by the ``checkpoint`` package."""
+
+
+class RetryableCheckpointError(CheckpointError):
+    """The operation failed but may succeed if tried again."""
+
+
+class PermanentCheckpointError(CheckpointError):
+    """The operation cannot succeed without a change (data, state or configuration)."""
+
+
+class CheckpointStorageError(RetryableCheckpointError):
+    """Reading or writing objects failed (network, permissions that may be fixed, I/O)."""
+
+
+class CheckpointTimeoutError(RetryableCheckpointError):
+    """A save, restore or coordination step did not finish within its timeout."""
+
+
+class SaveInProgressError(RetryableCheckpointError):
+    """A save was requested while the previous one is still uploading."""
+
+
+class CheckpointCorruptError(PermanentCheckpointError):
+    """An object is missing, has the wrong size, or fails its checksum."""
+
+
+class CheckpointNotFoundError(PermanentCheckpointError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointMismatchError(PermanentCheckpointError):
+    """Ranks disagree (step, state layout) or the state does not fit the checkpoint."""
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """One object of a checkpoint, relative to its directory.
+
+    Attributes:
+        path: object name relative to the checkpoint directory (``__0_0.distcp``).
+        size: size in bytes.
+        checksum: ``crc32`` of the content as 8 lowercase hex digits.
+    """
+
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one checkpoint; its presence means the checkpoint exists.
+
+    Attributes:
+        step: training step the state belongs to.
+        world_size: number of ranks that saved it.
+        job_spec_hash: hash of the job spec that produced it ("" when unknown).
+        created_at: UNIX time the manifest was written.
+        objects: every object of the checkpoint with size and checksum.
+        samples_seen: global data position (samples consumed by all ranks).
+        format: manifest format version.
+        checksum_algorithm: how ``ObjectEntry.checksum`` was computed.
+    """
+
+    step: int
+    world_size: int
+    job_spec_hash: str
+    created_at: float
+    objects: tuple[ObjectEntry, ...]
+    samples_seen: int = 0
+    format: int = MANIFEST_FORMAT
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint directory as found by listing.
+
+    Attributes:
+        url: URL of the checkpoint directory.
+        name: directory name (``step-0000000100-1a2b3c4d``).
+        step: step parsed from the name (or the manifest when committed).
+        manifest: the manifest when the checkpoint is committed, else None.
+        problem: why it does not count as committed, when it does not.
+    """
+
+    url: str
+    name: str
+    step: int
+    manifest: Manifest | None = None
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of checking every object of a checkpoint against its manifest.
+
+    Attributes:
+        url: checkpoint directory checked.
+        ok: True when every object is present with the right size and checksum.
+        problems: one line per object that failed.
+        checked_bytes: bytes read to compute checksums.
+    """
+
+    url: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    checked_bytes: int = 0
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class TrainState:
+    """What a training runtime asks to save and restore.
+
+    Replicated parts (model, optimizer, scheduler, ``extra``) are identical on
+    every rank in data-parallel training and are written once, spread across
+    ranks.  ``rank_state`` differs per rank (gradient compression residuals,
+    for example) and is saved per rank; RNG states are added automatically.
+
+    Attributes:
+        model: the module (a DDP wrapper is fine; keys are saved without ``module.``).
+        optimizer: its optimizer, if any.
+        scheduler: anything with ``state_dict()``/``load_state_dict()`` (LR scheduler).
+        samples_seen: global data position: samples consumed by all ranks so far.
+        extra: further small replicated state (saved as one pickled object).
+        rank_state: per-rank state; on restore at a rank the checkpoint did not
+            have, it is left as is.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any | None = None
+    samples_seen: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    rank_state: dict[str, Any] = field(default_factory=dict)
+
+
+class SaveStatus(str, Enum):
+    """Lifecycle of one asynchronous save.
+
+    Transitions::
+
+        STAGED ──► COMMITTED
+           │
+           └─────► FAILED
+    """
+
+    STAGED = "staged"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+@runtime_checkable
+class SaveHandle(Protocol):
+    """An asynchronous save in flight; returned once state is staged in memory."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def url(self) -> str:
+        """URL of the checkpoint directory being written."""
+        ...
+
+    def done(self) -> bool:
+        """True once the upload finished (committed or failed)."""
+        ...
+
+    def wait(self, timeout: timedelta | None = None) -> Manifest:
+        """Block until committed and return the manifest.
+
+        Raises:
+            CheckpointTimeoutError: not finished within ``timeout``.
+            CheckpointError: the background upload failed (the original
+                exception is chained).
+        """
+        ...
+
+    @property
+    def status(self) -> SaveStatus: ...
+
+
+class RestoreSource(str, Enum):
+    """Where a restore took its state from."""
+
+    MEMORY = "memory"
+    PEER = "peer"
+    DURABLE = "durable"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """Outcome of a restore.
+
+    Attributes:
+        source: the tier used (``NONE`` when nothing was found: fresh start).
+        step: step of the restored state (None for a fresh start).
+        samples_seen: restored global data position.
+        url: checkpoint directory, for durable restores.
+        rank_state_restored: whether this rank's per-rank state and RNG came back.
+        skipped: durable checkpoints passed over (corrupt, incomplete), newest first.
+    """
+
+    source: RestoreSource
+    step: int | None
+    samples_seen: int = 0
+    url: str | None = None
+    rank_state_restored: bool = False
+    skipped: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@runtime_checkable
+class StateTier(Protocol):
+    """A place state can be restored from.
+
+    A flat state maps dotted keys to tensors or picklable objects (the form
+    :mod:`checkpoint.flat_state` produces).  ``load`` fills tensors of
+    ``target`` in place and replaces non-tensor values.
+    """
+
+    @property
+    def name(self) -> RestoreSource: ...
+
+    def latest_step(self) -> int | None:
+        """Newest step this tier can restore on this rank, or None."""
+        ...
+
+    def load(self, step: int, target: dict[str, Any]) -> None:
+        """Fill ``target`` with the state of ``step``.
+
+        Raises:
+            CheckpointError: the step is gone or does not fit ``target``.
+        """
+        ...

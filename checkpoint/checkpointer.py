@@ -1,0 +1,272 @@
+"""The one object a training runtime uses: save on triggers, snapshot to memory, restore.
+
+Typical loop (every rank)::
+
+    ckpt = Checkpointer(spec.checkpoint.url, keep=3, every_steps=100, job="demo")
+    result = ckpt.restore(state)             # memory, peer or durable; any world size
+    sampler = ElasticSampler(len(ds), rank, world, result.samples_seen)
+    for step in range((result.step or 0) + 1, total + 1):
+        train_one_step(...)
+        state.samples_seen += batch_size * world
+        ckpt.snapshot(step, state)           # memory tier, if enabled
+        ckpt.maybe_save(step, state)         # async; returns a handle or None
+    ckpt.close()
+
+Controller commands and preemption call :meth:`Checkpointer.request_save`
+(from any thread or a signal handler) so that the next ``maybe_save`` saves on
+every rank at the same step, or :meth:`Checkpointer.save_now` directly from
+the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import fsspec
+import torch.distributed as dist
+
+from checkpoint.api import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_SAVE_TIMEOUT,
+    CheckpointInfo,
+    CheckpointStorageError,
+    Manifest,
+    RestoreResult,
+    SaveInProgressError,
+    TrainState,
+    VerifyReport,
+)
+from checkpoint.async_save import AsyncSaver, SaveJob
+from checkpoint.commit import latest_committed, list_checkpoints, verify_checkpoint
+from checkpoint.flat_state import capture
+from checkpoint.fsspec_storage import Location
+from checkpoint.groups import Coordination
+from checkpoint.memory_tier import SharedMemoryTier, default_directory
+from checkpoint.restore import restore
+from checkpoint.retention import RetentionResult, apply_retention
+from checkpoint.triggers import SaveTrigger
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Asynchronous durable checkpoints plus the memory tier, for one training job.
+
+    Constructing it is collective when ``torch.distributed`` is initialised
+    (it creates the checkpoint's gloo groups): every rank constructs it together.
+
+    Args:
+        url: durable checkpoint root (any fsspec URL).
+        storage_options: fsspec options (``s3fs`` credentials, endpoint...).
+        filesystem: an fsspec filesystem to use instead of resolving ``url``.
+        keep: committed checkpoints to retain (at least 1).
+        every_steps: save every N steps (0: off).
+        every_seconds: save every T seconds, as measured on rank 0 (0: off).
+        job_spec_hash: recorded in each manifest.
+        group: training process group whose ranks save together (default: world).
+        memory: enable the node memory tier; ``job`` names its directory.
+        memory_directory: where the memory tier lives (default under /dev/shm).
+        job: job name for the memory tier directory.
+        thread_count: writer threads per rank.
+        collective_timeout: bound on every checkpoint collective.
+        check_storage: write and delete a probe object now, so a wrong URL or
+            missing credentials fail before training starts.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+        keep: int = 3,
+        every_steps: int = 0,
+        every_seconds: float = 0.0,
+        job_spec_hash: str = "",
+        group: dist.ProcessGroup | None = None,
+        memory: bool = False,
+        memory_directory: str | None = None,
+        job: str = "default",
+        thread_count: int = 1,
+        collective_timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        check_storage: bool = True,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.root = Location.from_url(url, storage_options, filesystem)
+        self.coord = Coordination(group, collective_timeout)
+        self.trigger = SaveTrigger(every_steps, every_seconds)
+        self.keep = keep
+        self.saver = AsyncSaver(
+            self.root,
+            self.coord,
+            keep=keep,
+            job_spec_hash=job_spec_hash,
+            thread_count=thread_count,
+        )
+        self.memory: SharedMemoryTier | None = None
+        if memory or memory_directory:
+            self.memory = SharedMemoryTier(
+                memory_directory or default_directory(job, self.coord.rank)
+            )
+        if check_storage:
+            problem = None
+            if self.coord.is_coordinator:
+                try:
+                    self.check_storage()
+                except CheckpointStorageError as e:
+                    problem = str(e)
+            # Every rank fails together rather than waiting for rank 0 at a collective.
+            problem = self.coord.broadcast(problem, self.coord.control)
+            if problem is not None:
+                raise CheckpointStorageError(problem)
+
+    @property
+    def rank(self) -> int:
+        return self.coord.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.coord.world_size
+
+    # ------------------------------------------------------------------ storage
+
+    def check_storage(self) -> None:
+        """Write, read and delete a probe object under the root.
+
+        Raises:
+            CheckpointStorageError: the root is unreachable or not writable.
+        """
+        probe = self.root.path(f".ringmaster-probe-{self.coord.rank}")
+        try:
+            self.root.fs.makedirs(self.root.root, exist_ok=True)
+            self.root.fs.pipe_file(probe, b"ok")
+            if self.root.fs.cat_file(probe) != b"ok":
+                raise OSError("probe object read back differently")
+            self.root.fs.rm_file(probe)
+        except Exception as e:
+            raise CheckpointStorageError(
+                f"checkpoint storage {self.root.url} is not usable: {type(e).__name__}: {e}. "
+                "Check the URL, the bucket, and credentials (environment, ~/.aws, storage options)."
+            ) from e
+
+    # ------------------------------------------------------------------ saving
+
+    def request_save(self, reason: str = "requested") -> None:
+        """Ask for a save at the next :meth:`maybe_save` (thread- and signal-safe).
+
+        Rank 0's request decides for everyone, so a controller command only
+        needs to reach rank 0; other ranks may request too.
+        """
+        self.trigger.request(reason)
+
+    def _decide(self, step: int) -> str | None:
+        reason = self.trigger.due(step)
+        if self.coord.world_size > 1:
+            # Clocks and requests are local to a rank: rank 0 decides for all
+            # (one small broadcast per step on the checkpoint's control group).
+            reason = self.coord.broadcast(reason, self.coord.control)
+        return reason
+
+    def maybe_save(self, step: int, state: TrainState) -> SaveJob | None:
+        """Start an asynchronous save if a trigger fires at ``step`` (all ranks call).
+
+        Returns:
+            The handle of the started save, or None (no trigger, or skipped
+            because the previous save is still uploading; the trigger stays
+            pending so a later step saves instead).
+        """
+        reason = self._decide(step)
+        if reason is None:
+            return None
+        job = self.save_async(step, state)
+        if job is not None:
+            log.info("checkpoint at step %d (%s)", step, reason)
+            self.trigger.saved()
+        else:
+            self.trigger.request(reason)
+        return job
+
+    def save_async(
+        self, step: int, state: TrainState, *, wait_if_busy: bool = False
+    ) -> SaveJob | None:
+        """Stage ``state`` and upload it in the background (all ranks call, same step).
+
+        Returns:
+            The handle, or None when skipped because a save is still uploading.
+        """
+        flat, _ = capture(state, self.coord.rank)
+        return self.saver.save_async(step, flat, state.samples_seen, wait_if_busy=wait_if_busy)
+
+    def save_now(
+        self, step: int, state: TrainState, *, timeout: timedelta = DEFAULT_SAVE_TIMEOUT
+    ) -> Manifest:
+        """Save ``step`` and wait until it is committed (preemption, controller command).
+
+        Waits for a save still in flight first, so it is never skipped.
+        """
+        job = self.save_async(step, state, wait_if_busy=True)
+        if job is None:  # another rank could not wait in time
+            raise SaveInProgressError(
+                f"save of step {step} was skipped: another rank is still uploading"
+            )
+        manifest = job.wait(timeout)
+        self.trigger.saved()
+        return manifest
+
+    def prepare(self, state: TrainState) -> None:
+        """Allocate staging memory for ``state`` ahead of the first save (optional).
+
+        The first save otherwise pays for allocating and faulting in its
+        buffers while the training loop waits.
+        """
+        flat, _ = capture(state, self.coord.rank)
+        self.saver.prepare(flat)
+
+    def snapshot(self, step: int, state: TrainState) -> None:
+        """Copy ``state`` into the node memory tier (no-op when it is disabled)."""
+        if self.memory is not None:
+            flat, _ = capture(state, self.coord.rank)
+            self.memory.put(step, flat)
+
+    def wait(self, timeout: timedelta = DEFAULT_SAVE_TIMEOUT) -> Manifest | None:
+        """Wait for the save in flight, if any."""
+        return self.saver.wait_inflight(timeout)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state: TrainState, *, url: str | None = None) -> RestoreResult:
+        """Restore ``state`` from the freshest valid source (all ranks call together).
+
+        Args:
+            state: filled in place (model, optimizer, scheduler, extra,
+                ``samples_seen``, and this rank's ``rank_state`` + RNG when saved).
+            url: a specific checkpoint directory under the root.
+        """
+        if self.saver.inflight is not None:
+            self.saver.wait_inflight()
+        return restore(state, self.coord, root=self.root, memory=self.memory, url=url)
+
+    # ------------------------------------------------------------------ inspection
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint directory, committed or not, oldest first."""
+        return list_checkpoints(self.root)
+
+    def latest(self) -> CheckpointInfo | None:
+        """Newest committed checkpoint."""
+        return latest_committed(self.root)
+
+    def verify(self, info: CheckpointInfo) -> VerifyReport:
+        """Check every object of ``info`` against its manifest (this process only)."""
+        return verify_checkpoint(self.root.child(info.name))
+
+    def gc(self, *, all_uncommitted: bool = False) -> RetentionResult:
+        """Apply retention now."""
+        return apply_retention(self.root, self.keep, all_uncommitted=all_uncommitted)
+
+    def close(self, timeout: timedelta = DEFAULT_SAVE_TIMEOUT) -> None:
+        """Wait for the save in flight and release staging memory."""
+        self.saver.close(timeout)

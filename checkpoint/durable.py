@@ -1,0 +1,175 @@
+"""Restore from durable storage: pick the newest committed checkpoint that verifies, load it.
+
+Rank 0 lists committed checkpoints and tells the others; every rank then
+checks its share of the candidate's objects against the manifest (so the
+read cost of verification is spread), and all ranks agree before loading.  A
+candidate that fails (a flipped byte, a missing object) is logged and the
+previous committed checkpoint is tried.  Loading uses DCP, which reshards:
+the checkpoint's world size need not match the current one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from checkpoint.api import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    Manifest,
+    RestoreSource,
+)
+from checkpoint.commit import (
+    committed_checkpoints,
+    inspect_checkpoint,
+    latest_committed,
+    parse_step_dir,
+    read_manifest,
+    verify_checkpoint,
+)
+from checkpoint.flat_state import FlatState, check_fits, is_rank_key
+from checkpoint.fsspec_storage import Location, LocationReader
+from checkpoint.groups import Coordination
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DurableRestore:
+    """Which checkpoint a durable restore used and which it passed over.
+
+    Attributes:
+        manifest: manifest of the checkpoint loaded (None when none was usable).
+        url: its directory URL.
+        skipped: ``"<name>: <reason>"`` for each committed checkpoint rejected.
+    """
+
+    manifest: Manifest | None
+    url: str | None
+    skipped: tuple[str, ...]
+
+
+def load_into(directory: Location, target: FlatState, coord: Coordination) -> None:
+    """Fill ``target`` from a checkpoint directory (collective over ``coord``).
+
+    Tensors are filled in place; objects are replaced.  This rank's own
+    ``rank.<r>`` entry is dropped from ``target`` when the checkpoint has none
+    (it was saved by fewer ranks).
+
+    Raises:
+        CheckpointMismatchError: the checkpoint lacks entries the state expects.
+        CheckpointStorageError: reading failed.
+    """
+    reader = LocationReader(directory)
+    try:
+        metadata = reader.read_metadata()
+    except OSError as e:
+        raise CheckpointStorageError(f"cannot read metadata of {directory.url}: {e}") from e
+    available = metadata.state_dict_metadata
+    check_fits(target, available, directory.url)
+    for key in [k for k in target if is_rank_key(k) and k not in available]:
+        del target[key]
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        if coord.distributed:
+            dcp.load(target, storage_reader=reader, planner=planner, process_group=coord.control)
+        else:
+            # The public entry point warns without torch.distributed; one process is normal here.
+            _load_state_dict(target, reader, planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointStorageError(f"loading {directory.url} failed: {e}") from e
+
+
+class DurableTier:
+    """Durable storage as a :class:`~checkpoint.api.StateTier` (collective ``load``).
+
+    Args:
+        root: checkpoint root.
+        coord: the checkpoint groups; ``load`` is called by all ranks together.
+    """
+
+    def __init__(self, root: Location, coord: Coordination) -> None:
+        self.root = root
+        self.coord = coord
+
+    @property
+    def name(self) -> RestoreSource:
+        return RestoreSource.DURABLE
+
+    def latest_step(self) -> int | None:
+        latest = latest_committed(self.root)
+        return latest.step if latest else None
+
+    def load(self, step: int, target: FlatState) -> None:
+        for info in committed_checkpoints(self.root):
+            if info.step == step:
+                load_into(self.root.child(info.name), target, self.coord)
+                return
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of step {step} under {self.root.url}"
+        )
+
+
+def _candidates(root: Location, url: str | None) -> list[str]:
+    if url is None:
+        return [i.name for i in committed_checkpoints(root)]
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    if parse_step_dir(name) is None:
+        raise CheckpointNotFoundError(f"{url} is not a checkpoint directory (step-<n>-<token>)")
+    info = inspect_checkpoint(root, name)
+    if not info.committed:
+        raise CheckpointNotFoundError(f"{url} is not committed: {info.problem}")
+    return [name]
+
+
+def restore_durable(
+    root: Location, target: FlatState, coord: Coordination, *, url: str | None = None
+) -> DurableRestore:
+    """Load the newest committed checkpoint under ``root`` that verifies (collective).
+
+    Args:
+        root: checkpoint root.
+        target: flat state to fill (see :func:`load_into`).
+        coord: checkpoint groups; every rank calls together.
+        url: a specific checkpoint directory under ``root`` instead of the newest.
+
+    Returns:
+        What was loaded; ``manifest`` is None when nothing committed verified.
+    """
+    names: list[str] | str = []
+    if coord.is_coordinator:
+        try:
+            names = _candidates(root, url)
+        except CheckpointError as e:
+            names = f"{type(e).__name__}: {e}"
+    names = coord.broadcast(names, coord.control)
+    if isinstance(names, str):
+        raise CheckpointNotFoundError(names)
+    skipped: list[str] = []
+    for name in names:
+        directory = root.child(name)
+        try:
+            report = verify_checkpoint(directory, rank=coord.rank, world_size=coord.world_size)
+            problems = list(report.problems)
+        except (CheckpointError, OSError) as e:
+            problems = [str(e)]
+        all_problems = [p for ps in coord.all_gather(problems, coord.control) for p in ps]
+        if all_problems:
+            reason = "; ".join(all_problems)
+            log.warning("checkpoint %s failed verification, trying an older one: %s", name, reason)
+            skipped.append(f"{name}: {reason}")
+            continue
+        load_into(directory, target, coord)
+        manifest = read_manifest(directory) if coord.is_coordinator else None
+        manifest = coord.broadcast(manifest, coord.control)
+        log.info("restored step %d from %s", manifest.step, directory.url)
+        return DurableRestore(manifest=manifest, url=directory.url, skipped=tuple(skipped))
+    return DurableRestore(manifest=None, url=None, skipped=tuple(skipped))

@@ -1,0 +1,187 @@
+"""Turn a :class:`~checkpoint.api.TrainState` into a flat dict and back.
+
+The flat form maps dotted keys to tensors or small picklable objects:
+
+* ``model.*`` — the model's state dict without DDP's ``module.`` prefix,
+* ``optim.*`` — the optimizer keyed by parameter name (so it reshards),
+* ``sched``, ``extra`` (opaque blobs) and ``data.samples_seen`` — replicated,
+* ``rank.<r>`` — an opaque blob of rank ``r``: its RNG states and ``rank_state``.
+
+Replicated keys are identical on every data-parallel rank, so each is written
+by one owner rank (:func:`assign_owners` balances bytes across ranks without
+communication); ``rank.<r>`` is written by rank ``r`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from checkpoint.api import CheckpointMismatchError, TrainState
+
+RANK_PREFIX = "rank."
+SAMPLES_KEY = "data.samples_seen"
+EXTRA_KEY = "extra"
+SCHED_KEY = "sched"
+_OWN_KEYS = (SAMPLES_KEY, EXTRA_KEY, SCHED_KEY)
+
+#: Size charged to a non-tensor value when balancing owners.
+_OBJECT_COST = 1024
+
+FlatState = dict[str, Any]
+KeyPaths = dict[str, tuple[Any, ...]]
+
+
+def rank_key(rank: int) -> str:
+    """Flat key of rank ``rank``'s own state."""
+    return f"{RANK_PREFIX}{rank}"
+
+
+def is_rank_key(key: str) -> bool:
+    return key.startswith(RANK_PREFIX)
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: Mapping[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Opaque bytes survive DCP as they are (an empty dict value would vanish).
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(blob: Any) -> Any:
+    return torch.load(io.BytesIO(bytes(blob)), weights_only=False)
+
+
+def encode_rank_blob(state: TrainState) -> bytes:
+    """This rank's RNG states and ``rank_state`` as one serialized blob."""
+    return _to_bytes({"rng": _rng_states(), "state": state.rank_state})
+
+
+def apply_rank_blob(state: TrainState, blob: bytes) -> None:
+    """Restore RNG states and replace ``state.rank_state`` from a blob."""
+    payload = _from_bytes(blob)
+    _set_rng_states(payload["rng"])
+    state.rank_state.clear()
+    state.rank_state.update(payload["state"])
+
+
+def capture(state: TrainState, rank: int) -> tuple[FlatState, KeyPaths]:
+    """The flat state of ``state`` as seen by ``rank`` (tensors are not copied).
+
+    Returns:
+        The flat dict and the mapping that :func:`apply` needs to unflatten it.
+    """
+    nested: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+    if state.optimizer is not None:
+        nested["optim"] = get_optimizer_state_dict(state.model, state.optimizer)
+    flat, mapping = flatten_state_dict(nested)
+    if state.scheduler is not None:
+        flat[SCHED_KEY] = _to_bytes(state.scheduler.state_dict())
+    flat[SAMPLES_KEY] = int(state.samples_seen)
+    flat[EXTRA_KEY] = _to_bytes(dict(state.extra))
+    flat[rank_key(rank)] = encode_rank_blob(state)
+    return flat, dict(mapping)
+
+
+def apply(state: TrainState, flat: FlatState, mapping: KeyPaths, rank: int) -> bool:
+    """Load a flat state (as filled by a restore) into ``state``.
+
+    Returns:
+        True when this rank's own blob (RNG, ``rank_state``) was present and applied.
+    """
+    replicated = {k: v for k, v in flat.items() if not is_rank_key(k) and k not in _OWN_KEYS}
+    nested = unflatten_state_dict(replicated, {k: mapping[k] for k in replicated})
+    set_model_state_dict(state.model, nested["model"])
+    if state.optimizer is not None:
+        optim = nested["optim"]
+        # An optimizer without per-parameter state (plain SGD) flattens to no
+        # ``state`` entries at all; torch needs the empty dict back.
+        optim.setdefault("state", {})
+        set_optimizer_state_dict(state.model, state.optimizer, optim)
+    if state.scheduler is not None and SCHED_KEY in flat:
+        state.scheduler.load_state_dict(_from_bytes(flat[SCHED_KEY]))
+    state.extra.clear()
+    state.extra.update(_from_bytes(flat[EXTRA_KEY]))
+    state.samples_seen = int(flat[SAMPLES_KEY])
+    blob = flat.get(rank_key(rank))
+    if isinstance(blob, bytes | bytearray):
+        apply_rank_blob(state, bytes(blob))
+        return True
+    return False
+
+
+def nbytes(value: Any) -> int:
+    """Bytes a value occupies when written (tensors exactly, objects a flat charge)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return _OBJECT_COST
+
+
+def assign_owners(flat: Mapping[str, Any], world_size: int) -> dict[str, int]:
+    """Which rank writes each key: replicated keys balanced by bytes, rank keys to their rank.
+
+    Deterministic from keys and sizes alone, so every rank computes the same
+    answer without talking to the others (the layout digest is compared first).
+    """
+    owners: dict[str, int] = {}
+    loads = [0] * world_size
+    replicated = sorted(
+        (k for k in flat if not is_rank_key(k)), key=lambda k: (-nbytes(flat[k]), k)
+    )
+    for key in replicated:
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[key] = target
+        loads[target] += nbytes(flat[key])
+    for key in flat:
+        if is_rank_key(key):
+            owners[key] = int(key[len(RANK_PREFIX) :])
+    return owners
+
+
+def layout_digest(flat: Mapping[str, Any]) -> str:
+    """Hash of the replicated layout (keys, dtypes, shapes); equal on all DP ranks."""
+    h = hashlib.sha256()
+    for key in sorted(k for k in flat if not is_rank_key(k)):
+        value = flat[key]
+        if isinstance(value, torch.Tensor):
+            h.update(f"{key}|{value.dtype}|{tuple(value.shape)}\n".encode())
+        else:
+            h.update(f"{key}|object\n".encode())
+    return h.hexdigest()[:16]
+
+
+def check_fits(target: Mapping[str, Any], available: Mapping[str, Any], where: str) -> None:
+    """Raise when replicated keys of ``target`` are missing from ``available``."""
+    missing = sorted(k for k in target if not is_rank_key(k) and k not in available)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointMismatchError(
+            f"{where} lacks {len(missing)} entries the model/optimizer expect ({shown}); "
+            "was it saved from a different model or optimizer?"
+        )

@@ -1,0 +1,137 @@
+"""The non-pod children of a TrainingJob: headless Service, controller, disruption budget.
+
+* **Service** ``<job>-agents``: headless (``clusterIP: None``) and publishing
+  not-ready addresses, so every agent pod has a DNS name from the moment it
+  starts, before it is registered (rendezvous needs it then).
+* **Controller** ``<job>-controller``: a one-replica Deployment running
+  ``ringmaster controller --job NAME --etcd ...``.  A Deployment (not a bare
+  pod) so a lost machine does not lose the controller; two replicas for a
+  moment during a rollout are harmless because controllers elect a leader
+  through an etcd lease.  Once the job is finished it is scaled to zero, so
+  the exiting controller is not restarted forever.
+* **PodDisruptionBudget** ``<job>-agents``: ``minAvailable: nodes.min``, so a
+  voluntary disruption (node drain, cluster upgrade) never takes the job
+  below the size it can train at; pods that are not ready may always be
+  evicted (``unhealthyPodEvictionPolicy: AlwaysAllow``) so a broken pod never
+  blocks a drain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.api import JobSpec
+from orchestrator.operator.api import (
+    LABEL_JOB,
+    LABEL_ROLE,
+    ROLE_AGENT,
+    ROLE_CONTROLLER,
+)
+from orchestrator.operator.meta import (
+    agent_selector,
+    child_meta,
+    controller_name,
+    labels,
+    pdb_name,
+    service_name,
+)
+from orchestrator.operator.pods import RUN_AS_USER
+
+
+def controller_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:
+    """The controller's command line; every option is one ``ringmaster controller`` accepts."""
+    return ["ringmaster", "controller", "--job", spec.name, "--etcd", ",".join(endpoints)]
+
+
+def headless_service(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """The headless Service that gives agent pods stable DNS names."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_meta(body, service_name(spec.name), ROLE_AGENT),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": agent_selector(spec.name),
+        },
+    }
+
+
+def controller_deployment(
+    body: dict[str, Any],
+    spec: JobSpec,
+    endpoints: tuple[str, ...],
+    *,
+    cpu: str,
+    memory: str,
+    running: bool = True,
+    service_account: str = "",
+) -> dict[str, Any]:
+    """The job's controller, one replica while the job runs, zero once it is finished."""
+    pod_labels = labels(spec.name, ROLE_CONTROLLER)
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    tls = spec.rendezvous.tls
+    for name, value in (
+        ("RINGMASTER_ETCD_CA", tls.ca_cert),
+        ("RINGMASTER_ETCD_CERT", tls.cert),
+        ("RINGMASTER_ETCD_KEY", tls.key),
+        ("RINGMASTER_ETCD_USER", spec.rendezvous.user),
+    ):
+        if value:
+            env.append({"name": name, "value": value})
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "controller",
+                "image": spec.resources.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": controller_command(spec, endpoints),
+                "env": env,
+                "resources": {
+                    "requests": {"cpu": cpu, "memory": memory},
+                    "limits": {"memory": memory},
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_meta(body, controller_name(spec.name), ROLE_CONTROLLER),
+        "spec": {
+            "replicas": 1 if running else 0,
+            "selector": {"matchLabels": {LABEL_JOB: spec.name, LABEL_ROLE: ROLE_CONTROLLER}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def disruption_budget(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """The PodDisruptionBudget of the agent pods."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_meta(body, pdb_name(spec.name), ROLE_AGENT),
+        "spec": {
+            "minAvailable": spec.nodes.min,
+            "selector": {"matchLabels": agent_selector(spec.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }

@@ -1,0 +1,230 @@
+"""The agent pod of a TrainingJob, rendered as a plain dict.
+
+One pod runs one ``ringmaster agent`` (one node of the job).  The pods are
+created and deleted by the operator directly rather than through a
+StatefulSet: any agent pod can be active or spare (the controller decides,
+from registrations in etcd), so when the job shrinks the operator must pick
+*which* pod goes (a spare or an unscheduled pod, never an arbitrary
+highest ordinal), and a failed pod must be replaced by a fresh one under a new
+name at once, not recreated under the same name after the old one is gone.
+
+What the pod gives the agent (``ringmaster agent`` reads these options from
+its ``RINGMASTER_*`` environment fallbacks):
+
+* command ``ringmaster agent --job NAME --etcd HOST:PORT[,...]``, started
+  through ``sh -c`` only to add ``RINGMASTER_LABELS`` first, then ``exec``-ed
+  so the agent is PID 1 and receives SIGTERM itself;
+* ``RINGMASTER_NODE`` = the pod name (the node id it registers under, so the
+  controller's ``active_nodes`` are pod names) and ``RINGMASTER_ADDRESS`` = the
+  pod IP (where peers reach its workers);
+* ``RINGMASTER_LABELS`` = ``host=<NODE_NAME>,zone=...,rack=...``: ``NODE_NAME``
+  comes from the downward API; zone and rack from the Node's labels, which the
+  operator copies into the pod's annotations once the pod is scheduled and the
+  pod reads from a downward-API file (:mod:`orchestrator.operator.topology`);
+* readiness: an exec probe (:mod:`orchestrator.operator.probe`) that is true
+  while the node's registration exists in etcd, i.e. the agent is registered;
+* preStop: the same module's ``drain``: SIGTERM to the agent (which treats it
+  as a preemption: checkpoint, then leave) and wait until it has deregistered;
+  ``terminationGracePeriodSeconds`` = ``fault_tolerance.preemption_grace`` plus
+  a margin, so the save can finish before the kubelet's SIGKILL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import timedelta
+from typing import Any
+
+from orchestrator.api import JobSpec
+from orchestrator.operator.api import (
+    ANN_INDEX,
+    ANN_TEMPLATE_HASH,
+    DRAIN_COMMAND,
+    GPU_RESOURCE,
+    GRACE_MARGIN,
+    PODINFO_DIR,
+    READY_COMMAND,
+    ROLE_AGENT,
+    TOPOLOGY_FILE,
+    OperatorSettings,
+)
+from orchestrator.operator.meta import agent_selector, child_meta, service_name
+
+#: Non-root user of the image (k8s/Dockerfile creates it).
+RUN_AS_USER = 1000
+
+
+#: Runs the agent after exporting the topology labels (``$@`` is the agent's argv).
+LAUNCH_SCRIPT = (
+    'RINGMASTER_LABELS="$(python -m orchestrator.operator.topology)" || exit 1; '
+    'export RINGMASTER_LABELS; exec "$@"'
+)
+
+
+def agent_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:
+    """The agent's command line; every option is one ``ringmaster agent`` accepts."""
+    return ["ringmaster", "agent", "--job", spec.name, "--etcd", ",".join(endpoints)]
+
+
+def container_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:
+    """The container's command: the launch script, then :func:`agent_command`."""
+    return ["/bin/sh", "-c", LAUNCH_SCRIPT, "agent", *agent_command(spec, endpoints)]
+
+
+def agent_env(spec: JobSpec, endpoints: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Environment of the agent container (downward API + ringmaster settings).
+
+    ``RINGMASTER_JOB`` and ``RINGMASTER_ETCD`` repeat the command line for the
+    probes, which run as separate processes.
+    """
+
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        field("NODE_NAME", "spec.nodeName"),
+        field("POD_NAME", "metadata.name"),
+        field("POD_NAMESPACE", "metadata.namespace"),
+        field("POD_IP", "status.podIP"),
+        {"name": "RINGMASTER_JOB", "value": spec.name},
+        {"name": "RINGMASTER_ETCD", "value": ",".join(endpoints)},
+        {"name": "RINGMASTER_NODE", "value": "$(POD_NAME)"},
+        {"name": "RINGMASTER_ADDRESS", "value": "$(POD_IP)"},
+        {"name": "RINGMASTER_TOPOLOGY_FILE", "value": TOPOLOGY_FILE},
+        {
+            "name": "RINGMASTER_DRAIN_TIMEOUT",
+            "value": str(_ceil(spec.fault_tolerance.preemption_grace)),
+        },
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    tls = spec.rendezvous.tls
+    for name, value in (
+        ("RINGMASTER_ETCD_CA", tls.ca_cert),
+        ("RINGMASTER_ETCD_CERT", tls.cert),
+        ("RINGMASTER_ETCD_KEY", tls.key),
+        ("RINGMASTER_ETCD_USER", spec.rendezvous.user),
+    ):
+        if value:
+            env.append({"name": name, "value": value})
+    return env
+
+
+def agent_resources(spec: JobSpec) -> dict[str, Any]:
+    """Requests equal limits (Guaranteed QoS: the last to be evicted under pressure)."""
+    amounts: dict[str, Any] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    if spec.resources.gpus:
+        amounts[GPU_RESOURCE] = spec.resources.gpus
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def grace_seconds(spec: JobSpec) -> int:
+    """``terminationGracePeriodSeconds``: the preemption grace plus a margin, rounded up."""
+    return _ceil(spec.fault_tolerance.preemption_grace + GRACE_MARGIN)
+
+
+def _ceil(duration: timedelta) -> int:
+    seconds = duration.total_seconds()
+    return int(seconds) + (0 if seconds == int(seconds) else 1)
+
+
+def agent_pod_spec(
+    spec: JobSpec, endpoints: tuple[str, ...], settings: OperatorSettings
+) -> dict[str, Any]:
+    """The pod ``spec`` shared by every agent pod of the job."""
+    selector = {"matchLabels": agent_selector(spec.name)}
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": spec.resources.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": container_command(spec, endpoints),
+        "env": agent_env(spec, endpoints),
+        "readinessProbe": {
+            "exec": {"command": list(READY_COMMAND)},
+            "initialDelaySeconds": 5,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": list(DRAIN_COMMAND)}}},
+        "resources": agent_resources(spec),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "OnFailure",
+        "subdomain": service_name(spec.name),
+        "terminationGracePeriodSeconds": grace_seconds(spec),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "topologySpreadConstraints": [
+            {
+                # One agent per machine where the cluster allows it: a machine
+                # failure then costs one node of the job, which a spare replaces.
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": selector,
+            }
+        ],
+        "containers": [container],
+        "volumes": [
+            {
+                "name": "podinfo",
+                "downwardAPI": {
+                    "items": [
+                        {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                        {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                    ]
+                },
+            },
+            {"name": "tmp", "emptyDir": {}},
+            # Shared memory for data loaders; it counts against the memory limit.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if settings.service_account:
+        pod_spec["serviceAccountName"] = settings.service_account
+    if spec.resources.gpus:
+        pod_spec["tolerations"] = [
+            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    return pod_spec
+
+
+def template_hash(pod_spec: dict[str, Any]) -> str:
+    """A short hash of the shared pod spec; pods with another hash are out of date."""
+    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pod_name(job: str, index: int) -> str:
+    return f"{job}-agent-{index}"
+
+
+def agent_pod(
+    body: dict[str, Any],
+    spec: JobSpec,
+    index: int,
+    endpoints: tuple[str, ...],
+    settings: OperatorSettings,
+) -> dict[str, Any]:
+    """Agent pod number ``index`` of the TrainingJob ``body``."""
+    pod_spec = agent_pod_spec(spec, endpoints, settings)
+    meta = child_meta(body, pod_name(spec.name, index), ROLE_AGENT)
+    meta["annotations"] = {ANN_INDEX: str(index), ANN_TEMPLATE_HASH: template_hash(pod_spec)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

@@ -1,0 +1,136 @@
+"""The TrainingJob CRD: generated from the job spec dataclasses, committed, valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from orchestrator.api import JobSpec
+from orchestrator.operator.crd import crd_manifest, render_crd_yaml, spec_schema
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "k8s" / "crd.yaml"
+K8S_VERSION = "1.37.0"
+
+
+def _version() -> dict[str, Any]:
+    return dict(crd_manifest()["spec"]["versions"][0])
+
+
+def test_committed_crd_is_the_generated_one() -> None:
+    assert CRD_FILE.read_text(encoding="utf-8") == render_crd_yaml(), (
+        "k8s/crd.yaml is out of date: run "
+        "`.venv/bin/python -m orchestrator.operator.crd > k8s/crd.yaml`"
+    )
+
+
+def test_crd_validates_against_kubernetes_schema() -> None:
+    crd = yaml.safe_load(CRD_FILE.read_text(encoding="utf-8"))
+    assert kubernetes_validate.validate(crd, K8S_VERSION, strict=True) == "1.37"
+
+
+def _walk_spec(cls: type, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every YAML key path of the dataclass tree, asserting it has a schema node."""
+    seen = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f.metadata.get("key", f.name)
+        sub = f"{path}.{key}" if path else key
+        assert key in schema["properties"], f"{sub} missing from the CRD"
+        seen.append(sub)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            seen += _walk_spec(tp, schema["properties"][key], sub)  # type: ignore[arg-type]
+    return seen
+
+
+def test_spec_schema_has_every_field_under_its_yaml_key() -> None:
+    schema = spec_schema()
+    paths = _walk_spec(JobSpec, schema)
+    assert "checkpoint.async" in paths and "checkpoint.async_" not in paths
+    assert "comm.compression.inter_node_only" in paths
+    # and nothing that the dataclasses do not have
+    assert set(schema["properties"]) == {
+        f.metadata.get("key", f.name) for f in dataclasses.fields(JobSpec)
+    }
+
+
+def test_spec_schema_defaults_equal_the_dataclass_defaults() -> None:
+    defaults = JobSpec(name="x", entrypoint=None).to_dict()  # type: ignore[arg-type]
+    schema = spec_schema()["properties"]
+    assert schema["nodes"]["properties"]["max"]["default"] == defaults["nodes"]["max"]
+    assert schema["checkpoint"]["properties"]["async"]["default"] is True
+    assert schema["checkpoint"]["properties"]["keep"]["default"] == defaults["checkpoint"]["keep"]
+    assert (
+        schema["rendezvous"]["properties"]["join_timeout"]["default"]
+        == defaults["rendezvous"]["join_timeout"]
+    )
+    ft = schema["fault_tolerance"]["properties"]
+    assert ft["preemption_grace"]["default"] == defaults["fault_tolerance"]["preemption_grace"]
+    assert schema["comm"]["properties"]["topology_labels"]["default"] == ["zone", "rack", "host"]
+    res = schema["resources"]["properties"]
+    assert {k: res[k]["default"] for k in res} == defaults["resources"]
+    # compression parameters carry no schema default (the loader rejects foreign ones)
+    comp = schema["comm"]["properties"]["compression"]["properties"]
+    assert comp["type"]["default"] == "none"
+    assert "default" not in comp["rank"] and "Default: 1" in comp["rank"]["description"]
+
+
+def test_entrypoint_is_required_and_typed_as_object() -> None:
+    schema = spec_schema()
+    assert schema["required"] == ["entrypoint"]
+    assert schema["properties"]["entrypoint"]["type"] == "object"
+    assert "default" not in schema["properties"]["entrypoint"]
+
+
+def test_cel_rules_cover_what_openapi_cannot() -> None:
+    schema = spec_schema()["properties"]
+    rules = {r["rule"] for r in schema["nodes"]["x-kubernetes-validations"]}
+    assert "self.min <= self.max" in rules
+    entry = {r["rule"] for r in schema["entrypoint"]["x-kubernetes-validations"]}
+    assert "has(self.script) != has(self.module)" in entry
+    root = _version()["schema"]["openAPIV3Schema"]
+    assert any("self.metadata.name" in r["rule"] for r in root["x-kubernetes-validations"])
+
+
+def test_durations_accept_seconds_or_unit_strings() -> None:
+    hang = spec_schema()["properties"]["fault_tolerance"]["properties"]["hang_timeout"]
+    assert hang["x-kubernetes-int-or-string"] is True
+    assert hang["default"] == 300
+
+
+def test_status_subresource_and_printer_columns() -> None:
+    version = _version()
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase"
+    assert columns["Step"] == ".status.step"
+    assert columns["World"] == ".status.worldSize"
+    assert columns["Recoveries"] == ".status.recoveries"
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for key in (
+        "phase",
+        "step",
+        "worldSize",
+        "activePods",
+        "sparePods",
+        "lastCheckpoint",
+        "recoveries",
+        "conditions",
+    ):
+        assert key in status
+
+
+def test_names() -> None:
+    crd = crd_manifest()
+    assert crd["metadata"]["name"] == "trainingjobs.ringmaster.dev"
+    assert crd["spec"]["names"]["kind"] == "TrainingJob"
+    assert crd["spec"]["scope"] == "Namespaced"

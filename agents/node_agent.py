@@ -21,7 +21,6 @@ workers wait, warm, for a generation that includes them.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from orchestrator import events, keys
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease
 from orchestrator.jobs import read_spec, read_status, send_command
+from orchestrator.process_lifetime import tie_to_parent
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -49,14 +49,6 @@ log = logging.getLogger("ringmaster.agent")
 DEFAULT_NODE_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_NODE_TTL", "3")))
 #: How often workers are polled.
 POLL = 0.05
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_agent(agent_pid: int) -> None:  # runs in the worker before exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != agent_pid:
-        os._exit(1)
 
 
 @dataclass
@@ -228,12 +220,11 @@ class NodeAgent:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
-        agent_pid = os.getpid()
         proc = subprocess.Popen(
             [sys.executable, *self.spec.entrypoint.command()],
             cwd=self.workdir,
             env=env,
-            preexec_fn=lambda: _die_with_agent(agent_pid),
+            preexec_fn=tie_to_parent(),
         )
         self.workers[local_rank] = _Worker(local_rank, proc, error_file, restarts)
         if self._lease is not None:
@@ -264,13 +255,9 @@ class NodeAgent:
             self._stop.wait(POLL)
 
     def _saved_since_preemption(self) -> bool:
-        status = read_status(self.client, self.job)
-        return bool(
-            status
-            and status.last_checkpoint_at
-            and self._preempted_wall is not None
-            and status.last_checkpoint_at >= self._preempted_wall
-        )
+        record = self.client.get_json(keys.job_checkpoint(self.job))
+        since = self._preempted_wall
+        return bool(record and since is not None and float(record.get("at", 0)) >= since)
 
     @property
     def _preempted_wall(self) -> float | None:

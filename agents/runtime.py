@@ -94,6 +94,9 @@ class Session:
         self._control_seen = 0
         self._stop_requested = False
         self._save_fn: SaveFn | None = None
+        self._ckpt: Any = None
+        self._pending_save: Any = None
+        self.restored_from: str | None = None
         self._watch = _PlanWatcher(client, env.job)
         self._heartbeat = _Heartbeat(self, spec.fault_tolerance.heartbeat_interval)
         self._heartbeat.start()
@@ -262,10 +265,13 @@ class Session:
             self.env.address,
             collective_timeout=self.spec.fault_tolerance.hang_timeout * 2,
         )
+        self._open_checkpointer(first=plan.generation == 1)
         result = sync_state(self.step if self.has_state else NO_STATE, self._capture, self._restore)
         if result.step != NO_STATE:
             self.step = result.step
             self.has_state = True
+        elif self._train_state() is not None:
+            self._resume_durable()
         for w in self._wrapped:
             w.rebuild()
         self._heartbeat.start()
@@ -296,6 +302,7 @@ class Session:
         vec[_CTL_STOP] = int(bool(control.get("stop", False)))
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         self._heartbeat.beat_now()
+        self._poll_save()
         every = self.spec.checkpoint.every_steps
         if int(vec[_CTL_CHECKPOINT]) > self._control_seen:
             self._control_seen = int(vec[_CTL_CHECKPOINT])
@@ -309,11 +316,88 @@ class Session:
         if int(vec[_CTL_GENERATION]) > self.generation:
             self._recover(f"generation {int(vec[_CTL_GENERATION])} published", planned=True)
 
+    # -- durable checkpoints -----------------------------------------------------------
+
+    def _open_checkpointer(self, first: bool) -> None:
+        """A checkpointer on this generation's group (creating it is collective)."""
+        from checkpoint import Checkpointer
+        from orchestrator.jobs import spec_hash
+
+        self._ckpt = None
+        self._pending_save = None
+        cfg = self.spec.checkpoint
+        url = cfg.url if "://" in cfg.url else f"file://{os.path.abspath(cfg.url)}"
+        self._ckpt = Checkpointer(
+            url,
+            keep=cfg.keep,
+            job_spec_hash=spec_hash(self.spec),
+            job=self.env.job,
+            check_storage=first,
+        )
+
+    def _train_state(self) -> Any:
+        from checkpoint import TrainState
+
+        model = self._tracked.get("model")
+        if isinstance(model, ElasticDDP):
+            model = model.module  # the plain module: checkpoints load without ringmaster
+        if not isinstance(model, nn.Module):
+            return None
+        return TrainState(
+            model=model,
+            optimizer=self._tracked.get("optimizer"),  # type: ignore[arg-type]
+            scheduler=self._tracked.get("scheduler"),
+            samples_seen=self.step,
+        )
+
+    def _resume_durable(self) -> None:
+        result = self._ckpt.restore(self._train_state())
+        if result.step is not None:
+            self.step = int(result.step)
+            self.has_state = True
+            self.restored_from = result.url
+            log.warning("[%s] resumed from %s at step %d", self.worker, result.url, self.step)
+
     def _save(self, reason: str) -> None:
         if self._save_fn is not None:
             self._save_fn(self, reason)
+        state = self._train_state()
+        if self._ckpt is None or state is None:
+            return
+        if reason == "periodic" and self.spec.checkpoint.async_:
+            job = self._ckpt.save_async(self.step, state)
+            if job is not None:
+                self._pending_save = job
+            return
+        manifest = self._ckpt.save_now(self.step, state)
+        self._record_checkpoint(manifest.step, reason)
+
+    def _poll_save(self) -> None:
+        job = self._pending_save
+        if job is not None and job.done():
+            self._pending_save = None
+            manifest = job.wait()
+            self._record_checkpoint(manifest.step, "periodic")
+
+    def _record_checkpoint(self, step: int, reason: str) -> None:
+        if self.rank == 0:
+            self.client.put_json(
+                keys.job_checkpoint(self.env.job),
+                {
+                    "url": self.spec.checkpoint.url,
+                    "step": step,
+                    "reason": reason,
+                    "at": time.time(),
+                },
+            )
 
     def _finish(self) -> None:
+        if self._ckpt is not None:
+            job, self._pending_save = self._pending_save, None
+            if job is not None:
+                self._record_checkpoint(job.wait().step, "periodic")
+            self._ckpt.close()
+            self._ckpt = None
         self._heartbeat.beat_now()
         self.client.put_json(
             keys.job_done(self.env.job) + self.worker,

@@ -75,7 +75,7 @@ def main() -> None:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
                 f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")
         if session.rank == 0 and step % log_every == 0:
-            print(f"step {step} loss {float(loss):.4f} world {session.world_size}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} world {session.world_size}", flush=True)
     if session.finished and session.rank == 0:
         with torch.no_grad():
             acc = (model.module(x).argmax(1) == y).float().mean().item()

@@ -292,5 +292,21 @@ def controller(job: str | None, **kw: Any) -> None:
         Controller(client, job).run(stop)
 
 
+@main.command()
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    envvar="RINGMASTER_NAMESPACES",
+    help="namespace to watch (repeat for several; default: all)",
+)
+def operator(namespaces: tuple[str, ...]) -> None:
+    """Run the Kubernetes operator for TrainingJobs (needs the `operator` extra)."""
+    from orchestrator.operator import run_operator
+
+    run_operator(namespaces)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

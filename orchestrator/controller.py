@@ -150,6 +150,17 @@ class JobController:
         self.status.spare_nodes = [
             n for n, info in nodes.items() if n not in members and self._warm(n, info, progress)
         ]
+        record = self.client.get_json(keys.job_checkpoint(self.job))
+        if record and record.get("at") != self.status.last_checkpoint_at:
+            self.status.last_checkpoint = f"step {record['step']} ({record['reason']})"
+            self.status.last_checkpoint_at = float(record["at"])
+            events.emit(
+                self.client,
+                self.job,
+                "Checkpoint",
+                f"step {record['step']} committed to {record['url']} ({record['reason']})",
+                step=record["step"],
+            )
         steps = [int(progress[w]["step"]) for w in workers if w in progress]
         if steps:
             self.status.step = max(self.status.step, max(steps))

@@ -13,10 +13,8 @@ start it from a thread that outlives it (the main thread, normally).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,10 +27,10 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.api import EmbeddedEtcdError
+from orchestrator.process_lifetime import tie_to_parent
 
 #: How long to wait for a fresh etcd to answer.
 DEFAULT_START_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_START", "20")))
-_PR_SET_PDEATHSIG = 1
 
 
 def find_etcd_binary() -> str:
@@ -62,13 +60,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent(parent_pid: int) -> None:  # runs in the child, before exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class EmbeddedEtcd:
@@ -150,14 +141,13 @@ class EmbeddedEtcd:
         """
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
-        parent = os.getpid()
         try:
             self.proc = subprocess.Popen(
                 self.command(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=lambda: _die_with_parent(parent),
+                preexec_fn=tie_to_parent(),
             )
         finally:
             log.close()

@@ -8,6 +8,7 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/nodes/<node>      node registrations (leased)
     /ringmaster/jobs/<job>/commands/<seq>    user commands to the controller (stop, checkpoint)
     /ringmaster/jobs/<job>/plan              current generation: members and ranks (JSON)
+    /ringmaster/jobs/<job>/checkpoint        newest committed checkpoint (url, step, at)
     /ringmaster/jobs/<job>/control           requests to workers (checkpoint seq, stop)
     /ringmaster/jobs/<job>/reports/<gen>/<w> a worker saw generation <gen> break
     /ringmaster/jobs/<job>/progress/<w>      last step reached by worker <w> (node-localrank)
@@ -84,6 +85,11 @@ def job_commands(job: str) -> str:
 
 def job_plan(job: str) -> str:
     return job_prefix(job) + "plan"
+
+
+def job_checkpoint(job: str) -> str:
+    """The newest committed checkpoint the workers reported (url, step, time)."""
+    return job_prefix(job) + "checkpoint"
 
 
 def job_control(job: str) -> str:

@@ -13,7 +13,6 @@ to show a warm spare taking over.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,17 +28,9 @@ from orchestrator import events, jobs
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.embedded_etcd import EmbeddedEtcd
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
-
-_PR_SET_PDEATHSIG = 1
+from orchestrator.process_lifetime import tie_to_parent
 
 Printer = Callable[[str], None]
-
-
-def _die_with_parent(parent_pid: int) -> None:  # runs in the child before exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 @dataclass
@@ -110,7 +101,6 @@ class LocalRun:
         return env
 
     def _spawn(self, name: str, args: list[str]) -> _Proc:
-        parent = os.getpid()
         popen = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", *args, *self._cli_args()],
             cwd=self.workdir,
@@ -118,7 +108,7 @@ class LocalRun:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(parent),
+            preexec_fn=tie_to_parent(),
         )
         proc = _Proc(name, popen)
         self.procs[name] = proc

@@ -124,3 +124,33 @@ def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # typ
                 return int(progress["pid"])
         time.sleep(0.1)
     raise AssertionError(f"job did not reach step {step} in {timeout}s")
+
+
+def test_sigterm_node_saves_within_grace_then_spare_takes_over(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    lines: list[str] = []
+    spec = tiny_job("preempt", tmp_path, steps=STEPS)
+    with quiet_run(spec, lines) as run:
+        _wait_for_worker_at_step(run, 30)
+        from orchestrator import jobs
+
+        victim = jobs.read_status(run._client, spec.name).active_nodes[0]
+        sent = time.time()
+        run.signal_node(victim, signal.SIGTERM)
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    preempted = [e for e in result.events if e.type == "Preempted"]
+    saved = [e for e in result.events if e.type == "Checkpoint" and "requested" in e.message]
+    assert preempted and saved, summary(result, lines)
+    grace = spec.fault_tolerance.preemption_grace.total_seconds()
+    assert saved[0].time - sent < grace, "the preemption save came after the grace period"
+    failed = [e for e in result.events if e.type == "NodeFailed"]
+    assert [e.data.get("node") for e in failed] == [victim]
+    assert result.recoveries == 1
+    step = int(saved[0].data["step"])
+    assert (tmp_path / "ckpt").exists() and any(
+        f"{step:010d}" in p.name for p in (tmp_path / "ckpt").iterdir()
+    ), "the preemption checkpoint is not on disk"
+    assert_exactly_once(tmp_path, STEPS)
+    assert_same_params(torch.load(tmp_path / "final.pt"), reference)

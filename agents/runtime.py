@@ -66,7 +66,7 @@ MAX_FAILURES_PER_STEP = 5
 DEFAULT_PLAN_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_PLAN_TIMEOUT", "600")))
 
 # Indices of the control vector all-reduced (MAX) at every step boundary.
-_CTL_GENERATION, _CTL_CHECKPOINT, _CTL_STOP, _CTL_LEN = 0, 1, 2, 3
+_CTL_GENERATION, _CTL_CHECKPOINT, _CTL_SEEN, _CTL_STOP, _CTL_LEN = 0, 1, 2, 3, 4
 
 SaveFn = Callable[["Session", str], None]
 
@@ -299,13 +299,17 @@ class Session:
         vec = torch.zeros(_CTL_LEN, dtype=torch.int64)
         vec[_CTL_GENERATION] = self._watch.latest_generation()
         vec[_CTL_CHECKPOINT] = int(control.get("checkpoint", 0))
+        vec[_CTL_SEEN] = self._control_seen
         vec[_CTL_STOP] = int(bool(control.get("stop", False)))
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         self._heartbeat.beat_now()
         self._poll_save()
         every = self.spec.checkpoint.every_steps
-        if int(vec[_CTL_CHECKPOINT]) > self._control_seen:
-            self._control_seen = int(vec[_CTL_CHECKPOINT])
+        # Every rank decides from the same reduced numbers (a replacement has seen
+        # no request yet, its peers have): a request is new only if no rank served it.
+        requested, served = int(vec[_CTL_CHECKPOINT]), int(vec[_CTL_SEEN])
+        self._control_seen = max(requested, served)
+        if requested > served:
             self._save("requested")
         elif every and self.step % every == 0:
             self._save("periodic")

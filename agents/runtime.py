@@ -95,6 +95,9 @@ class Session:
         self._stop_requested = False
         self._save_fn: SaveFn | None = None
         self._ckpt: Any = None
+        self._plan: Plan | None = None
+        self._hook: Any = None
+        self._hook_state: dict[str, Any] | None = None
         self._pending_save: Any = None
         self.restored_from: str | None = None
         self._watch = _PlanWatcher(client, env.job)
@@ -116,6 +119,9 @@ class Session:
 
     def wrap(self, module: nn.Module, hook_installer: HookInstaller | None = None) -> ElasticDDP:
         """Wrap ``module`` for data-parallel training across generations."""
+        comm = self.spec.comm
+        if hook_installer is None and (comm.hierarchical or comm.compression.type.value != "none"):
+            hook_installer = self._install_spec_hook
         wrapped = ElasticDDP(
             module,
             hook_installer=hook_installer,
@@ -125,6 +131,20 @@ class Session:
         if dist.is_initialized():
             wrapped.rebuild()
         return wrapped
+
+    def _install_spec_hook(self, ddp: Any) -> None:
+        """Register the job's comm hook on a DDP built for this generation."""
+        from agents.comm import NodeLayout, build_comm_hook
+
+        assert self._plan is not None
+        node_of_rank = [i for i, m in enumerate(self._plan.members) for _ in range(m.nproc)]
+        hook = build_comm_hook(
+            self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
+        )
+        if self._hook_state is not None:  # error feedback etc. survive the new group
+            hook.load_state_dict(self._hook_state)
+        hook.register(ddp)
+        self._hook = hook
 
     def track(self, **objects: Stateful) -> None:
         """Register state a replacement must receive (model, optimizer, scheduler, data)."""
@@ -164,6 +184,9 @@ class Session:
             if self._step_error is not None:
                 self._recover(f"step {current} failed: {_short(self._step_error)}")
                 continue
+            if self._hook is not None:
+                for w in self._wrapped:
+                    self._hook.after_optimizer_step(w.module)  # local SGD averages here
             self.step = current + 1
             self.has_state = True
             self._failures_at_step = 0
@@ -202,6 +225,9 @@ class Session:
             )
         self.recoveries += 0 if planned else 1
         log.warning("[%s] generation %d ends: %s", self.worker, self.generation, reason)
+        if self._hook is not None:
+            self._hook_state = self._hook.state_dict()
+            self._hook = None
         for w in self._wrapped:
             w.drop()
         teardown_group()
@@ -254,6 +280,7 @@ class Session:
         member = plan.member(self.env.node)
         assert member is not None
         self.generation = plan.generation
+        self._plan = plan
         self.rank = member.rank_base + self.env.local_rank
         self.world_size = plan.world_size
         form_group(

@@ -20,6 +20,7 @@ def tiny_job(
     spares: int = 1,
     hang_timeout: str = "30s",
     extra_args: list[str] | None = None,
+    comm: dict[str, object] | None = None,
 ) -> JobSpec:
     """2 active nodes + ``spares`` spares running examples/train_tiny.py."""
     (tmp / "steps").mkdir(exist_ok=True)
@@ -42,6 +43,7 @@ def tiny_job(
             "nodes": {"min": 2, "max": 2, "spares": spares},
             "max_steps": steps,
             "checkpoint": {"url": f"file://{tmp}/ckpt", "every_steps": 0},
+            "comm": comm or {},
             "fault_tolerance": {
                 "hang_timeout": hang_timeout,
                 "heartbeat_interval": "500ms",

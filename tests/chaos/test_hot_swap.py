@@ -88,8 +88,8 @@ def test_sigkill_leader_controller_standby_takes_over(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
     lines: list[str] = []
-    spec = tiny_job("leader", tmp_path, steps=STEPS)
-    with quiet_run(spec, lines, controllers=2, kill_node_at_step=80) as run:
+    spec = tiny_job("leader", tmp_path, steps=STEPS, step_time=0.06)
+    with quiet_run(spec, lines, controllers=2, kill_node_at_step=90) as run:
         _wait_for_worker_at_step(run, 20)
         leader = next(
             p
@@ -154,3 +154,15 @@ def test_sigterm_node_saves_within_grace_then_spare_takes_over(
     ), "the preemption checkpoint is not on disk"
     assert_exactly_once(tmp_path, STEPS)
     assert_same_params(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_compressed_job_survives_node_kill(tmp_path: Path) -> None:
+    """The spec's comm hook is rebuilt for each generation; its state carries over."""
+    lines: list[str] = []
+    comm = {"compression": {"type": "qsgd", "bits": 8, "warmup_steps": 5}}
+    spec = tiny_job("qsgd", tmp_path, steps=80, comm=comm)
+    with quiet_run(spec, lines, kill_node_at_step=30) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries == 1
+    assert_exactly_once(tmp_path, 80)

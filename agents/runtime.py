@@ -97,7 +97,6 @@ class Session:
         self._ckpt: Any = None
         self._plan: Plan | None = None
         self._hook: Any = None
-        self._hook_state: dict[str, Any] | None = None
         self._pending_save: Any = None
         self.restored_from: str | None = None
         self._watch = _PlanWatcher(client, env.job)
@@ -141,8 +140,9 @@ class Session:
         hook = build_comm_hook(
             self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
         )
-        if self._hook_state is not None:  # error feedback etc. survive the new group
-            hook.load_state_dict(self._hook_state)
+        # Every rank starts the generation with a fresh hook: a replacement has no
+        # hook state, and ranks whose warm-up counters differ would run different
+        # collectives.  Error-feedback residuals of the old generation are dropped.
         hook.register(ddp)
         self._hook = hook
 
@@ -225,9 +225,7 @@ class Session:
             )
         self.recoveries += 0 if planned else 1
         log.warning("[%s] generation %d ends: %s", self.worker, self.generation, reason)
-        if self._hook is not None:
-            self._hook_state = self._hook.state_dict()
-            self._hook = None
+        self._hook = None
         for w in self._wrapped:
             w.drop()
         teardown_group()

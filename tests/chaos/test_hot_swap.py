@@ -157,7 +157,7 @@ def test_sigterm_node_saves_within_grace_then_spare_takes_over(
 
 
 def test_compressed_job_survives_node_kill(tmp_path: Path) -> None:
-    """The spec's comm hook is rebuilt for each generation; its state carries over."""
+    """The spec's comm hook is rebuilt, fresh on every rank, for each generation."""
     lines: list[str] = []
     comm = {"compression": {"type": "qsgd", "bits": 8, "warmup_steps": 5}}
     spec = tiny_job("qsgd", tmp_path, steps=80, comm=comm)

@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	rm -rf checkpoints/demo  # a fresh start each time (the job would resume from them)
 	$(VENV)/bin/ringmaster run examples/demo.yaml --kill-node-at-step 100
 
 lint: $(STAMP)

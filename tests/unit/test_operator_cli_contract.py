@@ -63,7 +63,7 @@ def test_command_line_parses_with_the_cli(name: str, monkeypatch: pytest.MonkeyP
     assert argv[:2] == ["ringmaster", name]
     command = cli.main.commands.get(name) if isinstance(cli.main, click.Group) else None
     if command is None:
-        pytest.skip(f"`ringmaster {name}` is not in orchestrator/cli.py yet")
+        pytest.skip(f"`ringmaster {name}` is not in orchestrator/cli yet")
     for var in container.get("env", []):
         if "value" in var and var["name"].startswith("RINGMASTER_"):
             monkeypatch.setenv(var["name"], var["value"])

@@ -1,0 +1,5 @@
+"""``python -m orchestrator.cli`` runs the command line."""
+
+from orchestrator.cli import main
+
+main()

@@ -1,0 +1,87 @@
+"""Commands that work on this machine: check a job file, run etcd, run a job."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import click
+from rich.table import Table
+
+from orchestrator.api import SpecError
+from orchestrator.cli.options import build_etcd_options, console, etcd_options, fail, handle_errors
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check a job file; print OK or every problem (exit 2)."""
+    from orchestrator.spec_loader import load_job_file
+
+    try:
+        spec = load_job_file(job_file)
+    except SpecError as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
+    except OSError as e:
+        fail(f"cannot read {job_file}: {e.strerror}", 2)
+        return
+    console.print(f"OK: job '{spec.name}' ({job_file})", highlight=False)
+
+
+@click.command("etcd")
+@click.option("--port", type=int, default=2379, show_default=True, help="client port")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="keep data here")
+def etcd_cmd(port: int, data_dir: str | None) -> None:
+    """Run a local etcd in the foreground (development)."""
+    from orchestrator.embedded_etcd import EmbeddedEtcd
+
+    server = EmbeddedEtcd(data_dir=data_dir, client_port=port)
+    with server:
+        console.print(f"etcd listening on {server.endpoint} (Ctrl-C to stop)")
+        stop = {"flag": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+        try:
+            while not stop["flag"] and server.proc is not None and server.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--kill-node-at-step",
+    type=int,
+    help="SIGKILL one active node (agent and workers) at this step, to show recovery",
+)
+@click.option("--timeout", type=float, default=1800, show_default=True, help="seconds")
+@etcd_options
+@handle_errors
+def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any) -> None:
+    """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    from orchestrator.local_run import run_job
+    from orchestrator.spec_loader import load_job_file
+
+    spec = load_job_file(job_file)
+    result = run_job(
+        spec,
+        etcd=build_etcd_options(kw),
+        kill_node_at_step=kill_node_at_step,
+        timeout=timedelta(seconds=timeout),
+    )
+    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
+    table.add_row(
+        spec.name,
+        result.phase.value,
+        str(result.step),
+        str(result.recoveries),
+        f"{result.killed_node} at step {result.killed_at_step}" if result.killed_node else "-",
+        f"{result.wall_s:.1f}s",
+    )
+    console.print(table)
+    if result.phase.value != "Succeeded":
+        sys.exit(1)

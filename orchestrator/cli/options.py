@@ -1,0 +1,105 @@
+"""Options and error handling shared by every ``ringmaster`` command.
+
+Options fall back to ``RINGMASTER_*`` environment variables (``--etcd`` ←
+``RINGMASTER_ETCD`` ...).  Exit codes: 0 success, 1 runtime failure, 2 bad
+input (invalid job file, bad option).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from orchestrator.api import OrchestratorError, SpecError
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, parse_endpoints
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def etcd_options(fn: F) -> F:
+    """Add the shared etcd connection options to a command."""
+    options = [
+        click.option(
+            "--etcd",
+            "etcd_endpoints",
+            envvar="RINGMASTER_ETCD",
+            help="etcd client endpoints, host:port[,host:port...]  [env RINGMASTER_ETCD]",
+        ),
+        click.option("--etcd-ca", envvar="RINGMASTER_ETCD_CA", help="CA certificate (TLS)"),
+        click.option("--etcd-cert", envvar="RINGMASTER_ETCD_CERT", help="client certificate"),
+        click.option("--etcd-key", envvar="RINGMASTER_ETCD_KEY", help="client key"),
+        click.option("--etcd-user", envvar="RINGMASTER_ETCD_USER", help="etcd user"),
+        click.option(
+            "--etcd-password",
+            envvar="RINGMASTER_ETCD_PASSWORD",
+            help="etcd password (prefer the env variable)",
+        ),
+        click.option(
+            "--etcd-timeout",
+            type=float,
+            default=5.0,
+            show_default=True,
+            envvar="RINGMASTER_ETCD_CONNECT_TIMEOUT",
+            help="seconds to wait for etcd to answer",
+        ),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def build_etcd_options(kw: dict[str, Any], default: str | None = None) -> EtcdOptions | None:
+    """EtcdOptions from the shared CLI options; None when no endpoint is given."""
+    text = kw.pop("etcd_endpoints", None) or default
+    ca, cert, key = kw.pop("etcd_ca", None), kw.pop("etcd_cert", None), kw.pop("etcd_key", None)
+    user, password = kw.pop("etcd_user", None), kw.pop("etcd_password", None)
+    timeout = kw.pop("etcd_timeout", 5.0)
+    if not text:
+        return None
+    return EtcdOptions(
+        endpoints=parse_endpoints(text),
+        ca_cert=ca,
+        cert=cert,
+        key=key,
+        user=user,
+        password=password,
+        connect_timeout=timedelta(seconds=timeout),
+    )
+
+
+def connect_client(kw: dict[str, Any]) -> EtcdClient:
+    options = build_etcd_options(kw)
+    if options is None:
+        fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        raise AssertionError("unreachable")
+    return connect(options)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn library errors into one clear line and an exit code."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as e:
+            click.echo(str(e), err=True)
+            sys.exit(2)
+        except OrchestratorError as e:
+            fail(str(e))
+
+    return wrapper  # type: ignore[return-value]

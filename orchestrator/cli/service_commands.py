@@ -1,0 +1,84 @@
+"""Long-running services: the node agent, the controller, the operator."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import click
+
+from orchestrator.cli.options import (
+    build_etcd_options,
+    connect_client,
+    etcd_options,
+    fail,
+    handle_errors,
+)
+from orchestrator.etcd_client import connect
+
+
+@click.command()
+@click.option("--job", required=True, envvar="RINGMASTER_JOB", help="job to serve")
+@click.option("--node", required=True, envvar="RINGMASTER_NODE", help="this node's name")
+@click.option("--labels", envvar="RINGMASTER_LABELS", help="topology labels: zone=a,rack=r1")
+@click.option("--address", default="127.0.0.1", envvar="RINGMASTER_ADDRESS", show_default=True)
+@etcd_options
+@handle_errors
+def agent(job: str, node: str, labels: str | None, address: str, **kw: Any) -> None:
+    """Run the node agent: register, start workers, supervise (SIGTERM = preemption)."""
+    import logging
+
+    from agents.node_agent import NodeAgent, parse_labels
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    try:
+        parsed = parse_labels(labels)
+    except ValueError as e:
+        fail(f"--labels: {e}", 2)
+        return
+    options = build_etcd_options(kw)
+    if options is None:
+        fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        return
+    with connect(options) as client:
+        node_agent = NodeAgent(client, options, job, node, parsed, address)
+        signal.signal(signal.SIGTERM, lambda *_: node_agent.preempt())
+        signal.signal(signal.SIGINT, lambda *_: node_agent.request_stop())
+        code = node_agent.run()
+    sys.exit(code)
+
+
+@click.command()
+@click.option("--job", envvar="RINGMASTER_JOB", help="serve only this job (default: all)")
+@etcd_options
+@handle_errors
+def controller(job: str | None, **kw: Any) -> None:
+    """Run a controller; the first one leads, the others stand by."""
+    import logging
+    import threading
+
+    from orchestrator.controller import Controller
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with connect_client(kw) as client:
+        Controller(client, job).run(stop)
+
+
+@click.command()
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    envvar="RINGMASTER_NAMESPACES",
+    help="namespace to watch (repeat for several; default: all)",
+)
+def operator(namespaces: tuple[str, ...]) -> None:
+    """Run the Kubernetes operator for TrainingJobs (needs the `operator` extra)."""
+    from orchestrator.operator import run_operator
+
+    run_operator(namespaces)

@@ -41,6 +41,7 @@ from orchestrator import events, keys
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease
 from orchestrator.jobs import read_spec, read_status, send_command
+from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
 
 log = logging.getLogger("ringmaster.agent")
@@ -128,6 +129,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._preempted_at: float | None = None
         self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
+        self._liveness: LivenessServer | None = None
         self.exit_code = 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -137,6 +139,7 @@ class NodeAgent:
         self.spec = self._wait_for_spec(spec_timeout)
         self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
         self._lease.keep_alive()
+        self._liveness = LivenessServer(self.address, self._liveness_status)
         for i in range(self.spec.nproc_per_node):
             self._start_worker(i)
         self._register()
@@ -146,6 +149,8 @@ class NodeAgent:
             self._supervise()
         finally:
             watch.cancel()
+            if self._liveness is not None:
+                self._liveness.close()
             self._stop_workers()
             if self._lease is not None:
                 self._lease.revoke()
@@ -191,9 +196,17 @@ class NodeAgent:
             "labels": self.labels,
             "pid": os.getpid(),
             "worker_pids": [w.proc.pid for w in self.workers.values()],
+            "liveness": self._liveness.address if self._liveness else None,
             "started": time.time(),
         }
         self.client.put_json(keys.job_node(self.job, self.node), info, lease=self._lease)
+
+    def _liveness_status(self) -> dict[str, Any]:
+        """What the liveness port answers: which local workers are running."""
+        return {
+            "node": self.node,
+            "workers": {str(r): w.proc.poll() is None for r, w in list(self.workers.items())},
+        }
 
     # -- workers -----------------------------------------------------------------------
 

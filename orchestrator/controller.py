@@ -8,8 +8,10 @@ reads it back.  Per job it:
   the last-call timeout), taking the first ones in topology order as active
   and the rest as warm spares;
 * detects failures: workers report a broken generation the moment a
-  collective fails; a member node none of whose workers reported within
-  ``REPORT_GRACE`` is dead (SIGKILL, power loss); a member whose registration
+  collective fails; a member node none of whose workers reported is probed
+  on its agent's liveness port (:mod:`orchestrator.liveness`): refused means
+  dead at once (SIGKILL), otherwise it is dead when it stays silent for
+  ``REPORT_GRACE`` (power loss, cut link); a member whose registration
   lease expired is dead; a worker whose heartbeat thread stopped while its
   step stalled for ``hang_timeout`` is hung and gets killed by its agent;
 * publishes the next generation with a warm spare in each dead node's slot
@@ -34,6 +36,7 @@ from orchestrator.api import EtcdError, JobPhase, Member, Plan
 from orchestrator.etcd_client import EtcdClient
 from orchestrator.jobs import JobStatus, read_spec, read_status
 from orchestrator.leader import LeaderElection
+from orchestrator.liveness import Liveness, probe
 
 log = logging.getLogger("ringmaster.controller")
 
@@ -50,6 +53,9 @@ class _Break:
     generation: int
     seen_at: float
     steps: dict[str, int] = field(default_factory=dict)
+    #: silent nodes whose liveness port refused the connection: dead, no need to wait
+    confirmed_dead: set[str] = field(default_factory=set)
+    probed: set[str] = field(default_factory=set)
 
 
 class JobController:
@@ -233,11 +239,32 @@ class JobController:
                     f"generation {plan.generation} broke: {first.get('reason', '')}",
                 )
         silent = {m.node for m in plan.members if not all(w in reports for w in self._workers(m))}
-        if silent and now - self._break.seen_at < REPORT_GRACE.total_seconds():
+        self._probe_silent(silent - self._break.probed, nodes)
+        waiting = silent - self._break.confirmed_dead
+        if waiting and now - self._break.seen_at < REPORT_GRACE.total_seconds():
             return  # give the other survivors time to report
         if all(r.get("planned") for r in reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
-        self._replace(plan, nodes, progress, silent, f"no report from {', '.join(sorted(silent))}")
+        dead = self._break.confirmed_dead & silent
+        why = (
+            f"agent of {', '.join(sorted(dead))} gone (liveness port refused)"
+            if dead == silent
+            else f"no report from {', '.join(sorted(silent))}"
+        )
+        self._replace(plan, nodes, progress, silent, why)
+
+    def _probe_silent(self, silent: set[str], nodes: dict[str, dict[str, Any]]) -> None:
+        """Ask each silent node's agent whether it is there; a refusal means dead now."""
+        assert self._break is not None
+        for node in sorted(silent):
+            self._break.probed.add(node)
+            address = (nodes.get(node) or {}).get("liveness")
+            if not address:
+                continue
+            verdict, _ = probe(address)
+            log.info("[%s] liveness of %s: %s", self.job, node, verdict.value)
+            if verdict is Liveness.DEAD:
+                self._break.confirmed_dead.add(node)
 
     def _replace(
         self,

@@ -55,6 +55,9 @@ def test_sigkill_whole_node_spare_takes_over_nothing_lost(
     assert result.recoveries == 1, summary(result, lines)
     kinds = [e.type for e in result.events]
     assert "NodeFailed" in kinds
+    # the dead agent's liveness port refused: declared dead without waiting out a grace
+    failed = next(e for e in result.events if e.type == "NodeFailed")
+    assert "liveness port refused" in failed.message, failed.message
     generations = [e for e in result.events if e.type == "Generation"]
     assert len(generations) == 2 and "replaces" in generations[1].message
     assert_exactly_once(tmp_path, STEPS)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.api import WorkerEnv
+from agents.log_shipper import LogShipper
 from orchestrator import events, keys
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease
@@ -57,6 +58,7 @@ class _Worker:
     local_rank: int
     proc: subprocess.Popen[bytes]
     error_file: Path
+    shipper: LogShipper | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.time)
 
@@ -237,9 +239,14 @@ class NodeAgent:
             [sys.executable, *self.spec.entrypoint.command()],
             cwd=self.workdir,
             env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             preexec_fn=tie_to_parent(),
         )
-        self.workers[local_rank] = _Worker(local_rank, proc, error_file, restarts)
+        assert proc.stdout is not None
+        shipper = LogShipper(self.client, self.job, self.node, local_rank, sys.stdout.buffer)
+        shipper.start(proc.stdout)
+        self.workers[local_rank] = _Worker(local_rank, proc, error_file, shipper, restarts)
         if self._lease is not None:
             self._register()
 
@@ -321,6 +328,9 @@ class NodeAgent:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
+        for w in self.workers.values():
+            if w.shipper is not None:
+                w.shipper.join(timeout=2.0)  # the last lines reach etcd
 
     def _follow_commands(self, watch: Any) -> None:
         try:

@@ -15,6 +15,7 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/done/<w>          worker <w> finished the training loop
     /ringmaster/jobs/<job>/agents/<node>/cmd commands from the controller to a node agent
     /ringmaster/jobs/<job>/pg/<gen>/...      process-group bootstrap store of a generation
+    /ringmaster/jobs/<job>/logs/<node>/<lr>/<t>  chunks of worker output (not leased)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
     /ringmaster/controller/leader            leader election (leased)
@@ -114,6 +115,18 @@ def agent_commands(job: str, node: str) -> str:
 
 def pg_store(job: str, generation: int) -> str:
     return job_prefix(job) + f"pg/{int(generation)}/"
+
+
+def job_logs(job: str) -> str:
+    return job_prefix(job) + "logs/"
+
+
+def node_logs(job: str, node: str) -> str:
+    return job_logs(job) + f"{segment(node, 'node name')}/"
+
+
+def worker_logs(job: str, node: str, local_rank: int) -> str:
+    return node_logs(job, node) + f"{int(local_rank)}/"
 
 
 def worker_id(node: str, local_rank: int) -> str:

@@ -25,6 +25,7 @@ for _command in (
     job_commands.submit,
     job_commands.status,
     job_commands.stop,
+    job_commands.logs,
     service_commands.agent,
     service_commands.controller,
     service_commands.operator,

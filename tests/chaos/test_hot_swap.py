@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from orchestrator.api import JobPhase
+from orchestrator.cli import main
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -50,9 +52,16 @@ def test_sigkill_whole_node_spare_takes_over_nothing_lost(
     spec = tiny_job("kill-node", tmp_path, steps=STEPS)
     with quiet_run(spec, lines, kill_node_at_step=40) as run:
         result = run.wait()
+        assert result.killed_node is not None
+        # the dead node's output is still there to read (rank 0 printed step 0)
+        endpoint = run.etcd_options.endpoints[0]
+        logs = CliRunner().invoke(
+            main, ["logs", spec.name, "--node", result.killed_node, "--etcd", endpoint]
+        )
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert result.killed_node is not None
     assert result.recoveries == 1, summary(result, lines)
+    assert logs.exit_code == 0, logs.output
+    assert f"[{result.killed_node}/0] step 0 loss" in logs.output, logs.output
     kinds = [e.type for e in result.events]
     assert "NodeFailed" in kinds
     # the dead agent's liveness port refused: declared dead without waiting out a grace

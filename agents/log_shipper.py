@@ -1,0 +1,109 @@
+"""Tee a worker's output to the agent's own output and to etcd (``ringmaster logs``).
+
+One :class:`LogShipper` per worker process.  A reader thread passes every
+line on to ``sink`` at once (a local run shows it live, prefixed by node) and
+queues it; every ``flush_every`` the queued lines go to etcd as one chunk
+(:mod:`orchestrator.logs` has the layout).  Once this worker's chunks exceed
+``keep_bytes``, the oldest are deleted.  etcd being unreachable never blocks
+or kills the worker: lines wait (bounded) and go with the next flush.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from typing import IO
+
+from orchestrator import keys
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.logs import encode_chunk
+
+log = logging.getLogger("ringmaster.agent")
+
+#: Longest line kept (characters); the rest is cut and marked.
+MAX_LINE = 4000
+
+
+class LogShipper:
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str,
+        node: str,
+        local_rank: int,
+        sink: IO[bytes],
+        *,
+        flush_every: float = 0.5,
+        keep_bytes: int = 1 << 20,
+        max_pending: int = 10_000,
+    ) -> None:
+        self.client = client
+        self.prefix = keys.worker_logs(job, node, local_rank)
+        self.node, self.local_rank = node, local_rank
+        self.sink = sink
+        self.flush_every = flush_every
+        self.keep_bytes = keep_bytes
+        self._pending: deque[tuple[float, str]] = deque(maxlen=max_pending)
+        self._lock = threading.Lock()
+        self._written: deque[tuple[str, int]] = deque()  # (key, size) oldest first
+        self._written_bytes = 0
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, stream: IO[bytes]) -> LogShipper:
+        """Read ``stream`` until EOF in the background."""
+        for target, args in ((self._read, (stream,)), (self._flush_loop, ())):
+            t = threading.Thread(target=target, args=args, daemon=True, name="log-shipper")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait for EOF and the last flush."""
+        for t in self._threads:
+            t.join(timeout)
+
+    def _read(self, stream: IO[bytes]) -> None:
+        try:
+            for raw in iter(stream.readline, b""):
+                with contextlib.suppress(OSError, ValueError):
+                    self.sink.write(raw)
+                    self.sink.flush()
+                text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if len(text) > MAX_LINE:
+                    text = text[:MAX_LINE] + " [line cut]"
+                with self._lock:
+                    self._pending.append((time.time(), text))
+        finally:
+            self._done.set()
+
+    def _flush_loop(self) -> None:
+        while not self._done.wait(self.flush_every):
+            self.flush()
+        self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            lines = list(self._pending)
+            self._pending.clear()
+        if not lines:
+            return
+        key = f"{self.prefix}{time.time_ns():020d}"
+        data = encode_chunk(self.node, self.local_rank, lines)
+        try:
+            self.client.put(key, data)
+        except Exception as e:  # etcd away: keep the lines for the next flush
+            log.debug("log chunk not shipped (%s); retrying", e)
+            with self._lock:
+                self._pending.extendleft(reversed(lines))
+            return
+        self._written.append((key, len(data)))
+        self._written_bytes += len(data)
+        while self._written_bytes > self.keep_bytes and len(self._written) > 1:
+            old, size = self._written.popleft()
+            self._written_bytes -= size
+            with contextlib.suppress(Exception):
+                self.client.delete(old)

@@ -136,12 +136,18 @@ class LocalRun:
         jobs.submit(self._client, self.spec)
         self.print(f"[run] submitted job '{self.spec.name}'")
         for i in range(self.controllers):
-            self._spawn(f"controller-{i}", ["controller", "--job", self.spec.name])
+            self.add_controller(f"controller-{i}")
         for i, node in enumerate(self.node_names()):
-            labels = f"zone=local,rack=rack-{i // 2},host={node}"
-            self._spawn(
-                node, ["agent", "--job", self.spec.name, "--node", node, "--labels", labels]
-            )
+            self.add_node(node, rack=f"rack-{i // 2}")
+
+    def add_node(self, node: str, rack: str = "rack-0") -> None:
+        """Start one more node agent (it joins as a warm spare once the job runs)."""
+        labels = f"zone=local,rack={rack},host={node}"
+        self._spawn(node, ["agent", "--job", self.spec.name, "--node", node, "--labels", labels])
+
+    def add_controller(self, name: str) -> None:
+        """Start one more controller (a standby while another leads)."""
+        self._spawn(name, ["controller", "--job", self.spec.name])
 
     def kill_node(self, node: str) -> None:
         """SIGKILL a node: its agent and all its workers (one process group)."""

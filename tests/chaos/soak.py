@@ -1,0 +1,156 @@
+"""The chaos soak: a seeded schedule of real faults injected into one local run.
+
+Fault kinds (each used at least once per schedule):
+
+* ``node-kill``       SIGKILL a whole active node (agent and workers);
+* ``worker-kill``     SIGKILL one active worker (its agent restarts it);
+* ``controller-kill`` SIGKILL the leading controller (a standby leads);
+* ``worker-hang``     SIGSTOP one active worker (hang detection kills it);
+* ``preemption``      SIGTERM an active node (save within the grace, then leave);
+* ``upload-kill``     SIGKILL an active node while a checkpoint is uploading.
+
+A fault is injected once the job has reached its step and trains again after
+the previous fault, with a warm spare available; whatever a fault used up (a
+node, a controller) is replaced by a fresh process, as a cluster would.  The
+seed and the schedule are printed, so a failing run can be replayed with
+``RINGMASTER_SOAK_SEED``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import jobs, keys
+from orchestrator.api import JobPhase
+from orchestrator.local_run import LocalRun
+
+KINDS = (
+    "node-kill",
+    "worker-kill",
+    "controller-kill",
+    "worker-hang",
+    "preemption",
+    "upload-kill",
+)
+#: Kinds after which the node is gone and a fresh spare is started.
+CONSUMES_NODE = {"node-kill", "preemption", "upload-kill"}
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_step: int
+    target: str = ""
+    injected_step: int = -1
+    injected_at: float = 0.0
+
+    def __str__(self) -> str:
+        where = f" {self.target} at step {self.injected_step}" if self.target else ""
+        return f"{self.kind}@{self.at_step}{where}"
+
+
+def plan_faults(seed: int, count: int, first_step: int, gap: int) -> list[Fault]:
+    """``count`` faults, every kind at least once, in a seeded order."""
+    rng = random.Random(seed)
+    kinds = list(KINDS)
+    while len(kinds) < count:
+        kinds.append(rng.choice(KINDS))
+    rng.shuffle(kinds)
+    return [Fault(kind, first_step + i * gap) for i, kind in enumerate(kinds)]
+
+
+@dataclass
+class Injector:
+    """Injects ``faults`` into ``run`` in order; :meth:`poll` from the test's loop."""
+
+    run: LocalRun
+    faults: list[Fault]
+    checkpoint_dir: Path
+    rng: random.Random
+    done: list[Fault] = field(default_factory=list)
+    _nodes_started: int = 0
+    _controllers_started: int = 0
+
+    def __post_init__(self) -> None:
+        self._nodes_started = self.run.spec.nodes.max + self.run.spec.nodes.spares
+        self._controllers_started = self.run.controllers
+        self._uploads_seen: set[str] = set()
+
+    @property
+    def pending(self) -> list[Fault]:
+        return self.faults[len(self.done) :]
+
+    def poll(self) -> None:
+        if not self.pending:
+            return
+        fault = self.pending[0]
+        client = self.run._client
+        assert client is not None
+        status = jobs.read_status(client, self.run.spec.name)
+        if status is None or status.phase is not JobPhase.RUNNING or status.step < fault.at_step:
+            return
+        if not status.spare_nodes or len(status.active_nodes) < self.run.spec.nodes.max:
+            return  # wait until the last fault is fully repaired
+        active = list(status.active_nodes)
+        if fault.kind == "upload-kill" and not self._upload_in_flight():
+            return
+        fault.injected_step, fault.injected_at = status.step, time.time()
+        self._inject(fault, active)
+        self.done.append(fault)
+        self.run.print(f"[soak] injected {fault}")
+
+    def _upload_in_flight(self) -> bool:
+        """A checkpoint directory without a manifest appeared since the last look."""
+        if not self.checkpoint_dir.exists():
+            return False
+        for d in self.checkpoint_dir.iterdir():
+            uploading = d.is_dir() and not (d / "manifest.json").exists()
+            if uploading and d.name not in self._uploads_seen:
+                self._uploads_seen.add(d.name)
+                return True
+        return False
+
+    def _inject(self, fault: Fault, active: list[str]) -> None:
+        node = self.rng.choice(active)
+        if fault.kind in ("node-kill", "upload-kill"):
+            fault.target = node
+            self.run.kill_node(node)
+        elif fault.kind == "preemption":
+            fault.target = node
+            self.run.signal_node(node, signal.SIGTERM)
+        elif fault.kind in ("worker-kill", "worker-hang"):
+            pid = self._worker_pid(node)
+            fault.target = f"{node} worker pid {pid}"
+            os.kill(pid, signal.SIGKILL if fault.kind == "worker-kill" else signal.SIGSTOP)
+        elif fault.kind == "controller-kill":
+            fault.target = self._kill_leader()
+            self._controllers_started += 1
+            self.run.add_controller(f"controller-{self._controllers_started - 1}")
+        if fault.kind in CONSUMES_NODE:
+            name = f"node-{self._nodes_started}"
+            self._nodes_started += 1
+            self.run.add_node(name, rack=f"rack-{self._nodes_started // 2}")
+
+    def _worker_pid(self, node: str) -> int:
+        client = self.run._client
+        assert client is not None
+        progress = client.get_json(
+            keys.job_progress(self.run.spec.name) + keys.worker_id(node, 0)
+        )
+        assert progress, f"no progress record for {node}"
+        return int(progress["pid"])
+
+    def _kill_leader(self) -> str:
+        client = self.run._client
+        assert client is not None
+        kv = client.get(keys.controller_leader())
+        assert kv is not None, "no leader"
+        pid = int(kv.value.decode().rsplit("-", 1)[1])
+        name = next(n for n, p in self.run.procs.items() if p.popen.pid == pid)
+        os.kill(pid, signal.SIGKILL)
+        return name

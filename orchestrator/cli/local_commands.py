@@ -59,20 +59,33 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     help="SIGKILL one active node (agent and workers) at this step, to show recovery",
 )
 @click.option("--timeout", type=float, default=1800, show_default=True, help="seconds")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=0,
+    show_default=True,
+    help="the controller's Prometheus port (0: any free port; the URL is printed)",
+)
 @etcd_options
 @handle_errors
-def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any) -> None:
+def run(
+    job_file: str, kill_node_at_step: int | None, timeout: float, metrics_port: int, **kw: Any
+) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    from orchestrator.live_view import LiveView
     from orchestrator.local_run import run_job
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
-    result = run_job(
-        spec,
-        etcd=build_etcd_options(kw),
-        kill_node_at_step=kill_node_at_step,
-        timeout=timedelta(seconds=timeout),
-    )
+    with LiveView(console, spec.name, spec.max_steps) as view:
+        result = run_job(
+            spec,
+            etcd=build_etcd_options(kw),
+            kill_node_at_step=kill_node_at_step,
+            timeout=timedelta(seconds=timeout),
+            metrics_port=metrics_port,
+            view=view,
+        )
     table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
     table.add_row(
         spec.name,

@@ -26,7 +26,7 @@ RECOVERY_EVENTS = frozenset({"Recovered"})
 def format_eta(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"

@@ -4,29 +4,23 @@ The controller already reads everything worth exporting (job status, worker
 progress and telemetry, recoveries), so it is the one exporter: workers do
 not open ports.  Every series carries a ``job`` label.
 
-=====================================================  =========  ==========================
-name                                                   type       labels
-=====================================================  =========  ==========================
-``ringmaster_job_phase``                               gauge      job, phase (1 = current)
-``ringmaster_job_step``                                gauge      job
-``ringmaster_job_steps_per_second``                    gauge      job
-``ringmaster_job_samples_per_second``                  gauge      job
-``ringmaster_job_world_size``                          gauge      job
-``ringmaster_job_nodes``                               gauge      job, state (active/spare/failed)
-``ringmaster_job_spare_nodes``                         gauge      job (warm spares left)
-``ringmaster_job_recoveries_total``                    counter    job, cause
-``ringmaster_job_recovery_seconds``                    histogram  job (failure → first step)
-``ringmaster_job_recovery_phase_seconds``              histogram  job, phase
-``ringmaster_job_last_recovery_phase_seconds``         gauge      job, phase
-``ringmaster_job_checkpoint_blocking_seconds``         gauge      job (last save)
-``ringmaster_job_checkpoint_upload_seconds``           gauge      job (last save)
-``ringmaster_job_checkpoints_total``                   counter    job
-``ringmaster_job_comm_wire_bytes_total``               counter    job (gradient bytes sent)
-``ringmaster_job_comm_dense_bytes_total``              counter    job (the fp32 bytes they stand for)
-``ringmaster_job_comm_compression_ratio``              gauge      job (dense / wire)
-``ringmaster_job_effective_training_ratio``            gauge      job
-``ringmaster_job_productive_seconds``                  gauge      job
-=====================================================  =========  ==========================
+* ``ringmaster_job_phase`` (gauge; job, phase): 1 for the current phase
+* ``ringmaster_job_step``, ``ringmaster_job_world_size`` (gauges)
+* ``ringmaster_job_steps_per_second``, ``ringmaster_job_samples_per_second`` (gauges)
+* ``ringmaster_job_nodes`` (gauge; job, state = active/spare/failed) and
+  ``ringmaster_job_spare_nodes`` (warm spares left)
+* ``ringmaster_job_recoveries_total`` (counter; job, cause)
+* ``ringmaster_job_recovery_seconds`` (histogram): failure → first step
+* ``ringmaster_job_recovery_phase_seconds`` (histogram; job, phase) and
+  ``ringmaster_job_last_recovery_phase_seconds`` (gauge; job, phase), for
+  detect / rendezvous / restore / first_step
+* ``ringmaster_job_checkpoint_blocking_seconds``,
+  ``ringmaster_job_checkpoint_upload_seconds`` (gauges, last save) and
+  ``ringmaster_job_checkpoints_total`` (counter)
+* ``ringmaster_job_comm_wire_bytes_total``, ``ringmaster_job_comm_dense_bytes_total``
+  (counters: gradient bytes sent, and the fp32 bytes they stand for) and
+  ``ringmaster_job_comm_compression_ratio`` (gauge, dense / wire)
+* ``ringmaster_job_effective_training_ratio``, ``ringmaster_job_productive_seconds``
 """
 
 from __future__ import annotations

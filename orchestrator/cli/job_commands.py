@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator import jobs
@@ -113,7 +114,7 @@ def _one_job(s: jobs.JobStatus) -> Table:
         ("message", s.message or "-"),
     ]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, escape(value))
     return table
 
 

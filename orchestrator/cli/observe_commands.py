@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator import events, jobs, keys
@@ -43,7 +44,9 @@ def events_cmd(job: str, as_json: bool, types: tuple[str, ...], **kw: Any) -> No
         style = (
             "red" if ev.type in FAILURE_EVENTS else "green" if ev.type in RECOVERY_EVENTS else None
         )
-        table.add_row(_clock(ev.time), ev.type, ev.source, ev.message, style=style)
+        table.add_row(
+            _clock(ev.time), escape(ev.type), escape(ev.source), escape(ev.message), style=style
+        )
     console.print(table)
 
 
@@ -72,6 +75,7 @@ def report(job: str, output: str, png_path: str | None, **kw: Any) -> None:
         f"wrote {html_out} and {png_out}: {len(data.recoveries)} recoveries, "
         f"effective training {data.status.effective_fraction:.1%}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -106,4 +110,5 @@ def watch(job: str, interval: float, **kw: Any) -> None:
         f"{job}: {status.phase.value} at step {status.step}; {status.recoveries} recoveries; "
         f"effective training {status.effective_fraction:.1%}",
         highlight=False,
+        soft_wrap=True,
     )

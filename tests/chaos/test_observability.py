@@ -163,8 +163,10 @@ def test_metrics_after_the_failure(observed: Observed) -> None:
     assert value(m, "ringmaster_job_checkpoints_total", job=job) >= 2
     assert value(m, "ringmaster_job_checkpoint_blocking_seconds", job=job) > 0
     assert value(m, "ringmaster_job_checkpoint_upload_seconds", job=job) > 0
-    # 2 ranks x (16*32+32 + 32*4+4) fp32 parameters per step, at least STEPS steps
-    assert value(m, "ringmaster_job_comm_wire_bytes_total", job=job) >= STEPS * 2 * 4 * 676
+    # 2 ranks x (16*32+32 + 32*4+4) fp32 parameters per step; the killed node's last
+    # steps before its final heartbeat are never reported, hence the lower margin
+    dense = STEPS * 2 * 4 * 676
+    assert 0.9 * dense <= value(m, "ringmaster_job_comm_wire_bytes_total", job=job) <= 1.05 * dense
 
 
 def _record(observed: Observed) -> RecoveryRecord:

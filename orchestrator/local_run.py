@@ -170,6 +170,13 @@ class LocalRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.procs[node].popen.pid, sig)
 
+    @property
+    def client(self) -> EtcdClient:
+        """The run's etcd client (between :meth:`start` and :meth:`stop`)."""
+        if self._client is None:
+            raise RuntimeError("the local run is not started")
+        return self._client
+
     # -- following the job -------------------------------------------------------------
 
     def _check_metrics_url(self) -> None:

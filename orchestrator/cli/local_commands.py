@@ -66,26 +66,41 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     show_default=True,
     help="the controller's Prometheus port (0: any free port; the URL is printed)",
 )
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    help="when the job ends, write its HTML report here (and the PNG beside it)",
+)
 @etcd_options
 @handle_errors
 def run(
-    job_file: str, kill_node_at_step: int | None, timeout: float, metrics_port: int, **kw: Any
+    job_file: str,
+    kill_node_at_step: int | None,
+    timeout: float,
+    metrics_port: int,
+    report_path: str | None,
+    **kw: Any,
 ) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
     from orchestrator.live_view import LiveView
-    from orchestrator.local_run import run_job
+    from orchestrator.local_run import LocalRun
+    from orchestrator.report import write_report
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
-    with LiveView(console, spec.name, spec.max_steps) as view:
-        result = run_job(
-            spec,
-            etcd=build_etcd_options(kw),
-            kill_node_at_step=kill_node_at_step,
-            timeout=timedelta(seconds=timeout),
-            metrics_port=metrics_port,
-            view=view,
-        )
+    with LiveView(console, spec.name, spec.max_steps) as view, LocalRun(
+        spec,
+        etcd=build_etcd_options(kw),
+        kill_node_at_step=kill_node_at_step,
+        timeout=timedelta(seconds=timeout),
+        metrics_port=metrics_port,
+        view=view,
+    ) as local:
+        result = local.wait()
+        if report_path:
+            html_out, png_out, _ = write_report(local.client, spec.name, report_path)
+            view.print(f"[run] report: {html_out} and {png_out}")
     table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
     table.add_row(
         spec.name,

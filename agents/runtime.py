@@ -160,7 +160,11 @@ class Session:
         self._save_fn = fn
 
     def report(self, **metrics: float) -> None:
-        """Record metrics of the last step (published with progress)."""
+        """Record metrics of the last step (published with progress).
+
+        ``loss`` is plotted by ``ringmaster report``; ``samples`` (this rank's
+        samples in the step) gives the job's samples/s.
+        """
         self._metrics.update({k: float(v) for k, v in metrics.items()})
 
     # -- the loop ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ from orchestrator.recoveries import (
 )
 
 #: Steps per second are measured over this trailing window.
-RATE_WINDOW = timedelta(seconds=5)
+RATE_WINDOW = timedelta(seconds=3)
 #: Events this long before a failure are considered when finding its cause.
 CAUSE_LOOKBACK = timedelta(seconds=60)
 

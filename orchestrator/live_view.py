@@ -41,7 +41,7 @@ def eta_seconds(status: JobStatus, total: int) -> float | None:
 
 def event_line(ev: Event) -> str:
     """One event as a rich-markup line, coloured by kind."""
-    text = f"[event] {escape(ev.type)}: {escape(ev.message)}"
+    text = escape(f"[event] {ev.type}: {ev.message}")
     if ev.type in FAILURE_EVENTS:
         return f"[bold red]{text}[/]"
     if ev.type in RECOVERY_EVENTS:

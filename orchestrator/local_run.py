@@ -51,6 +51,7 @@ class RunResult:
     killed_at_step: int | None = None
     events: list[events.Event] = field(default_factory=list)
     metrics_url: str | None = None
+    effective_fraction: float = 0.0
 
 
 @dataclass
@@ -232,6 +233,7 @@ class LocalRun:
             killed_at_step=killed_at,
             events=events.list_events(self._client, self.spec.name),
             metrics_url=self.metrics_url,
+            effective_fraction=status.effective_fraction,
         )
 
     def stop(self, grace: float = 15.0) -> None:

@@ -56,6 +56,26 @@ class ReportData:
         end = self.status.finished_at or self.status.updated_at or self.generated_at
         return max(0.0, end - self.t0)
 
+    def throughput(self) -> list[tuple[float, float, float | None]]:
+        """``(seconds, steps/s, samples/s)`` between consecutive samples.
+
+        The controller's own rate is a trailing average; differences of
+        consecutive samples show a recovery's dip where it happened.
+        """
+        out: list[tuple[float, float, float | None]] = []
+        for a, b in zip(self.samples, self.samples[1:], strict=False):
+            dt = b.time - a.time
+            if dt <= 0:
+                continue
+            rate = max(0, b.step - a.step) / dt
+            per_step = (
+                b.samples_per_s / b.steps_per_s
+                if b.samples_per_s is not None and b.steps_per_s > 0
+                else None
+            )
+            out.append((b.time - self.t0, rate, None if per_step is None else rate * per_step))
+        return out
+
     def markers_of(self, kind: str) -> list[Marker]:
         return [m for m in self.markers if m.kind == kind]
 
@@ -108,20 +128,23 @@ def render_png(data: ReportData) -> bytes:
         else:
             ax_loss.text(0.5, 0.5, "no loss reported", ha="center", transform=ax_loss.transAxes)
         ax_loss.set_ylabel("loss (rank 0)")
-        ax_rate.plot(xs, [s.steps_per_s for s in data.samples], color="#9467bd", lw=1.2)
-        ax_rate.set_ylabel("steps/s")
+        flow = data.throughput()
+        ax_rate.plot([x for x, _, _ in flow], [r for _, r, _ in flow], color="#9467bd", lw=1.2)
+        ax_rate.set_ylabel("steps/s", color="#9467bd")
         ax_rate.set_xlabel("seconds since submission")
-        samples = [(x, s.samples_per_s) for x, s in zip(xs, data.samples, strict=True)]
-        if any(v is not None for _, v in samples):
+        per_sample = [(x, v) for x, _, v in flow if v is not None]
+        if per_sample:
             twin = ax_rate.twinx()
             twin.plot(
-                [x for x, v in samples if v is not None],
-                [v for _, v in samples if v is not None],
+                [x for x, _ in per_sample],
+                [v for _, v in per_sample],
                 color="#ff7f0e",
                 lw=0.8,
                 alpha=0.7,
             )
             twin.set_ylabel("samples/s", color="#ff7f0e")
+            twin.set_ylim(bottom=0)
+        ax_rate.set_ylim(bottom=0)
         for r in data.recoveries:
             for ax in (ax_loss, ax_rate):
                 ax.axvspan(

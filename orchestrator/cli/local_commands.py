@@ -101,7 +101,7 @@ def run(
         if report_path:
             html_out, png_out, _ = write_report(local.client, spec.name, report_path)
             view.print(f"[run] report: {html_out} and {png_out}")
-    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
+    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time", "effective")
     table.add_row(
         spec.name,
         result.phase.value,
@@ -109,6 +109,7 @@ def run(
         str(result.recoveries),
         f"{result.killed_node} at step {result.killed_at_step}" if result.killed_node else "-",
         f"{result.wall_s:.1f}s",
+        f"{result.effective_fraction:.0%}",
     )
     console.print(table)
     if result.phase.value != "Succeeded":

@@ -89,14 +89,17 @@ def run(
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
-    with LiveView(console, spec.name, spec.max_steps) as view, LocalRun(
-        spec,
-        etcd=build_etcd_options(kw),
-        kill_node_at_step=kill_node_at_step,
-        timeout=timedelta(seconds=timeout),
-        metrics_port=metrics_port,
-        view=view,
-    ) as local:
+    with (
+        LiveView(console, spec.name, spec.max_steps) as view,
+        LocalRun(
+            spec,
+            etcd=build_etcd_options(kw),
+            kill_node_at_step=kill_node_at_step,
+            timeout=timedelta(seconds=timeout),
+            metrics_port=metrics_port,
+            view=view,
+        ) as local,
+    ):
         result = local.wait()
         if report_path:
             html_out, png_out, _ = write_report(local.client, spec.name, report_path)

@@ -261,3 +261,11 @@ def test_report_writes_html_and_png_with_failure_and_recovery_marked(
     # the history covers the failure: samples before it and after the recovery
     times = [s.time - data.t0 for s in data.samples]
     assert min(times) < failure.time and max(times) > recovery.time
+
+
+def test_watch_prints_failures_and_recoveries_then_the_outcome(observed: Observed) -> None:
+    out = observed.cli("watch", "observed", "--interval", "0.1")
+    assert "[event] NodeFailed:" in out and "(unresponsive)" in out
+    assert "[event] Recovered: generation 2 trains again" in out
+    assert out.index("NodeFailed") < out.index("Recovered")
+    assert "observed: Succeeded at step 150; 1 recoveries" in out

@@ -54,6 +54,7 @@ from agents.api import JobEndedError, RecoveryError, Stateful, WorkerEnv
 from agents.elastic_ddp import ElasticDDP, HookInstaller
 from agents.process_group import form_group, is_collective_failure, teardown_group
 from agents.state_sync import NO_STATE, sync_state
+from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import JobPhase, JobSpec, Plan
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, parse_endpoints
@@ -99,6 +100,7 @@ class Session:
         self._hook: Any = None
         self._pending_save: Any = None
         self.restored_from: str | None = None
+        self._telemetry = WorkerTelemetry()
         self._watch = _PlanWatcher(client, env.job)
         self._heartbeat = _Heartbeat(self, spec.fault_tolerance.heartbeat_interval)
         self._heartbeat.start()
@@ -158,7 +160,11 @@ class Session:
         self._save_fn = fn
 
     def report(self, **metrics: float) -> None:
-        """Record metrics of the last step (published with progress)."""
+        """Record metrics of the last step (published with progress).
+
+        ``loss`` is plotted by ``ringmaster report``; ``samples`` (this rank's
+        samples in the step) gives the job's samples/s.
+        """
         self._metrics.update({k: float(v) for k, v in metrics.items()})
 
     # -- the loop ----------------------------------------------------------------------
@@ -189,6 +195,7 @@ class Session:
                     self._hook.after_optimizer_step(w.module)  # local SGD averages here
             self.step = current + 1
             self.has_state = True
+            self._telemetry.step_done(self._hook, self._wrapped)
             self._failures_at_step = 0
             try:
                 self._boundary()
@@ -290,6 +297,7 @@ class Session:
             self.env.address,
             collective_timeout=self.spec.fault_tolerance.hang_timeout * 2,
         )
+        self._telemetry.group_formed(plan.generation)
         self._open_checkpointer(first=plan.generation == 1)
         result = sync_state(self.step if self.has_state else NO_STATE, self._capture, self._restore)
         if result.step != NO_STATE:
@@ -297,6 +305,7 @@ class Session:
             self.has_state = True
         elif self._train_state() is not None:
             self._resume_durable()
+        self._telemetry.state_restored(self.step)
         for w in self._wrapped:
             w.rebuild()
         self._heartbeat.start()
@@ -393,12 +402,16 @@ class Session:
         state = self._train_state()
         if self._ckpt is None or state is None:
             return
+        started = time.perf_counter()
         if reason == "periodic" and self.spec.checkpoint.async_:
             job = self._ckpt.save_async(self.step, state)
+            self._telemetry.checkpoint_blocked(time.perf_counter() - started)
             if job is not None:
                 self._pending_save = job
             return
         manifest = self._ckpt.save_now(self.step, state)
+        self._telemetry.checkpoint_blocked(time.perf_counter() - started)
+        self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
         self._record_checkpoint(manifest.step, reason)
 
     def _poll_save(self) -> None:
@@ -406,6 +419,7 @@ class Session:
         if job is not None and job.done():
             self._pending_save = None
             manifest = job.wait()
+            self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
             self._record_checkpoint(manifest.step, "periodic")
 
     def _record_checkpoint(self, step: int, reason: str) -> None:
@@ -451,6 +465,7 @@ class Session:
             "last_recovery_s": self.last_recovery_s,
             "metrics": dict(self._metrics),
             "pid": os.getpid(),
+            "telemetry": self._telemetry.as_dict(),
         }
 
     def close(self) -> None:

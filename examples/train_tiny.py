@@ -70,7 +70,7 @@ def main() -> None:
                 time.sleep(args.step_time)
         if session.step_failed:
             continue  # the step runs again in the next generation
-        session.report(loss=loss.item())
+        session.report(loss=loss.item(), samples=len(yb))
         if args.step_log:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
                 f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")

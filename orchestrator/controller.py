@@ -18,7 +18,9 @@ reads it back.  Per job it:
   (same ranks, so the ring order is kept), or scales down to ``nodes.min``
   when no spare is left;
 * relays checkpoint and stop requests to the workers (the ``control`` key,
-  agreed on by all ranks at the same step), and records phase and events.
+  agreed on by all ranks at the same step), and records phase and events;
+* observes: rate, history, recovery timings, effective training time and,
+  with ``metrics_port``, Prometheus metrics (:mod:`orchestrator.job_observer`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from typing import Any
 from orchestrator import events, keys
 from orchestrator.api import EtcdError, JobPhase, Member, Plan
 from orchestrator.etcd_client import EtcdClient
+from orchestrator.job_observer import JobObserver
 from orchestrator.jobs import JobStatus, read_spec, read_status
 from orchestrator.leader import LeaderElection
 from orchestrator.liveness import Liveness, probe
+from orchestrator.metrics import JobMetrics, MetricsServer
 
 log = logging.getLogger("ringmaster.controller")
 
@@ -61,11 +65,12 @@ class _Break:
 class JobController:
     """Reconciles one job; :meth:`tick` is called whenever something may have changed."""
 
-    def __init__(self, client: EtcdClient, job: str) -> None:
+    def __init__(self, client: EtcdClient, job: str, metrics: JobMetrics | None = None) -> None:
         self.client = client
         self.job = job
         self.spec, self.spec_hash = read_spec(client, job)
         self.status = read_status(client, job) or JobStatus(job)
+        self.observer = JobObserver(client, job, self.spec.fault_tolerance.hang_timeout, metrics)
         self._min_reached_at: float | None = None
         self._break: _Break | None = None
         self._recovery_started: float | None = None
@@ -122,6 +127,7 @@ class JobController:
             self._maybe_start(nodes, progress)
         else:
             self._watch_running(plan, nodes, progress)
+        self.observer.observe(self.status, self._plan(), nodes, progress)
         self._write_status()
 
     def _maybe_start(self, nodes: dict[str, dict[str, Any]], progress: dict[str, Any]) -> None:
@@ -166,6 +172,7 @@ class JobController:
                 "Checkpoint",
                 f"step {record['step']} committed to {record['url']} ({record['reason']})",
                 step=record["step"],
+                **self.observer.checkpoint(progress),
             )
         steps = [int(progress[w]["step"]) for w in workers if w in progress]
         if steps:
@@ -203,6 +210,7 @@ class JobController:
         self._detect_hangs(plan, nodes, progress)
         if self.status.phase is JobPhase.RECOVERING and self._recovered(plan, workers, progress):
             took = time.monotonic() - (self._recovery_started or time.monotonic())
+            self.observer.recovered(self.status, plan, progress)
             self._set_phase(
                 JobPhase.RUNNING,
                 f"generation {plan.generation} trains again ({took:.2f}s after the failure)",
@@ -234,6 +242,7 @@ class JobController:
                 self._recovery_started = now
             self._recovery_step = int(first.get("step", 0))
             if not all(r.get("planned") for r in reports.values()):
+                self.observer.failure_seen(reports, self._recovery_step)
                 self._set_phase(
                     JobPhase.RECOVERING,
                     f"generation {plan.generation} broke: {first.get('reason', '')}",
@@ -251,7 +260,7 @@ class JobController:
             if dead == silent
             else f"no report from {', '.join(sorted(silent))}"
         )
-        self._replace(plan, nodes, progress, silent, why)
+        self._replace(plan, nodes, progress, silent, why, agent_gone=dead)
 
     def _probe_silent(self, silent: set[str], nodes: dict[str, dict[str, Any]]) -> None:
         """Ask each silent node's agent whether it is there; a refusal means dead now."""
@@ -273,6 +282,7 @@ class JobController:
         progress: dict[str, Any],
         failed: set[str],
         why: str,
+        agent_gone: set[str] | None = None,
     ) -> None:
         members = [m.node for m in plan.members]
         spares = [
@@ -295,10 +305,18 @@ class JobController:
             )
             self._set_phase(JobPhase.RECOVERING, self.status.message)
             return
+        cause = self.observer.declared(failed, why, nodes, self.status.step, agent_gone)
         for node in failed:
             if node not in self.status.failed_nodes:
                 self.status.failed_nodes.append(node)
-            events.emit(self.client, self.job, "NodeFailed", f"{node}: {why}", node=node)
+            events.emit(
+                self.client,
+                self.job,
+                "NodeFailed",
+                f"{node}: {why} ({cause})",
+                node=node,
+                cause=cause,
+            )
         if self._recovery_started is None:
             self._recovery_started = time.monotonic()
             self._recovery_step = self.status.step
@@ -433,17 +451,32 @@ def _topology_order(
 class Controller:
     """Leader-elected controller for one job (``job``) or for every job in etcd."""
 
-    def __init__(self, client: EtcdClient, job: str | None = None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+    ) -> None:
         self.client = client
         self.job = job
         self.election = LeaderElection(client)
         self._jobs: dict[str, JobController] = {}
         self._wake = threading.Event()
+        self.metrics = JobMetrics() if metrics_port is not None else None
+        self.metrics_server = (
+            MetricsServer(self.metrics.registry, metrics_host, metrics_port)
+            if self.metrics is not None and metrics_port is not None
+            else None
+        )
 
     def run(self, stop: threading.Event, exit_when_done: bool = False) -> None:
         """Lead (after winning the election) until ``stop`` is set."""
         if not self.election.wait_for_leadership(stop):
             return
+        if self.metrics_server is not None:
+            url = self.metrics_server.start()
+            self.client.put(keys.controller_metrics(), url)
         watch = self.client.watch(keys.jobs_prefix(), prefix=True)
         threading.Thread(target=self._follow, args=(watch,), daemon=True).start()
         try:
@@ -464,6 +497,8 @@ class Controller:
         finally:
             watch.cancel()
             self.election.resign()
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
 
     def _follow(self, watch: Any) -> None:
         try:
@@ -479,7 +514,7 @@ class Controller:
             if jc is None:
                 if self.client.get(keys.job_spec(name)) is None:
                     continue
-                jc = self._jobs[name] = JobController(self.client, name)
+                jc = self._jobs[name] = JobController(self.client, name, self.metrics)
             jc.tick()
 
 

@@ -48,6 +48,17 @@ class JobStatus:
     last_checkpoint_at: float | None = None
     message: str = ""
     updated_at: float = 0.0
+    # observability (orchestrator.job_observer)
+    steps_per_s: float = 0.0
+    samples_per_s: float | None = None
+    loss: float | None = None
+    submitted_at: float = 0.0
+    train_started_at: float | None = None
+    last_step_at: float | None = None
+    finished_at: float | None = None
+    productive_s: float = 0.0
+    effective_fraction: float = 0.0
+    last_recovery: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobStatus:
@@ -58,6 +69,7 @@ class JobStatus:
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
+        out["last_recovery"] = dict(self.last_recovery) if self.last_recovery else None
         out["phase"] = self.phase.value
         return out
 

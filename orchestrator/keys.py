@@ -16,9 +16,12 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/agents/<node>/cmd commands from the controller to a node agent
     /ringmaster/jobs/<job>/pg/<gen>/...      process-group bootstrap store of a generation
     /ringmaster/jobs/<job>/logs/<node>/<lr>/<t>  chunks of worker output (not leased)
+    /ringmaster/jobs/<job>/history/<ns>      sampled step, rate and loss over time (bounded)
+    /ringmaster/jobs/<job>/recoveries/<gen>  one record per recovery: cause and phase timings
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
     /ringmaster/controller/leader            leader election (leased)
+    /ringmaster/controller/metrics           the leader's Prometheus endpoint (URL)
 
 Names are validated before they become keys, so user input cannot escape its
 prefix (no ``/``, no ``..``).
@@ -109,6 +112,19 @@ def job_done(job: str) -> str:
     return job_prefix(job) + "done/"
 
 
+def job_history(job: str) -> str:
+    return job_prefix(job) + "history/"
+
+
+def job_recoveries(job: str) -> str:
+    return job_prefix(job) + "recoveries/"
+
+
+def job_recovery(job: str, generation: int) -> str:
+    """The record of the recovery that ended with ``generation`` training."""
+    return job_recoveries(job) + f"{int(generation):08d}"
+
+
 def agent_commands(job: str, node: str) -> str:
     return job_prefix(job) + f"agents/{segment(node, 'node name')}/cmd/"
 
@@ -148,3 +164,8 @@ def rdzv_store(run_id: str) -> str:
 
 def controller_leader() -> str:
     return f"{ROOT}/controller/leader"
+
+
+def controller_metrics() -> str:
+    """Where the leading controller publishes its metrics endpoint's URL."""
+    return f"{ROOT}/controller/metrics"

@@ -8,6 +8,11 @@ the job's events and status, and stops everything when the job ends.
 
 ``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
 to show a warm spare taking over.
+
+The controller serves Prometheus metrics (on a free port unless
+``metrics_port`` says otherwise); the run prints their URL.  With a
+:class:`~orchestrator.live_view.LiveView` the run draws a progress bar and
+prints worker output and events above it.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
 
-from orchestrator import events, jobs
+from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.embedded_etcd import EmbeddedEtcd
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+from orchestrator.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
 
 Printer = Callable[[str], None]
@@ -44,6 +50,8 @@ class RunResult:
     killed_node: str | None = None
     killed_at_step: int | None = None
     events: list[events.Event] = field(default_factory=list)
+    metrics_url: str | None = None
+    effective_fraction: float = 0.0
 
 
 @dataclass
@@ -64,11 +72,18 @@ class LocalRun:
         workdir: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
         controllers: int = 1,
+        metrics_port: int | None = 0,
+        view: LiveView | None = None,
     ) -> None:
         self.spec = spec
         self.etcd_options = etcd
         self.kill_node_at_step = kill_node_at_step
-        self.print = printer or (lambda line: print(line, flush=True))
+        self.view = view
+        default_printer = view.print if view is not None else (lambda line: print(line, flush=True))
+        self.print = printer or default_printer
+        self.metrics_port = metrics_port
+        self.metrics_url: str | None = None
+        self._metrics_revision = 0
         self.workdir = workdir or os.getcwd()
         self.timeout = timeout
         self.controllers = controllers
@@ -135,6 +150,8 @@ class LocalRun:
         self._client = connect(self.etcd_options)
         jobs.submit(self._client, self.spec)
         self.print(f"[run] submitted job '{self.spec.name}'")
+        previous = self._client.get(keys.controller_metrics())
+        self._metrics_revision = previous.mod_revision if previous is not None else 0
         for i in range(self.controllers):
             self.add_controller(f"controller-{i}")
         for i, node in enumerate(self.node_names()):
@@ -147,7 +164,8 @@ class LocalRun:
 
     def add_controller(self, name: str) -> None:
         """Start one more controller (a standby while another leads)."""
-        self._spawn(name, ["controller", "--job", self.spec.name])
+        metrics = [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]
+        self._spawn(name, ["controller", "--job", self.spec.name, *metrics])
 
     def kill_node(self, node: str) -> None:
         """SIGKILL a node: its agent and all its workers (one process group)."""
@@ -159,7 +177,23 @@ class LocalRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.procs[node].popen.pid, sig)
 
+    @property
+    def client(self) -> EtcdClient:
+        """The run's etcd client (between :meth:`start` and :meth:`stop`)."""
+        if self._client is None:
+            raise RuntimeError("the local run is not started")
+        return self._client
+
     # -- following the job -------------------------------------------------------------
+
+    def _check_metrics_url(self) -> None:
+        """Print the leader's metrics URL once it is published (after this run started)."""
+        if self.metrics_port is None or self.metrics_url is not None or self._client is None:
+            return
+        kv = self._client.get(keys.controller_metrics())
+        if kv is not None and kv.mod_revision > self._metrics_revision:
+            self.metrics_url = kv.value.decode()
+            self.print(f"[run] metrics at {self.metrics_url}")
 
     def wait(self) -> RunResult:
         assert self._client is not None
@@ -172,8 +206,14 @@ class LocalRun:
             status = jobs.read_status(self._client, self.spec.name) or status
             log = events.list_events(self._client, self.spec.name)
             for ev in log[seen:]:
-                self.print(f"[event] {ev.type}: {ev.message}")
+                if self.view is not None:
+                    self.view.event(ev)
+                else:
+                    self.print(f"[event] {ev.type}: {ev.message}")
             seen = len(log)
+            self._check_metrics_url()
+            if self.view is not None:
+                self.view.update(status)
             if (
                 self.kill_node_at_step is not None
                 and killed is None
@@ -198,6 +238,8 @@ class LocalRun:
             killed_node=killed,
             killed_at_step=killed_at,
             events=events.list_events(self._client, self.spec.name),
+            metrics_url=self.metrics_url,
+            effective_fraction=status.effective_fraction,
         )
 
     def stop(self, grace: float = 15.0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli import job_commands, local_commands, service_commands
+from orchestrator.cli import job_commands, local_commands, observe_commands, service_commands
 
 
 @click.group()
@@ -26,6 +26,9 @@ for _command in (
     job_commands.status,
     job_commands.stop,
     job_commands.logs,
+    observe_commands.events_cmd,
+    observe_commands.watch,
+    observe_commands.report,
     service_commands.agent,
     service_commands.controller,
     service_commands.operator,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator import jobs, keys
@@ -41,19 +43,90 @@ def status(job: str | None, **kw: Any) -> None:
         )
     if job and not found:
         raise jobs.JobNotFoundError(f"no job named '{job}'")
-    table = Table("job", "phase", "step", "world", "active", "spare", "recoveries", "checkpoint")
+    if job:
+        console.print(_one_job(found[0]))
+        return
+    table = Table(
+        "job",
+        "phase",
+        "step",
+        "rate",
+        "world",
+        "nodes a/s/f",
+        "recoveries",
+        "last checkpoint",
+        "effective",
+    )
     for s in found:
+        rate = f"{s.steps_per_s:.1f} steps/s"
+        if s.samples_per_s is not None:
+            rate += f"\n{s.samples_per_s:.0f} samples/s"
+        recoveries = str(s.recoveries)
+        if s.last_recovery:
+            last = s.last_recovery
+            recoveries += f"\nlast: {last['cause']}, {last['total_s']:.2f}s"
         table.add_row(
             s.name,
             s.phase.value,
             str(s.step),
+            rate,
             str(s.world_size),
-            ",".join(s.active_nodes) or "-",
-            ",".join(s.spare_nodes) or "-",
-            str(s.recoveries),
-            s.last_checkpoint or "-",
+            f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)}",
+            recoveries,
+            _checkpoint(s),
+            f"{s.effective_fraction:.0%}" if s.train_started_at else "-",
         )
     console.print(table)
+
+
+def _one_job(s: jobs.JobStatus) -> Table:
+    """One job as a two-column table (readable on a narrow terminal)."""
+    table = Table(show_header=False, title=f"job {s.name}", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rate = f"{s.steps_per_s:.2f} steps/s"
+    if s.samples_per_s is not None:
+        rate += f", {s.samples_per_s:.0f} samples/s"
+    nodes = (
+        f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)}  "
+        f"(active {', '.join(s.active_nodes) or '-'}; spare {', '.join(s.spare_nodes) or '-'}; "
+        f"failed {', '.join(s.failed_nodes) or '-'})"
+    )
+    rows = [
+        ("phase", s.phase.value),
+        ("step", str(s.step)),
+        ("rate", rate),
+        ("loss", "-" if s.loss is None else f"{s.loss:.4f}"),
+        ("world size", f"{s.world_size} (generation {s.generation})"),
+        ("nodes a/s/f", nodes),
+        ("recoveries", str(s.recoveries)),
+    ]
+    if s.last_recovery:
+        last = s.last_recovery
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in last["phases"].items())
+        rows.append(("last recovery", f"{last['cause']}: {last['total_s']:.2f}s ({phases})"))
+    rows += [
+        ("last checkpoint", _checkpoint(s)),
+        (
+            "effective training",
+            f"{s.effective_fraction:.0%} ({s.productive_s:.1f}s of progress)"
+            if s.train_started_at
+            else "-",
+        ),
+        ("message", s.message or "-"),
+    ]
+    for key, value in rows:
+        table.add_row(key, escape(value))
+    return table
+
+
+def _checkpoint(s: jobs.JobStatus) -> str:
+    if not s.last_checkpoint:
+        return "-"
+    if s.last_checkpoint_at is None:
+        return s.last_checkpoint
+    ago = max(0.0, time.time() - s.last_checkpoint_at)
+    return f"{s.last_checkpoint}, {ago:.0f}s ago"
 
 
 @click.command()

@@ -59,21 +59,52 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     help="SIGKILL one active node (agent and workers) at this step, to show recovery",
 )
 @click.option("--timeout", type=float, default=1800, show_default=True, help="seconds")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=0,
+    show_default=True,
+    help="the controller's Prometheus port (0: any free port; the URL is printed)",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    help="when the job ends, write its HTML report here (and the PNG beside it)",
+)
 @etcd_options
 @handle_errors
-def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any) -> None:
+def run(
+    job_file: str,
+    kill_node_at_step: int | None,
+    timeout: float,
+    metrics_port: int,
+    report_path: str | None,
+    **kw: Any,
+) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
-    from orchestrator.local_run import run_job
+    from orchestrator.live_view import LiveView
+    from orchestrator.local_run import LocalRun
+    from orchestrator.report import write_report
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
-    result = run_job(
-        spec,
-        etcd=build_etcd_options(kw),
-        kill_node_at_step=kill_node_at_step,
-        timeout=timedelta(seconds=timeout),
-    )
-    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
+    with (
+        LiveView(console, spec.name, spec.max_steps) as view,
+        LocalRun(
+            spec,
+            etcd=build_etcd_options(kw),
+            kill_node_at_step=kill_node_at_step,
+            timeout=timedelta(seconds=timeout),
+            metrics_port=metrics_port,
+            view=view,
+        ) as local,
+    ):
+        result = local.wait()
+        if report_path:
+            html_out, png_out, _ = write_report(local.client, spec.name, report_path)
+            view.print(f"[run] report: {html_out} and {png_out}")
+    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time", "effective")
     table.add_row(
         spec.name,
         result.phase.value,
@@ -81,6 +112,7 @@ def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any)
         str(result.recoveries),
         f"{result.killed_node} at step {result.killed_at_step}" if result.killed_node else "-",
         f"{result.wall_s:.1f}s",
+        f"{result.effective_fraction:.0%}",
     )
     console.print(table)
     if result.phase.value != "Succeeded":

@@ -51,9 +51,23 @@ def agent(job: str, node: str, labels: str | None, address: str, **kw: Any) -> N
 
 @click.command()
 @click.option("--job", envvar="RINGMASTER_JOB", help="serve only this job (default: all)")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    envvar="RINGMASTER_METRICS_PORT",
+    help="serve Prometheus metrics on this port while leading (0: any free port; "
+    "the URL is written to etcd at /ringmaster/controller/metrics)",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="RINGMASTER_METRICS_HOST",
+    help="address the metrics endpoint listens on (0.0.0.0: every interface)",
+)
 @etcd_options
 @handle_errors
-def controller(job: str | None, **kw: Any) -> None:
+def controller(job: str | None, metrics_port: int | None, metrics_host: str, **kw: Any) -> None:
     """Run a controller; the first one leads, the others stand by."""
     import logging
     import threading
@@ -65,7 +79,7 @@ def controller(job: str | None, **kw: Any) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with connect_client(kw) as client:
-        Controller(client, job).run(stop)
+        Controller(client, job, metrics_port, metrics_host).run(stop)
 
 
 @click.command()

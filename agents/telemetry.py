@@ -1,0 +1,90 @@
+"""What a worker measures about itself, published with its progress heartbeat.
+
+The controller turns these figures into metrics and recovery timings, so the
+worker only records wall-clock timestamps and running totals:
+
+* per generation: when the process group was formed, when the state was
+  restored (and at which step), and when the first step of the generation
+  completed; the controller splits a recovery into detect / rendezvous /
+  restore / first step from them;
+* durable checkpoints: how long the training loop was blocked by the last
+  save and how long its upload took;
+* gradient exchange: bytes this rank put on the wire and the dense fp32
+  bytes they stand for (their ratio is the compression ratio).  Without a
+  comm hook DDP sends every gradient dense, so wire bytes equal dense bytes.
+
+Timestamps are ``time.time()``: the controller compares them with its own
+clock and other workers', which is exact on one machine and as good as the
+hosts' clock synchronisation elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+
+class WorkerTelemetry:
+    """Timestamps and totals of one worker process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.group_formed_at: float | None = None
+        self.restored_at: float | None = None
+        self.restored_step: int | None = None
+        self.first_step_at: float | None = None
+        self.checkpoint_blocking_s: float | None = None
+        self.checkpoint_upload_s: float | None = None
+        self.wire_bytes = 0
+        self.dense_bytes = 0
+
+    # -- generation timeline -----------------------------------------------------------
+
+    def group_formed(self, generation: int) -> None:
+        self.generation = generation
+        self.group_formed_at = time.time()
+        self.restored_at = None
+        self.restored_step = None
+        self.first_step_at = None
+
+    def state_restored(self, step: int) -> None:
+        self.restored_at = time.time()
+        self.restored_step = step
+
+    def step_done(self, hook: Any, modules: Iterable[nn.Module]) -> None:
+        """A step of the current generation completed; count its gradient bytes."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        last = getattr(getattr(hook, "metrics", None), "last", None)
+        if last is not None:
+            self.wire_bytes += int(last.wire_bytes)
+            self.dense_bytes += 4 * int(last.numel)
+            return
+        dense = 4 * sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
+        self.wire_bytes += dense
+        self.dense_bytes += dense
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def checkpoint_blocked(self, seconds: float) -> None:
+        self.checkpoint_blocking_s = round(seconds, 6)
+
+    def checkpoint_uploaded(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self.checkpoint_upload_s = round(seconds, 6)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "group_formed_at": self.group_formed_at,
+            "restored_at": self.restored_at,
+            "restored_step": self.restored_step,
+            "first_step_at": self.first_step_at,
+            "checkpoint_blocking_s": self.checkpoint_blocking_s,
+            "checkpoint_upload_s": self.checkpoint_upload_s,
+            "wire_bytes": self.wire_bytes,
+            "dense_bytes": self.dense_bytes,
+        }

@@ -1,0 +1,93 @@
+"""A job's training curve in etcd: step, throughput and loss sampled over time.
+
+The controller appends one :class:`Sample` every :data:`SAMPLE_EVERY` while
+the job runs, one key per sample under ``/ringmaster/jobs/<job>/history/``.
+The history is bounded: past :data:`MAX_SAMPLES` keys, every other sample
+of the older half is dropped, so a long job keeps its whole time span at a
+coarser resolution and etcd never holds more than ``MAX_SAMPLES`` of them.
+``ringmaster report`` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+from orchestrator import keys
+from orchestrator.etcd_client import EtcdClient
+
+#: How often the controller samples a running job.
+SAMPLE_EVERY = timedelta(seconds=float(os.environ.get("RINGMASTER_HISTORY_EVERY", "0.5")))
+#: Most samples kept per job.
+MAX_SAMPLES = int(os.environ.get("RINGMASTER_HISTORY_MAX", "1000"))
+
+
+@dataclass
+class Sample:
+    """The job at one moment.
+
+    Attributes:
+        time: wall-clock seconds.
+        step: highest step completed.
+        steps_per_s: recent training rate.
+        samples_per_s: recent throughput in samples (None when workers do
+            not report ``samples``).
+        loss: rank 0's last reported loss (None when the script reports none).
+        phase: the job phase.
+        world_size: ranks training.
+    """
+
+    time: float
+    step: int
+    steps_per_s: float
+    samples_per_s: float | None
+    loss: float | None
+    phase: str
+    world_size: int
+
+
+class HistoryWriter:
+    """Appends samples for one job and keeps the history bounded."""
+
+    def __init__(self, client: EtcdClient, job: str, max_samples: int = MAX_SAMPLES) -> None:
+        if max_samples < 4:
+            raise ValueError(f"max_samples must be at least 4, got {max_samples}")
+        self.client = client
+        self.job = job
+        self.max_samples = max_samples
+        self._count: int | None = None
+        self._last = 0.0
+
+    def due(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now - self._last >= SAMPLE_EVERY.total_seconds()
+
+    def append(self, sample: Sample) -> None:
+        self._last = time.monotonic()
+        key = keys.job_history(self.job) + f"{time.time_ns():020d}"
+        self.client.put(key, json.dumps(asdict(sample)))
+        if self._count is None:
+            self._count = len(self.client.get_prefix(keys.job_history(self.job)))
+        else:
+            self._count += 1
+        if self._count > self.max_samples:
+            self._thin()
+
+    def _thin(self) -> None:
+        entries = self.client.get_prefix(keys.job_history(self.job))
+        older = entries[: len(entries) // 2]
+        for kv in older[1::2]:
+            self.client.delete(kv.key)
+        self._count = len(entries) - len(older[1::2])
+
+
+def read_history(client: EtcdClient, job: str) -> list[Sample]:
+    """Every stored sample of ``job``, oldest first."""
+    out = []
+    for kv in client.get_prefix(keys.job_history(job)):
+        data = json.loads(kv.value)
+        out.append(Sample(**{k: data.get(k) for k in Sample.__dataclass_fields__}))
+    return sorted(out, key=lambda s: s.time)

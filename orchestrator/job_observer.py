@@ -1,0 +1,307 @@
+"""What the controller observes about a job, beyond deciding who trains.
+
+:class:`JobObserver` is fed by :class:`~orchestrator.controller.JobController`
+on every tick and at the moments that matter (a failure seen, a failure
+declared, a recovery finished, a checkpoint committed).  From that it keeps
+the job status's observability fields (rate, throughput, loss, effective
+training time, the last recovery), appends the sampled history
+(:mod:`orchestrator.history`), records membership changes and recoveries as
+events, stores recovery records, and updates the Prometheus metrics
+(:mod:`orchestrator.metrics`) when the controller serves them.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+from orchestrator import events, keys
+from orchestrator.api import JobPhase, Plan
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.history import HistoryWriter, Sample
+from orchestrator.jobs import JobStatus
+from orchestrator.metrics import JobMetrics
+from orchestrator.recoveries import (
+    FailureCause,
+    RecoveryRecord,
+    build_record,
+    classify_cause,
+    effective_time,
+)
+
+#: Steps per second are measured over this trailing window.
+RATE_WINDOW = timedelta(seconds=3)
+#: Events this long before a failure are considered when finding its cause.
+CAUSE_LOOKBACK = timedelta(seconds=60)
+
+
+class _Pending:
+    """A recovery in progress."""
+
+    def __init__(self, failure_at: float, step: int) -> None:
+        self.failure_at = failure_at
+        self.step = step
+        self.declared_at: float | None = None
+        self.nodes: set[str] = set()
+        self.cause: str | None = None
+        self.reason = ""
+
+
+class JobObserver:
+    """Observability state of one job (see the module docstring)."""
+
+    def __init__(
+        self, client: EtcdClient, job: str, hang_timeout: timedelta, metrics: JobMetrics | None
+    ) -> None:
+        self.client = client
+        self.job = job
+        self.hang_timeout = hang_timeout
+        self.metrics = metrics
+        self.history = HistoryWriter(client, job)
+        self._rates: collections.deque[tuple[float, int]] = collections.deque()
+        self._known_nodes: set[str] | None = None
+        self._pending: _Pending | None = None
+        self._start_step = 0
+        self.recoveries: list[RecoveryRecord] = [
+            RecoveryRecord.from_dict(json.loads(kv.value))
+            for kv in client.get_prefix(keys.job_recoveries(job))
+        ]
+        record = client.get_json(keys.job_spec(job)) or {}
+        self.submitted_at = float(record.get("submitted_at", time.time()))
+
+    # -- every tick --------------------------------------------------------------------
+
+    def observe(
+        self,
+        status: JobStatus,
+        plan: Plan | None,
+        nodes: dict[str, dict[str, Any]],
+        progress: dict[str, dict[str, Any]],
+    ) -> None:
+        now = time.time()
+        status.submitted_at = status.submitted_at or self.submitted_at
+        self._membership(status, nodes)
+        workers = self._plan_workers(plan, progress)
+        if self.metrics is not None:
+            for w, p in progress.items():
+                if p.get("telemetry"):
+                    self.metrics.worker_telemetry(self.job, w, p.get("pid"), p["telemetry"])
+        if workers and status.train_started_at is None:
+            firsts = [
+                (float(t["first_step_at"]), int(t.get("restored_step") or 0))
+                for t in (p.get("telemetry") or {} for p in workers.values())
+                if t.get("first_step_at")
+            ]
+            if firsts:
+                status.train_started_at, self._start_step = min(firsts)
+        if workers:
+            times = [float(p["step_time"]) for p in workers.values() if p.get("step_time")]
+            if times and status.train_started_at is not None:
+                status.last_step_at = max(times)
+        self._rate(status, now)
+        samples = [
+            float(p["metrics"]["samples"])
+            for p in workers.values()
+            if isinstance(p.get("metrics"), dict) and "samples" in p["metrics"]
+        ]
+        status.samples_per_s = (
+            round(status.steps_per_s * sum(samples), 3) if samples else status.samples_per_s
+        )
+        rank0 = next((p for p in workers.values() if p.get("rank") == 0), None)
+        if rank0 is not None and isinstance(rank0.get("metrics"), dict):
+            loss = rank0["metrics"].get("loss")
+            status.loss = None if loss is None else float(loss)
+        if status.phase.terminal and status.finished_at is None:
+            status.finished_at = now
+        end = status.finished_at or now
+        eff = effective_time(
+            submitted_at=status.submitted_at,
+            train_started_at=status.train_started_at,
+            last_step_at=status.last_step_at,
+            now=end,
+            steps=max(0, status.step - self._start_step - 1),
+            recoveries=self.recoveries,
+        )
+        status.productive_s = round(eff.productive_s, 3)
+        status.effective_fraction = round(eff.fraction, 4)
+        if plan is not None and not status.phase.terminal and self.history.due():
+            self.history.append(
+                Sample(
+                    time=now,
+                    step=status.step,
+                    steps_per_s=status.steps_per_s,
+                    samples_per_s=status.samples_per_s,
+                    loss=status.loss,
+                    phase=status.phase.value,
+                    world_size=status.world_size,
+                )
+            )
+        if self.metrics is not None:
+            tel = _rank0_telemetry(progress)
+            self.metrics.checkpoint_times(
+                self.job, tel.get("checkpoint_blocking_s"), tel.get("checkpoint_upload_s")
+            )
+            self.metrics.job_state(
+                self.job,
+                phase=status.phase,
+                step=status.step,
+                steps_per_s=status.steps_per_s,
+                samples_per_s=status.samples_per_s,
+                world_size=status.world_size,
+                active=len(status.active_nodes),
+                spares=len(status.spare_nodes),
+                failed=len(status.failed_nodes),
+                effective_ratio=eff.fraction,
+                productive_s=eff.productive_s,
+            )
+
+    def _plan_workers(
+        self, plan: Plan | None, progress: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        if plan is None:
+            return {}
+        out = {}
+        for m in plan.members:
+            for i in range(m.nproc):
+                w = keys.worker_id(m.node, i)
+                p = progress.get(w)
+                if p is not None and p.get("generation") == plan.generation:
+                    out[w] = p
+        return out
+
+    def _rate(self, status: JobStatus, now: float) -> None:
+        if status.phase.terminal:
+            status.steps_per_s = 0.0
+            return
+        self._rates.append((now, status.step))
+        while self._rates and now - self._rates[0][0] > RATE_WINDOW.total_seconds():
+            self._rates.popleft()
+        t0, s0 = self._rates[0]
+        if now - t0 >= 0.5:
+            status.steps_per_s = round(max(0, status.step - s0) / (now - t0), 3)
+
+    def _membership(self, status: JobStatus, nodes: dict[str, dict[str, Any]]) -> None:
+        current = set(nodes)
+        if self._known_nodes is None:
+            # A standby that takes over adopts what it finds; only a fresh job logs arrivals.
+            self._known_nodes = set() if status.phase is JobPhase.PENDING else current
+        for node in sorted(current - self._known_nodes):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(nodes[node].get("labels", {}).items()))
+            events.emit(
+                self.client, self.job, "NodeRegistered", f"{node} registered ({labels})", node=node
+            )
+        for node in sorted(self._known_nodes - current):
+            events.emit(
+                self.client,
+                self.job,
+                "NodeLost",
+                f"{node}: registration gone (lease expired or revoked)",
+                node=node,
+            )
+        self._known_nodes = current
+
+    # -- moments -----------------------------------------------------------------------
+
+    def failure_seen(self, reports: dict[str, dict[str, Any]], step: int) -> None:
+        """Workers reported a broken generation (called once per break)."""
+        times = [float(r["at"]) for r in reports.values() if r.get("at") is not None]
+        at = min(times) if times else time.time()
+        if self._pending is None:
+            self._pending = _Pending(at, step)
+
+    def declared(
+        self,
+        failed: set[str],
+        why: str,
+        nodes: dict[str, Any],
+        step: int,
+        agent_gone: set[str] | None = None,
+    ) -> str:
+        """The controller replaces ``failed``; returns the failure cause."""
+        now = time.time()
+        if self._pending is None:
+            self._pending = _Pending(now, step)
+        pending = self._pending
+        if pending.declared_at is None:
+            pending.declared_at = now
+        since = pending.failure_at - CAUSE_LOOKBACK.total_seconds()
+        recent = [e for e in events.list_events(self.client, self.job) if e.time >= since]
+        cause = classify_cause(failed, recent, nodes, agent_gone or set())
+        if cause is FailureCause.HANG:
+            hung = [e.time for e in recent if e.type == "WorkerHung"]
+            if hung:
+                stalled = min(hung) - self.hang_timeout.total_seconds()
+                pending.failure_at = min(pending.failure_at, stalled)
+        if pending.cause is None:
+            pending.cause = cause.value
+            pending.reason = why
+        pending.nodes |= failed
+        return cause.value
+
+    def recovered(
+        self, status: JobStatus, plan: Plan, progress: dict[str, dict[str, Any]]
+    ) -> RecoveryRecord | None:
+        """Every worker of ``plan`` trains again: store the recovery's record."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        workers = {
+            w: dict(p.get("telemetry") or {}) for w, p in self._plan_workers(plan, progress).items()
+        }
+        now = time.time()
+        record = build_record(
+            generation=plan.generation,
+            cause=pending.cause or FailureCause.UNRESPONSIVE.value,
+            nodes=sorted(pending.nodes),
+            reason=pending.reason,
+            failure_at=pending.failure_at,
+            declared_at=pending.declared_at or now,
+            workers={w: t for w, t in workers.items() if t.get("generation") == plan.generation},
+            step=pending.step,
+            observed_s=now - pending.failure_at,
+        )
+        self.client.put_json(keys.job_recovery(self.job, plan.generation), record.to_dict())
+        self.recoveries.append(record)
+        phases = record.phases
+        status.last_recovery = {
+            "generation": record.generation,
+            "cause": record.cause,
+            "total_s": round(record.total_s, 3),
+            "phases": {k: round(v, 3) for k, v in phases.items()},
+        }
+        events.emit(
+            self.client,
+            self.job,
+            "Recovered",
+            f"generation {plan.generation} trains again {record.total_s:.2f}s after the "
+            f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
+            f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
+            f"{phases['first_step']:.2f}s",
+            generation=plan.generation,
+            cause=record.cause,
+            total_s=round(record.total_s, 6),
+            phases={k: round(v, 6) for k, v in phases.items()},
+        )
+        if self.metrics is not None:
+            self.metrics.recovery(self.job, record)
+        return record
+
+    def checkpoint(self, progress: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """A checkpoint was committed: its timings (from rank 0) for the event."""
+        tel = _rank0_telemetry(progress)
+        blocking, upload = tel.get("checkpoint_blocking_s"), tel.get("checkpoint_upload_s")
+        if self.metrics is not None:
+            self.metrics.checkpoint(self.job, blocking, upload)
+        return {"blocking_s": blocking, "upload_s": upload}
+
+
+def _rank0_telemetry(progress: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Telemetry of the newest generation's rank 0 (it saves and records checkpoints)."""
+    rank0 = [p for p in progress.values() if p.get("rank") == 0]
+    if not rank0:
+        return {}
+    newest = max(rank0, key=lambda p: int(p.get("generation") or 0))
+    return dict(newest.get("telemetry") or {})

@@ -1,0 +1,251 @@
+"""Recoveries as records: why a generation broke and where the time went.
+
+A recovery runs from the failure to the first completed step of the
+generation that replaced the broken one.  It is split into four phases whose
+boundaries come from the controller and from every worker's telemetry
+(:mod:`agents.telemetry`)::
+
+    failure ─detect─► declared ─rendezvous─► formed ─restore─► restored ─first step─► trained
+
+* failure: the earliest sign of it (a survivor's report of a failed
+  collective; for a hang, when the worker stopped making steps);
+* declared: the controller published the generation that replaces it;
+* group formed / restored / trained: the last worker of the new generation
+  to reach that point.
+
+Each boundary is clamped to be no earlier than the one before, so the phases
+are never negative and always add up to the total.  Also here: the failure
+causes and the effective training time (the share of wall time spent making
+progress).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from orchestrator.events import Event
+
+PHASES = ("detect", "rendezvous", "restore", "first_step")
+
+
+class FailureCause(str, Enum):
+    """Why a node left the job, as far as the control plane can tell."""
+
+    EXIT_CODE = "exit_code"  # a worker exited with a non-zero code
+    SIGNAL = "signal"  # a worker was killed by a signal
+    HANG = "hang"  # no step and no heartbeat for hang_timeout
+    LEASE_EXPIRY = "lease_expiry"  # the node's registration lease ran out (or was revoked)
+    PREEMPTION = "preemption"  # the node got SIGTERM (spot reclaim, drain)
+    AGENT_GONE = "agent_gone"  # the agent's liveness port refused: killed or crashed
+    UNRESPONSIVE = "unresponsive"  # its peers' collectives failed and it never reported
+
+
+def classify_cause(
+    nodes: Iterable[str],
+    events: Iterable[Event],
+    registered: Iterable[str],
+    agent_gone: Iterable[str] = (),
+) -> FailureCause:
+    """The most specific cause the event log and the registrations show for ``nodes``.
+
+    Args:
+        nodes: the nodes declared failed.
+        events: recent events (around the failure).
+        registered: nodes whose registration lease is still alive.
+        agent_gone: nodes whose agent's liveness port refused the connection.
+    """
+    failed = set(nodes)
+    found: set[FailureCause] = set()
+    for ev in events:
+        node = str(ev.data.get("node") or ev.source)
+        worker = str(ev.data.get("worker", ""))
+        mine = node in failed or any(worker.startswith(f"{n}-") for n in failed)
+        if not mine:
+            continue
+        if ev.type == "WorkerHung":
+            found.add(FailureCause.HANG)
+        elif ev.type == "Preempted":
+            found.add(FailureCause.PREEMPTION)
+        elif ev.type == "WorkerExited":
+            code = int(ev.data.get("exit_code", 1))
+            found.add(FailureCause.SIGNAL if code < 0 else FailureCause.EXIT_CODE)
+    if failed & set(agent_gone):
+        found.add(FailureCause.AGENT_GONE)
+    if failed - set(registered):
+        found.add(FailureCause.LEASE_EXPIRY)
+    for cause in (
+        FailureCause.HANG,
+        FailureCause.PREEMPTION,
+        FailureCause.SIGNAL,
+        FailureCause.EXIT_CODE,
+        FailureCause.AGENT_GONE,
+        FailureCause.LEASE_EXPIRY,
+    ):
+        if cause in found:
+            return cause
+    return FailureCause.UNRESPONSIVE
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery, as stored under ``/ringmaster/jobs/<job>/recoveries/<gen>``.
+
+    Attributes:
+        generation: the generation that trains again.
+        cause: a :class:`FailureCause` value.
+        nodes: the nodes declared failed.
+        reason: the controller's one-line explanation.
+        failure_at, declared_at, group_formed_at, restored_at, first_step_at:
+            the phase boundaries (wall-clock seconds), already clamped.
+        step: the step that was running when the generation broke.
+        restored_step: the step the new generation started from.
+        observed_s: the controller's own measurement, from the failure to the
+            moment it saw every worker of the new generation past ``step``.
+    """
+
+    generation: int
+    cause: str
+    nodes: list[str]
+    reason: str
+    failure_at: float
+    declared_at: float
+    group_formed_at: float
+    restored_at: float
+    first_step_at: float
+    step: int = 0
+    restored_step: int = 0
+    observed_s: float = 0.0
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds spent in each of :data:`PHASES`."""
+        bounds = [
+            self.failure_at,
+            self.declared_at,
+            self.group_formed_at,
+            self.restored_at,
+            self.first_step_at,
+        ]
+        return {name: bounds[i + 1] - bounds[i] for i, name in enumerate(PHASES)}
+
+    @property
+    def total_s(self) -> float:
+        return self.first_step_at - self.failure_at
+
+    @property
+    def steps_rerun(self) -> int:
+        """Completed steps that had to be trained again (restored from an older state)."""
+        return max(0, self.step - self.restored_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["phases"] = {k: round(v, 6) for k, v in self.phases.items()}
+        out["total_s"] = round(self.total_s, 6)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RecoveryRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def build_record(
+    *,
+    generation: int,
+    cause: str,
+    nodes: list[str],
+    reason: str,
+    failure_at: float,
+    declared_at: float,
+    workers: dict[str, dict[str, Any]],
+    step: int,
+    observed_s: float,
+) -> RecoveryRecord:
+    """A record from the controller's times and the new generation's worker telemetry.
+
+    Args:
+        workers: worker id → its telemetry (``agents.telemetry``) for ``generation``.
+    """
+
+    def last(name: str, floor: float) -> float:
+        values = [float(t[name]) for t in workers.values() if t.get(name) is not None]
+        return max([floor, *values])
+
+    declared = max(declared_at, failure_at)
+    formed = last("group_formed_at", declared)
+    restored = last("restored_at", formed)
+    first = last("first_step_at", restored)
+    restored_steps = [
+        int(t["restored_step"]) for t in workers.values() if t.get("restored_step") is not None
+    ]
+    return RecoveryRecord(
+        generation=generation,
+        cause=cause,
+        nodes=sorted(nodes),
+        reason=reason,
+        failure_at=failure_at,
+        declared_at=declared,
+        group_formed_at=formed,
+        restored_at=restored,
+        first_step_at=first,
+        step=step,
+        restored_step=min(restored_steps) if restored_steps else step,
+        observed_s=round(observed_s, 6),
+        workers={w: dict(t) for w, t in workers.items()},
+    )
+
+
+@dataclass
+class EffectiveTime:
+    """How much of a job's wall time went into progress.
+
+    ``productive_s`` is the time from the first completed step to the latest
+    one, minus recoveries and minus the time spent training steps again; the
+    startup before the first step counts as wall time only.
+    """
+
+    wall_s: float
+    productive_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def effective_time(
+    *,
+    submitted_at: float,
+    train_started_at: float | None,
+    last_step_at: float | None,
+    now: float,
+    steps: int,
+    recoveries: Iterable[RecoveryRecord],
+) -> EffectiveTime:
+    """Effective training time of a job (see :class:`EffectiveTime`).
+
+    Args:
+        submitted_at: when the job was submitted (wall time starts here).
+        train_started_at: when the first step completed (None: not yet).
+        last_step_at: when the latest step completed.
+        now: the end of the wall time (the job's end, or now while it runs).
+        steps: steps completed since ``train_started_at``.
+        recoveries: recoveries of the job.
+    """
+    wall = max(0.0, now - submitted_at)
+    if train_started_at is None or last_step_at is None:
+        return EffectiveTime(wall, 0.0)
+    span = max(0.0, last_step_at - train_started_at)
+    lost = 0.0
+    rerun = 0
+    for r in recoveries:
+        if r.failure_at >= train_started_at:
+            lost += max(0.0, min(r.first_step_at, last_step_at) - r.failure_at)
+            rerun += r.steps_rerun
+    stepping = max(0.0, span - lost)
+    per_step = stepping / steps if steps > 0 else 0.0
+    return EffectiveTime(wall, max(0.0, stepping - rerun * per_step))

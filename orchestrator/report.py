@@ -1,0 +1,266 @@
+"""``ringmaster report``: one HTML file (and a PNG) that tells a job's story.
+
+:func:`build_report` gathers the job from etcd into a :class:`ReportData`:
+the sampled history (loss, throughput), markers for failures, recoveries and
+checkpoints on the same time axis (seconds since submission), the recovery
+records with their phase timings, and the effective training time.
+:func:`render_png` draws it with matplotlib (Agg, no display needed);
+:func:`render_html` writes a self-contained page with the PNG embedded as
+base64, so the report is a single file to attach to an incident.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import events, keys
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.history import Sample, read_history
+from orchestrator.jobs import JobNotFoundError, JobStatus, read_status
+from orchestrator.recoveries import PHASES, RecoveryRecord
+
+FAILURE, RECOVERY, CHECKPOINT = "failure", "recovery", "checkpoint"
+_COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4"}
+
+
+@dataclass
+class Marker:
+    """Something that happened at ``time`` seconds after the job was submitted."""
+
+    time: float
+    kind: str  # FAILURE, RECOVERY or CHECKPOINT
+    label: str
+
+
+@dataclass
+class ReportData:
+    """Everything a report shows; times are seconds since ``t0`` (submission)."""
+
+    job: str
+    status: JobStatus
+    t0: float
+    samples: list[Sample] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    events: list[events.Event] = field(default_factory=list)
+    generated_at: float = field(default_factory=time.time)
+
+    @property
+    def wall_s(self) -> float:
+        end = self.status.finished_at or self.status.updated_at or self.generated_at
+        return max(0.0, end - self.t0)
+
+    def throughput(self) -> list[tuple[float, float, float | None]]:
+        """``(seconds, steps/s, samples/s)`` between consecutive samples.
+
+        The controller's own rate is a trailing average; differences of
+        consecutive samples show a recovery's dip where it happened.
+        """
+        out: list[tuple[float, float, float | None]] = []
+        for a, b in zip(self.samples, self.samples[1:], strict=False):
+            dt = b.time - a.time
+            if dt <= 0:
+                continue
+            rate = max(0, b.step - a.step) / dt
+            per_step = (
+                b.samples_per_s / b.steps_per_s
+                if b.samples_per_s is not None and b.steps_per_s > 0
+                else None
+            )
+            out.append((b.time - self.t0, rate, None if per_step is None else rate * per_step))
+        return out
+
+    def markers_of(self, kind: str) -> list[Marker]:
+        return [m for m in self.markers if m.kind == kind]
+
+
+def build_report(client: EtcdClient, job: str) -> ReportData:
+    """Read ``job``'s status, history, events and recoveries from etcd.
+
+    Raises:
+        JobNotFoundError: no job of that name.
+    """
+    status = read_status(client, job)
+    if status is None:
+        raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
+    recoveries = [
+        RecoveryRecord.from_dict(json.loads(kv.value))
+        for kv in client.get_prefix(keys.job_recoveries(job))
+    ]
+    log = events.list_events(client, job)
+    t0 = status.submitted_at or (log[0].time if log else time.time())
+    data = ReportData(job, status, t0, read_history(client, job), [], recoveries, log)
+    for r in recoveries:
+        nodes = ", ".join(r.nodes) or "-"
+        data.markers.append(Marker(r.failure_at - t0, FAILURE, f"{r.cause}: {nodes}"))
+        data.markers.append(
+            Marker(r.first_step_at - t0, RECOVERY, f"generation {r.generation} ({r.total_s:.2f}s)")
+        )
+    covered = {n for r in recoveries for n in r.nodes}
+    for ev in log:
+        if ev.type == "NodeFailed" and ev.data.get("node") not in covered:
+            data.markers.append(Marker(ev.time - t0, FAILURE, ev.message))
+        elif ev.type == "Checkpoint":
+            data.markers.append(Marker(ev.time - t0, CHECKPOINT, f"step {ev.data.get('step')}"))
+    data.markers.sort(key=lambda m: m.time)
+    return data
+
+
+def render_png(data: ReportData) -> bytes:
+    """Loss and throughput over time with the markers, as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    try:
+        xs = [s.time - data.t0 for s in data.samples]
+        losses = [(x, s.loss) for x, s in zip(xs, data.samples, strict=True) if s.loss is not None]
+        if losses:
+            ax_loss.plot([x for x, _ in losses], [v for _, v in losses], color="#333333", lw=1.2)
+        else:
+            ax_loss.text(0.5, 0.5, "no loss reported", ha="center", transform=ax_loss.transAxes)
+        ax_loss.set_ylabel("loss (rank 0)")
+        flow = data.throughput()
+        ax_rate.plot([x for x, _, _ in flow], [r for _, r, _ in flow], color="#9467bd", lw=1.2)
+        ax_rate.set_ylabel("steps/s", color="#9467bd")
+        ax_rate.set_xlabel("seconds since submission")
+        per_sample = [(x, v) for x, _, v in flow if v is not None]
+        if per_sample:
+            twin = ax_rate.twinx()
+            twin.plot(
+                [x for x, _ in per_sample],
+                [v for _, v in per_sample],
+                color="#ff7f0e",
+                lw=0.8,
+                alpha=0.7,
+            )
+            twin.set_ylabel("samples/s", color="#ff7f0e")
+            twin.set_ylim(bottom=0)
+        ax_rate.set_ylim(bottom=0)
+        for r in data.recoveries:
+            for ax in (ax_loss, ax_rate):
+                ax.axvspan(
+                    r.failure_at - data.t0, r.first_step_at - data.t0, color="#d62728", alpha=0.12
+                )
+        seen: set[str] = set()
+        for m in data.markers:
+            style = ":" if m.kind == CHECKPOINT else "--"
+            for ax in (ax_loss, ax_rate):
+                ax.axvline(
+                    m.time,
+                    color=_COLORS[m.kind],
+                    ls=style,
+                    lw=1.0,
+                    label=m.kind if m.kind not in seen and ax is ax_loss else None,
+                )
+            seen.add(m.kind)
+        if seen:
+            ax_loss.legend(loc="upper right", fontsize=8)
+        effective = data.status.effective_fraction
+        ax_loss.set_title(
+            f"{data.job}: {data.status.phase.value} at step {data.status.step}, "
+            f"{len(data.recoveries)} recoveries, effective training {effective:.0%}"
+        )
+        for ax in (ax_loss, ax_rate):
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def render_html(data: ReportData, png: bytes) -> str:
+    """A self-contained HTML page (the PNG is embedded)."""
+    e = html.escape
+    s = data.status
+    image = base64.b64encode(png).decode()
+    summary = [
+        ("phase", s.phase.value),
+        ("step", str(s.step)),
+        ("world size", str(s.world_size)),
+        ("recoveries", str(len(data.recoveries))),
+        ("wall time", f"{data.wall_s:.1f}s"),
+        ("productive time", f"{s.productive_s:.1f}s"),
+        ("effective training", f"{s.effective_fraction:.1%}"),
+        ("last checkpoint", s.last_checkpoint or "-"),
+    ]
+    rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary)
+    head = "".join(f"<th>{p.replace('_', ' ')} (s)</th>" for p in PHASES)
+    rec_rows = []
+    for r in data.recoveries:
+        phases = r.phases
+        cells = "".join(f'<td class="phase-{p}">{phases[p]:.3f}</td>' for p in PHASES)
+        rec_rows.append(
+            f'<tr class="recovery" data-generation="{r.generation}" data-cause="{e(r.cause)}" '
+            f'data-total="{r.total_s:.6f}">'
+            f"<td>{r.failure_at - data.t0:.2f}</td><td>{r.generation}</td><td>{e(r.cause)}</td>"
+            f"<td>{e(', '.join(r.nodes))}</td>{cells}<td>{r.total_s:.3f}</td>"
+            f"<td>{r.steps_rerun}</td></tr>"
+        )
+    recoveries = (
+        '<table class="recoveries"><tr><th>at (s)</th><th>generation</th><th>cause</th>'
+        f"<th>nodes</th>{head}<th>total (s)</th><th>steps re-run</th></tr>"
+        + ("".join(rec_rows) or '<tr><td colspan="10">no recoveries</td></tr>')
+        + "</table>"
+    )
+    marker_rows = "".join(
+        f'<tr class="marker marker-{m.kind}" data-time="{m.time:.3f}">'
+        f"<td>{m.time:.2f}</td><td>{m.kind}</td><td>{e(m.label)}</td></tr>"
+        for m in data.markers
+    )
+    event_rows = "".join(
+        f"<tr><td>{ev.time - data.t0:.2f}</td><td>{e(ev.type)}</td><td>{e(ev.message)}</td></tr>"
+        for ev in data.events
+    )
+    generated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data.generated_at))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>ringmaster report: {e(data.job)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; font-size: 14px; }}
+tr.marker-failure td, tr.recovery td {{ color: #b22; }}
+tr.marker-recovery td {{ color: #282; }}
+img {{ max-width: 100%; }}
+</style></head><body>
+<h1>Job {e(data.job)}</h1>
+<p>Generated {generated}; times are seconds since the job was submitted.</p>
+<table class="summary">{rows}</table>
+<img alt="loss and throughput over time" src="data:image/png;base64,{image}">
+<h2>Recoveries</h2>
+{recoveries}
+<h2>Failures, recoveries and checkpoints</h2>
+<table class="markers"><tr><th>at (s)</th><th>kind</th><th>what</th></tr>{marker_rows}</table>
+<h2>Events</h2>
+<table class="events"><tr><th>at (s)</th><th>type</th><th>message</th></tr>{event_rows}</table>
+</body></html>
+"""
+
+
+def write_report(
+    client: EtcdClient, job: str, html_path: str | Path, png_path: str | Path | None = None
+) -> tuple[Path, Path, ReportData]:
+    """Write the HTML report and the PNG beside it (``report.png`` for ``report.html``).
+
+    Raises:
+        JobNotFoundError: no job of that name.
+    """
+    html_out = Path(html_path)
+    png_out = Path(png_path) if png_path is not None else html_out.with_suffix(".png")
+    data = build_report(client, job)
+    png = render_png(data)
+    html_out.parent.mkdir(parents=True, exist_ok=True)
+    png_out.parent.mkdir(parents=True, exist_ok=True)
+    png_out.write_bytes(png)
+    html_out.write_text(render_html(data, png))
+    return html_out, png_out, data

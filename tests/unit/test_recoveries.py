@@ -1,0 +1,174 @@
+"""Recovery records, failure causes, effective training time and the metric counters."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from orchestrator.api import JobPhase
+from orchestrator.events import Event
+from orchestrator.metrics import JobMetrics
+from orchestrator.recoveries import (
+    PHASES,
+    FailureCause,
+    RecoveryRecord,
+    build_record,
+    classify_cause,
+    effective_time,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def ev(type: str, source: str = "controller", **data: object) -> Event:
+    return Event(type=type, message="", time=100.0, source=source, data=dict(data))
+
+
+@pytest.mark.parametrize(
+    ("events", "registered", "cause"),
+    [
+        ([ev("WorkerExited", "n1", worker="n1-0", exit_code=-9)], ["n1"], FailureCause.SIGNAL),
+        ([ev("WorkerExited", "n1", worker="n1-0", exit_code=3)], ["n1"], FailureCause.EXIT_CODE),
+        (
+            [
+                ev("WorkerHung", worker="n1-0"),
+                ev("WorkerExited", "n1", worker="n1-0", exit_code=-9),
+            ],
+            ["n1"],
+            FailureCause.HANG,
+        ),
+        ([ev("Preempted", "n1")], [], FailureCause.PREEMPTION),
+        ([], [], FailureCause.LEASE_EXPIRY),
+        ([], ["n1"], FailureCause.UNRESPONSIVE),
+        # another node's trouble says nothing about n1
+        (
+            [ev("WorkerExited", "n10", worker="n10-0", exit_code=1)],
+            ["n1"],
+            FailureCause.UNRESPONSIVE,
+        ),
+    ],
+)
+def test_classify_cause(events: list[Event], registered: list[str], cause: FailureCause) -> None:
+    assert classify_cause({"n1"}, events, registered) is cause
+
+
+def _worker(formed: float, restored: float, first: float, step: int = 7) -> dict[str, object]:
+    return {
+        "generation": 2,
+        "group_formed_at": formed,
+        "restored_at": restored,
+        "restored_step": step,
+        "first_step_at": first,
+    }
+
+
+def test_phases_come_from_the_slowest_worker_and_sum_to_the_total() -> None:
+    r = build_record(
+        generation=2,
+        cause="signal",
+        nodes=["n1"],
+        reason="no report",
+        failure_at=10.0,
+        declared_at=11.0,
+        workers={"a": _worker(11.2, 11.5, 11.6), "b": _worker(11.3, 11.4, 11.7)},
+        step=7,
+        observed_s=1.9,
+    )
+    assert r.phases == pytest.approx(
+        {"detect": 1.0, "rendezvous": 0.3, "restore": 0.2, "first_step": 0.2}
+    )
+    assert sum(r.phases.values()) == pytest.approx(r.total_s) == pytest.approx(1.7)
+    assert r.steps_rerun == 0
+    again = RecoveryRecord.from_dict(r.to_dict())
+    assert again.phases == r.phases and again.cause == "signal"
+
+
+def test_phase_boundaries_are_clamped_never_negative() -> None:
+    # a worker clock a little behind the controller's: its times precede the declaration
+    r = build_record(
+        generation=3,
+        cause="hang",
+        nodes=["n1"],
+        reason="",
+        failure_at=10.0,
+        declared_at=12.0,
+        workers={"a": _worker(11.9, 11.95, 12.5, step=5)},
+        step=8,
+        observed_s=2.6,
+    )
+    assert all(r.phases[p] >= 0 for p in PHASES)
+    assert r.phases["rendezvous"] == 0 and r.phases["restore"] == 0
+    assert sum(r.phases.values()) == pytest.approx(r.total_s) == pytest.approx(2.5)
+    assert r.steps_rerun == 3  # restored from step 5, had reached 8
+
+
+def test_effective_time_excludes_startup_recoveries_and_rerun_steps() -> None:
+    rec = build_record(
+        generation=2,
+        cause="signal",
+        nodes=["n1"],
+        reason="",
+        failure_at=50.0,
+        declared_at=51.0,
+        workers={"a": _worker(52.0, 53.0, 54.0, step=30)},
+        step=40,
+        observed_s=4.0,
+    )
+    eff = effective_time(
+        submitted_at=0.0,
+        train_started_at=10.0,
+        last_step_at=110.0,
+        now=120.0,
+        steps=960,
+        recoveries=[rec],
+    )
+    # 100 s stepping, minus 4 s of recovery; 96 s for 960 steps → 0.1 s per step;
+    # 10 steps trained twice cost 1 s more
+    assert eff.wall_s == 120.0
+    assert eff.productive_s == pytest.approx(95.0)
+    assert eff.fraction == pytest.approx(95.0 / 120.0)
+    before = effective_time(
+        submitted_at=0.0, train_started_at=None, last_step_at=None, now=5.0, steps=0, recoveries=[]
+    )
+    assert before.productive_s == 0 and before.fraction == 0
+
+
+def test_byte_counters_add_only_increases_and_survive_worker_restarts() -> None:
+    m = JobMetrics()
+    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1000, "dense_bytes": 4000})
+    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1000, "dense_bytes": 4000})  # same beat
+    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1500, "dense_bytes": 6000})
+    m.worker_telemetry("j", "n1-0", 200, {"wire_bytes": 300, "dense_bytes": 1200})  # restarted
+    text = generate_latest(m.registry).decode()
+    assert 'ringmaster_job_comm_wire_bytes_total{job="j"} 1800.0' in text
+    assert 'ringmaster_job_comm_dense_bytes_total{job="j"} 7200.0' in text
+    assert 'ringmaster_job_comm_compression_ratio{job="j"} 4.0' in text
+
+
+def test_phase_gauge_marks_only_the_current_phase() -> None:
+    m = JobMetrics()
+    m.job_state(
+        "j",
+        phase=JobPhase.RECOVERING,
+        step=5,
+        steps_per_s=0.0,
+        samples_per_s=None,
+        world_size=2,
+        active=2,
+        spares=0,
+        failed=1,
+        effective_ratio=0.5,
+        productive_s=1.0,
+    )
+    text = generate_latest(m.registry).decode()
+    assert 'ringmaster_job_phase{job="j",phase="Recovering"} 1.0' in text
+    assert 'ringmaster_job_phase{job="j",phase="Running"} 0.0' in text
+    assert 'ringmaster_job_nodes{job="j",state="failed"} 1.0' in text
+
+
+def test_a_refused_liveness_probe_is_agent_gone_unless_a_worker_said_more() -> None:
+    assert classify_cause({"n1"}, [], ["n1"], agent_gone={"n1"}) is FailureCause.AGENT_GONE
+    exited = [ev("WorkerExited", "n1", worker="n1-0", exit_code=-9)]
+    assert classify_cause({"n1"}, exited, ["n1"], agent_gone={"n1"}) is FailureCause.SIGNAL
+    # another node's agent being gone says nothing about n1
+    assert classify_cause({"n1"}, [], ["n1"], agent_gone={"n2"}) is FailureCause.UNRESPONSIVE

@@ -219,12 +219,19 @@ def main() -> None:
         rm = run_ringmaster(Path(a))
         print(f"ringmaster: {rm['recovery_s']:.2f}s to the next step, {rm['steps_lost']} lost")
         tr = run_torchrun(Path(b))
-        print(
-            f"torchrun:   {tr['recovery_s']:.2f}s to the next step, {tr['steps_lost']} lost, "
-            f"{tr['completed']}/{STEPS} steps completed"
-        )
+        if tr["recovery_s"] == float("inf"):
+            print(
+                f"torchrun:   no step within {TORCHRUN_PATIENCE_S:g}s of the kill, "
+                f"{tr['completed']}/{STEPS} steps completed"
+            )
+        else:
+            print(
+                f"torchrun:   {tr['recovery_s']:.2f}s to the next step, {tr['steps_lost']} lost, "
+                f"{tr['completed']}/{STEPS} steps completed"
+            )
     recovered = tr["recovery_s"] != float("inf")
-    speedup = tr["recovery_s"] / rm["recovery_s"] if recovered else None
+    # torchrun that never trained again within its patience: the ratio is at least this
+    speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
     print(
         json.dumps(
             {
@@ -232,8 +239,9 @@ def main() -> None:
                 "steps_lost": rm["steps_lost"],
                 "torchrun_recovery_s": round(tr["recovery_s"], 3) if recovered else None,
                 "torchrun_recovered_within_s": None if recovered else TORCHRUN_PATIENCE_S,
-                "torchrun_steps_lost": tr["steps_lost"],
-                "speedup": round(speedup, 2) if speedup is not None else None,
+                "torchrun_steps_lost": tr["steps_lost"] if recovered else None,
+                "speedup": round(speedup, 2) if recovered else None,
+                "speedup_at_least": None if recovered else round(speedup, 1),
             }
         )
     )

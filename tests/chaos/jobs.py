@@ -54,7 +54,14 @@ def tiny_job(
 
 
 def quiet_run(spec: JobSpec, lines: list[str], **kwargs: object) -> LocalRun:
-    return LocalRun(spec, printer=lines.append, workdir=str(REPO), **kwargs)  # type: ignore[arg-type]
+    """A local run whose output goes to ``lines`` (and to pytest's captured stdout,
+    shown when a test fails, also on a timeout)."""
+
+    def keep(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    return LocalRun(spec, printer=keep, workdir=str(REPO), **kwargs)  # type: ignore[arg-type]
 
 
 def step_log(tmp: Path) -> dict[str, list[int]]:

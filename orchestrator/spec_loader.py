@@ -55,9 +55,14 @@ def load_job_text(text: str, source: str = "<job>") -> JobSpec:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(e, "problem", None) or str(e)
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        if mark is not None:
+            line = mark.line + 1
+        elif isinstance(getattr(e, "position", None), int):  # a character YAML cannot read
+            line = text.count("\n", 0, e.position) + 1  # type: ignore[attr-defined]
+        else:
+            line = 1
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e)
         raise SpecError([SpecProblem("", f"not valid YAML: {problem}", line, source)]) from e
     except RecursionError as e:
         raise SpecError([_too_deep(source)]) from e
@@ -86,7 +91,7 @@ def load_job_data(data: dict[str, Any], source: str = "<job>") -> JobSpec:
 def load_job_node(root: yaml.Node | None, source: str) -> JobSpec:
     builder = _Builder(source)
     if root is None:
-        builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", None)
+        builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", 1)
         raise SpecError(builder.problems)
     spec = builder.build(JobSpec, root, "")
     if builder.problems:

@@ -11,6 +11,7 @@ endpoint and what to check, exit code 1, and no traceback.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -225,3 +226,17 @@ def test_cli_wrong_password_gives_one_clear_line_without_the_password(
 def test_cli_without_credentials_says_auth_is_required(auth_server: EmbeddedEtcd) -> None:
     done = ringmaster(["status", "--etcd", auth_server.endpoint])
     assert_one_clear_line(done, auth_server.endpoint, "--etcd-user")
+
+
+def test_an_expired_auth_token_is_renewed() -> None:
+    """etcd forgets idle tokens (``--auth-token-ttl``); the client authenticates again."""
+    with EmbeddedEtcd(extra_args=["--auth-token-ttl", "1"]) as server:
+        server.enable_auth(ROOT_PASSWORD, [EtcdUser("trainer", TRAINER_PASSWORD)])
+        options = EtcdOptions((server.endpoint,), user="trainer", password=TRAINER_PASSWORD)
+        with connect(options) as client:
+            client.put("/ringmaster/renew", b"1")
+            first_token = client._raw.metadata
+            time.sleep(3)  # idle past the token's life
+            kv = client.get("/ringmaster/renew")
+            assert kv is not None and kv.value == b"1"
+            assert client._raw.metadata != first_token  # a new token was obtained

@@ -240,3 +240,22 @@ def test_an_expired_auth_token_is_renewed() -> None:
             kv = client.get("/ringmaster/renew")
             assert kv is not None and kv.value == b"1"
             assert client._raw.metadata != first_token  # a new token was obtained
+
+
+def test_cli_password_on_the_command_line_works_with_a_warning(
+    auth_server: EmbeddedEtcd,
+) -> None:
+    done = ringmaster(
+        [
+            "status",
+            "--etcd",
+            auth_server.endpoint,
+            "--etcd-user",
+            "trainer",
+            "--etcd-password",
+            TRAINER_PASSWORD,
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "RINGMASTER_ETCD_PASSWORD" in done.stderr and "visible" in done.stderr
+    assert TRAINER_PASSWORD not in done.stdout + done.stderr

@@ -51,15 +51,15 @@ def segment(name: str, what: str = "name") -> str:
     return name
 
 
-_LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9_.\-]{0,128}\Z")
+_LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9_.\-]{0,253}\Z")
 
 
 def labels(given: dict[str, str]) -> dict[str, str]:
     """Return topology labels if every key is a :func:`segment` and every value is safe.
 
-    Values may be empty; otherwise they use the same characters as segments
-    (what Kubernetes allows in label values), so no control character or
-    ``/`` reaches registrations, logs or rank orderings.
+    Values may be empty; otherwise up to 253 of the characters of segments
+    (enough for a Kubernetes node name as ``host``), so no control character
+    or ``/`` reaches registrations, logs or rank orderings.
 
     Raises:
         InvalidKeySegmentError: naming the bad label.
@@ -68,7 +68,7 @@ def labels(given: dict[str, str]) -> dict[str, str]:
         segment(key, "label name")
         if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
             raise InvalidKeySegmentError(
-                f"label {key}={value!r}: use up to 128 letters, digits, '_', '-' or '.'"
+                f"label {key}={value!r}: use up to 253 letters, digits, '_', '-' or '.'"
             )
     return given
 

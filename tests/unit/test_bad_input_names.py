@@ -132,7 +132,7 @@ def test_labels_are_refused_or_safe(given_labels: dict[str, str]) -> None:
 
 
 def test_agent_cli_labels_that_are_not_safe_are_refused() -> None:
-    for text in ("zone=a/b", "zone=a\nb", "../x=1", "rack=" + "r" * 200):
+    for text in ("zone=a/b", "zone=a\nb", "../x=1", "rack=" + "r" * 254):
         with pytest.raises(ValueError, match="label"):
             parse_labels(text)
     assert parse_labels("zone=us-east-1a,rack=r1,host=") == {

@@ -10,7 +10,7 @@ contract.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 # Environment variables the agent sets for each worker.
@@ -53,7 +53,7 @@ class WorkerEnv:
     etcd_cert: str | None = None
     etcd_key: str | None = None
     etcd_user: str | None = None
-    etcd_password: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv | None:

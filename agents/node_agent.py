@@ -67,7 +67,8 @@ def parse_labels(text: str | None) -> dict[str, str]:
     """``zone=a,rack=r1`` → ``{"zone": "a", "rack": "r1"}``.
 
     Raises:
-        ValueError: an item is not ``key=value``.
+        ValueError: an item is not ``key=value``, or a name or value is not safe
+            (see :func:`orchestrator.keys.labels`).
     """
     out: dict[str, str] = {}
     for item in (text or "").split(","):
@@ -78,7 +79,7 @@ def parse_labels(text: str | None) -> dict[str, str]:
         if not sep or not key.strip():
             raise ValueError(f"label {item!r} is not key=value (e.g. zone=a,rack=r1)")
         out[key.strip()] = value.strip()
-    return out
+    return keys.labels(out)
 
 
 def describe_exit(code: int) -> str:

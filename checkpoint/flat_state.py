@@ -177,11 +177,24 @@ def layout_digest(flat: Mapping[str, Any]) -> str:
 
 
 def check_fits(target: Mapping[str, Any], available: Mapping[str, Any], where: str) -> None:
-    """Raise when replicated keys of ``target`` are missing from ``available``."""
+    """Raise when replicated keys of ``target`` are missing from ``available``, or
+    when a tensor has another shape there (a different model: never load it)."""
     missing = sorted(k for k in target if not is_rank_key(k) and k not in available)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointMismatchError(
             f"{where} lacks {len(missing)} entries the model/optimizer expect ({shown}); "
             "was it saved from a different model or optimizer?"
+        )
+    reshaped = [
+        f"{k} {tuple(available[k].size)} in the checkpoint, {tuple(v.shape)} here"
+        for k, v in target.items()
+        if isinstance(v, torch.Tensor)
+        and hasattr(available.get(k), "size")
+        and tuple(available[k].size) != tuple(v.shape)
+    ]
+    if reshaped:
+        raise CheckpointMismatchError(
+            f"{where} holds tensors of other shapes than the model/optimizer: "
+            f"{'; '.join(sorted(reshaped)[:3])}; was it saved from a different model?"
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import zlib
 from enum import Enum
 from typing import Any
@@ -76,44 +78,99 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
-    """Parse manifest bytes.
+    """Parse manifest bytes, checking every field.
 
     Raises:
-        CheckpointCorruptError: not JSON, incomplete, a newer format, or the
-            self-checksum does not match.
+        CheckpointCorruptError: not JSON, incomplete, a newer format, the
+            self-checksum does not match, or a field holds something no writer
+            produces (a negative step, a non-integer size, an object path that
+            leaves the checkpoint directory...).
     """
     try:
         raw = json.loads(data)
-        claimed = raw.pop("self_checksum")
-        if crc32_hex(_canonical(raw)) != claimed:
-            raise CheckpointCorruptError(f"{where}: manifest self-checksum does not match")
-        if int(raw["format"]) > MANIFEST_FORMAT:
-            raise CheckpointCorruptError(
-                f"{where}: manifest format {raw['format']} is newer than this reader "
-                f"({MANIFEST_FORMAT}); upgrade ringmaster to read it"
-            )
-        if raw["checksum_algorithm"] != CHECKSUM_ALGORITHM:
-            raise CheckpointCorruptError(
-                f"{where}: unknown checksum algorithm {raw['checksum_algorithm']!r}"
-            )
-        objects = tuple(
-            ObjectEntry(path=str(o["path"]), size=int(o["size"]), checksum=str(o["checksum"]))
-            for o in raw["objects"]
-        )
-        return Manifest(
-            step=int(raw["step"]),
-            world_size=int(raw["world_size"]),
-            job_spec_hash=str(raw["job_spec_hash"]),
-            created_at=float(raw["created_at"]),
-            objects=objects,
-            samples_seen=int(raw["samples_seen"]),
-            format=int(raw["format"]),
-            checksum_algorithm=str(raw["checksum_algorithm"]),
-        )
-    except CheckpointCorruptError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointCorruptError(f"{where}: unreadable manifest (not JSON: {e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointCorruptError(f"{where}: unreadable manifest (not a JSON object)")
+    claimed = raw.pop("self_checksum", None)
+    if claimed is None:
+        raise CheckpointCorruptError(f"{where}: unreadable manifest (no self_checksum)")
+    try:
+        body = _canonical(raw)
+    except (ValueError, TypeError, RecursionError) as e:
         raise CheckpointCorruptError(f"{where}: unreadable manifest ({e})") from e
+    if crc32_hex(body) != claimed:
+        raise CheckpointCorruptError(f"{where}: manifest self-checksum does not match")
+    fmt = _int(raw, "format", where, minimum=1)
+    if fmt > MANIFEST_FORMAT:
+        raise CheckpointCorruptError(
+            f"{where}: manifest format {fmt} is newer than this reader "
+            f"({MANIFEST_FORMAT}); upgrade ringmaster to read it"
+        )
+    algorithm = raw.get("checksum_algorithm")
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise CheckpointCorruptError(f"{where}: unknown checksum algorithm {algorithm!r}")
+    objects = raw.get("objects")
+    if not isinstance(objects, list):
+        raise CheckpointCorruptError(f"{where}: unreadable manifest (objects is not a list)")
+    created_at = raw.get("created_at")
+    if (
+        not isinstance(created_at, int | float)
+        or isinstance(created_at, bool)
+        or not math.isfinite(created_at)
+    ):
+        raise CheckpointCorruptError(f"{where}: created_at {created_at!r} is not a time")
+    spec_hash = raw.get("job_spec_hash")
+    if not isinstance(spec_hash, str):
+        raise CheckpointCorruptError(f"{where}: job_spec_hash {spec_hash!r} is not text")
+    return Manifest(
+        step=_int(raw, "step", where, minimum=0),
+        world_size=_int(raw, "world_size", where, minimum=1),
+        job_spec_hash=spec_hash,
+        created_at=float(created_at),
+        objects=tuple(_object(o, f"{where}: objects[{i}]") for i, o in enumerate(objects)),
+        samples_seen=_int(raw, "samples_seen", where, minimum=0),
+        format=fmt,
+        checksum_algorithm=CHECKSUM_ALGORITHM,
+    )
+
+
+_CHECKSUM_RE = re.compile(r"^[0-9a-f]{8}\Z")
+
+
+def _int(raw: dict[str, Any], name: str, where: str, minimum: int) -> int:
+    value = raw.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointCorruptError(
+            f"{where}: {name} {value!r} is not an integer of at least {minimum}"
+        )
+    return value
+
+
+def _object(entry: Any, where: str) -> ObjectEntry:
+    if not isinstance(entry, dict):
+        raise CheckpointCorruptError(f"{where} is not an object entry")
+    path, checksum = entry.get("path"), entry.get("checksum")
+    if not isinstance(path, str) or not safe_object_path(path):
+        raise CheckpointCorruptError(
+            f"{where}: path {path!r} is not a relative path inside the checkpoint directory"
+        )
+    if not isinstance(checksum, str) or not _CHECKSUM_RE.match(checksum):
+        raise CheckpointCorruptError(f"{where}: checksum {checksum!r} is not 8 hex digits")
+    return ObjectEntry(path=path, size=_int(entry, "size", where, minimum=0), checksum=checksum)
+
+
+def safe_object_path(path: str) -> bool:
+    """True for a relative ``a/b`` path that stays inside its directory.
+
+    No absolute paths, no ``.`` or ``..`` or empty parts, no backslashes or
+    control characters: a manifest cannot make a reader open another file.
+    """
+    if not path or path.startswith("/") or "\\" in path:
+        return False
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
 
 
 def _plain(value: Any) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,21 @@ _ALIGN = 64
 _HEAD = "head.json"
 
 
+_DIR_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}\Z")
+
+
 def default_directory(job: str, rank: int) -> Path:
-    """``/dev/shm/ringmaster/<job>/rank-<rank>`` (a temp dir where there is no /dev/shm)."""
+    """``/dev/shm/ringmaster/<job>/rank-<rank>`` (a temp dir where there is no /dev/shm).
+
+    Raises:
+        ValueError: ``job`` is not one safe directory name (no ``/``, ``..``, control
+            characters), so it cannot point the tier outside its directory.
+    """
+    if not _DIR_PART_RE.match(job) or ".." in job:
+        raise ValueError(
+            f"job name {job!r} cannot name the memory tier directory: use 1-128 letters, "
+            "digits, '_', '-' or '.', starting with a letter or digit, without '..'"
+        )
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / "ringmaster" / job / f"rank-{rank}"
 

@@ -137,7 +137,7 @@ _PHASE_TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
 Problems = list[tuple[str, str]]
 
 #: Job names become etcd keys, paths and Kubernetes object names: DNS-1123 labels.
-JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 
 #: URL schemes accepted for durable checkpoints (fsspec protocols).
 CHECKPOINT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "memory")
@@ -241,7 +241,7 @@ class RendezvousSpec:
         return out
 
 
-_ENDPOINT_RE = re.compile(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+_ENDPOINT_RE = re.compile(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}\Z", re.ASCII)
 
 
 @dataclass
@@ -392,7 +392,7 @@ class CommSpec:
         return out
 
 
-_QUANTITY_RE = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
+_QUANTITY_RE = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?\Z", re.ASCII)
 
 
 @dataclass
@@ -438,7 +438,7 @@ class JobSpec:
             out.append(
                 (
                     "name",
-                    f"'{self.name}' is not a valid job name: use 1-63 lowercase letters, digits "
+                    f"{self.name!r} is not a valid job name: use 1-63 lowercase letters, digits "
                     "and '-', starting and ending with a letter or digit",
                 )
             )

@@ -8,6 +8,11 @@ No orphan survives the parent: the child asks the kernel for ``SIGKILL`` when
 its parent dies (``PR_SET_PDEATHSIG``), which holds even when the parent is
 itself SIGKILLed.  The signal follows the *thread* that started the child, so
 start it from a thread that outlives it (the main thread, normally).
+
+Optionally the etcd serves TLS (:class:`ServerTLS`, with or without required
+client certificates) and, once started, can turn on etcd's authentication with
+a ``root`` user and job users limited to a key prefix (:meth:`EmbeddedEtcd.enable_auth`).
+Passwords go to ``etcdctl`` on its standard input, never on a command line.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -55,6 +62,52 @@ def find_etcd_binary() -> str:
     )
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS of an embedded etcd's client endpoint.
+
+    Attributes:
+        cert / key: the server certificate and its key (PEM files).
+        ca: CA that signs client certificates (and that clients trust).
+        client_cert_auth: refuse clients without a certificate signed by ``ca``.
+        admin_cert / admin_key: a client identity :meth:`EmbeddedEtcd.etcdctl` uses.
+    """
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert_auth: bool = True
+    admin_cert: Path | None = None
+    admin_key: Path | None = None
+
+    def etcd_args(self) -> list[str]:
+        args = ["--cert-file", str(self.cert), "--key-file", str(self.key)]
+        args += ["--trusted-ca-file", str(self.ca)]
+        if self.client_cert_auth:
+            args.append("--client-cert-auth")
+        return args
+
+
+@dataclass(frozen=True)
+class EtcdUser:
+    """An etcd user allowed to read and write under ``prefix`` (and nothing else)."""
+
+    name: str
+    password: str = field(repr=False)
+    prefix: str = "/ringmaster/"
+
+
+def find_etcdctl(etcd_binary: str) -> str:
+    """``etcdctl`` next to the etcd binary, else on PATH."""
+    beside = Path(etcd_binary).with_name("etcdctl")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("etcdctl")
+    if found:
+        return found
+    raise EmbeddedEtcdError(f"no etcdctl next to {etcd_binary} or on PATH (needed for auth)")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -71,7 +124,9 @@ class EmbeddedEtcd:
         client_port / peer_port: fixed ports, or free ones when None.
         name: member name.
         start_timeout: how long to wait for the health endpoint.
-        extra_args: more etcd flags (TLS, auth, logging).
+        extra_args: more etcd flags (logging...).
+        scheme: ``http`` or ``https`` (implied by ``tls``).
+        tls: serve the client endpoint over TLS.
     """
 
     def __init__(
@@ -83,6 +138,7 @@ class EmbeddedEtcd:
         start_timeout: timedelta = DEFAULT_START_TIMEOUT,
         extra_args: list[str] | None = None,
         scheme: str = "http",
+        tls: ServerTLS | None = None,
     ) -> None:
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -91,8 +147,9 @@ class EmbeddedEtcd:
         self.peer_port = peer_port or free_port()
         self.name = name
         self.start_timeout = start_timeout
-        self.extra_args = list(extra_args or [])
-        self.scheme = scheme
+        self.tls = tls
+        self.extra_args = [*(tls.etcd_args() if tls else []), *(extra_args or [])]
+        self.scheme = "https" if tls else scheme
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
 
@@ -175,6 +232,50 @@ class EmbeddedEtcd:
                 return b'"health":"true"' in r.read()
         except (urllib.error.URLError, OSError):
             return False
+
+    def enable_auth(self, root_password: str, users: Sequence[EtcdUser] = ()) -> None:
+        """Create ``root`` and ``users`` (each with a role on its prefix), then ``auth enable``.
+
+        Raises:
+            EmbeddedEtcdError: an ``etcdctl`` step failed (its output says why).
+        """
+        self.etcdctl(["user", "add", "root", "--interactive=false"], stdin=root_password)
+        self.etcdctl(["user", "grant-role", "root", "root"])
+        for user in users:
+            role = f"{user.name}-role"
+            self.etcdctl(["role", "add", role])
+            self.etcdctl(
+                ["role", "grant-permission", role, "readwrite", user.prefix, "--prefix=true"]
+            )
+            self.etcdctl(["user", "add", user.name, "--interactive=false"], stdin=user.password)
+            self.etcdctl(["user", "grant-role", user.name, role])
+        self.etcdctl(["auth", "enable"])
+
+    def etcdctl(self, args: list[str], stdin: str | None = None) -> str:
+        """Run ``etcdctl`` against this etcd and return its output.
+
+        With TLS it trusts :attr:`tls` ``.ca`` and identifies itself with
+        ``tls.admin_cert`` / ``tls.admin_key`` when given.
+        """
+        command = [find_etcdctl(self.binary), "--endpoints", self.url]
+        if self.tls is not None:
+            command += ["--cacert", str(self.tls.ca)]
+            if self.tls.admin_cert and self.tls.admin_key:
+                command += ["--cert", str(self.tls.admin_cert), "--key", str(self.tls.admin_key)]
+        done = subprocess.run(
+            [*command, *args],
+            input=(stdin + "\n") if stdin is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise EmbeddedEtcdError(
+                f"etcdctl {' '.join(args)} failed ({done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()}"
+            )
+        return done.stdout
 
     def _fail(self, what: str) -> None:
         tail = ""

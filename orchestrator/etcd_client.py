@@ -14,6 +14,14 @@ distribution) with what the rest of ringmaster needs and nothing else:
   election and fencing are built from), leases, prefix watches.
 * For the c10d store: compare-and-set on a value, multi-key reads and writes
   in one transaction, and waits that watch a key from the revision a read saw.
+* A TLS mismatch (wrong CA, a client certificate the server refuses, plain
+  text against a TLS server or the reverse) fails at once with an
+  :class:`~orchestrator.api.EtcdAuthError` that names the endpoint and the
+  option to check, instead of waiting out the connect timeout.
+* With user/password, the auth token is sent as call metadata, so it works on
+  plain-text channels too (gRPC refuses call credentials there), and a token
+  the server no longer knows (another member, expiry) is renewed once.
+  Passwords never appear in messages, logs or ``repr``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,9 +38,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+# gRPC's C core logs every failed TLS handshake at INFO on stderr unless told
+# otherwise; the error raised here says what went wrong in one line instead.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import etcd3
 import etcd3.exceptions as etcd_exc
 import grpc
+from etcd3 import etcdrpc
 
 from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
 
@@ -203,6 +218,7 @@ class EtcdClient:
     def __init__(self, options: EtcdOptions, raw: Any) -> None:
         self.options = options
         self._raw = raw
+        self._auth_lock = threading.Lock()
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -223,14 +239,30 @@ class EtcdClient:
         """Run ``fn(raw_client)``; on connection errors fail over and retry until the deadline."""
         deadline = time.monotonic() + (timeout or self.options.op_timeout).total_seconds()
         last: Exception | None = None
+        renewed = False
         while True:
             try:
                 return fn(self._raw)
             except _RETRYABLE as e:
                 last = e
             except grpc.RpcError as e:
+                if _token_rejected(e) and self.options.user and not renewed:
+                    renewed = True
+                    self._renew_token()
+                    continue
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise EtcdAuthError(f"etcd refused the request: {e.details()}") from e
+                    who = f"user {self.options.user!r}" if self.options.user else "no user"
+                    raise EtcdAuthError(
+                        f"etcd at {', '.join(self.endpoints)} refused the request ({who}): "
+                        f"{e.details()}; check --etcd-user / RINGMASTER_ETCD_USER and the "
+                        "user's role (it needs read-write on the /ringmaster/ prefix)"
+                    ) from e
+                if "user name is empty" in (e.details() or ""):
+                    raise EtcdAuthError(
+                        f"etcd at {', '.join(self.endpoints)} requires authentication: pass "
+                        "--etcd-user and --etcd-password (or RINGMASTER_ETCD_USER / "
+                        "RINGMASTER_ETCD_PASSWORD)"
+                    ) from e
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
                 last = e
@@ -242,6 +274,18 @@ class EtcdClient:
                     reasons,
                 ) from last
             time.sleep(0.1)
+
+    def _renew_token(self) -> None:
+        """Authenticate again (the member answering did not know the token)."""
+        with self._auth_lock:
+            try:
+                _authenticate(self._raw, self.options)
+            except grpc.RpcError as e:
+                raise EtcdAuthError(
+                    f"etcd at {', '.join(self.endpoints)} refused user "
+                    f"{self.options.user!r}: {e.details()}; check --etcd-user and "
+                    "--etcd-password / RINGMASTER_ETCD_PASSWORD"
+                ) from e
 
     # -- key/value ---------------------------------------------------------------------
 
@@ -478,7 +522,12 @@ def connect(options: EtcdOptions) -> EtcdClient:
             raise EtcdError(f"cannot read etcd TLS file: {e}") from e
     deadline = time.monotonic() + options.connect_timeout.total_seconds()
     reasons: dict[str, str] = {}
+    checked: set[str] = set()
+    tls_problems: dict[str, str] = {}
     while True:
+        if tls_problems and set(tls_problems) | set(reasons) >= set(options.endpoints):
+            # Every endpoint failed and some for a TLS reason: that will not heal.
+            raise EtcdAuthError("; ".join(tls_problems.values()))
         for ep in options.endpoints:
             host, port = _host_port(ep)
             remaining = max(deadline - time.monotonic(), 0.2)
@@ -488,6 +537,11 @@ def connect(options: EtcdOptions) -> EtcdClient:
                 raise
             except Exception as e:
                 reasons[ep] = _reason(e)
+                if ep not in checked:
+                    checked.add(ep)
+                    mismatch = tls_mismatch(options, host, port)
+                    if mismatch:
+                        tls_problems[ep] = mismatch
                 continue
             # Re-open with every endpoint for fail-over once one is known to work.
             if len(options.endpoints) > 1:
@@ -509,20 +563,38 @@ def _endpoint(host: str, port: int, creds: Any) -> Any:
     )
 
 
+def _authenticate(raw: Any, options: EtcdOptions) -> None:
+    """Get a token for ``options.user`` and send it as metadata with every call.
+
+    The etcd3 library also wraps the token in gRPC call credentials, which gRPC
+    refuses to send on a plain-text channel; metadata works on both.
+    """
+    request = etcdrpc.AuthenticateRequest(name=options.user, password=options.password)
+    resp = raw.authstub.Authenticate(request, raw.timeout)
+    raw.metadata = (("token", resp.token),)
+    raw.call_credentials = None
+    raw._stubs.pop("watcher", None)  # a watcher keeps the metadata it was made with
+
+
+def _new_client(options: EtcdOptions, endpoints: list[Any], timeout: float) -> Any:
+    if bool(options.user) != bool(options.password):
+        missing = "--etcd-password (or RINGMASTER_ETCD_PASSWORD)" if options.user else "--etcd-user"
+        raise EtcdError(f"etcd user/password auth needs both; {missing} is missing")
+    raw = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
+    if options.user:
+        _authenticate(raw, options)
+    return raw
+
+
 def _open(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float) -> Any:
     try:
-        raw = etcd3.MultiEndpointEtcd3Client(
-            endpoints=[_endpoint(host, port, creds)],
-            timeout=timeout,
-            user=options.user,
-            password=options.password,
-            failover=True,
-        )
+        raw = _new_client(options, [_endpoint(host, port, creds)], timeout)
         raw.status()
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
             raise EtcdAuthError(
-                f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}"
+                f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}; "
+                "check --etcd-user and --etcd-password / RINGMASTER_ETCD_PASSWORD"
             ) from e
         raise
     raw.timeout = options.op_timeout.total_seconds()
@@ -531,14 +603,99 @@ def _open(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float
 
 def _open_all(options: EtcdOptions, creds: Any) -> Any:
     endpoints = [_endpoint(*_host_port(ep), creds) for ep in options.endpoints]
-    raw = etcd3.MultiEndpointEtcd3Client(
-        endpoints=endpoints,
-        timeout=options.op_timeout.total_seconds(),
-        user=options.user,
-        password=options.password,
-        failover=True,
-    )
-    return raw
+    return _new_client(options, endpoints, options.op_timeout.total_seconds())
+
+
+def _plain_text_reply(e: ssl.SSLError) -> bool:
+    """The TLS handshake met a peer that does not speak TLS (or hung up on it)."""
+    text = f"{e.reason or ''} {e}".upper()
+    markers = ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PACKET_LENGTH", "UNEXPECTED_EOF", "EOF")
+    return isinstance(e, ssl.SSLEOFError) or any(m in text for m in markers)
+
+
+def _token_rejected(e: grpc.RpcError) -> bool:
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in details
+
+
+#: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
+_TLS_PROBE_SECONDS = 1.0
+
+
+def tls_mismatch(options: EtcdOptions, host: str, port: int) -> str | None:
+    """Why TLS between these options and ``host:port`` cannot work, or None.
+
+    Tries a TLS handshake the way the options describe (or, without TLS
+    options, whether the server speaks TLS at all) and turns the outcome into
+    one sentence naming the endpoint and the option to check.  None when the
+    endpoint does not answer at all or the handshake is fine: then TLS is not
+    the problem.
+    """
+    where = f"etcd at {host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=_TLS_PROBE_SECONDS)
+    except OSError:
+        return None
+    with sock:
+        if not options.secure:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            try:
+                with ctx.wrap_socket(sock, server_hostname=host):
+                    pass
+            except ssl.SSLError as e:
+                if _plain_text_reply(e):
+                    return None  # not a TLS server: the failure is something else
+            except OSError:
+                return None
+            return (
+                f"{where} serves TLS but no TLS options were given: pass --etcd-ca "
+                "(RINGMASTER_ETCD_CA) with the CA that signed its certificate, and "
+                "--etcd-cert / --etcd-key if it requires client certificates"
+            )
+        try:
+            ctx = ssl.create_default_context(cafile=options.ca_cert)
+            if options.cert and options.key:
+                ctx.load_cert_chain(options.cert, options.key)
+        except (ssl.SSLError, OSError, ValueError) as e:
+            return (
+                f"{where}: cannot use the TLS files given (--etcd-ca / --etcd-cert / "
+                f"--etcd-key): {e}"
+            )
+        try:
+            with ctx.wrap_socket(sock, server_hostname=host) as tls:
+                tls.settimeout(_TLS_PROBE_SECONDS)
+                # TLS 1.3 servers refuse a client certificate after the handshake.
+                tls.recv(1)
+        except ssl.SSLCertVerificationError as e:
+            return (
+                f"{where}: its certificate does not verify against --etcd-ca "
+                f"{options.ca_cert} ({e.verify_message}); check that --etcd-ca "
+                "(RINGMASTER_ETCD_CA) is the CA that signed the server certificate and "
+                f"that the certificate names {host}"
+            )
+        except ssl.SSLError as e:
+            text = f"{e.reason or ''} {e}".upper()
+            if _plain_text_reply(e):
+                return (
+                    f"{where} does not answer TLS (it looks like plain http): drop --etcd-ca / "
+                    "--etcd-cert / --etcd-key or point --etcd at its TLS client endpoint"
+                )
+            if "CERTIFICATE" in text or "UNKNOWN_CA" in text or "ALERT" in text:
+                given = options.cert or "none given"
+                return (
+                    f"{where} refused the client certificate ({given}): check --etcd-cert / "
+                    "--etcd-key (RINGMASTER_ETCD_CERT / RINGMASTER_ETCD_KEY); etcd wants one "
+                    "signed by its --trusted-ca-file"
+                )
+            return (
+                f"{where}: TLS handshake failed ({e.reason or e}); check the --etcd-ca / "
+                "--etcd-cert / --etcd-key files"
+            )
+        except (TimeoutError, OSError):
+            return None  # the server accepted us and waited for a request: TLS is fine
+    return None
 
 
 def _reason(e: Exception) -> str:

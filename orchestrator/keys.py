@@ -33,7 +33,7 @@ import re
 
 ROOT = "/ringmaster"
 
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}\Z")
 
 
 class InvalidKeySegmentError(ValueError):
@@ -47,12 +47,34 @@ def segment(name: str, what: str = "name") -> str:
         InvalidKeySegmentError: for empty names, ``/``, ``..`` or other characters
             outside ``[A-Za-z0-9_.-]``.
     """
-    if not _SEGMENT_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SEGMENT_RE.match(name) or ".." in name:
         raise InvalidKeySegmentError(
             f"{what} {name!r} cannot be used as a key: use 1-128 letters, digits, '_', '-' "
             "or '.', starting with a letter or digit, without '..'"
         )
     return name
+
+
+_LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9_.\-]{0,253}\Z")
+
+
+def labels(given: dict[str, str]) -> dict[str, str]:
+    """Return topology labels if every key is a :func:`segment` and every value is safe.
+
+    Values may be empty; otherwise up to 253 of the characters of segments
+    (enough for a Kubernetes node name as ``host``), so no control character
+    or ``/`` reaches registrations, logs or rank orderings.
+
+    Raises:
+        InvalidKeySegmentError: naming the bad label.
+    """
+    for key, value in given.items():
+        segment(key, "label name")
+        if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
+            raise InvalidKeySegmentError(
+                f"label {key}={value!r}: use up to 253 letters, digits, '_', '-' or '.'"
+            )
+    return given
 
 
 def jobs_prefix() -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -31,9 +32,11 @@ from orchestrator.api import (
     SpecProblem,
 )
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*\Z", re.ASCII)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _MISSING = object()
+#: Longest duration accepted (a century; timedelta itself ends near 2.7 million years).
+_MAX_SECONDS = 100 * 365 * 24 * 3600.0
 
 
 def load_job_file(path: str | Path) -> JobSpec:
@@ -52,11 +55,31 @@ def load_job_text(text: str, source: str = "<job>") -> JobSpec:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(e, "problem", None) or str(e)
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        if mark is not None:
+            line = mark.line + 1
+        elif isinstance(getattr(e, "position", None), int):  # a character YAML cannot read
+            line = text.count("\n", 0, e.position) + 1  # type: ignore[attr-defined]
+        else:
+            line = 1
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e)
         raise SpecError([SpecProblem("", f"not valid YAML: {problem}", line, source)]) from e
-    return load_job_node(root, source)
+    except RecursionError as e:
+        raise SpecError([_too_deep(source)]) from e
+    try:
+        return load_job_node(root, source)
+    except RecursionError as e:
+        raise SpecError([_too_deep(source)]) from e
+
+
+def _too_deep(source: str) -> SpecProblem:
+    return SpecProblem(
+        "",
+        "the YAML is nested too deeply to be a job spec (lists or mappings inside "
+        "thousands of others)",
+        1,
+        source,
+    )
 
 
 def load_job_data(data: dict[str, Any], source: str = "<job>") -> JobSpec:
@@ -68,7 +91,7 @@ def load_job_data(data: dict[str, Any], source: str = "<job>") -> JobSpec:
 def load_job_node(root: yaml.Node | None, source: str) -> JobSpec:
     builder = _Builder(source)
     if root is None:
-        builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", None)
+        builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", 1)
         raise SpecError(builder.problems)
     spec = builder.build(JobSpec, root, "")
     if builder.problems:
@@ -231,7 +254,14 @@ class _Builder:
                 return raw
         elif tp is float:
             if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                return float(raw)
+                try:
+                    value = float(raw)
+                except OverflowError:
+                    value = math.inf
+                if math.isfinite(value):
+                    return value
+                self.add(path, f"must be a finite number, got {raw!r}", line)
+                return _MISSING
         elif tp is str:
             if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
                 return str(raw)
@@ -242,7 +272,13 @@ class _Builder:
 
     def _duration(self, raw: Any, path: str, line: int) -> Any:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            seconds = float(raw)
+            try:
+                seconds = float(raw)
+            except OverflowError:
+                seconds = math.inf
+            if math.isnan(seconds):
+                self.add(path, f"must be a duration, got {raw!r}", line)
+                return _MISSING
             if seconds < 0:
                 self.add(path, f"must be a positive duration, got {raw!r}", line)
                 return _MISSING
@@ -256,6 +292,11 @@ class _Builder:
                 path,
                 f"must be a duration in seconds or with a unit (500ms, 30s, 5m, 1h), got {raw!r}",
                 line,
+            )
+            return _MISSING
+        if seconds > _MAX_SECONDS:
+            self.add(
+                path, f"must be at most {_MAX_SECONDS:g}s (about a century), got {raw!r}", line
             )
             return _MISSING
         return timedelta(seconds=seconds)

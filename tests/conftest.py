@@ -8,6 +8,10 @@
   reached through s3fs exactly as AWS would be (``s3.url``,
   ``s3.storage_options``, ``s3.fs()``).
 * ``gloo``: :func:`tests.gloo.run_gloo`, N real processes with gloo.
+
+Property-based tests run under the ``ringmaster`` hypothesis profile:
+derandomized, without an example database, with modest example counts, so CI
+is reproducible and quick (``HYPOTHESIS_PROFILE=explore`` searches longer, randomly).
 """
 
 from __future__ import annotations
@@ -19,12 +23,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from orchestrator.embedded_etcd import EmbeddedEtcd, free_port
 from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
 from tests.gloo import run_gloo
 
 S3_BUCKET = "ringmaster-test"
+
+settings.register_profile(
+    "ringmaster",
+    derandomize=True,
+    database=None,
+    max_examples=60,
+    deadline=None,  # a shared, noisy machine: no per-example time limits
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ringmaster"))
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,12 @@ def build_etcd_options(kw: dict[str, Any], default: str | None = None) -> EtcdOp
     timeout = kw.pop("etcd_timeout", 5.0)
     if not text:
         return None
+    if password and _from_command_line("etcd_password"):
+        click.echo(
+            "warning: --etcd-password on the command line is visible to other users of this "
+            "machine (ps); set RINGMASTER_ETCD_PASSWORD instead",
+            err=True,
+        )
     return EtcdOptions(
         endpoints=parse_endpoints(text),
         ca_cert=ca,
@@ -79,6 +85,13 @@ def build_etcd_options(kw: dict[str, Any], default: str | None = None) -> EtcdOp
         password=password,
         connect_timeout=timedelta(seconds=timeout),
     )
+
+
+def _from_command_line(param: str) -> bool:
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return False
+    return ctx.get_parameter_source(param) is click.core.ParameterSource.COMMANDLINE
 
 
 def connect_client(kw: dict[str, Any]) -> EtcdClient:

@@ -103,6 +103,12 @@ class OperatorSettings:
         zone_labels: Node labels that name a node's zone, first found wins.
         service_account: ServiceAccount of agent and controller pods ("" = namespace default).
         controller_cpu / controller_memory: requests of the controller pod.
+        etcd_ca / etcd_cert / etcd_key / etcd_user / etcd_password: how the operator
+            itself reaches etcd (files in its own pod; the password is never shown).
+        etcd_tls_secret: a Secret with ``ca.crt``, ``tls.crt`` and ``tls.key``
+            mounted read-only into every agent and controller pod for etcd TLS.
+        etcd_password_secret / etcd_password_key: a Secret (and its key) whose value
+            reaches agent and controller pods as ``RINGMASTER_ETCD_PASSWORD``.
     """
 
     etcd_endpoints: tuple[str, ...] = ()
@@ -111,10 +117,20 @@ class OperatorSettings:
     service_account: str = ""
     controller_cpu: str = "250m"
     controller_memory: str = "512Mi"
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
+    etcd_tls_secret: str = ""
+    etcd_password_secret: str = ""
+    etcd_password_key: str = "password"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
-        """Read ``RINGMASTER_ETCD``, ``RINGMASTER_RACK_LABELS``, ``RINGMASTER_ZONE_LABELS``,
+        """Read ``RINGMASTER_ETCD`` (and ``_CA``, ``_CERT``, ``_KEY``, ``_USER``,
+        ``_PASSWORD``, ``_TLS_SECRET``, ``_PASSWORD_SECRET``, ``_PASSWORD_SECRET_KEY``),
+        ``RINGMASTER_RACK_LABELS``, ``RINGMASTER_ZONE_LABELS``,
         ``RINGMASTER_JOB_SERVICE_ACCOUNT``."""
         env = dict(os.environ if env is None else env)
         default = cls()
@@ -130,6 +146,14 @@ class OperatorSettings:
             rack_labels=split("RINGMASTER_RACK_LABELS", default.rack_labels),
             zone_labels=split("RINGMASTER_ZONE_LABELS", default.zone_labels),
             service_account=env.get("RINGMASTER_JOB_SERVICE_ACCOUNT", ""),
+            etcd_ca=env.get("RINGMASTER_ETCD_CA") or None,
+            etcd_cert=env.get("RINGMASTER_ETCD_CERT") or None,
+            etcd_key=env.get("RINGMASTER_ETCD_KEY") or None,
+            etcd_user=env.get("RINGMASTER_ETCD_USER") or None,
+            etcd_password=env.get("RINGMASTER_ETCD_PASSWORD") or None,
+            etcd_tls_secret=env.get("RINGMASTER_ETCD_TLS_SECRET", ""),
+            etcd_password_secret=env.get("RINGMASTER_ETCD_PASSWORD_SECRET", ""),
+            etcd_password_key=env.get("RINGMASTER_ETCD_PASSWORD_SECRET_KEY", "password"),
         )
 
 

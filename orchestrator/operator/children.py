@@ -26,7 +26,9 @@ from orchestrator.operator.api import (
     LABEL_ROLE,
     ROLE_AGENT,
     ROLE_CONTROLLER,
+    OperatorSettings,
 )
+from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volumes
 from orchestrator.operator.meta import (
     agent_selector,
     child_meta,
@@ -66,19 +68,15 @@ def controller_deployment(
     memory: str,
     running: bool = True,
     service_account: str = "",
+    settings: OperatorSettings | None = None,
 ) -> dict[str, Any]:
-    """The job's controller, one replica while the job runs, zero once it is finished."""
+    """The job's controller, one replica while the job runs, zero once it is finished.
+
+    ``settings`` adds the operator's etcd TLS Secret, user and password Secret
+    (:mod:`orchestrator.operator.etcd_access`).
+    """
     pod_labels = labels(spec.name, ROLE_CONTROLLER)
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
-    tls = spec.rendezvous.tls
-    for name, value in (
-        ("RINGMASTER_ETCD_CA", tls.ca_cert),
-        ("RINGMASTER_ETCD_CERT", tls.cert),
-        ("RINGMASTER_ETCD_KEY", tls.key),
-        ("RINGMASTER_ETCD_USER", spec.rendezvous.user),
-    ):
-        if value:
-            env.append({"name": name, "value": value})
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *etcd_env(spec, settings)]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -86,6 +84,7 @@ def controller_deployment(
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
             "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [
@@ -104,10 +103,13 @@ def controller_deployment(
                     "readOnlyRootFilesystem": True,
                     "capabilities": {"drop": ["ALL"]},
                 },
-                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                "volumeMounts": [
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    *etcd_mounts(settings),
+                ],
             }
         ],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *etcd_volumes(settings)],
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account

@@ -49,6 +49,7 @@ from orchestrator.operator.api import (
     TOPOLOGY_FILE,
     OperatorSettings,
 )
+from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volumes
 from orchestrator.operator.meta import agent_selector, child_meta, service_name
 
 #: Non-root user of the image (k8s/Dockerfile creates it).
@@ -72,11 +73,14 @@ def container_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:
     return ["/bin/sh", "-c", LAUNCH_SCRIPT, "agent", *agent_command(spec, endpoints)]
 
 
-def agent_env(spec: JobSpec, endpoints: tuple[str, ...]) -> list[dict[str, Any]]:
+def agent_env(
+    spec: JobSpec, endpoints: tuple[str, ...], settings: OperatorSettings | None = None
+) -> list[dict[str, Any]]:
     """Environment of the agent container (downward API + ringmaster settings).
 
     ``RINGMASTER_JOB`` and ``RINGMASTER_ETCD`` repeat the command line for the
-    probes, which run as separate processes.
+    probes, which run as separate processes; etcd TLS, user and password come
+    from :mod:`orchestrator.operator.etcd_access`.
     """
 
     def field(name: str, path: str) -> dict[str, Any]:
@@ -98,16 +102,7 @@ def agent_env(spec: JobSpec, endpoints: tuple[str, ...]) -> list[dict[str, Any]]
         },
         {"name": "HOME", "value": "/tmp"},
     ]
-    tls = spec.rendezvous.tls
-    for name, value in (
-        ("RINGMASTER_ETCD_CA", tls.ca_cert),
-        ("RINGMASTER_ETCD_CERT", tls.cert),
-        ("RINGMASTER_ETCD_KEY", tls.key),
-        ("RINGMASTER_ETCD_USER", spec.rendezvous.user),
-    ):
-        if value:
-            env.append({"name": name, "value": value})
-    return env
+    return env + etcd_env(spec, settings)
 
 
 def agent_resources(spec: JobSpec) -> dict[str, Any]:
@@ -138,7 +133,7 @@ def agent_pod_spec(
         "image": spec.resources.image,
         "imagePullPolicy": "IfNotPresent",
         "command": container_command(spec, endpoints),
-        "env": agent_env(spec, endpoints),
+        "env": agent_env(spec, endpoints, settings),
         "readinessProbe": {
             "exec": {"command": list(READY_COMMAND)},
             "initialDelaySeconds": 5,
@@ -157,6 +152,7 @@ def agent_pod_spec(
             {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *etcd_mounts(settings),
         ],
     }
     pod_spec: dict[str, Any] = {
@@ -196,6 +192,7 @@ def agent_pod_spec(
             {"name": "tmp", "emptyDir": {}},
             # Shared memory for data loaders; it counts against the memory limit.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *etcd_volumes(settings),
         ],
     }
     if settings.service_account:

@@ -150,6 +150,7 @@ def reconcile(
             memory=settings.controller_memory,
             running=not terminal,
             service_account=settings.service_account,
+            settings=settings,
         ),
         disruption_budget(body, spec),
     ):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import kopf
 
+from orchestrator.etcd_client import EtcdOptions
 from orchestrator.operator import handlers
 from orchestrator.operator.api import OperatorSettings
 from orchestrator.operator.handlers import Runtime
@@ -20,10 +21,23 @@ from orchestrator.operator.records import EtcdJobRecords
 
 def build_runtime(settings: OperatorSettings | None = None) -> Runtime:
     """The runtime of a real operator: cluster credentials and the configured etcd."""
+    settings = settings or OperatorSettings.from_env()
     return Runtime(
         kube=KubeClient.from_environment(),
-        records=EtcdJobRecords(),
-        settings=settings or OperatorSettings.from_env(),
+        records=EtcdJobRecords(etcd_base_options(settings)),
+        settings=settings,
+    )
+
+
+def etcd_base_options(settings: OperatorSettings) -> EtcdOptions:
+    """The operator's own TLS files and credentials, used for every etcd it talks to."""
+    return EtcdOptions(
+        endpoints=settings.etcd_endpoints,
+        ca_cert=settings.etcd_ca,
+        cert=settings.etcd_cert,
+        key=settings.etcd_key,
+        user=settings.etcd_user,
+        password=settings.etcd_password,
     )
 
 

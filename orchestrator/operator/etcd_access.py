@@ -1,0 +1,68 @@
+"""How the pods of a job reach etcd: TLS files from a Secret, the password from a Secret.
+
+The operator never reads Secrets itself (its RBAC has no access to them): it
+names them in the pods it renders and the kubelet does the rest.
+
+* TLS: with ``OperatorSettings.etcd_tls_secret`` the Secret is mounted
+  read-only at :data:`TLS_DIR` and ``RINGMASTER_ETCD_CA`` / ``_CERT`` / ``_KEY``
+  point at its ``ca.crt`` / ``tls.crt`` / ``tls.key``.  Paths a job gives in
+  ``rendezvous.tls`` win over the Secret's (a job with its own etcd).
+* User: ``rendezvous.user`` of the job, else the operator's ``etcd_user``.
+* Password: with ``etcd_password_secret`` it reaches the container as
+  ``RINGMASTER_ETCD_PASSWORD`` through ``secretKeyRef``, never as a literal in
+  the pod spec or on a command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.api import JobSpec
+from orchestrator.operator.api import OperatorSettings
+
+#: Where the etcd TLS Secret is mounted in agent and controller pods.
+TLS_DIR = "/etc/ringmaster/etcd-tls"
+#: Name of the volume that holds it.
+TLS_VOLUME = "etcd-tls"
+#: Owner and group may read; the pods' fsGroup makes the group the pod's user.
+TLS_FILE_MODE = 0o440
+
+
+def etcd_env(spec: JobSpec, settings: OperatorSettings | None) -> list[dict[str, Any]]:
+    """``RINGMASTER_ETCD_*`` variables for a container (the endpoints are set elsewhere)."""
+    tls = spec.rendezvous.tls
+    secret = settings.etcd_tls_secret if settings else ""
+    from_secret = bool(secret) and not (tls.ca_cert or tls.cert or tls.key)
+    values = (
+        ("RINGMASTER_ETCD_CA", tls.ca_cert or (f"{TLS_DIR}/ca.crt" if from_secret else None)),
+        ("RINGMASTER_ETCD_CERT", tls.cert or (f"{TLS_DIR}/tls.crt" if from_secret else None)),
+        ("RINGMASTER_ETCD_KEY", tls.key or (f"{TLS_DIR}/tls.key" if from_secret else None)),
+        (
+            "RINGMASTER_ETCD_USER",
+            spec.rendezvous.user or (settings.etcd_user if settings else None),
+        ),
+    )
+    env: list[dict[str, Any]] = [{"name": n, "value": v} for n, v in values if v]
+    if settings and settings.etcd_password_secret:
+        ref = {"name": settings.etcd_password_secret, "key": settings.etcd_password_key}
+        env.append({"name": "RINGMASTER_ETCD_PASSWORD", "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def etcd_volumes(settings: OperatorSettings | None) -> list[dict[str, Any]]:
+    """The Secret volume for etcd TLS, when one is configured."""
+    if not settings or not settings.etcd_tls_secret:
+        return []
+    return [
+        {
+            "name": TLS_VOLUME,
+            "secret": {"secretName": settings.etcd_tls_secret, "defaultMode": TLS_FILE_MODE},
+        }
+    ]
+
+
+def etcd_mounts(settings: OperatorSettings | None) -> list[dict[str, Any]]:
+    """Where :func:`etcd_volumes` appear in the container (read-only)."""
+    if not settings or not settings.etcd_tls_secret:
+        return []
+    return [{"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}]

@@ -1,0 +1,261 @@
+"""Real jobs and the real CLI through etcd with client certificates and with user/password.
+
+Two real etcd servers: one serves TLS only and requires client certificates
+signed by a throwaway CA (``--client-cert-auth``); the other is plain text with
+auth enabled, a ``root`` user and a ``trainer`` user whose role may only touch
+``/ringmaster/``.  A one-node job runs end to end through each, and
+``ringmaster submit`` / ``status`` work with the TLS and auth options.  Every
+way of getting the options wrong must end in one ``error:`` line that names the
+endpoint and what to check, exit code 1, and no traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.api import EtcdAuthError, JobPhase
+from orchestrator.embedded_etcd import EmbeddedEtcd, EtcdUser
+from orchestrator.etcd_client import EtcdOptions, connect
+from orchestrator.local_run import run_job
+from tests.certs import TLSFiles, make_tls_files
+from tests.integration.security_jobs import REPO, auth_etcd, one_node_job, ringmaster, tls_etcd
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+ROOT_PASSWORD = "root-Pw-7c1e0a"
+TRAINER_PASSWORD = "trainer-Pw-52d9be"
+QUICK = timedelta(seconds=3)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    return make_tls_files(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def tls_server(certs: TLSFiles) -> Iterator[EmbeddedEtcd]:
+    with tls_etcd(certs) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[EmbeddedEtcd]:
+    with auth_etcd(ROOT_PASSWORD, EtcdUser("trainer", TRAINER_PASSWORD)) as server:
+        yield server
+
+
+def tls_options(server: EmbeddedEtcd, certs: TLSFiles) -> EtcdOptions:
+    return EtcdOptions(
+        (server.endpoint,),
+        ca_cert=str(certs.ca),
+        cert=str(certs.client_cert),
+        key=str(certs.client_key),
+        connect_timeout=QUICK,
+    )
+
+
+def job_file(tmp: Path, name: str) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": name, "entrypoint": str(REPO / "examples" / "train_tiny.py")})
+    )
+    return path
+
+
+def assert_one_clear_line(done: object, *needles: str) -> str:
+    rc, out, err = done.returncode, done.stdout, done.stderr  # type: ignore[attr-defined]
+    assert rc == 1, (rc, out, err)
+    assert "Traceback" not in out + err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# -- whole jobs ----------------------------------------------------------------------------
+
+
+def test_a_job_runs_through_etcd_with_client_certificates(
+    tls_server: EmbeddedEtcd, certs: TLSFiles, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    spec = one_node_job("tls-job", tmp_path)
+    result = run_job(
+        spec,
+        etcd=tls_options(tls_server, certs),
+        printer=lines.append,
+        workdir=str(REPO),
+        timeout=timedelta(seconds=150),
+    )
+    assert result.phase is JobPhase.SUCCEEDED, "\n".join(lines[-40:])
+    assert (tmp_path / "final.pt").is_file()
+    # The controller and the agent reached etcd through TLS: their records are there.
+    with connect(tls_options(tls_server, certs)) as client:
+        assert client.get("/ringmaster/jobs/tls-job/status") is not None
+
+
+def test_a_job_runs_as_an_etcd_user_limited_to_its_prefix(
+    auth_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    options = EtcdOptions(
+        (auth_server.endpoint,), user="trainer", password=TRAINER_PASSWORD, connect_timeout=QUICK
+    )
+    lines: list[str] = []
+    spec = one_node_job("auth-job", tmp_path)
+    result = run_job(
+        spec, etcd=options, printer=lines.append, workdir=str(REPO), timeout=timedelta(seconds=150)
+    )
+    assert result.phase is JobPhase.SUCCEEDED, "\n".join(lines[-40:])
+    assert (tmp_path / "final.pt").is_file()
+    with connect(options) as client:
+        assert client.get("/ringmaster/jobs/auth-job/status") is not None
+        # The role really is limited to the prefix.
+        with pytest.raises(EtcdAuthError, match="permission denied"):
+            client.put("/elsewhere/key", b"x")
+
+
+# -- the CLI -------------------------------------------------------------------------------
+
+
+def test_cli_submit_and_status_with_client_certificates(
+    tls_server: EmbeddedEtcd, certs: TLSFiles, tmp_path: Path
+) -> None:
+    tls = [
+        "--etcd",
+        tls_server.endpoint,
+        "--etcd-ca",
+        str(certs.ca),
+        "--etcd-cert",
+        str(certs.client_cert),
+        "--etcd-key",
+        str(certs.client_key),
+    ]
+    done = ringmaster(["submit", str(job_file(tmp_path, "cli-tls")), *tls])
+    assert done.returncode == 0, done.stderr
+    assert "submitted job 'cli-tls'" in done.stdout
+    done = ringmaster(["status", "cli-tls", *tls])
+    assert done.returncode == 0, done.stderr
+    assert "cli-tls" in done.stdout and "Pending" in done.stdout
+
+
+def test_cli_submit_and_status_with_a_password_from_the_environment(
+    auth_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    env = {
+        "RINGMASTER_ETCD": auth_server.endpoint,
+        "RINGMASTER_ETCD_USER": "trainer",
+        "RINGMASTER_ETCD_PASSWORD": TRAINER_PASSWORD,
+    }
+    done = ringmaster(["submit", str(job_file(tmp_path, "cli-auth"))], env)
+    assert done.returncode == 0, done.stderr
+    done = ringmaster(["status", "cli-auth"], env)
+    assert done.returncode == 0, done.stderr
+    assert "cli-auth" in done.stdout and "Pending" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("case", "check"),
+    [
+        ("no client certificate", "--etcd-cert"),
+        ("client certificate of another CA", "--etcd-cert"),
+        ("server CA not trusted", "--etcd-ca"),
+        ("plain text against TLS", "--etcd-ca"),
+    ],
+)
+def test_cli_tls_mistakes_give_one_clear_line(
+    tls_server: EmbeddedEtcd, certs: TLSFiles, case: str, check: str
+) -> None:
+    options = {
+        "no client certificate": ["--etcd-ca", str(certs.ca)],
+        "client certificate of another CA": [
+            "--etcd-ca",
+            str(certs.ca),
+            "--etcd-cert",
+            str(certs.foreign_client_cert),
+            "--etcd-key",
+            str(certs.foreign_client_key),
+        ],
+        "server CA not trusted": [
+            "--etcd-ca",
+            str(certs.foreign_ca),
+            "--etcd-cert",
+            str(certs.client_cert),
+            "--etcd-key",
+            str(certs.client_key),
+        ],
+        "plain text against TLS": [],
+    }[case]
+    done = ringmaster(["status", "--etcd", tls_server.endpoint, "--etcd-timeout", "3", *options])
+    assert_one_clear_line(done, tls_server.endpoint, check)
+
+
+def test_cli_tls_against_a_plain_text_etcd_says_so(
+    auth_server: EmbeddedEtcd, certs: TLSFiles
+) -> None:
+    done = ringmaster(
+        [
+            "status",
+            "--etcd",
+            auth_server.endpoint,
+            "--etcd-ca",
+            str(certs.ca),
+            "--etcd-timeout",
+            "3",
+        ]
+    )
+    assert_one_clear_line(done, auth_server.endpoint, "does not answer TLS")
+
+
+def test_cli_wrong_password_gives_one_clear_line_without_the_password(
+    auth_server: EmbeddedEtcd,
+) -> None:
+    wrong = "not-the-Pw-0f3b"
+    env = {"RINGMASTER_ETCD_USER": "trainer", "RINGMASTER_ETCD_PASSWORD": wrong}
+    done = ringmaster(["status", "--etcd", auth_server.endpoint], env)
+    line = assert_one_clear_line(done, auth_server.endpoint, "--etcd-password")
+    assert wrong not in line and TRAINER_PASSWORD not in line
+
+
+def test_cli_without_credentials_says_auth_is_required(auth_server: EmbeddedEtcd) -> None:
+    done = ringmaster(["status", "--etcd", auth_server.endpoint])
+    assert_one_clear_line(done, auth_server.endpoint, "--etcd-user")
+
+
+def test_an_expired_auth_token_is_renewed() -> None:
+    """etcd forgets idle tokens (``--auth-token-ttl``); the client authenticates again."""
+    with EmbeddedEtcd(extra_args=["--auth-token-ttl", "1"]) as server:
+        server.enable_auth(ROOT_PASSWORD, [EtcdUser("trainer", TRAINER_PASSWORD)])
+        options = EtcdOptions((server.endpoint,), user="trainer", password=TRAINER_PASSWORD)
+        with connect(options) as client:
+            client.put("/ringmaster/renew", b"1")
+            first_token = client._raw.metadata
+            time.sleep(3)  # idle past the token's life
+            kv = client.get("/ringmaster/renew")
+            assert kv is not None and kv.value == b"1"
+            assert client._raw.metadata != first_token  # a new token was obtained
+
+
+def test_cli_password_on_the_command_line_works_with_a_warning(
+    auth_server: EmbeddedEtcd,
+) -> None:
+    done = ringmaster(
+        [
+            "status",
+            "--etcd",
+            auth_server.endpoint,
+            "--etcd-user",
+            "trainer",
+            "--etcd-password",
+            TRAINER_PASSWORD,
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "RINGMASTER_ETCD_PASSWORD" in done.stderr and "visible" in done.stderr
+    assert TRAINER_PASSWORD not in done.stdout + done.stderr

@@ -83,8 +83,15 @@ def form_group(
             client.put(key, f"{address}:{store.port}")
         else:
             host, port = _wait_for_master(client, key, deadline)
+            # rank 0 waits at most collective_timeout for the others: connecting
+            # for longer would only keep this worker from a newer generation
             store = dist.TCPStore(
-                host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
+                host,
+                port,
+                world_size,
+                is_master=False,
+                timeout=min(timeout, collective_timeout),
+                wait_for_workers=False,
             )
         dist.init_process_group(
             "gloo",
@@ -118,3 +125,19 @@ def teardown_group() -> None:
             dist.destroy_process_group()
         except (RuntimeError, ValueError) as e:  # a broken group may complain; it is gone anyway
             log.debug("destroy_process_group: %s", e)
+    _reset_group_names()
+
+
+def _reset_group_names() -> None:
+    """Number the next generation's groups from 0 again, as on every other rank.
+
+    torch names groups from a process-wide counter and prefixes their store
+    keys with that name.  ``destroy_process_group`` resets it, but a failed
+    ``init_process_group`` has already taken a name and leaves the counter one
+    ahead: this rank would then wait for keys under ``1/`` while a fresh peer
+    writes under ``0/``, and no later generation could form.  torch has no
+    public way to reset it, so the private counter is set when it exists.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0

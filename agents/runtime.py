@@ -173,7 +173,7 @@ class Session:
         """Yield step numbers from the restored step to ``total``, recovering as needed."""
         limit = total if total is not None else (self.spec.max_steps or math.inf)
         try:
-            self._join(self._await_plan(1))
+            self._join_next(1)
             yield from self._loop(limit)
         except JobEndedError as e:
             log.warning("[%s] %s; leaving", self.worker, e)
@@ -240,17 +240,7 @@ class Session:
             keys.job_reports(self.env.job, self.generation) + self.worker,
             {"step": self.step, "reason": reason, "planned": planned, "at": time.time()},
         )
-        while True:
-            plan = self._await_plan(self.generation + 1)
-            try:
-                self._join(plan)
-                break
-            except RecoveryError as e:
-                log.warning("[%s] %s", self.worker, e)
-                self.client.put_json(
-                    keys.job_reports(self.env.job, plan.generation) + self.worker,
-                    {"step": self.step, "reason": str(e), "planned": False, "at": time.time()},
-                )
+        self._join_next(self.generation + 1)
         self.last_recovery_s = time.monotonic() - started
         log.warning(
             "[%s] rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
@@ -261,6 +251,25 @@ class Session:
             self.step,
             self.last_recovery_s,
         )
+
+    def _join_next(self, min_generation: int) -> None:
+        """Join the first generation from ``min_generation`` on whose group forms.
+
+        A group that does not form (a member died or came too late) is
+        reported like a broken generation, and the worker waits for the next.
+        """
+        while True:
+            plan = self._await_plan(min_generation)
+            try:
+                self._join(plan)
+                return
+            except RecoveryError as e:
+                log.warning("[%s] %s", self.worker, e)
+                self.client.put_json(
+                    keys.job_reports(self.env.job, plan.generation) + self.worker,
+                    {"step": self.step, "reason": str(e), "planned": False, "at": time.time()},
+                )
+                min_generation = plan.generation + 1
 
     def _await_plan(self, min_generation: int) -> Plan:
         """Block until a plan of at least ``min_generation`` that includes this worker."""

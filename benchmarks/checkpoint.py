@@ -8,13 +8,15 @@ one, so the distributed code paths run), this measures:
   which also allocates the buffers;
 * blocking time of DCP's plain ``torch.distributed.checkpoint.async_save``;
 * the time of a synchronous ``torch.save`` of the same state;
-* ringmaster's upload throughput (background write, checksums, fsync,
-  manifest) against a raw write + fsync of the same bytes to the same
-  filesystem (a local temp directory).
+* ringmaster's upload throughput (background write with its one streaming
+  CRC-32C pass, fsync, manifest) against a raw write + fsync of the same
+  bytes to the same filesystem (a local temp directory).
 
 Each round measures all four; ratios are taken within a round and the
 medians over rounds are reported, because on a shared machine I/O and CPU
-speed drift a lot during a run.
+speed drift a lot during a run.  Warm-up rounds (default 1) run first and
+are printed but left out of the medians: the first rounds pay for the page
+cache and allocator settling after the state is built.
 
 Targets: blocking <= 10% of the synchronous save; throughput >= 70% of raw.
 The last line of stdout is one JSON object with the headline figures.
@@ -197,6 +199,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved steady-state rounds")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     args = parser.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -216,7 +219,7 @@ def main() -> None:
         saves = RingmasterSaves(workdir, args.threads)
         first = saves.save(state)
         rounds: list[dict[str, float]] = []
-        for i in range(args.rounds):
+        for i in range(args.warmup + args.rounds):
             # Every round measures everything, and ratios are taken within a
             # round: on a shared machine, I/O and CPU speed drift over a run.
             r: dict[str, float] = {"torch_save_s": bench_torch_save(state, workdir)}
@@ -227,12 +230,17 @@ def main() -> None:
             r["throughput_ratio"] = (r["upload_bytes"] / r["upload_s"]) / (
                 r["raw_bytes"] / r["raw_s"]
             )
-            rounds.append(r)
+            counted = i >= args.warmup
+            if counted:
+                rounds.append(r)
+            label = f"round {i + 1 - args.warmup}" if counted else f"warm-up {i + 1}"
             print(
-                f"round {i + 1}: torch.save {r['torch_save_s']:.3f} s | DCP async_save blocks "
+                f"{label}: torch.save {r['torch_save_s']:.3f} s | DCP async_save blocks "
                 f"{r['dcp_async_blocking_s']:.3f} s | ringmaster blocks {r['blocking_s']:.3f} s, "
                 f"uploads {r['upload_bytes'] / r['upload_s'] / 2**20:.0f} MiB/s | raw write "
-                f"{r['raw_bytes'] / r['raw_s'] / 2**20:.0f} MiB/s"
+                f"{r['raw_bytes'] / r['raw_s'] / 2**20:.0f} MiB/s | "
+                f"throughput {r['throughput_ratio']:.2f} of raw, blocking "
+                f"{r['blocking_ratio']:.3f} of torch.save"
             )
         saves.close()
 
@@ -264,6 +272,8 @@ def main() -> None:
             "throughput_ratio": round(med("throughput_ratio"), 4),
             "writer_threads": args.threads,
             "rounds": args.rounds,
+            "throughput_ratio_rounds": [round(r["throughput_ratio"], 3) for r in rounds],
+            "checksum": "crc32c",
         }
         print(json.dumps(headline))
     finally:

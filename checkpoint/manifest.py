@@ -1,10 +1,9 @@
 """Manifest encoding, checksums and the job spec hash.
 
 The manifest is JSON with a ``self_checksum`` over its own canonical body, so a
-manifest truncated by a crash, or edited by hand, never parses as a commit.
-Checksums of objects are CRC-32 (``zlib.crc32``, several GiB/s and releases
-the GIL), enough to catch torn writes and flipped bits; they are not a
-defence against tampering.
+manifest truncated by a crash, or edited by hand, never parses as a commit
+(that self-checksum is CRC-32 in every format version).  Object checksums use
+the algorithm the manifest names (:mod:`checkpoint.checksums`).
 """
 
 from __future__ import annotations
@@ -17,31 +16,15 @@ from enum import Enum
 from typing import Any
 
 from checkpoint.api import (
-    CHECKSUM_ALGORITHM,
     MANIFEST_FORMAT,
     CheckpointCorruptError,
     Manifest,
     ObjectEntry,
 )
+from checkpoint.checksums import KNOWN_ALGORITHMS
 
 #: Read size when checksumming existing objects.
 CHECKSUM_CHUNK_BYTES = 8 << 20
-
-
-class Crc32:
-    """Running CRC-32 over written bytes, with a byte count."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.size = 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self.value = zlib.crc32(view, self.value)
-        self.size += view.nbytes
-
-    def hexdigest(self) -> str:
-        return f"{self.value & 0xFFFFFFFF:08x}"
 
 
 def crc32_hex(data: bytes) -> str:
@@ -92,9 +75,11 @@ def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
                 f"{where}: manifest format {raw['format']} is newer than this reader "
                 f"({MANIFEST_FORMAT}); upgrade ringmaster to read it"
             )
-        if raw["checksum_algorithm"] != CHECKSUM_ALGORITHM:
+        if raw["checksum_algorithm"] not in KNOWN_ALGORITHMS:
             raise CheckpointCorruptError(
-                f"{where}: unknown checksum algorithm {raw['checksum_algorithm']!r}"
+                f"{where}: objects are checksummed with {raw['checksum_algorithm']!r}, "
+                f"which this reader does not know (known: {', '.join(KNOWN_ALGORITHMS)}); "
+                "upgrade ringmaster to verify or load this checkpoint"
             )
         objects = tuple(
             ObjectEntry(path=str(o["path"]), size=int(o["size"]), checksum=str(o["checksum"]))

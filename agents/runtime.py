@@ -350,7 +350,7 @@ class Session:
     def _open_checkpointer(self, first: bool) -> None:
         """A checkpointer on this generation's group (creating it is collective)."""
         from checkpoint import Checkpointer
-        from orchestrator.jobs import spec_hash
+        from orchestrator.jobs import checkpoint_hash
 
         self._ckpt = None
         self._pending_save = None
@@ -359,7 +359,7 @@ class Session:
         self._ckpt = Checkpointer(
             url,
             keep=cfg.keep,
-            job_spec_hash=spec_hash(self.spec),
+            job_spec_hash=checkpoint_hash(self.spec),
             job=self.env.job,
             check_storage=first,
         )
@@ -380,7 +380,17 @@ class Session:
         )
 
     def _resume_durable(self) -> None:
-        result = self._ckpt.restore(self._train_state())
+        from orchestrator.jobs import read_resume
+
+        # A resubmitted job (`ringmaster resume`, `run --from`) starts from the checkpoint
+        # it was given, until it has committed one of its own; every rank reads the same
+        # records, as no save can happen before all ranks have restored.
+        request = read_resume(self.client, self.env.job)
+        if request is not None and self.client.get(keys.job_checkpoint(self.env.job)) is None:
+            url: str | None = request.url
+        else:
+            url = None
+        result = self._ckpt.restore(self._train_state(), url=url)
         if result.step is not None:
             self.step = int(result.step)
             self.has_state = True

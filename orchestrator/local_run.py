@@ -64,8 +64,10 @@ class LocalRun:
         workdir: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
         controllers: int = 1,
+        resume: jobs.ResumeRequest | None = None,
     ) -> None:
         self.spec = spec
+        self.resume = resume
         self.etcd_options = etcd
         self.kill_node_at_step = kill_node_at_step
         self.print = printer or (lambda line: print(line, flush=True))
@@ -133,7 +135,7 @@ class LocalRun:
             self.etcd_options = EtcdOptions((self._embedded.endpoint,))
             self.print(f"[run] embedded etcd on {self._embedded.endpoint}")
         self._client = connect(self.etcd_options)
-        jobs.submit(self._client, self.spec)
+        jobs.submit(self._client, self.spec, resume=self.resume)
         self.print(f"[run] submitted job '{self.spec.name}'")
         for i in range(self.controllers):
             self._spawn(f"controller-{i}", ["controller", "--job", self.spec.name])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli import job_commands, local_commands, service_commands
+from orchestrator.cli import checkpoint_commands, job_commands, local_commands, service_commands
 
 
 @click.group()
@@ -25,6 +25,8 @@ for _command in (
     job_commands.submit,
     job_commands.status,
     job_commands.stop,
+    checkpoint_commands.checkpoints,
+    checkpoint_commands.resume,
     service_commands.agent,
     service_commands.controller,
     service_commands.operator,

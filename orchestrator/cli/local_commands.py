@@ -59,19 +59,45 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     help="SIGKILL one active node (agent and workers) at this step, to show recovery",
 )
 @click.option("--timeout", type=float, default=1800, show_default=True, help="seconds")
+@click.option(
+    "--from",
+    "from_url",
+    help="start from this checkpoint directory, or the newest committed one under this root",
+)
+@click.option(
+    "--force", is_flag=True, help="with --from: accept a checkpoint of a differently set-up job"
+)
 @etcd_options
 @handle_errors
-def run(job_file: str, kill_node_at_step: int | None, timeout: float, **kw: Any) -> None:
+def run(
+    job_file: str,
+    kill_node_at_step: int | None,
+    timeout: float,
+    from_url: str | None,
+    force: bool,
+    **kw: Any,
+) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    from orchestrator.jobs import plan_resume
     from orchestrator.local_run import run_job
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
+    resume = None
+    if from_url:
+        from orchestrator.cli.checkpoint_commands import print_resume
+
+        # Checked before anything starts: reachable, committed, from a job like this one.
+        resume = plan_resume(spec, from_url, force=force)
+        print_resume(spec.name, resume, spec.nodes.max * spec.nproc_per_node)
+    elif force:
+        fail("--force only applies with --from", 2)
     result = run_job(
         spec,
         etcd=build_etcd_options(kw),
         kill_node_at_step=kill_node_at_step,
         timeout=timedelta(seconds=timeout),
+        resume=resume,
     )
     table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time")
     table.add_row(

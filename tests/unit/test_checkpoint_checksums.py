@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint import Checkpointer, TrainState
+from checkpoint import Checkpointer, TrainState, checksums
 from checkpoint.api import MANIFEST_NAME, CheckpointCorruptError, ObjectEntry
 from checkpoint.checksums import KNOWN_ALGORITHMS, checksum_hex, new_checksum
 from checkpoint.commit import read_manifest, verify_checkpoint, write_manifest
@@ -47,6 +47,16 @@ def test_streamed_checksum_equals_one_shot_over_writable_views() -> None:
     running.update(view[(2 << 20) + 7 :])
     assert running.size == len(data)
     assert running.hexdigest() == checksum_hex(data, "crc32c")
+
+
+def test_copying_fallback_gives_the_same_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = torch.randn(300_000).numpy().tobytes()
+    direct = new_checksum("crc32c")
+    direct.update(memoryview(bytearray(data)))
+    monkeypatch.setattr(checksums, "_extend_view", None)  # as if the library were elsewhere
+    copied = new_checksum("crc32c")
+    copied.update(memoryview(bytearray(data)))
+    assert direct.hexdigest() == copied.hexdigest() == checksum_hex(data, "crc32c")
 
 
 def test_unknown_algorithm_is_named() -> None:

@@ -79,7 +79,10 @@ def open_root(
             top = root.root.split("/", 1)[0]
             # On object stores an empty prefix does not "exist"; its bucket must.
             if root.is_local or not top or not root.fs.exists(top):
-                raise FileNotFoundError(f"{top or root.root} does not exist")
+                raise FileNotFoundError(
+                    f"{top or root.root} does not exist"
+                    + ("" if root.is_local else " or these credentials may not see it")
+                )
     except CheckpointStorageError:
         raise
     except Exception as e:  # botocore and aiohttp errors are not all OSErrors

@@ -66,6 +66,9 @@ MAX_FAILURES_PER_STEP = 5
 #: Longest wait for the controller's next generation before giving up.
 DEFAULT_PLAN_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_PLAN_TIMEOUT", "600")))
 
+#: Key of the comm hook's state in a checkpoint's per-rank state.
+_HOOK_STATE = "comm_hook"
+
 # Indices of the control vector all-reduced (MAX) at every step boundary.
 _CTL_GENERATION, _CTL_CHECKPOINT, _CTL_SEEN, _CTL_STOP, _CTL_LEN = 0, 1, 2, 3, 4
 
@@ -98,6 +101,7 @@ class Session:
         self._ckpt: Any = None
         self._plan: Plan | None = None
         self._hook: Any = None
+        self._hook_resume: dict[str, Any] | None = None  # comm hook state from a checkpoint
         self._pending_save: Any = None
         self.restored_from: str | None = None
         self._telemetry = WorkerTelemetry()
@@ -144,7 +148,19 @@ class Session:
         )
         # Every rank starts the generation with a fresh hook: a replacement has no
         # hook state, and ranks whose warm-up counters differ would run different
-        # collectives.  Error-feedback residuals of the old generation are dropped.
+        # collectives.  Error-feedback residuals of the old generation are dropped;
+        # after a durable resume at the same world size, every rank loads its own.
+        state, self._hook_resume = self._hook_resume, None
+        if state is not None:
+            from agents.comm.api import HookStateError
+
+            try:
+                hook.load_state_dict(state)
+            except HookStateError as e:  # resumed with --force under another compression
+                log.warning("[%s] %s: the comm hook starts fresh", self.worker, e)
+                hook = build_comm_hook(
+                    self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
+                )
         hook.register(ddp)
         self._hook = hook
 
@@ -368,7 +384,7 @@ class Session:
     def _open_checkpointer(self, first: bool) -> None:
         """A checkpointer on this generation's group (creating it is collective)."""
         from checkpoint import Checkpointer
-        from orchestrator.jobs import spec_hash
+        from orchestrator.jobs import checkpoint_hash
 
         self._ckpt = None
         self._pending_save = None
@@ -377,7 +393,7 @@ class Session:
         self._ckpt = Checkpointer(
             url,
             keep=cfg.keep,
-            job_spec_hash=spec_hash(self.spec),
+            job_spec_hash=checkpoint_hash(self.spec),
             job=self.env.job,
             check_storage=first,
         )
@@ -390,20 +406,56 @@ class Session:
             model = model.module  # the plain module: checkpoints load without ringmaster
         if not isinstance(model, nn.Module):
             return None
+        rank_state = {}
+        if self._hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
+            rank_state[_HOOK_STATE] = {
+                "world_size": self.world_size,
+                "state": self._hook.state_dict(),
+            }
         return TrainState(
             model=model,
             optimizer=self._tracked.get("optimizer"),  # type: ignore[arg-type]
             scheduler=self._tracked.get("scheduler"),
             samples_seen=self.step,
+            rank_state=rank_state,
         )
 
     def _resume_durable(self) -> None:
-        result = self._ckpt.restore(self._train_state())
+        from orchestrator.jobs import read_resume
+
+        # A resubmitted job (`ringmaster resume`, `run --from`) starts from the checkpoint
+        # it was given, until it has committed one of its own; every rank reads the same
+        # records, as no save can happen before all ranks have restored.
+        request = read_resume(self.client, self.env.job)
+        if request is not None and self.client.get(keys.job_checkpoint(self.env.job)) is None:
+            url: str | None = request.url
+        else:
+            url = None
+        state = self._train_state()
+        result = self._ckpt.restore(state, url=url)
+        self._hook_resume = self._saved_hook_state(state.rank_state.get(_HOOK_STATE))
         if result.step is not None:
             self.step = int(result.step)
             self.has_state = True
             self.restored_from = result.url
             log.warning("[%s] resumed from %s at step %d", self.worker, result.url, self.step)
+
+    def _saved_hook_state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The comm hook state to load, or None to start the hook fresh (and say why)."""
+        if saved is None:
+            return None
+        if int(saved["world_size"]) != self.world_size:
+            # Residuals belong to a rank's share of the data; at another world size
+            # they would not, and ranks would disagree on warm-up counters.
+            log.warning(
+                "[%s] checkpoint was saved by %d ranks, now %d: the comm hook starts fresh",
+                self.worker,
+                int(saved["world_size"]),
+                self.world_size,
+            )
+            return None
+        log.warning("[%s] comm hook state restored from the checkpoint", self.worker)
+        return dict(saved["state"])
 
     def _save(self, reason: str) -> None:
         if self._save_fn is not None:

@@ -38,8 +38,9 @@ STEP_DIR_PREFIX = "step-"
 #: Version of the manifest format; readers reject newer versions.
 MANIFEST_FORMAT = 1
 
-#: Checksum algorithm recorded in manifests.
-CHECKSUM_ALGORITHM = "crc32"
+#: Checksum algorithm of objects in new manifests (CRC-32C); manifests name
+#: theirs, and older ones written with ``"crc32"`` still verify.
+CHECKSUM_ALGORITHM = "crc32c"
 
 
 def _env_seconds(name: str, default: float) -> timedelta:
@@ -107,7 +108,8 @@ class ObjectEntry:
     Attributes:
         path: object name relative to the checkpoint directory (``__0_0.distcp``).
         size: size in bytes.
-        checksum: ``crc32`` of the content as 8 lowercase hex digits.
+        checksum: checksum of the content as 8 lowercase hex digits, computed
+            with the manifest's ``checksum_algorithm``.
     """
 
     path: str

@@ -96,6 +96,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.root = Location.from_url(url, storage_options, filesystem)
+        self._storage_options = storage_options
         self.coord = Coordination(group, collective_timeout)
         self.trigger = SaveTrigger(every_steps, every_seconds)
         self.keep = keep
@@ -243,11 +244,18 @@ class Checkpointer:
         Args:
             state: filled in place (model, optimizer, scheduler, extra,
                 ``samples_seen``, and this rank's ``rank_state`` + RNG when saved).
-            url: a specific checkpoint directory under the root.
+            url: a specific checkpoint directory (under this root or any
+                other, read with the same storage options); it must verify.
         """
         if self.saver.inflight is not None:
             self.saver.wait_inflight()
-        return restore(state, self.coord, root=self.root, memory=self.memory, url=url)
+        root = self.root
+        if url is not None:
+            parent = url.rstrip("/").rsplit("/", 1)[0]
+            if parent != self.root.url:
+                # A checkpoint of another root (another job, another bucket).
+                root = Location.from_url(parent, self._storage_options)
+        return restore(state, self.coord, root=root, memory=self.memory, url=url)
 
     # ------------------------------------------------------------------ inspection
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from checkpoint.api import (
+    CHECKSUM_ALGORITHM,
     MANIFEST_NAME,
     STEP_DIR_PREFIX,
     CheckpointCorruptError,
@@ -169,13 +170,18 @@ def latest_committed(root: Location) -> CheckpointInfo | None:
     return committed[0] if committed else None
 
 
-def verify_objects(directory: Location, objects: Sequence[ObjectEntry]) -> VerifyReport:
-    """Read ``objects`` of a checkpoint directory and compare size and checksum."""
+def verify_objects(
+    directory: Location, objects: Sequence[ObjectEntry], algorithm: str = CHECKSUM_ALGORITHM
+) -> VerifyReport:
+    """Read ``objects`` of a checkpoint directory and compare size and checksum.
+
+    ``algorithm`` is the manifest's ``checksum_algorithm``.
+    """
     problems = []
     checked = 0
     for obj in objects:
         try:
-            size, checksum = directory.checksum_object(directory.path(obj.path))
+            size, checksum = directory.checksum_object(directory.path(obj.path), algorithm)
         except FileNotFoundError:
             problems.append(f"{obj.path}: missing")
             continue
@@ -205,7 +211,7 @@ def verify_checkpoint(directory: Location, *, rank: int = 0, world_size: int = 1
         ) from e
     share = manifest.objects[rank::world_size]
     started = time.monotonic()
-    report = verify_objects(directory, share)
+    report = verify_objects(directory, share, manifest.checksum_algorithm)
     log.debug(
         "verified %d objects (%d bytes) of %s in %.2fs: %s",
         len(share),

@@ -5,9 +5,12 @@
 a filesystem given by the caller (tests pass deliberately faulty ones).
 
 :class:`ChecksummingWriter` is DCP's fsspec writer with every written object
-passed through a CRC-32 as it streams out, so the manifest gets sizes and
-checksums without reading anything back.  :class:`LocationReader` is DCP's
-fsspec reader on the same filesystem object.
+passed through a CRC-32C as it streams out, so the manifest gets sizes and
+checksums in the same pass as the write, without reading anything back.
+While it writes, torch's own per-record zip CRC-32 is switched off
+(:func:`torch_zip_crc_off`): it would be a second checksum pass over the
+same bytes, and the manifest's checksum covers every byte of the object.
+:class:`LocationReader` is DCP's fsspec reader on the same filesystem object.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import torch
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DcpFsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from checkpoint.api import CheckpointStorageError, ObjectEntry
-from checkpoint.manifest import CHECKSUM_CHUNK_BYTES, Crc32
+from checkpoint.checksums import DEFAULT_ALGORITHM, RunningChecksum, new_checksum
+from checkpoint.manifest import CHECKSUM_CHUNK_BYTES
 
 #: Suffix DCP uses for the metadata object before renaming it into place.
 _TMP_SUFFIX = ".tmp"
@@ -93,9 +98,9 @@ class Location:
         """Drop cached listings so other processes' writes become visible."""
         self.fs.invalidate_cache()
 
-    def checksum_object(self, path: str) -> tuple[int, str]:
-        """Read an object and return (size, crc32 hex)."""
-        crc = Crc32()
+    def checksum_object(self, path: str, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
+        """Read an object and return (size, checksum hex) with ``algorithm``."""
+        crc = new_checksum(algorithm)
         with self.fs.open(path, "rb") as f:
             while chunk := f.read(CHECKSUM_CHUNK_BYTES):
                 crc.update(chunk)
@@ -108,7 +113,7 @@ class _ChecksumStream(io.RawIOBase):
     def __init__(self, raw: Any) -> None:
         super().__init__()
         self._raw = raw
-        self.crc = Crc32()
+        self.crc: RunningChecksum = new_checksum()
 
     def writable(self) -> bool:
         return True
@@ -138,6 +143,38 @@ class _ChecksumStream(io.RawIOBase):
             self._raw.close()
         finally:
             super().close()
+
+
+_zip_crc_lock = threading.Lock()
+_zip_crc_users = 0
+_zip_crc_saved = True
+
+
+@contextmanager
+def torch_zip_crc_off() -> Iterator[None]:
+    """Switch off the CRC-32 that ``torch.save`` computes for each zip record.
+
+    DCP serialises each tensor with ``torch.save``; its per-record CRC would
+    be a second full checksum pass over bytes the manifest checksums anyway.
+    The switch is process-wide (torch has no per-call option): a
+    ``torch.save`` elsewhere in the process while a checkpoint uploads writes
+    records with a zero CRC field, which ``torch.load`` does not check.
+    Nested and concurrent uses are counted; the setting found first is put
+    back when the last one ends.
+    """
+    global _zip_crc_users, _zip_crc_saved
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _zip_crc_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _zip_crc_users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                torch.serialization.set_crc32_options(_zip_crc_saved)
 
 
 class _RecordingFileSystem(_DcpFsspecFileSystem):
@@ -174,7 +211,7 @@ class _RecordingFileSystem(_DcpFsspecFileSystem):
 
 
 class ChecksummingWriter(FsspecWriter):
-    """DCP's fsspec writer that records (size, crc32) of every object it writes.
+    """DCP's fsspec writer that records (size, checksum) of every object it writes.
 
     Args:
         location: the checkpoint directory.
@@ -196,6 +233,17 @@ class ChecksummingWriter(FsspecWriter):
         self.fs = self._recorder  # type: ignore[assignment]
         self.path = location.root
         self._location = location
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """Algorithm of the checksums in :meth:`objects`."""
+        return DEFAULT_ALGORITHM
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        # Synchronous in DCP's filesystem writer: every file is written and
+        # fsynced when it returns, so the scope of the switch is exact.
+        with torch_zip_crc_off():
+            return super().write_data(plan, planner)
 
     def objects(self) -> list[ObjectEntry]:
         """Objects this rank wrote, relative to the checkpoint directory."""

@@ -1,10 +1,10 @@
 """Manifest encoding, checksums and the job spec hash.
 
 The manifest is JSON with a ``self_checksum`` over its own canonical body, so a
-manifest truncated by a crash, or edited by hand, never parses as a commit.
-Checksums of objects are CRC-32 (``zlib.crc32``, several GiB/s and releases
-the GIL), enough to catch torn writes and flipped bits; they are not a
-defence against tampering.
+manifest truncated by a crash, or edited by hand, never parses as a commit
+(that self-checksum is CRC-32 in every format version).  Object checksums use
+the algorithm the manifest names (:mod:`checkpoint.checksums`); they catch
+torn writes and flipped bits, they are not a defence against tampering.
 """
 
 from __future__ import annotations
@@ -19,31 +19,15 @@ from enum import Enum
 from typing import Any
 
 from checkpoint.api import (
-    CHECKSUM_ALGORITHM,
     MANIFEST_FORMAT,
     CheckpointCorruptError,
     Manifest,
     ObjectEntry,
 )
+from checkpoint.checksums import KNOWN_ALGORITHMS
 
 #: Read size when checksumming existing objects.
 CHECKSUM_CHUNK_BYTES = 8 << 20
-
-
-class Crc32:
-    """Running CRC-32 over written bytes, with a byte count."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.size = 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self.value = zlib.crc32(view, self.value)
-        self.size += view.nbytes
-
-    def hexdigest(self) -> str:
-        return f"{self.value & 0xFFFFFFFF:08x}"
 
 
 def crc32_hex(data: bytes) -> str:
@@ -108,8 +92,12 @@ def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
             f"({MANIFEST_FORMAT}); upgrade ringmaster to read it"
         )
     algorithm = raw.get("checksum_algorithm")
-    if algorithm != CHECKSUM_ALGORITHM:
-        raise CheckpointCorruptError(f"{where}: unknown checksum algorithm {algorithm!r}")
+    if not isinstance(algorithm, str) or algorithm not in KNOWN_ALGORITHMS:
+        raise CheckpointCorruptError(
+            f"{where}: objects are checksummed with {algorithm!r}, which this reader does "
+            f"not know (known: {', '.join(KNOWN_ALGORITHMS)}); upgrade ringmaster to verify "
+            "or load this checkpoint"
+        )
     objects = raw.get("objects")
     if not isinstance(objects, list):
         raise CheckpointCorruptError(f"{where}: unreadable manifest (objects is not a list)")
@@ -131,7 +119,7 @@ def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
         objects=tuple(_object(o, f"{where}: objects[{i}]") for i, o in enumerate(objects)),
         samples_seen=_int(raw, "samples_seen", where, minimum=0),
         format=fmt,
-        checksum_algorithm=CHECKSUM_ALGORITHM,
+        checksum_algorithm=algorithm,
     )
 
 

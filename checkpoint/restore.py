@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from checkpoint.api import (
+    CheckpointCorruptError,
     CheckpointError,
     RestoreResult,
     RestoreSource,
@@ -64,7 +65,8 @@ def restore(
         coord: checkpoint groups (all ranks call together).
         root: durable checkpoint root, or None for memory/peer only.
         memory: this rank's memory tier, if any.
-        url: restore this durable checkpoint directory instead of choosing.
+        url: restore this durable checkpoint directory (under ``root``) instead
+            of choosing; it must verify, there is no falling back.
 
     Returns:
         Which source was used and the restored step and data position.
@@ -105,6 +107,10 @@ def restore(
     if root is None:
         return RestoreResult(source=RestoreSource.NONE, step=None, samples_seen=state.samples_seen)
     outcome = restore_durable(root, target, coord, url=url)
+    if outcome.manifest is None and url is not None:
+        raise CheckpointCorruptError(
+            f"the checkpoint asked for, {url}, cannot be used: {'; '.join(outcome.skipped)}"
+        )
     if outcome.manifest is None:
         log.info("no usable checkpoint under %s; starting fresh", root.url)
         return RestoreResult(

@@ -50,7 +50,8 @@ def apply_retention(root: Location, keep: int, *, all_uncommitted: bool = False)
         root: the checkpoint root.
         keep: how many committed checkpoints to keep (at least 1).
         all_uncommitted: also remove never-committed directories newer than
-            the newest committed checkpoint (``gc``, when no save is running).
+            the newest committed checkpoint, or all of them when nothing is
+            committed (``gc``, when no save is running).
 
     Raises:
         ValueError: ``keep`` is below 1.
@@ -60,9 +61,9 @@ def apply_retention(root: Location, keep: int, *, all_uncommitted: bool = False)
         raise ValueError(f"keep must be at least 1, got {keep}")
     infos = list_checkpoints(root)
     committed = [i for i in reversed(infos) if i.committed]
-    if not committed:
+    if not committed and not all_uncommitted:
         return RetentionResult(kept=(), deleted=(), cleaned=())
-    newest_step = committed[0].step
+    newest_step = committed[0].step if committed else -1
     kept, old = committed[:keep], committed[keep:]
     dead = [i for i in infos if not i.committed and (all_uncommitted or i.step <= newest_step)]
     deleted, cleaned = [], []

@@ -1,14 +1,21 @@
-"""Job records in etcd: submit, read status, list, request a stop.
+"""Job records in etcd: submit, resume, read status, list, request a stop.
 
-These are the library calls behind ``ringmaster submit/status/stop``; the
-controller writes the status and events, this module only reads them (and
+These are the library calls behind ``ringmaster submit/resume/status/stop``;
+the controller writes the status and events, this module only reads them (and
 writes the spec and the stop command, which are the user's to write).
+
+A resumed job is submitted again with a :class:`ResumeRequest` in its spec
+record: the checkpoint directory its workers load when they start without any
+live state (see ``agents.runtime``).  The request is checked here, before
+anything starts: the checkpoint must be reachable and committed, and saved by
+a job of the same :func:`checkpoint_hash` unless forced.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +33,89 @@ class JobNotFoundError(OrchestratorError):
     """No job of that name in etcd."""
 
 
+class ResumeRefusedError(OrchestratorError):
+    """A resume cannot start: the job is still active, or the checkpoint is unusable."""
+
+
 def spec_hash(spec: JobSpec) -> str:
-    """A stable hash of the spec, recorded in checkpoints to catch resumes of another job."""
+    """A stable hash of the whole spec (the submitted record carries it)."""
     return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_hash(spec: JobSpec) -> str:
+    """Hash of the parts of a spec that shape the saved state, recorded in checkpoints.
+
+    The entrypoint (script or module, and its arguments) and the gradient
+    compression (its state is saved per rank).  Node counts, checkpoint
+    settings, timeouts and resources are left out: changing them between
+    runs is what resuming is for.
+    """
+    entry = spec.entrypoint
+    shaping = {
+        "script": entry.script,
+        "module": entry.module,
+        "args": list(entry.args),
+        "compression": spec.to_dict()["comm"]["compression"],
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """Where a resubmitted job's workers take their first state from.
+
+    Attributes:
+        url: a committed checkpoint directory.
+        step: its step (for messages).
+        world_size: ranks that saved it (the job may run at another size).
+    """
+
+    url: str
+    step: int
+    world_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "step": self.step, "world_size": self.world_size}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ResumeRequest:
+        return cls(url=str(data["url"]), step=int(data["step"]), world_size=int(data["world_size"]))
+
+
+def plan_resume(
+    spec: JobSpec,
+    from_url: str | None = None,
+    *,
+    force: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> ResumeRequest:
+    """Pick and check the checkpoint a run of ``spec`` resumes from.
+
+    Args:
+        spec: the job to resume.
+        from_url: a checkpoint directory or root; default the job's own
+            ``checkpoint.url`` (its newest committed checkpoint).
+        force: accept a checkpoint saved by a job of another :func:`checkpoint_hash`.
+        storage_options: fsspec options (default: the usual AWS/fsspec places).
+
+    Raises:
+        ResumeRefusedError: unreachable storage, nothing committed there, or
+            a checkpoint of another job (without ``force``); the message says
+            which and what to do.
+    """
+    from checkpoint import CheckpointError
+    from checkpoint.catalog import check_spec_hash, resume_point, scrub
+
+    url = from_url or spec.checkpoint.url
+    if "://" not in url:
+        url = f"file://{os.path.abspath(url)}"
+    try:
+        info = resume_point(url, storage_options)
+        check_spec_hash(info, checkpoint_hash(spec), force=force)
+    except CheckpointError as e:
+        raise ResumeRefusedError(f"cannot resume job '{spec.name}': {scrub(str(e))}") from e
+    assert info.manifest is not None
+    return ResumeRequest(url=info.url, step=info.step, world_size=info.manifest.world_size)
 
 
 @dataclass
@@ -74,21 +161,39 @@ class JobStatus:
         return out
 
 
-def submit(client: EtcdClient, spec: JobSpec, *, replace_finished: bool = True) -> None:
+def submit(
+    client: EtcdClient,
+    spec: JobSpec,
+    *,
+    replace_finished: bool = True,
+    resume: ResumeRequest | None = None,
+) -> None:
     """Write a validated spec under ``/ringmaster/jobs/<job>/spec``.
+
+    Args:
+        client: etcd.
+        spec: the job.
+        replace_finished: replace a finished job of the same name.
+        resume: the checkpoint its workers start from (see :func:`plan_resume`).
 
     Raises:
         JobExistsError: a job of that name exists and has not finished.
     """
     spec.validate()
-    record = {"spec": spec.to_dict(), "hash": spec_hash(spec), "submitted_at": time.time()}
+    record: dict[str, Any] = {
+        "spec": spec.to_dict(),
+        "hash": spec_hash(spec),
+        "submitted_at": time.time(),
+    }
+    if resume is not None:
+        record["resume"] = resume.to_dict()
     if client.create(keys.job_spec(spec.name), json.dumps(record)):
         client.put_json(keys.job_status(spec.name), JobStatus(spec.name).to_dict())
         return
     status = read_status(client, spec.name)
     if status is not None and status.phase.terminal and replace_finished:
         client.delete_prefix(keys.job_prefix(spec.name))
-        submit(client, spec, replace_finished=False)
+        submit(client, spec, replace_finished=False, resume=resume)
         return
     phase = status.phase.value if status else "unknown"
     raise JobExistsError(
@@ -109,6 +214,45 @@ def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:
     if record is None:
         raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
     return load_job_data(record["spec"], source=f"etcd:{keys.job_spec(job)}"), record["hash"]
+
+
+def read_resume(client: EtcdClient, job: str) -> ResumeRequest | None:
+    """The checkpoint a resubmitted job starts from, if it was resumed."""
+    record = client.get_json(keys.job_spec(job))
+    if record is None or not record.get("resume"):
+        return None
+    return ResumeRequest.from_dict(record["resume"])
+
+
+def resume(
+    client: EtcdClient,
+    job: str,
+    from_url: str | None = None,
+    *,
+    force: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> ResumeRequest:
+    """Resubmit a finished (stopped, failed or succeeded) job from a checkpoint.
+
+    Its stored spec is submitted again; the workers load the newest committed
+    checkpoint under its ``checkpoint.url`` (or the one given) on whatever
+    world size the new run gets.
+
+    Raises:
+        JobNotFoundError: nothing submitted under that name.
+        ResumeRefusedError: the job is still active, or the checkpoint is
+            unusable (see :func:`plan_resume`).
+    """
+    spec, _ = read_spec(client, job)
+    status = read_status(client, job)
+    if status is not None and not status.phase.terminal:
+        raise ResumeRefusedError(
+            f"job '{job}' is {status.phase.value}; only a stopped, failed or finished job can "
+            f"be resumed (stop it first with `ringmaster stop {job}`)"
+        )
+    request = plan_resume(spec, from_url, force=force, storage_options=storage_options)
+    submit(client, spec, resume=request)
+    return request
 
 
 def read_status(client: EtcdClient, job: str) -> JobStatus | None:

@@ -74,8 +74,10 @@ class LocalRun:
         controllers: int = 1,
         metrics_port: int | None = 0,
         view: LiveView | None = None,
+        resume: jobs.ResumeRequest | None = None,
     ) -> None:
         self.spec = spec
+        self.resume = resume
         self.etcd_options = etcd
         self.kill_node_at_step = kill_node_at_step
         self.view = view
@@ -148,7 +150,7 @@ class LocalRun:
             self.etcd_options = EtcdOptions((self._embedded.endpoint,))
             self.print(f"[run] embedded etcd on {self._embedded.endpoint}")
         self._client = connect(self.etcd_options)
-        jobs.submit(self._client, self.spec)
+        jobs.submit(self._client, self.spec, resume=self.resume)
         self.print(f"[run] submitted job '{self.spec.name}'")
         previous = self._client.get(keys.controller_metrics())
         self._metrics_revision = previous.mod_revision if previous is not None else 0

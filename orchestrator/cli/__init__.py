@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli import job_commands, local_commands, observe_commands, service_commands
+from orchestrator.cli import (
+    checkpoint_commands,
+    job_commands,
+    local_commands,
+    observe_commands,
+    service_commands,
+)
 
 
 @click.group()
@@ -29,6 +35,8 @@ for _command in (
     observe_commands.events_cmd,
     observe_commands.watch,
     observe_commands.report,
+    checkpoint_commands.checkpoints,
+    checkpoint_commands.resume,
     service_commands.agent,
     service_commands.controller,
     service_commands.operator,

@@ -72,6 +72,14 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     type=click.Path(dir_okay=False),
     help="when the job ends, write its HTML report here (and the PNG beside it)",
 )
+@click.option(
+    "--from",
+    "from_url",
+    help="start from this checkpoint directory, or the newest committed one under this root",
+)
+@click.option(
+    "--force", is_flag=True, help="with --from: accept a checkpoint of a differently set-up job"
+)
 @etcd_options
 @handle_errors
 def run(
@@ -80,15 +88,27 @@ def run(
     timeout: float,
     metrics_port: int,
     report_path: str | None,
+    from_url: str | None,
+    force: bool,
     **kw: Any,
 ) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    from orchestrator.jobs import plan_resume
     from orchestrator.live_view import LiveView
     from orchestrator.local_run import LocalRun
     from orchestrator.report import write_report
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
+    resume = None
+    if from_url:
+        from orchestrator.cli.checkpoint_commands import print_resume
+
+        # Checked before anything starts: reachable, committed, from a job like this one.
+        resume = plan_resume(spec, from_url, force=force)
+        print_resume(spec.name, resume, spec.nodes.max * spec.nproc_per_node)
+    elif force:
+        fail("--force only applies with --from", 2)
     with (
         LiveView(console, spec.name, spec.max_steps) as view,
         LocalRun(
@@ -98,6 +118,7 @@ def run(
             timeout=timedelta(seconds=timeout),
             metrics_port=metrics_port,
             view=view,
+            resume=resume,
         ) as local,
     ):
         result = local.wait()

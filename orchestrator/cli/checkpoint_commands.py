@@ -1,0 +1,178 @@
+"""Commands on checkpoints: ``checkpoints list|verify|gc URL`` and ``resume JOB``.
+
+Storage is reached with the usual AWS/fsspec settings (``AWS_*`` variables,
+``~/.aws``, ``FSSPEC_S3_ENDPOINT_URL`` ...); credentials are never printed.
+A URL is a checkpoint root (``s3://bucket/run``) or one checkpoint directory
+under it (``.../step-0000000100-1a2b3c4d``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+from rich.table import Table
+
+from orchestrator.cli.options import connect_client, console, etcd_options, fail, handle_errors
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _local_url(url: str) -> str:
+    """A plain path means a local directory."""
+    import os
+
+    return url if "://" in url else f"file://{os.path.abspath(url)}"
+
+
+def handle_checkpoint_errors(fn: F) -> F:
+    """Print a checkpoint error as one line and exit 1."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from checkpoint import CheckpointError
+        from checkpoint.catalog import scrub
+
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError as e:
+            fail(scrub(str(e)))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+@click.group("checkpoints")
+def checkpoints() -> None:
+    """Inspect, verify and clean up a checkpoint root."""
+
+
+@checkpoints.command("list")
+@click.argument("url")
+@handle_checkpoint_errors
+def list_cmd(url: str) -> None:
+    """Every checkpoint under URL, oldest first, committed or not."""
+    from checkpoint.catalog import open_root, redact
+    from checkpoint.commit import list_checkpoints
+
+    root, _ = open_root(_local_url(url))
+    infos = list_checkpoints(root)
+    if not infos:
+        console.print(f"no checkpoints under {redact(root.url)}", highlight=False)
+        return
+    table = Table("step", "size", "time (UTC)", "world", "committed", "directory")
+    for info in infos:
+        m = info.manifest
+        table.add_row(
+            str(info.step),
+            _size(m.total_bytes) if m else "-",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at)) if m else "-",
+            str(m.world_size) if m else "-",
+            "yes" if m else f"no: {info.problem}",
+            info.name,
+        )
+    console.print(table)
+
+
+@checkpoints.command("verify")
+@click.argument("url")
+@handle_checkpoint_errors
+def verify_cmd(url: str) -> None:
+    """Read back every object of a checkpoint and compare sizes and checksums.
+
+    URL is one checkpoint directory, or a root (its newest committed
+    checkpoint).  Exits 1 and names each bad object when one fails.
+    """
+    from checkpoint.catalog import open_root, redact, verify
+
+    open_root(_local_url(url))
+    report = verify(_local_url(url))
+    where = redact(report.url)
+    if report.ok:
+        console.print(f"OK: {where} ({_size(report.checked_bytes)} checked)", highlight=False)
+        return
+    for problem in report.problems:
+        click.echo(f"bad object in {where}: {problem}", err=True)
+    sys.exit(1)
+
+
+@checkpoints.command("gc")
+@click.argument("url")
+@click.option(
+    "--keep", type=click.IntRange(min=1), default=3, show_default=True, help="committed to keep"
+)
+@click.option(
+    "--include-newer",
+    is_flag=True,
+    help="also remove uncommitted directories newer than the newest committed checkpoint "
+    "(only when no job is saving to URL: one of them may be a save in progress)",
+)
+@handle_checkpoint_errors
+def gc_cmd(url: str, keep: int, include_newer: bool) -> None:
+    """Remove uncommitted directories and committed checkpoints beyond --keep.
+
+    The newest committed checkpoint is never removed.
+    """
+    from checkpoint.catalog import gc, open_root, redact
+
+    open_root(_local_url(url))
+    result = gc(_local_url(url), keep, all_uncommitted=include_newer)
+    for name in result.deleted:
+        console.print(f"deleted {name}", highlight=False)
+    for name in result.cleaned:
+        console.print(f"removed uncommitted {name}", highlight=False)
+    kept = ", ".join(result.kept) or "none"
+    console.print(f"{redact(_local_url(url))}: kept {kept}", highlight=False)
+
+
+@click.command()
+@click.argument("job")
+@click.option(
+    "--from",
+    "from_url",
+    help="a checkpoint directory or root to resume from (default: the newest committed "
+    "checkpoint under the job's checkpoint.url)",
+)
+@click.option(
+    "--force", is_flag=True, help="resume from a checkpoint saved by a differently set-up job"
+)
+@etcd_options
+@handle_errors
+def resume(job: str, from_url: str | None, force: bool, **kw: Any) -> None:
+    """Resubmit a stopped or failed JOB so that it resumes from a checkpoint.
+
+    The checkpoint is checked before anything starts; the job may run on
+    another number of nodes (its state is resharded).
+    """
+    from orchestrator import jobs
+
+    with connect_client(kw) as client:
+        request = jobs.resume(client, job, _local_url(from_url) if from_url else None, force=force)
+        spec, _ = jobs.read_spec(client, job)
+    print_resume(job, request, spec.nodes.max * spec.nproc_per_node)
+
+
+def print_resume(job: str, request: Any, world_size: int) -> None:
+    """One line saying where a job resumes from and whether it reshards."""
+    from checkpoint.catalog import redact
+
+    reshard = (
+        f", resharded from {request.world_size} to up to {world_size} ranks"
+        if request.world_size != world_size
+        else ""
+    )
+    console.print(
+        f"job '{job}' resumes from step {request.step} ({redact(request.url)}{reshard})",
+        highlight=False,
+    )

@@ -1,0 +1,140 @@
+"""Object checksums: CRC-32C for new checkpoints, older CRC-32 manifests still verify.
+
+Over file:// in one process.  A checkpoint written now names ``crc32c``; one
+rewritten to look like an older checkpoint (``crc32`` manifest) still verifies
+and still catches a flipped byte; an unknown algorithm is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint import Checkpointer, TrainState, checksums
+from checkpoint.api import MANIFEST_NAME, CheckpointCorruptError, ObjectEntry
+from checkpoint.checksums import KNOWN_ALGORITHMS, checksum_hex, new_checksum
+from checkpoint.commit import read_manifest, verify_checkpoint, write_manifest
+from checkpoint.fsspec_storage import Location, torch_zip_crc_off
+from checkpoint.manifest import encode_manifest
+
+pytestmark = pytest.mark.unit
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    return TrainState(model, torch.optim.Adam(model.parameters()), samples_seen=5)
+
+
+def test_crc32c_matches_the_standard_check_value() -> None:
+    # The CRC-32C check value of "123456789" (RFC 3720, appendix B.4).
+    assert checksum_hex(b"123456789", "crc32c") == "e3069283"
+    assert checksum_hex(b"123456789", "crc32") == f"{zlib.crc32(b'123456789'):08x}"
+
+
+def test_streamed_checksum_equals_one_shot_over_writable_views() -> None:
+    data = torch.arange(3 << 20, dtype=torch.uint8).numpy().tobytes()
+    running = new_checksum("crc32c")
+    view = memoryview(bytearray(data))  # writable, like a tensor's memory
+    running.update(view[:1000])
+    running.update(view[1000 : (2 << 20) + 7])
+    running.update(view[(2 << 20) + 7 :])
+    assert running.size == len(data)
+    assert running.hexdigest() == checksum_hex(data, "crc32c")
+
+
+def test_copying_fallback_gives_the_same_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = torch.randn(300_000).numpy().tobytes()
+    direct = new_checksum("crc32c")
+    direct.update(memoryview(bytearray(data)))
+    monkeypatch.setattr(checksums, "_extend_view", None)  # as if the library were elsewhere
+    copied = new_checksum("crc32c")
+    copied.update(memoryview(bytearray(data)))
+    assert direct.hexdigest() == copied.hexdigest() == checksum_hex(data, "crc32c")
+
+
+def test_unknown_algorithm_is_named() -> None:
+    with pytest.raises(ValueError, match=r"sha1.*known: crc32, crc32c"):
+        new_checksum("sha1")
+
+
+def test_new_checkpoints_name_crc32c_and_verify(tmp_path: Any) -> None:
+    ckpt = Checkpointer(f"file://{tmp_path}/ck")
+    manifest = ckpt.save_now(1, _state())
+    assert manifest.checksum_algorithm == "crc32c"
+    info = ckpt.latest()
+    assert info is not None
+    assert ckpt.verify(info).ok
+    ckpt.close()
+
+
+def _as_crc32_manifest(directory: Location) -> None:
+    """Rewrite a manifest as an older version wrote it: CRC-32 object checksums."""
+    manifest = read_manifest(directory)
+    objects = []
+    for obj in manifest.objects:
+        size, crc = directory.checksum_object(directory.path(obj.path), "crc32")
+        objects.append(ObjectEntry(obj.path, size, crc))
+    old = dataclasses.replace(manifest, objects=tuple(objects), checksum_algorithm="crc32")
+    write_manifest(directory, old)
+
+
+def test_older_crc32_manifest_still_verifies_and_catches_damage(tmp_path: Any) -> None:
+    ckpt = Checkpointer(f"file://{tmp_path}/ck")
+    ckpt.save_now(1, _state())
+    info = ckpt.latest()
+    assert info is not None
+    directory = ckpt.root.child(info.name)
+    _as_crc32_manifest(directory)
+    assert read_manifest(directory).checksum_algorithm == "crc32"
+    assert verify_checkpoint(directory).ok
+
+    victim = next(o.path for o in read_manifest(directory).objects if o.path.endswith(".distcp"))
+    path = tmp_path / "ck" / info.name / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = verify_checkpoint(directory)
+    assert not report.ok
+    assert any(victim in p and "checksum" in p for p in report.problems)
+    ckpt.close()
+
+
+def test_manifest_with_unknown_algorithm_says_to_upgrade(tmp_path: Any) -> None:
+    ckpt = Checkpointer(f"file://{tmp_path}/ck")
+    ckpt.save_now(1, _state())
+    info = ckpt.latest()
+    assert info is not None and info.manifest is not None
+    directory = ckpt.root.child(info.name)
+    future = dataclasses.replace(info.manifest, checksum_algorithm="blake9")
+    (tmp_path / "ck" / info.name / MANIFEST_NAME).write_bytes(encode_manifest(future))
+    with pytest.raises(CheckpointCorruptError, match=r"'blake9'.*upgrade ringmaster"):
+        read_manifest(directory)
+    # Listing reports it as not committed, with the reason.
+    listed = ckpt.list()[-1]
+    assert not listed.committed and "blake9" in (listed.problem or "")
+    assert (
+        json.loads((tmp_path / "ck" / info.name / MANIFEST_NAME).read_bytes())["checksum_algorithm"]
+        == "blake9"
+    )
+    assert set(KNOWN_ALGORITHMS) == {"crc32", "crc32c"}
+    ckpt.close()
+
+
+def test_zip_crc_switch_is_scoped_and_nests() -> None:
+    assert torch.serialization.get_crc32_options()
+    with torch_zip_crc_off():
+        with torch_zip_crc_off():
+            assert not torch.serialization.get_crc32_options()
+        assert not torch.serialization.get_crc32_options()
+        buf = io.BytesIO()
+        torch.save(torch.arange(10), buf)  # written without record CRCs...
+        buf.seek(0)
+        assert torch.equal(torch.load(buf), torch.arange(10))  # ...and still loads
+    assert torch.serialization.get_crc32_options()

@@ -52,6 +52,7 @@ class LogShipper:
         self._written_bytes = 0
         self._done = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._tail: deque[str] = deque(maxlen=20)
 
     def start(self, stream: IO[bytes]) -> LogShipper:
         """Read ``stream`` until EOF in the background."""
@@ -66,6 +67,22 @@ class LogShipper:
         for t in self._threads:
             t.join(timeout)
 
+    def last_error(self, wait: float = 1.0) -> str | None:
+        """After the worker exited: the line that names its error, if it printed one.
+
+        That is the last line of a Python traceback (``SomeError: message``),
+        else the last line printed.
+        """
+        self._done.wait(wait)  # the pipe drains after the process is gone
+        with self._lock:
+            tail = list(self._tail)
+        for line in reversed(tail):
+            head = line.split(":", 1)[0]
+            named = ":" in line and not line[:1].isspace() and head.replace(".", "").isidentifier()
+            if named and head.endswith(("Error", "Exception", "Exit", "Interrupt")):
+                return line[:300]
+        return tail[-1][:300] if tail else None
+
     def _read(self, stream: IO[bytes]) -> None:
         try:
             for raw in iter(stream.readline, b""):
@@ -77,6 +94,8 @@ class LogShipper:
                     text = text[:MAX_LINE] + " [line cut]"
                 with self._lock:
                     self._pending.append((time.time(), text))
+                    if text.strip():
+                        self._tail.append(text)
         finally:
             self._done.set()
 

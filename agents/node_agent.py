@@ -287,7 +287,7 @@ class NodeAgent:
         return time.time() - (time.monotonic() - self._preempted_at)
 
     def _on_worker_failure(self, w: _Worker, code: int, max_restarts: int) -> None:
-        cause = read_error_file(w.error_file)
+        cause = read_error_file(w.error_file) or (w.shipper.last_error() if w.shipper else None)
         what = describe_exit(code) + (f": {cause}" if cause else "")
         name = keys.worker_id(self.node, w.local_rank)
         log.warning("[%s] worker %s failed (%s)", self.node, name, what)

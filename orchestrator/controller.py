@@ -75,6 +75,7 @@ class JobController:
         self._break: _Break | None = None
         self._recovery_started: float | None = None
         self._recovery_step = 0
+        self._short_since: float | None = None  # fewer than nodes.min nodes left since then
         self._killed: dict[str, float] = {}
         self._last_written: dict[str, Any] = {}
 
@@ -144,7 +145,17 @@ class JobController:
         )
         self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
         if not ready:
+            self._short_since = self._short_since or now
+            limit = self.spec.rendezvous.join_timeout.total_seconds()
+            if now - self._short_since > limit:
+                self._set_phase(
+                    JobPhase.FAILED,
+                    f"only {len(warm)} of the {need_min} nodes needed were ready within "
+                    f"{limit:g}s (rendezvous.join_timeout); see `ringmaster logs {self.job}` "
+                    "and `ringmaster events` for why nodes did not come up",
+                )
             return
+        self._short_since = None
         ordered = _topology_order(warm, nodes, self.spec.comm.topology_labels)
         active = ordered[:need_max]
         plan = self._make_plan(1, active, nodes, ordered[need_max:], "start")
@@ -300,11 +311,24 @@ class JobController:
                 new_members.append(spare)
                 swapped.append(f"{spare} replaces {node}")
         if len(new_members) < self.spec.nodes.min:
+            now = time.monotonic()
+            self._short_since = self._short_since or now
+            limit = self.spec.rendezvous.join_timeout.total_seconds()
+            if now - self._short_since > limit:
+                self._set_phase(
+                    JobPhase.FAILED,
+                    f"{why}; only {len(new_members)} of the {self.spec.nodes.min} nodes needed "
+                    f"for {limit:g}s (rendezvous.join_timeout): add nodes and "
+                    f"`ringmaster resume {self.job}`",
+                )
+                return
             self.status.message = (
-                f"{why}; {len(new_members)} nodes left, need {self.spec.nodes.min}: waiting"
+                f"{why}; {len(new_members)} nodes left, need {self.spec.nodes.min}: waiting "
+                f"up to {limit:g}s (rendezvous.join_timeout) for more"
             )
             self._set_phase(JobPhase.RECOVERING, self.status.message)
             return
+        self._short_since = None
         cause = self.observer.declared(failed, why, nodes, self.status.step, agent_gone)
         for node in failed:
             if node not in self.status.failed_nodes:

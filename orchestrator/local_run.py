@@ -38,6 +38,9 @@ from orchestrator.process_lifetime import tie_to_parent
 
 Printer = Callable[[str], None]
 
+#: Once every node agent has exited, how long the controller gets to end the job.
+AGENTS_GONE_GRACE_S = 5.0
+
 
 @dataclass
 class RunResult:
@@ -90,6 +93,7 @@ class LocalRun:
         self.timeout = timeout
         self.controllers = controllers
         self.procs: dict[str, _Proc] = {}
+        self._agents_gone_at: float | None = None
         self._embedded: EmbeddedEtcd | None = None
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
@@ -229,6 +233,14 @@ class LocalRun:
                 self.kill_node(killed)
             if status.phase.terminal:
                 break
+            if self._agents_gone_for() > AGENTS_GONE_GRACE_S:
+                self.print(
+                    "[run] every node agent has exited and the job is "
+                    f"{status.phase.value} ({status.message}): it cannot go on here; "
+                    f"`ringmaster resume {self.spec.name}` continues it from its checkpoints"
+                )
+                status.phase = JobPhase.FAILED
+                break
             time.sleep(0.1)
         else:
             self.print(f"[run] timed out after {self.timeout.total_seconds():g}s")
@@ -243,6 +255,15 @@ class LocalRun:
             metrics_url=self.metrics_url,
             effective_fraction=status.effective_fraction,
         )
+
+    def _agents_gone_for(self) -> float:
+        """Seconds since the last node agent exited (0 while any runs)."""
+        agents = [p for name, p in self.procs.items() if not name.startswith("controller")]
+        if not agents or any(p.popen.poll() is None for p in agents):
+            self._agents_gone_at = None
+            return 0.0
+        self._agents_gone_at = self._agents_gone_at or time.monotonic()
+        return time.monotonic() - self._agents_gone_at
 
     def stop(self, grace: float = 15.0) -> None:
         """Let agents finish, then terminate what is left and stop etcd."""

@@ -15,14 +15,22 @@ reads it back.  Per job it:
 * publishes the next generation with a warm spare in each dead node's slot
   (same ranks, so the ring order is kept), or scales down to ``nodes.min``
   when no spare is left;
+* rides out etcd outages: when it could not act for longer than
+  ``OUTAGE_THRESHOLD`` (no quorum, leadership lapsed), it marks the job
+  ``Paused`` with the reason and, for ``OUTAGE_GRACE`` after etcd is back,
+  declares no failure from lease expiry or stale heartbeats (the agents
+  re-register, the workers resume by themselves); reports of a broken
+  generation, which are positive evidence, are still acted on;
 * relays checkpoint and stop requests to the workers (the ``control`` key,
   agreed on by all ranks at the same step), and records phase and events.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +51,11 @@ REPORT_GRACE = timedelta(seconds=1.0)
 STALE_BEATS = 3
 #: Controller loop period when nothing wakes it.
 TICK = timedelta(seconds=0.2)
+#: A controller that could not complete a tick for this long lived through an etcd outage.
+OUTAGE_THRESHOLD = timedelta(seconds=2)
+#: After an outage, how long lease expiry and stale heartbeats are not taken as failures
+#: (agents re-register and workers beat again within a lease TTL or two).
+OUTAGE_GRACE = timedelta(seconds=float(os.environ.get("RINGMASTER_OUTAGE_GRACE", "6")))
 
 
 @dataclass
@@ -66,6 +79,36 @@ class JobController:
         self._recovery_step = 0
         self._killed: dict[str, float] = {}
         self._last_written: dict[str, Any] = {}
+        self._grace_until = 0.0
+        self._paused_from: JobPhase | None = None
+
+    # -- etcd outages ------------------------------------------------------------------
+
+    def after_outage(self, seconds: float, reason: str) -> None:
+        """The controller could not act for ``seconds``: pause, and hold fire for a grace."""
+        self._grace_until = time.monotonic() + OUTAGE_GRACE.total_seconds()
+        self._break = None  # report timing from before the outage means nothing now
+        phase = self.status.phase
+        if phase.terminal or phase is JobPhase.PENDING:
+            return
+        if phase is not JobPhase.PAUSED:
+            self._paused_from = phase
+        self._set_phase(
+            JobPhase.PAUSED,
+            f"paused: {reason} for {seconds:.1f}s; workers hold their state at a step boundary. "
+            f"No failures are declared for {OUTAGE_GRACE.total_seconds():g}s while nodes "
+            "re-register",
+            outage_s=round(seconds, 2),
+        )
+
+    def _in_grace(self) -> bool:
+        return time.monotonic() < self._grace_until
+
+    def _end_pause(self) -> None:
+        if self.status.phase is JobPhase.PAUSED and not self._in_grace():
+            back = self._paused_from or JobPhase.RUNNING
+            self._paused_from = None
+            self._set_phase(back, "resumed after the etcd outage")
 
     # -- reading the world -------------------------------------------------------------
 
@@ -115,6 +158,7 @@ class JobController:
         if plan is None:
             self._maybe_start(nodes, progress)
         else:
+            self._end_pause()
             self._watch_running(plan, nodes, progress)
         self._write_status()
 
@@ -190,6 +234,8 @@ class JobController:
         if reports:
             self._handle_break(plan, nodes, progress, reports)
             return
+        if self._in_grace():
+            return  # registrations and heartbeats are still coming back
         gone = [n for n in members if n not in nodes]
         if gone:
             self._replace(plan, nodes, progress, set(gone), f"lease expired: {', '.join(gone)}")
@@ -233,7 +279,9 @@ class JobController:
                     f"generation {plan.generation} broke: {first.get('reason', '')}",
                 )
         silent = {m.node for m in plan.members if not all(w in reports for w in self._workers(m))}
-        if silent and now - self._break.seen_at < REPORT_GRACE.total_seconds():
+        if silent and (
+            now - self._break.seen_at < REPORT_GRACE.total_seconds() or self._in_grace()
+        ):
             return  # give the other survivors time to report
         if all(r.get("planned") for r in reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
@@ -417,8 +465,8 @@ class Controller:
         """Lead (after winning the election) until ``stop`` is set."""
         if not self.election.wait_for_leadership(stop):
             return
-        watch = self.client.watch(keys.jobs_prefix(), prefix=True)
-        threading.Thread(target=self._follow, args=(watch,), daemon=True).start()
+        threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
+        last_tick = time.monotonic()
         try:
             while not stop.is_set():
                 if not self.election.is_leader:
@@ -429,21 +477,46 @@ class Controller:
                     self._tick_all()
                 except EtcdError as e:
                     log.warning("etcd unavailable, retrying: %s", e)
+                else:
+                    gap = time.monotonic() - last_tick
+                    last_tick = time.monotonic()
+                    if gap > OUTAGE_THRESHOLD.total_seconds():
+                        self._after_outage(gap)
                 current = self._jobs.get(self.job) if self.job else None
                 if exit_when_done and current is not None and current.status.phase.terminal:
                     return
                 self._wake.wait(TICK.total_seconds())
                 self._wake.clear()
         finally:
-            watch.cancel()
             self.election.resign()
 
-    def _follow(self, watch: Any) -> None:
-        try:
-            for _ in watch:
-                self._wake.set()
-        except Exception as e:  # cancelled or etcd gone; the loop's timeout keeps us going
-            log.debug("controller watch ended: %s", e)
+    def _after_outage(self, seconds: float) -> None:
+        log.warning(
+            "could not act for %.1fs (etcd unavailable); pausing failure detection", seconds
+        )
+        for jc in self._jobs.values():
+            try:
+                jc.after_outage(seconds, "etcd was unavailable (no quorum or unreachable)")
+            except EtcdError as e:
+                log.warning("[%s] could not record the pause: %s", jc.job, e)
+
+    def _follow(self, stop: threading.Event) -> None:
+        """Wake the loop on any change under the jobs prefix; renew the watch after outages."""
+        while not stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(keys.jobs_prefix(), prefix=True)
+                for _ in watch:
+                    self._wake.set()
+                    if stop.is_set():
+                        break
+            except Exception as e:  # etcd gone; the loop's timeout keeps us going
+                log.debug("controller watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            stop.wait(0.5)
 
     def _tick_all(self) -> None:
         names = [self.job] if self.job else _job_names(self.client)

@@ -1,0 +1,1 @@
+"""Fault-injection tools shared by the chaos tests: etcd clusters, network namespaces."""

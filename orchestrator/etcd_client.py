@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -79,14 +80,20 @@ def _transient(e: grpc.RpcError) -> bool:
     return any(d in details for d in _NO_QUORUM_DETAILS)
 
 
-def _describe(e: Exception | None) -> str:
+def _describe(endpoint: str, e: Exception | None) -> str:
+    """Why ``endpoint`` did not serve a call that failed with ``e``, for people."""
+    what = type(e).__name__ if e is not None else "no answer"
     if isinstance(e, grpc.RpcError):
-        details = e.details() or ""
-        text = f"{e.code().name}: {details}"
-        if any(d in details.lower() for d in _NO_QUORUM_DETAILS):
-            text += " (reachable, but the cluster has no quorum)"
-        return text
-    return type(e).__name__ if e is not None else "no answer"
+        what = f"{e.code().name}: {e.details() or ''}"
+    try:
+        host, port = _host_port(endpoint)
+        with socket.create_connection((host, port), timeout=0.3):
+            pass
+    except OSError as err:
+        return f"down or unreachable: {err.strerror or type(err).__name__}"
+    except EtcdError:
+        return what
+    return f"accepts connections but did not answer ({what}): cluster without quorum?"
 
 
 @dataclass(frozen=True)
@@ -292,7 +299,7 @@ class EtcdClient:
                     raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
                 last = e
             if time.monotonic() >= deadline:
-                reasons = {ep: _describe(last) for ep in self.endpoints}
+                reasons = {ep: _describe(ep, last) for ep in self.endpoints}
                 raise EtcdUnavailableError(
                     list(self.endpoints),
                     timeout or self.options.op_timeout,

@@ -15,8 +15,9 @@ reads it back.  Per job it:
 * publishes the next generation with a warm spare in each dead node's slot
   (same ranks, so the ring order is kept), or scales down to ``nodes.min``
   when no spare is left;
-* rides out etcd outages: when it could not act for longer than
-  ``OUTAGE_THRESHOLD`` (no quorum, leadership lapsed), it marks the job
+* rides out etcd outages: when etcd did not answer it for longer than
+  :data:`~orchestrator.etcd_client.SILENCE_THRESHOLD` (no quorum, a stall,
+  leadership lapsed meanwhile), it marks the job
   ``Paused`` with the reason and, for ``OUTAGE_GRACE`` after etcd is back,
   declares no failure from lease expiry or stale heartbeats (the agents
   re-register, the workers resume by themselves); reports of a broken
@@ -51,8 +52,6 @@ REPORT_GRACE = timedelta(seconds=1.0)
 STALE_BEATS = 3
 #: Controller loop period when nothing wakes it.
 TICK = timedelta(seconds=0.2)
-#: A controller that could not complete a tick for this long lived through an etcd outage.
-OUTAGE_THRESHOLD = timedelta(seconds=2)
 #: After an outage, how long lease expiry and stale heartbeats are not taken as failures
 #: (agents re-register and workers beat again within a lease TTL or two).
 OUTAGE_GRACE = timedelta(seconds=float(os.environ.get("RINGMASTER_OUTAGE_GRACE", "6")))
@@ -81,6 +80,7 @@ class JobController:
         self._last_written: dict[str, Any] = {}
         self._grace_until = 0.0
         self._paused_from: JobPhase | None = None
+        self._silence_seen = client.last_silence
 
     # -- etcd outages ------------------------------------------------------------------
 
@@ -100,6 +100,16 @@ class JobController:
             "re-register",
             outage_s=round(seconds, 2),
         )
+
+    def _notice_outage(self) -> None:
+        """Pause if etcd was silent since the last look (checked after each tick's reads)."""
+        silence = self.client.last_silence
+        if silence is not None and silence != self._silence_seen:
+            self._silence_seen = silence
+            log.warning("[%s] etcd did not answer for %.1fs", self.job, silence[1])
+            self.after_outage(
+                silence[1], "etcd was unavailable (no quorum, unreachable or stalled)"
+            )
 
     def _in_grace(self) -> bool:
         return time.monotonic() < self._grace_until
@@ -158,6 +168,7 @@ class JobController:
         if plan is None:
             self._maybe_start(nodes, progress)
         else:
+            self._notice_outage()
             self._end_pause()
             self._watch_running(plan, nodes, progress)
         self._write_status()
@@ -466,7 +477,6 @@ class Controller:
         if not self.election.wait_for_leadership(stop):
             return
         threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
-        last_tick = time.monotonic()
         try:
             while not stop.is_set():
                 if not self.election.is_leader:
@@ -477,11 +487,6 @@ class Controller:
                     self._tick_all()
                 except EtcdError as e:
                     log.warning("etcd unavailable, retrying: %s", e)
-                else:
-                    gap = time.monotonic() - last_tick
-                    last_tick = time.monotonic()
-                    if gap > OUTAGE_THRESHOLD.total_seconds():
-                        self._after_outage(gap)
                 current = self._jobs.get(self.job) if self.job else None
                 if exit_when_done and current is not None and current.status.phase.terminal:
                     return
@@ -489,16 +494,6 @@ class Controller:
                 self._wake.clear()
         finally:
             self.election.resign()
-
-    def _after_outage(self, seconds: float) -> None:
-        log.warning(
-            "could not act for %.1fs (etcd unavailable); pausing failure detection", seconds
-        )
-        for jc in self._jobs.values():
-            try:
-                jc.after_outage(seconds, "etcd was unavailable (no quorum or unreachable)")
-            except EtcdError as e:
-                log.warning("[%s] could not record the pause: %s", jc.job, e)
 
     def _follow(self, stop: threading.Event) -> None:
         """Wake the loop on any change under the jobs prefix; renew the watch after outages."""

@@ -50,6 +50,9 @@ ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
 #: Operations per transaction (etcd's default ``--max-txn-ops``).
 MAX_TXN_OPS = 128
 
+#: A gap this long between two answered calls of a busy client is an etcd outage
+#: (or a stall) as far as that client can tell: see ``EtcdClient.last_silence``.
+SILENCE_THRESHOLD = timedelta(seconds=2)
 #: Longest pause between two attempts of :func:`retry_unavailable`.
 MAX_BACKOFF = timedelta(seconds=2)
 
@@ -261,6 +264,11 @@ class EtcdClient:
         self._raw = raw
         #: ``time.monotonic()`` of the last call etcd answered (the cluster had quorum).
         self.last_success = time.monotonic()
+        #: ``(monotonic end, seconds)`` of the last gap longer than
+        #: :data:`SILENCE_THRESHOLD` between two answered calls.  For a client that
+        #: calls all the time (the controller), that is an outage or a stall of
+        #: etcd, during which leases may have expired for reasons of etcd's own.
+        self.last_silence: tuple[float, float] | None = None
 
     def unreachable_for(self) -> float:
         """Seconds since etcd last answered a call of this client."""
@@ -288,7 +296,10 @@ class EtcdClient:
         while True:
             try:
                 result = fn(self._raw)
-                self.last_success = time.monotonic()
+                now = time.monotonic()
+                if now - self.last_success > SILENCE_THRESHOLD.total_seconds():
+                    self.last_silence = (now, now - self.last_success)
+                self.last_success = now
                 return result
             except _RETRYABLE as e:
                 last = e

@@ -212,12 +212,18 @@ class Lease:
         self._stop.clear()
 
         def loop() -> None:
+            failing = False
             while not self._stop.wait(every):
                 try:
                     ttl = self.refresh()
                 except EtcdError as e:
-                    log.warning("lease %x keep-alive failed: %s", self.id, e)
+                    if not failing:
+                        log.warning("lease %x keep-alive failing (retrying): %s", self.id, e)
+                    failing = True
                     continue
+                if failing and ttl > 0:
+                    log.warning("lease %x kept alive again", self.id)
+                failing = False
                 if ttl <= 0:
                     log.warning("lease %x expired", self.id)
                     if on_lost is not None:

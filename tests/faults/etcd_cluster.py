@@ -202,7 +202,11 @@ class EtcdCluster:
             m.proc.wait()
 
     def restart(self, index: int) -> None:
-        """Start a stopped member again from its data directory (it rejoins the cluster)."""
+        """Start a stopped member again from its data directory (it rejoins the cluster).
+
+        Call it from a thread that outlives the member (the main thread, normally):
+        members die with the thread that started them (``PR_SET_PDEATHSIG``).
+        """
         m = self.members[index]
         if m.running:
             return

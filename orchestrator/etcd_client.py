@@ -18,6 +18,7 @@ distribution) with what the rest of ringmaster needs and nothing else:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -275,10 +276,22 @@ class EtcdClient:
         #: calls all the time (the controller), that is an outage or a stall of
         #: etcd, during which leases may have expired for reasons of etcd's own.
         self.last_silence: tuple[float, float] | None = None
+        self._waiting: dict[int, float] = {}  # call id -> start, ordinary calls in flight
+        self._ids = itertools.count()
+        self._failing_since: float | None = None
 
     def unreachable_for(self) -> float:
-        """Seconds since etcd last answered a call of this client."""
-        return time.monotonic() - self.last_success
+        """How long etcd has kept a call of this client waiting or failing (0: all is well).
+
+        Counts ordinary calls still in flight and calls that failed since the last
+        answer, so an idle client is not "unreachable".
+        """
+        now = time.monotonic()
+        oldest = min(self._waiting.values(), default=now)
+        failing = self._failing_since
+        if failing is not None:
+            oldest = min(oldest, failing)
+        return now - oldest
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -297,7 +310,19 @@ class EtcdClient:
 
     def _call(self, fn: Callable[[Any], T], timeout: timedelta | None = None) -> T:
         """Run ``fn(raw_client)``; on connection errors fail over and retry until the deadline."""
-        deadline = time.monotonic() + (timeout or self.options.op_timeout).total_seconds()
+        started = time.monotonic()
+        deadline = started + (timeout or self.options.op_timeout).total_seconds()
+        call_id = next(self._ids)
+        if timeout is None:  # long waits (watch-once) are not a sign of trouble
+            self._waiting[call_id] = started
+        try:
+            return self._attempt(fn, deadline, started, timeout)
+        finally:
+            self._waiting.pop(call_id, None)
+
+    def _attempt(
+        self, fn: Callable[[Any], T], deadline: float, started: float, timeout: timedelta | None
+    ) -> T:
         last: Exception | None = None
         while True:
             try:
@@ -306,6 +331,7 @@ class EtcdClient:
                 if now - self.last_success > SILENCE_THRESHOLD.total_seconds():
                     self.last_silence = (now, now - self.last_success)
                 self.last_success = now
+                self._failing_since = None
                 return result
             except _RETRYABLE as e:
                 last = e
@@ -315,6 +341,8 @@ class EtcdClient:
                 if not _transient(e):
                     raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
                 last = e
+            if self._failing_since is None:
+                self._failing_since = started
             if time.monotonic() >= deadline:
                 reasons = {ep: _describe(ep, last) for ep in self.endpoints}
                 raise EtcdUnavailableError(

@@ -126,6 +126,8 @@ def test_calls_wait_out_a_quorum_loss_and_leases_survive_it(cluster: EtcdCluster
     lost = threading.Event()
     lease.keep_alive(on_lost=lambda _: lost.set())
     client.put(keys.job_node(job, "n1"), "registered", lease=lease)
+    time.sleep(2.5)
+    assert client.unreachable_for() < 1  # idle is not unreachable
     cluster.kill(0)
     cluster.kill(1)
     with pytest.raises(EtcdUnavailableError, match="without quorum"):
@@ -141,6 +143,7 @@ def test_calls_wait_out_a_quorum_loss_and_leases_survive_it(cluster: EtcdCluster
     reader.start()
     time.sleep(5)  # longer than the lease TTL
     assert reader.is_alive() and not got  # still waiting for etcd
+    assert client.unreachable_for() > 4
     # restarted from the main thread: members die with the thread that started them
     cluster.restart(0)
     cluster.restart(1)

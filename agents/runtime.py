@@ -399,7 +399,16 @@ class Session:
         self.paused = f"etcd unreachable at step {self.step}"
         log.warning("[%s] %s: pausing until etcd is back", self.worker, self.paused)
         try:
-            retry_unavailable(self._watch.load, f"[{self.worker}] paused at step {self.step}")
+            retry_unavailable(
+                self._watch.load,
+                f"[{self.worker}] paused at step {self.step}",
+                max_wait=DEFAULT_PLAN_TIMEOUT,
+            )
+        except EtcdError as e:
+            raise RecoveryError(
+                f"etcd stayed unreachable for {DEFAULT_PLAN_TIMEOUT.total_seconds():g}s "
+                f"(RINGMASTER_PLAN_TIMEOUT) while paused at step {self.step}: {e}"
+            ) from e
         finally:
             self.paused = None
         log.warning(

@@ -158,15 +158,15 @@ def test_partitioned_node_is_replaced_and_fenced(
         record = client.get_json(keys.job_checkpoint(job))
     text = "\n".join(lines[-80:])
     assert status.phase is JobPhase.SUCCEEDED, f"{status}\n{text}"
-    assert [m["node"] for m in second["members"]] == ["node-c", "node-b"], second
+    assert [m["node"] for m in second["members"]] == ["node-c", "node-b"], f"{second}\n{text}"
     failed = [e for e in log if e.type == "NodeFailed"]
-    assert [e.data.get("node") for e in failed] == ["node-a"], failed
+    assert [e.data.get("node") for e in failed] == ["node-a"], f"{failed}\n{text}"
     assert "lease expired" in failed[0].message
     assert_exactly_once(tmp_path, STEPS)
     # node-a applied no step of generation 2, before or after the link came back
     for worker, seq in step_log(tmp_path).items():
         if worker.startswith("node-a"):
-            assert max(seq) < first_step_gen2, (worker, seq)
+            assert max(seq) < first_step_gen2, f"{worker} {seq}\n{text}"
     gen_of_step = _generations(tmp_path)
     assert all(g == {1} for w, g in gen_of_step.items() if w.startswith("node-a")), gen_of_step
     # checkpoints: unique steps, each committed by a two-rank generation; the
@@ -176,7 +176,8 @@ def test_partitioned_node_is_replaced_and_fenced(
     steps = [c.step for c in committed]
     assert len(steps) == len(set(steps)), steps
     assert all(c.manifest is not None and c.manifest.world_size == 2 for c in committed)
-    assert record is not None and record["step"] in steps and record["at"] > cut_at, record
+    assert record is not None and record["step"] in steps, f"{record} {steps}\n{text}"
+    assert record["at"] > cut_at, f"{record} written before the cut at {cut_at}"
     assert healed_at > cut_at
 
 

@@ -98,7 +98,7 @@ def test_partitioned_node_is_replaced_and_fenced(
         host_etcd = ["--etcd", ",".join(etcd.endpoints)]
         services.start("controller", ["controller", "--job", job, *host_etcd])
 
-        def agent(node: str, etcd_args: list[str], address: str, ifname: str) -> list[str]:
+        def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
             labels = f"zone=z,rack=r,host={node}"
             return ["agent", "--job", job, "--node", node, "--labels", labels,
                     "--address", address, *etcd_args]  # fmt: skip
@@ -110,16 +110,15 @@ def test_partitioned_node_is_replaced_and_fenced(
                 "node-a",
                 ["--etcd", ",".join(etcd.endpoints_on(isolated.host_ip))],
                 isolated.node_ip,
-                isolated.node_if,
             ),
             env={"GLOO_SOCKET_IFNAME": isolated.node_if},
             prefix=isolated.command([]),
         )
         host_env = {"GLOO_SOCKET_IFNAME": isolated.host_if}
-        services.start("node-b", agent("node-b", host_etcd, isolated.host_ip, ""), env=host_env)
+        services.start("node-b", agent("node-b", host_etcd, isolated.host_ip), env=host_env)
         first = _wait("generation 1", lambda: _plan(client, job))
         assert [m["node"] for m in first["members"]] == ["node-a", "node-b"], first
-        services.start("node-c", agent("node-c", host_etcd, isolated.host_ip, ""), env=host_env)
+        services.start("node-c", agent("node-c", host_etcd, isolated.host_ip), env=host_env)
         _wait(
             "step 20 with a warm spare",
             lambda: (
@@ -142,7 +141,6 @@ def test_partitioned_node_is_replaced_and_fenced(
             ),
         )
         isolated.heal()
-        healed_at = time.time()
         status = _wait(
             "the end of the job",
             lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
@@ -178,7 +176,6 @@ def test_partitioned_node_is_replaced_and_fenced(
     assert all(c.manifest is not None and c.manifest.world_size == 2 for c in committed)
     assert record is not None and record["step"] in steps, f"{record} {steps}\n{text}"
     assert record["at"] > cut_at, f"{record} written before the cut at {cut_at}"
-    assert healed_at > cut_at
 
 
 def _generations(tmp: Path) -> dict[str, set[int]]:

@@ -19,9 +19,9 @@ reads it back.  Per job it:
   :data:`~orchestrator.etcd_client.SILENCE_THRESHOLD` (no quorum, a stall,
   leadership lapsed meanwhile), it marks the job
   ``Paused`` with the reason and, for ``OUTAGE_GRACE`` after etcd is back,
-  declares no failure from lease expiry or stale heartbeats (the agents
-  re-register, the workers resume by themselves); reports of a broken
-  generation, which are positive evidence, are still acted on;
+  declares no failure from lease expiry, stale heartbeats or missing
+  reports (the agents re-register, the workers resume by themselves); a
+  generation that every member reports broken is still replaced at once;
 * relays checkpoint and stop requests to the workers (the ``control`` key,
   agreed on by all ranks at the same step), and records phase and events.
 """

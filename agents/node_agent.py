@@ -9,6 +9,11 @@ environment of :class:`~agents.api.WorkerEnv`, and then:
   error file (torch elastic's ``@record`` format, ``TORCHELASTIC_ERROR_FILE``);
   the restarted worker rejoins as a spare and gets its state from a live peer;
 * executes the controller's commands (``kill-worker`` for a hung worker, ``stop``);
+* rides out etcd outages (a member down, quorum lost, this node cut off):
+  workers are never killed for it; the registration is written again when
+  etcd answers, under a new lease if the old one expired meanwhile (a node
+  that was declared dead then comes back as a spare: its workers see a
+  generation without it and wait with their stale state dropped);
 * treats SIGTERM as a preemption: asks for a checkpoint, gives the workers up
   to ``preemption_grace`` to save, then stops them and leaves (revoking the
   lease, so the controller sees the node gone at once).
@@ -39,8 +44,8 @@ from typing import Any
 from agents.api import WorkerEnv
 from agents.log_shipper import LogShipper
 from orchestrator import events, keys
-from orchestrator.api import JobPhase, JobSpec
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease
+from orchestrator.api import EtcdError, JobPhase, JobSpec
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease, retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
@@ -129,6 +134,8 @@ class NodeAgent:
         self.spec: JobSpec | None = None
         self.workers: dict[int, _Worker] = {}
         self._lease: Lease | None = None
+        self._lease_lost = False
+        self._reregister = threading.Event()
         self._stop = threading.Event()
         self._preempted_at: float | None = None
         self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
@@ -141,17 +148,17 @@ class NodeAgent:
         """Register, start workers, supervise.  Returns the process exit code."""
         self.spec = self._wait_for_spec(spec_timeout)
         self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
-        self._lease.keep_alive()
+        self._lease.keep_alive(on_lost=self._on_lease_lost)
         self._liveness = LivenessServer(self.address, self._liveness_status)
         for i in range(self.spec.nproc_per_node):
             self._start_worker(i)
         self._register()
-        watch = self.client.watch(keys.agent_commands(self.job, self.node), prefix=True)
-        threading.Thread(target=self._follow_commands, args=(watch,), daemon=True).start()
+        threading.Thread(target=self._keep_registered, name="registration", daemon=True).start()
+        threading.Thread(target=self._follow_commands, name="commands", daemon=True).start()
         try:
             self._supervise()
         finally:
-            watch.cancel()
+            self._stop.set()
             if self._liveness is not None:
                 self._liveness.close()
             self._stop_workers()
@@ -189,6 +196,38 @@ class NodeAgent:
                     f"job '{self.job}' was not submitted within {timeout.total_seconds():g}s"
                 )
             time.sleep(0.2)
+
+    def _on_lease_lost(self, lease: Lease) -> None:
+        log.warning("[%s] registration lease %x expired; registering again", self.node, lease.id)
+        self._lease_lost = True
+        self._reregister.set()
+
+    def _keep_registered(self) -> None:
+        """Write the registration again when asked (lease lost, a write failed)."""
+        while not self._stop.is_set():
+            if not self._reregister.wait(0.5):
+                continue
+            self._reregister.clear()
+            try:
+                retry_unavailable(self._renew, f"[{self.node}] registering", stop=self._stop)
+            except EtcdError as e:
+                if not self._stop.is_set():
+                    log.error("[%s] could not register again: %s", self.node, e)
+                    self._reregister.set()
+
+    def _renew(self) -> None:
+        if self._lease_lost:
+            lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
+            lease.keep_alive(on_lost=self._on_lease_lost)
+            self._lease, self._lease_lost = lease, False
+        self._register()
+
+    def _safe_register(self) -> None:
+        try:
+            self._register()
+        except EtcdError as e:
+            log.warning("[%s] registration not updated (will retry): %s", self.node, e)
+            self._reregister.set()
 
     def _register(self) -> None:
         assert self._lease is not None and self.spec is not None
@@ -249,7 +288,7 @@ class NodeAgent:
         shipper.start(proc.stdout)
         self.workers[local_rank] = _Worker(local_rank, proc, error_file, shipper, restarts)
         if self._lease is not None:
-            self._register()
+            self._safe_register()
 
     def _supervise(self) -> None:
         assert self.spec is not None
@@ -276,7 +315,10 @@ class NodeAgent:
             self._stop.wait(POLL)
 
     def _saved_since_preemption(self) -> bool:
-        record = self.client.get_json(keys.job_checkpoint(self.job))
+        try:
+            record = self.client.get_json(keys.job_checkpoint(self.job))
+        except EtcdError:
+            return False
         since = self._preempted_wall
         return bool(record and since is not None and float(record.get("at", 0)) >= since)
 
@@ -333,16 +375,34 @@ class NodeAgent:
             if w.shipper is not None:
                 w.shipper.join(timeout=2.0)  # the last lines reach etcd
 
-    def _follow_commands(self, watch: Any) -> None:
-        try:
-            for ev in watch:
-                if ev.value is None:
-                    continue
-                self._execute(json.loads(ev.value))
-                with contextlib.suppress(Exception):
-                    self.client.delete(ev.key)
-        except Exception as e:  # the watch ends when cancelled
-            log.debug("command watch ended: %s", e)
+    def _follow_commands(self) -> None:
+        """Execute the controller's commands; the watch is renewed after etcd outages."""
+        prefix = keys.agent_commands(self.job, self.node)
+        while not self._stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(prefix, prefix=True)
+                # commands written while no watch ran
+                for kv in self.client.get_prefix(prefix):
+                    self._take(kv.key, kv.value)
+                for ev in watch:
+                    if self._stop.is_set():
+                        break
+                    if ev.value is not None:
+                        self._take(ev.key, ev.value)
+            except Exception as e:  # etcd went away, or the watch was cancelled
+                log.debug("command watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            self._stop.wait(0.5)
+
+    def _take(self, key: str, value: bytes) -> None:
+        with contextlib.suppress(Exception):
+            if not self.client.delete(key):
+                return  # already executed
+        self._execute(json.loads(value))
 
     def _execute(self, cmd: dict[str, Any]) -> None:
         name = cmd.get("command")

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from agents.api import RecoveryError
 from orchestrator import keys
+from orchestrator.api import EtcdError
 from orchestrator.etcd_client import EtcdClient
+from orchestrator.fencing import FencedError, GenerationFence
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +63,18 @@ def form_group(
     address: str,
     timeout: timedelta = DEFAULT_FORM_TIMEOUT,
     collective_timeout: timedelta = timedelta(minutes=5),
+    fence: GenerationFence | None = None,
 ) -> None:
     """Initialise the default process group for ``generation``.
 
+    Args:
+        fence: when given, rank 0 publishes the store address only while
+            ``generation`` is still the job's current one, so a process that
+            was fenced out never advertises a store to the current members.
+
     Raises:
-        RecoveryError: the group did not form within ``timeout`` (a member is gone).
+        RecoveryError: the group did not form within ``timeout`` (a member is
+            gone, etcd is away, or this process was fenced out).
     """
     key = keys.pg_store(job, generation) + "master"
     deadline = time.monotonic() + timeout.total_seconds()
@@ -80,7 +89,10 @@ def form_group(
                 wait_for_workers=False,
                 multi_tenant=False,
             )
-            client.put(key, f"{address}:{store.port}")
+            if fence is not None:
+                fence.put(key, f"{address}:{store.port}")
+            else:
+                client.put(key, f"{address}:{store.port}")
         else:
             host, port = _wait_for_master(client, key, deadline)
             # rank 0 waits at most collective_timeout for the others: connecting
@@ -100,7 +112,7 @@ def form_group(
             world_size=world_size,
             timeout=collective_timeout,
         )
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, EtcdError, FencedError) as e:
         teardown_group()
         raise RecoveryError(
             f"generation {generation}: process group did not form ({e}); a member may be gone"
@@ -109,7 +121,11 @@ def form_group(
 
 def _wait_for_master(client: EtcdClient, key: str, deadline: float) -> tuple[str, int]:
     while True:
-        kv = client.get(key)
+        try:
+            kv = client.get(key)
+        except EtcdError as e:  # etcd away for a moment: keep waiting until the deadline
+            log.debug("waiting for %s: %s", key, e)
+            kv = None
         if kv is not None:
             host, _, port = kv.value.decode().rpartition(":")
             return host, int(port)

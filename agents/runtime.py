@@ -37,6 +37,7 @@ includes their node; when the job ends first, the loop simply ends
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -56,8 +57,15 @@ from agents.process_group import form_group, is_collective_failure, teardown_gro
 from agents.state_sync import NO_STATE, sync_state
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
-from orchestrator.api import JobPhase, JobSpec, Plan
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, parse_endpoints
+from orchestrator.api import EtcdError, JobPhase, JobSpec, Plan
+from orchestrator.etcd_client import (
+    EtcdClient,
+    EtcdOptions,
+    connect,
+    parse_endpoints,
+    retry_unavailable,
+)
+from orchestrator.fencing import FencedError, GenerationFence
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -69,8 +77,15 @@ DEFAULT_PLAN_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_PLAN_T
 #: Key of the comm hook's state in a checkpoint's per-rank state.
 _HOOK_STATE = "comm_hook"
 
+#: A worker that has not heard from etcd for this long pauses at the next step
+#: boundary (with every rank) until etcd answers again: without etcd it can
+#: neither be told about a newer generation nor prove it still belongs.
+ETCD_CONTACT_TIMEOUT = timedelta(
+    seconds=float(os.environ.get("RINGMASTER_ETCD_CONTACT_TIMEOUT", "2"))
+)
+
 # Indices of the control vector all-reduced (MAX) at every step boundary.
-_CTL_GENERATION, _CTL_CHECKPOINT, _CTL_SEEN, _CTL_STOP, _CTL_LEN = 0, 1, 2, 3, 4
+_CTL_GENERATION, _CTL_CHECKPOINT, _CTL_SEEN, _CTL_STOP, _CTL_ETCD_LOST, _CTL_LEN = range(6)
 
 SaveFn = Callable[["Session", str], None]
 
@@ -105,6 +120,9 @@ class Session:
         self._pending_save: Any = None
         self.restored_from: str | None = None
         self._telemetry = WorkerTelemetry()
+        self.paused: str | None = None
+        self._fence = GenerationFence(client, env.job)
+        self._commit_refused: str | None = None
         self._watch = _PlanWatcher(client, env.job)
         self._heartbeat = _Heartbeat(self, spec.fault_tolerance.heartbeat_interval)
         self._heartbeat.start()
@@ -252,10 +270,7 @@ class Session:
         for w in self._wrapped:
             w.drop()
         teardown_group()
-        self.client.put_json(
-            keys.job_reports(self.env.job, self.generation) + self.worker,
-            {"step": self.step, "reason": reason, "planned": planned, "at": time.time()},
-        )
+        self._report(self.generation, reason, planned)
         self._join_next(self.generation + 1)
         self.last_recovery_s = time.monotonic() - started
         log.warning(
@@ -281,11 +296,21 @@ class Session:
                 return
             except RecoveryError as e:
                 log.warning("[%s] %s", self.worker, e)
-                self.client.put_json(
-                    keys.job_reports(self.env.job, plan.generation) + self.worker,
-                    {"step": self.step, "reason": str(e), "planned": False, "at": time.time()},
-                )
+                self._report(plan.generation, str(e), False)
                 min_generation = plan.generation + 1
+
+    def _report(self, generation: int, reason: str, planned: bool) -> None:
+        """Tell the controller that ``generation`` broke here (best effort: keyed by
+        generation, so a late report can never affect a newer one)."""
+        try:
+            self.client.put_json(
+                keys.job_reports(self.env.job, generation) + self.worker,
+                {"step": self.step, "reason": reason, "planned": planned, "at": time.time()},
+            )
+        except EtcdError as e:
+            log.warning(
+                "[%s] could not report the end of generation %d: %s", self.worker, generation, e
+            )
 
     def _await_plan(self, min_generation: int) -> Plan:
         """Block until a plan of at least ``min_generation`` that includes this worker."""
@@ -296,6 +321,18 @@ class Session:
                 member = plan.member(self.env.node)
                 if member is not None and self.env.local_rank < member.nproc:
                     return plan
+                if self.has_state and self.generation > 0:
+                    # Replaced while away (partitioned, or too slow): the state held
+                    # here is stale.  Drop it and wait as a spare that gets live state.
+                    log.warning(
+                        "[%s] fenced out: generation %d does not include this node; "
+                        "dropping the state of step %d and waiting as a spare",
+                        self.worker,
+                        plan.generation,
+                        self.step,
+                    )
+                    self.has_state = False
+                    self._fence.leave()
                 min_generation = plan.generation + 1  # not in it: wait as a spare
             phase = self._job_phase()
             if phase is not None and phase.terminal:
@@ -313,6 +350,7 @@ class Session:
         self._plan = plan
         self.rank = member.rank_base + self.env.local_rank
         self.world_size = plan.world_size
+        self._fence.join(plan.generation, self._watch.revision_of(plan.generation))
         form_group(
             self.client,
             self.env.job,
@@ -321,6 +359,7 @@ class Session:
             self.world_size,
             self.env.address,
             collective_timeout=self.spec.fault_tolerance.hang_timeout * 2,
+            fence=self._fence,
         )
         self._telemetry.group_formed(plan.generation)
         self._open_checkpointer(first=plan.generation == 1)
@@ -334,7 +373,7 @@ class Session:
         for w in self._wrapped:
             w.rebuild()
         self._heartbeat.start()
-        self._heartbeat.beat_now()
+        self._heartbeat.poke()
 
     def _capture(self) -> dict[str, Any]:
         return {
@@ -360,8 +399,13 @@ class Session:
         vec[_CTL_CHECKPOINT] = int(control.get("checkpoint", 0))
         vec[_CTL_SEEN] = self._control_seen
         vec[_CTL_STOP] = int(bool(control.get("stop", False)))
+        vec[_CTL_ETCD_LOST] = int(
+            self.client.unreachable_for() > ETCD_CONTACT_TIMEOUT.total_seconds()
+        )
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-        self._heartbeat.beat_now()
+        if int(vec[_CTL_ETCD_LOST]):
+            self._pause_for_etcd()
+        self._heartbeat.poke()
         self._poll_save()
         every = self.spec.checkpoint.every_steps
         # Every rank decides from the same reduced numbers (a replacement has seen
@@ -378,6 +422,45 @@ class Session:
             return
         if int(vec[_CTL_GENERATION]) > self.generation:
             self._recover(f"generation {int(vec[_CTL_GENERATION])} published", planned=True)
+
+    def _pause_for_etcd(self) -> None:
+        """Wait, state kept, until etcd answers again (every rank pauses at this step).
+
+        Training on without etcd would go unnoticed by the controller and could
+        not be fenced, so an outage pauses the job instead of failing it.
+        """
+        started = time.monotonic()
+        self.paused = f"etcd unreachable at step {self.step}"
+        log.warning("[%s] %s: pausing until etcd is back", self.worker, self.paused)
+        try:
+            retry_unavailable(
+                self._watch.load,
+                f"[{self.worker}] paused at step {self.step}",
+                max_wait=DEFAULT_PLAN_TIMEOUT,
+            )
+        except EtcdError as e:
+            raise RecoveryError(
+                f"etcd stayed unreachable for {DEFAULT_PLAN_TIMEOUT.total_seconds():g}s "
+                f"(RINGMASTER_PLAN_TIMEOUT) while paused at step {self.step}: {e}"
+            ) from e
+        finally:
+            self.paused = None
+        log.warning(
+            "[%s] etcd is back; resuming at step %d after %.1fs",
+            self.worker,
+            self.step,
+            time.monotonic() - started,
+        )
+
+    def _check_commit(self) -> None:
+        """Commit fence for durable checkpoints: only a current member commits."""
+        from checkpoint.api import CommitFencedError
+
+        try:
+            self._fence.check()
+        except FencedError as e:
+            self._commit_refused = str(e)
+            raise CommitFencedError(f"checkpoint not committed: {e}") from e
 
     # -- durable checkpoints -----------------------------------------------------------
 
@@ -396,6 +479,7 @@ class Session:
             job_spec_hash=checkpoint_hash(self.spec),
             job=self.env.job,
             check_storage=first,
+            fence=self._check_commit,
         )
 
     def _train_state(self) -> Any:
@@ -470,7 +554,12 @@ class Session:
             if job is not None:
                 self._pending_save = job
             return
-        manifest = self._ckpt.save_now(self.step, state)
+        try:
+            manifest = self._ckpt.save_now(self.step, state)
+        except Exception as e:
+            if not self._refused_commit(e):
+                raise
+            return
         self._telemetry.checkpoint_blocked(time.perf_counter() - started)
         self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
         self._record_checkpoint(manifest.step, reason)
@@ -479,21 +568,35 @@ class Session:
         job = self._pending_save
         if job is not None and job.done():
             self._pending_save = None
-            manifest = job.wait()
+            try:
+                manifest = job.wait()
+            except Exception as e:
+                if not self._refused_commit(e):
+                    raise
+                return
             self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
             self._record_checkpoint(manifest.step, "periodic")
 
+    def _refused_commit(self, e: BaseException) -> bool:
+        """True (and logged) when a save failed because the commit fence refused it."""
+        refused, self._commit_refused = self._commit_refused, None
+        if refused is None:
+            return False
+        log.warning("[%s] %s (%s)", self.worker, refused, _short(e))
+        return True
+
     def _record_checkpoint(self, step: int, reason: str) -> None:
         if self.rank == 0:
-            self.client.put_json(
-                keys.job_checkpoint(self.env.job),
-                {
-                    "url": self.spec.checkpoint.url,
-                    "step": step,
-                    "reason": reason,
-                    "at": time.time(),
-                },
-            )
+            record = {
+                "url": self.spec.checkpoint.url,
+                "step": step,
+                "reason": reason,
+                "at": time.time(),
+            }
+            try:
+                self._fence.put_json(keys.job_checkpoint(self.env.job), record)
+            except (FencedError, EtcdError) as e:
+                log.warning("[%s] checkpoint of step %d not recorded: %s", self.worker, step, e)
 
     def _finish(self) -> None:
         if self._ckpt is not None:
@@ -502,18 +605,28 @@ class Session:
                 self._record_checkpoint(job.wait().step, "periodic")
             self._ckpt.close()
             self._ckpt = None
-        self._heartbeat.beat_now()
-        self.client.put_json(
-            keys.job_done(self.env.job) + self.worker,
-            {"step": self.step, "generation": self.generation, "at": time.time()},
-        )
+        with contextlib.suppress(EtcdError):
+            self._heartbeat.beat_now()
+        done = {"step": self.step, "generation": self.generation, "at": time.time()}
+        try:
+            retry_unavailable(
+                lambda: self._fence.put_json(keys.job_done(self.env.job) + self.worker, done),
+                f"[{self.worker}] recording the end of training",
+                max_wait=DEFAULT_PLAN_TIMEOUT,
+            )
+        except FencedError as e:
+            log.warning("[%s] not recording the end of training: %s", self.worker, e)
         self._heartbeat.stop()
         for w in self._wrapped:
             w.drop()
         teardown_group()
 
     def _job_phase(self) -> JobPhase | None:
-        data = self.client.get_json(keys.job_status(self.env.job))
+        try:
+            data = self.client.get_json(keys.job_status(self.env.job))
+        except EtcdError as e:
+            log.debug("[%s] job phase unknown: %s", self.worker, e)
+            return None
         return JobPhase(data["phase"]) if data else None
 
     def progress(self) -> dict[str, Any]:
@@ -524,6 +637,7 @@ class Session:
             "world_size": self.world_size,
             "recoveries": self.recoveries,
             "last_recovery_s": self.last_recovery_s,
+            "paused": self.paused,
             "metrics": dict(self._metrics),
             "pid": os.getpid(),
             "telemetry": self._telemetry.as_dict(),
@@ -537,52 +651,73 @@ class Session:
 
 
 class _PlanWatcher:
-    """Follows the plan and control keys in a background thread."""
+    """Follows the plan and control keys in background threads.
+
+    A watch ends when etcd goes away (a member killed, quorum lost, the node
+    cut off); each is re-established, after a fresh read, until :meth:`stop`.
+    """
 
     def __init__(self, client: EtcdClient, job: str) -> None:
         self._client = client
         self._job = job
         self._cond = threading.Condition()
         self._plan: Plan | None = None
+        self._plan_revision = -1
         self._control: dict[str, Any] = {}
-        self._watches = [
-            client.watch(keys.job_plan(job)),
-            client.watch(keys.job_control(job)),
-        ]
-        self._load()
-        for w in self._watches:
-            threading.Thread(target=self._follow, args=(w,), daemon=True).start()
+        self._stopped = threading.Event()
+        self._watches: dict[str, Any] = {}
+        self.load()
+        for key in (keys.job_plan(job), keys.job_control(job)):
+            threading.Thread(target=self._follow, args=(key,), daemon=True).start()
 
-    def _load(self) -> None:
-        data = self._client.get_json(keys.job_plan(self._job))
+    def load(self) -> None:
+        """Read plan and control now.
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        kv = self._client.get(keys.job_plan(self._job))
         control = self._client.get_json(keys.job_control(self._job))
         with self._cond:
-            if data is not None:
-                self._set_plan(Plan.from_dict(data))
+            if kv is not None:
+                self._set_plan(Plan.from_dict(json.loads(kv.value)), kv.mod_revision)
             if control is not None:
                 self._control = control
             self._cond.notify_all()
 
-    def _set_plan(self, plan: Plan) -> None:
+    def _load(self) -> None:
+        try:
+            self.load()
+        except EtcdError as e:
+            log.debug("plan not re-read: %s", e)
+
+    def _set_plan(self, plan: Plan, revision: int) -> None:
         if self._plan is None or plan.generation > self._plan.generation:
             self._plan = plan
+            self._plan_revision = revision
 
-    def _follow(self, watch: Any) -> None:
-        import json
-
-        try:
-            for ev in watch:
-                if ev.value is None:
-                    continue
-                data = json.loads(ev.value)
-                with self._cond:
-                    if ev.key.endswith("/plan"):
-                        self._set_plan(Plan.from_dict(data))
-                    else:
-                        self._control = data
-                    self._cond.notify_all()
-        except Exception as e:  # the watch ends when cancelled or when etcd goes away
-            log.debug("watch ended: %s", e)
+    def _follow(self, key: str) -> None:
+        while not self._stopped.is_set():
+            try:
+                watch = self._client.watch(key)
+                self._watches[key] = watch
+                if self._stopped.is_set():
+                    watch.cancel()
+                    return
+                self._load()  # whatever changed while no watch was running
+                for ev in watch:
+                    if ev.value is None:
+                        continue
+                    data = json.loads(ev.value)
+                    with self._cond:
+                        if key.endswith("/plan"):
+                            self._set_plan(Plan.from_dict(data), ev.mod_revision)
+                        else:
+                            self._control = data
+                        self._cond.notify_all()
+            except Exception as e:  # etcd went away; the loop watches again
+                log.debug("watch of %s ended: %s", key, e)
+            self._stopped.wait(0.5)
 
     def wait_newer(self, generation: int, timeout: float) -> Plan | None:
         """The current plan if newer than ``generation``, waiting up to ``timeout``."""
@@ -600,12 +735,20 @@ class _PlanWatcher:
         with self._cond:
             return self._plan.generation if self._plan else 0
 
+    def revision_of(self, generation: int) -> int:
+        """``mod_revision`` of the plan of ``generation``; -1 when it is no longer current."""
+        with self._cond:
+            if self._plan is not None and self._plan.generation == generation:
+                return self._plan_revision
+            return -1
+
     def control(self) -> dict[str, Any]:
         with self._cond:
             return dict(self._control)
 
     def stop(self) -> None:
-        for w in self._watches:
+        self._stopped.set()
+        for w in list(self._watches.values()):
             with contextlib.suppress(Exception):
                 w.cancel()
 
@@ -617,6 +760,7 @@ class _Heartbeat:
         self._session = session
         self._interval = interval.total_seconds()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_step = -1
         self._step_time = time.time()
@@ -627,9 +771,17 @@ class _Heartbeat:
             self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             with contextlib.suppress(Exception):
                 self.beat_now()
+
+    def poke(self) -> None:
+        """Beat soon, from the heartbeat thread (the training loop never waits on etcd)."""
+        self._wake.set()
 
     def beat_now(self) -> None:
         s = self._session
@@ -643,6 +795,7 @@ class _Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
@@ -670,17 +823,23 @@ def init(env: WorkerEnv | None = None) -> Session:
         level=os.environ.get("RINGMASTER_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s [{env.node}/{env.local_rank}] %(message)s",
     )
-    client = connect(
-        EtcdOptions(
-            endpoints=parse_endpoints(env.etcd_endpoints),
-            ca_cert=env.etcd_ca,
-            cert=env.etcd_cert,
-            key=env.etcd_key,
-            user=env.etcd_user,
-            password=env.etcd_password,
-        )
+    options = EtcdOptions(
+        endpoints=parse_endpoints(env.etcd_endpoints),
+        ca_cert=env.etcd_ca,
+        cert=env.etcd_cert,
+        key=env.etcd_key,
+        user=env.etcd_user,
+        password=env.etcd_password,
+    )
+    # A worker (re)started while etcd is away waits for it rather than failing.
+    client = retry_unavailable(
+        lambda: connect(options),
+        f"[{env.node}/{env.local_rank}] connecting to etcd",
+        max_wait=DEFAULT_PLAN_TIMEOUT,
     )
     from orchestrator.jobs import read_spec
 
-    spec, _ = read_spec(client, env.job)
+    spec, _ = retry_unavailable(
+        lambda: read_spec(client, env.job), "reading the job spec", max_wait=DEFAULT_PLAN_TIMEOUT
+    )
     return Session(env, client, spec)

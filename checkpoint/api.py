@@ -19,6 +19,7 @@ Nothing here imports an implementation module.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -72,6 +73,19 @@ class RetryableCheckpointError(CheckpointError):
 
 class PermanentCheckpointError(CheckpointError):
     """The operation cannot succeed without a change (data, state or configuration)."""
+
+
+class CommitFencedError(PermanentCheckpointError):
+    """The saver is no longer a member of the current generation: it must not commit.
+
+    Raised by a commit fence (see :data:`CommitFence`); the checkpoint stays
+    uncommitted (no manifest), so nobody ever restores from it.
+    """
+
+
+#: Called right before a manifest is written; raises :class:`CommitFencedError`
+#: when the saver cannot prove it still belongs to the job's current generation.
+CommitFence = Callable[[], None]
 
 
 class CheckpointStorageError(RetryableCheckpointError):

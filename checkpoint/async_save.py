@@ -38,6 +38,7 @@ from checkpoint.api import (
     CheckpointMismatchError,
     CheckpointStorageError,
     CheckpointTimeoutError,
+    CommitFence,
     Manifest,
     ObjectEntry,
     SaveStatus,
@@ -114,6 +115,7 @@ class AsyncSaver:
         keep: committed checkpoints retained (rank 0 applies it after each commit).
         job_spec_hash: recorded in manifests.
         thread_count: writer threads per rank.
+        fence: checked right before each commit (see :func:`checkpoint.commit.write_manifest`).
     """
 
     def __init__(
@@ -124,8 +126,10 @@ class AsyncSaver:
         keep: int = 3,
         job_spec_hash: str = "",
         thread_count: int = 1,
+        fence: CommitFence | None = None,
     ) -> None:
         self.root = root
+        self.fence = fence
         self.coord = coord
         self.keep = keep
         self.job_spec_hash = job_spec_hash
@@ -253,7 +257,7 @@ class AsyncSaver:
                     samples_seen=samples_seen,
                 )
                 try:
-                    write_manifest(directory, manifest)
+                    write_manifest(directory, manifest, self.fence)
                     outcome = manifest
                 except CheckpointError as e:
                     outcome = str(e)

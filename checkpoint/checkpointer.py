@@ -32,6 +32,7 @@ from checkpoint.api import (
     DEFAULT_SAVE_TIMEOUT,
     CheckpointInfo,
     CheckpointStorageError,
+    CommitFence,
     Manifest,
     RestoreResult,
     SaveInProgressError,
@@ -73,6 +74,9 @@ class Checkpointer:
         collective_timeout: bound on every checkpoint collective.
         check_storage: write and delete a probe object now, so a wrong URL or
             missing credentials fail before training starts.
+        fence: checked right before each commit; raises
+            :class:`~checkpoint.api.CommitFencedError` when this saver no longer
+            belongs to the job's current generation (the save stays uncommitted).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Checkpointer:
         thread_count: int = 1,
         collective_timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         check_storage: bool = True,
+        fence: CommitFence | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -106,6 +111,7 @@ class Checkpointer:
             keep=keep,
             job_spec_hash=job_spec_hash,
             thread_count=thread_count,
+            fence=fence,
         )
         self.memory: SharedMemoryTier | None = None
         if memory or memory_directory:

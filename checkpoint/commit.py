@@ -27,6 +27,7 @@ from checkpoint.api import (
     CheckpointCorruptError,
     CheckpointInfo,
     CheckpointStorageError,
+    CommitFence,
     Manifest,
     ObjectEntry,
     VerifyReport,
@@ -50,14 +51,28 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def write_manifest(directory: Location, manifest: Manifest) -> None:
+def write_manifest(
+    directory: Location, manifest: Manifest, fence: CommitFence | None = None
+) -> None:
     """Write the manifest: the commit point of a checkpoint.
 
     On local disks the bytes go to a temporary name first and are renamed, so
     a crash never leaves a torn ``manifest.json``; on object stores a PUT is
     atomic already.  (A torn manifest would fail its self-checksum anyway.)
+
+    Args:
+        fence: checked last, right before the write; a saver that was fenced
+            out of the job (a newer membership generation, or no way to prove
+            it still belongs) gets :class:`~checkpoint.api.CommitFencedError`
+            and the checkpoint stays uncommitted.
+
+    Raises:
+        CommitFencedError: the fence refused the commit.
+        CheckpointStorageError: the manifest could not be written.
     """
     data = encode_manifest(manifest)
+    if fence is not None:
+        fence()
     target = directory.path(MANIFEST_NAME)
     try:
         if directory.is_local:

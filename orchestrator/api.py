@@ -97,16 +97,22 @@ class JobPhase(str, Enum):
     Transitions::
 
         Pending ──► Running ◄──► Recovering
-           │           │             │
-           ▼           ▼             ▼
+           │           │  ▲          │  ▲
+           │           ▼  │          ▼  │
+           │          Paused ◄───────┘──┘
+           ▼           │ │             │
         Stopped   Succeeded | Failed | Stopped
 
-    ``Succeeded``, ``Failed`` and ``Stopped`` are terminal.
+    ``Paused``: the control plane (etcd) was unreachable; workers keep their
+    state at a step boundary and the controller declares no failures until a
+    grace period after etcd is back.  ``Succeeded``, ``Failed`` and
+    ``Stopped`` are terminal.
     """
 
     PENDING = "Pending"
     RUNNING = "Running"
     RECOVERING = "Recovering"
+    PAUSED = "Paused"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     STOPPED = "Stopped"
@@ -122,10 +128,25 @@ class JobPhase(str, Enum):
 _PHASE_TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
     JobPhase.PENDING: frozenset({JobPhase.RUNNING, JobPhase.FAILED, JobPhase.STOPPED}),
     JobPhase.RUNNING: frozenset(
-        {JobPhase.RECOVERING, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED}
+        {
+            JobPhase.RECOVERING,
+            JobPhase.PAUSED,
+            JobPhase.SUCCEEDED,
+            JobPhase.FAILED,
+            JobPhase.STOPPED,
+        }
     ),
     JobPhase.RECOVERING: frozenset(
-        {JobPhase.RUNNING, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED}
+        {JobPhase.RUNNING, JobPhase.PAUSED, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED}
+    ),
+    JobPhase.PAUSED: frozenset(
+        {
+            JobPhase.RUNNING,
+            JobPhase.RECOVERING,
+            JobPhase.SUCCEEDED,
+            JobPhase.FAILED,
+            JobPhase.STOPPED,
+        }
     ),
     JobPhase.SUCCEEDED: frozenset(),
     JobPhase.FAILED: frozenset(),

@@ -17,6 +17,13 @@ reads it back.  Per job it:
 * publishes the next generation with a warm spare in each dead node's slot
   (same ranks, so the ring order is kept), or scales down to ``nodes.min``
   when no spare is left;
+* rides out etcd outages: when etcd did not answer it for longer than
+  :data:`~orchestrator.etcd_client.SILENCE_THRESHOLD` (no quorum, a stall,
+  leadership lapsed meanwhile), it marks the job
+  ``Paused`` with the reason and, for ``OUTAGE_GRACE`` after etcd is back,
+  declares no failure from lease expiry, stale heartbeats or missing
+  reports (the agents re-register, the workers resume by themselves); a
+  generation that every member reports broken is still replaced at once;
 * relays checkpoint and stop requests to the workers (the ``control`` key,
   agreed on by all ranks at the same step), and records phase and events;
 * observes: rate, history, recovery timings, effective training time and,
@@ -25,8 +32,10 @@ reads it back.  Per job it:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +59,9 @@ REPORT_GRACE = timedelta(seconds=1.0)
 STALE_BEATS = 3
 #: Controller loop period when nothing wakes it.
 TICK = timedelta(seconds=0.2)
+#: After an outage, how long lease expiry and stale heartbeats are not taken as failures
+#: (agents re-register and workers beat again within a lease TTL or two).
+OUTAGE_GRACE = timedelta(seconds=float(os.environ.get("RINGMASTER_OUTAGE_GRACE", "6")))
 
 
 @dataclass
@@ -78,6 +90,47 @@ class JobController:
         self._short_since: float | None = None  # fewer than nodes.min nodes left since then
         self._killed: dict[str, float] = {}
         self._last_written: dict[str, Any] = {}
+        self._grace_until = 0.0
+        self._paused_from: JobPhase | None = None
+        self._silence_seen = client.last_silence
+
+    # -- etcd outages ------------------------------------------------------------------
+
+    def after_outage(self, seconds: float, reason: str) -> None:
+        """The controller could not act for ``seconds``: pause, and hold fire for a grace."""
+        self._grace_until = time.monotonic() + OUTAGE_GRACE.total_seconds()
+        self._break = None  # report timing from before the outage means nothing now
+        phase = self.status.phase
+        if phase.terminal or phase is JobPhase.PENDING:
+            return
+        if phase is not JobPhase.PAUSED:
+            self._paused_from = phase
+        self._set_phase(
+            JobPhase.PAUSED,
+            f"paused: {reason} for {seconds:.1f}s; workers hold their state at a step boundary. "
+            f"No failures are declared for {OUTAGE_GRACE.total_seconds():g}s while nodes "
+            "re-register",
+            outage_s=round(seconds, 2),
+        )
+
+    def _notice_outage(self) -> None:
+        """Pause if etcd was silent since the last look (checked after each tick's reads)."""
+        silence = self.client.last_silence
+        if silence is not None and silence != self._silence_seen:
+            self._silence_seen = silence
+            log.warning("[%s] etcd did not answer for %.1fs", self.job, silence[1])
+            self.after_outage(
+                silence[1], "etcd was unavailable (no quorum, unreachable or stalled)"
+            )
+
+    def _in_grace(self) -> bool:
+        return time.monotonic() < self._grace_until
+
+    def _end_pause(self) -> None:
+        if self.status.phase is JobPhase.PAUSED and not self._in_grace():
+            back = self._paused_from or JobPhase.RUNNING
+            self._paused_from = None
+            self._set_phase(back, "resumed after the etcd outage")
 
     # -- reading the world -------------------------------------------------------------
 
@@ -127,6 +180,8 @@ class JobController:
         if plan is None:
             self._maybe_start(nodes, progress)
         else:
+            self._notice_outage()
+            self._end_pause()
             self._watch_running(plan, nodes, progress)
         self.observer.observe(self.status, self._plan(), nodes, progress)
         self._write_status()
@@ -214,6 +269,8 @@ class JobController:
         if reports:
             self._handle_break(plan, nodes, progress, reports)
             return
+        if self._in_grace():
+            return  # registrations and heartbeats are still coming back
         gone = [n for n in members if n not in nodes]
         if gone:
             self._replace(plan, nodes, progress, set(gone), f"lease expired: {', '.join(gone)}")
@@ -260,8 +317,11 @@ class JobController:
                 )
         silent = {m.node for m in plan.members if not all(w in reports for w in self._workers(m))}
         self._probe_silent(silent - self._break.probed, nodes)
+        # a refused liveness probe is first-hand: it needs no grace, not even after an outage
         waiting = silent - self._break.confirmed_dead
-        if waiting and now - self._break.seen_at < REPORT_GRACE.total_seconds():
+        if waiting and (
+            now - self._break.seen_at < REPORT_GRACE.total_seconds() or self._in_grace()
+        ):
             return  # give the other survivors time to report
         if all(r.get("planned") for r in reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
@@ -501,8 +561,7 @@ class Controller:
         if self.metrics_server is not None:
             url = self.metrics_server.start()
             self.client.put(keys.controller_metrics(), url)
-        watch = self.client.watch(keys.jobs_prefix(), prefix=True)
-        threading.Thread(target=self._follow, args=(watch,), daemon=True).start()
+        threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
         try:
             while not stop.is_set():
                 if not self.election.is_leader:
@@ -519,17 +578,27 @@ class Controller:
                 self._wake.wait(TICK.total_seconds())
                 self._wake.clear()
         finally:
-            watch.cancel()
             self.election.resign()
             if self.metrics_server is not None:
                 self.metrics_server.stop()
 
-    def _follow(self, watch: Any) -> None:
-        try:
-            for _ in watch:
-                self._wake.set()
-        except Exception as e:  # cancelled or etcd gone; the loop's timeout keeps us going
-            log.debug("controller watch ended: %s", e)
+    def _follow(self, stop: threading.Event) -> None:
+        """Wake the loop on any change under the jobs prefix; renew the watch after outages."""
+        while not stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(keys.jobs_prefix(), prefix=True)
+                for _ in watch:
+                    self._wake.set()
+                    if stop.is_set():
+                        break
+            except Exception as e:  # etcd gone; the loop's timeout keeps us going
+                log.debug("controller watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            stop.wait(0.5)
 
     def _tick_all(self) -> None:
         names = [self.job] if self.job else _job_names(self.client)

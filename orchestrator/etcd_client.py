@@ -26,6 +26,7 @@ distribution) with what the rest of ringmaster needs and nothing else:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -64,12 +65,53 @@ ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
 #: Operations per transaction (etcd's default ``--max-txn-ops``).
 MAX_TXN_OPS = 128
 
+#: A gap this long between two answered calls of a busy client is an etcd outage
+#: (or a stall) as far as that client can tell: see ``EtcdClient.last_silence``.
+SILENCE_THRESHOLD = timedelta(seconds=2)
+#: Longest pause between two attempts of :func:`retry_unavailable`.
+MAX_BACKOFF = timedelta(seconds=2)
+
 _RETRYABLE = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
 )
+
+# What etcd answers while it has no leader (quorum lost, election running): the
+# request reached a member but could not be committed.  Worth retrying.
+_NO_QUORUM_DETAILS = (
+    "context deadline exceeded",
+    "request timed out",
+    "no leader",
+    "leader changed",
+    "raft proposal dropped",
+    "too many requests",
+)
+
+
+def _transient(e: grpc.RpcError) -> bool:
+    code = e.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return True
+    details = (e.details() or "").lower()
+    return any(d in details for d in _NO_QUORUM_DETAILS)
+
+
+def _describe(endpoint: str, e: Exception | None) -> str:
+    """Why ``endpoint`` did not serve a call that failed with ``e``, for people."""
+    what = type(e).__name__ if e is not None else "no answer"
+    if isinstance(e, grpc.RpcError):
+        what = f"{e.code().name}: {e.details() or ''}"
+    try:
+        host, port = _host_port(endpoint)
+        with socket.create_connection((host, port), timeout=0.3):
+            pass
+    except OSError as err:
+        return f"down or unreachable: {err.strerror or type(err).__name__}"
+    except EtcdError:
+        return what
+    return f"accepts connections but did not answer ({what}): cluster without quorum?"
 
 
 @dataclass(frozen=True)
@@ -152,8 +194,10 @@ class Lease:
     def id(self) -> int:
         return int(self._raw.id)
 
-    def refresh(self) -> None:
-        self._client._call(lambda c: list(c.refresh_lease(self.id)))
+    def refresh(self) -> int:
+        """Refresh once; returns the TTL granted, ``<= 0`` when the lease is gone."""
+        responses = self._client._call(lambda c: list(c.refresh_lease(self.id)))
+        return int(responses[-1].TTL) if responses else -1
 
     def revoke(self) -> None:
         self.stop_keepalive()
@@ -167,18 +211,39 @@ class Lease:
         info = self._client._call(lambda c: c.get_lease_info(self.id))
         return int(info.TTL)
 
-    def keep_alive(self, interval: float | None = None) -> None:
-        """Refresh in a daemon thread every ``interval`` s (default ttl/3) until stopped."""
+    def keep_alive(
+        self, interval: float | None = None, on_lost: Callable[[Lease], None] | None = None
+    ) -> None:
+        """Refresh in a daemon thread every ``interval`` s (default ttl/3) until stopped.
+
+        Failed refreshes (etcd unreachable, no quorum) are retried: etcd extends
+        every lease by its TTL when a new raft leader is elected, so a lease
+        usually outlives an outage.  When etcd answers that the lease is gone,
+        ``on_lost(lease)`` is called once and the thread ends.
+        """
         if self._thread is not None:
             return
         every = interval if interval is not None else max(self.ttl / 3.0, 0.2)
+        self._stop.clear()
 
         def loop() -> None:
+            failing = False
             while not self._stop.wait(every):
                 try:
-                    self.refresh()
+                    ttl = self.refresh()
                 except EtcdError as e:
-                    log.warning("lease %x keep-alive failed: %s", self.id, e)
+                    if not failing:
+                        log.warning("lease %x keep-alive failing (retrying): %s", self.id, e)
+                    failing = True
+                    continue
+                if failing and ttl > 0:
+                    log.warning("lease %x kept alive again", self.id)
+                failing = False
+                if ttl <= 0:
+                    log.warning("lease %x expired", self.id)
+                    if on_lost is not None:
+                        on_lost(self)
+                    return
 
         self._thread = threading.Thread(target=loop, name=f"lease-{self.id:x}", daemon=True)
         self._thread.start()
@@ -219,6 +284,29 @@ class EtcdClient:
         self.options = options
         self._raw = raw
         self._auth_lock = threading.Lock()
+        #: ``time.monotonic()`` of the last call etcd answered (the cluster had quorum).
+        self.last_success = time.monotonic()
+        #: ``(monotonic end, seconds)`` of the last gap longer than
+        #: :data:`SILENCE_THRESHOLD` between two answered calls.  For a client that
+        #: calls all the time (the controller), that is an outage or a stall of
+        #: etcd, during which leases may have expired for reasons of etcd's own.
+        self.last_silence: tuple[float, float] | None = None
+        self._waiting: dict[int, float] = {}  # call id -> start, ordinary calls in flight
+        self._ids = itertools.count()
+        self._failing_since: float | None = None
+
+    def unreachable_for(self) -> float:
+        """How long etcd has kept a call of this client waiting or failing (0: all is well).
+
+        Counts ordinary calls still in flight and calls that failed since the last
+        answer, so an idle client is not "unreachable".
+        """
+        now = time.monotonic()
+        oldest = min(self._waiting.values(), default=now)
+        failing = self._failing_since
+        if failing is not None:
+            oldest = min(oldest, failing)
+        return now - oldest
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -237,12 +325,30 @@ class EtcdClient:
 
     def _call(self, fn: Callable[[Any], T], timeout: timedelta | None = None) -> T:
         """Run ``fn(raw_client)``; on connection errors fail over and retry until the deadline."""
-        deadline = time.monotonic() + (timeout or self.options.op_timeout).total_seconds()
+        started = time.monotonic()
+        deadline = started + (timeout or self.options.op_timeout).total_seconds()
+        call_id = next(self._ids)
+        if timeout is None:  # long waits (watch-once) are not a sign of trouble
+            self._waiting[call_id] = started
+        try:
+            return self._attempt(fn, deadline, started, timeout)
+        finally:
+            self._waiting.pop(call_id, None)
+
+    def _attempt(
+        self, fn: Callable[[Any], T], deadline: float, started: float, timeout: timedelta | None
+    ) -> T:
         last: Exception | None = None
         renewed = False
         while True:
             try:
-                return fn(self._raw)
+                result = fn(self._raw)
+                now = time.monotonic()
+                if now - self.last_success > SILENCE_THRESHOLD.total_seconds():
+                    self.last_silence = (now, now - self.last_success)
+                self.last_success = now
+                self._failing_since = None
+                return result
             except _RETRYABLE as e:
                 last = e
             except grpc.RpcError as e:
@@ -263,11 +369,13 @@ class EtcdClient:
                         "--etcd-user and --etcd-password (or RINGMASTER_ETCD_USER / "
                         "RINGMASTER_ETCD_PASSWORD)"
                     ) from e
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                if not _transient(e):
                     raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
                 last = e
+            if self._failing_since is None:
+                self._failing_since = started
             if time.monotonic() >= deadline:
-                reasons = {ep: type(last).__name__ for ep in self.endpoints}
+                reasons = {ep: _describe(ep, last) for ep in self.endpoints}
                 raise EtcdUnavailableError(
                     list(self.endpoints),
                     timeout or self.options.op_timeout,
@@ -389,6 +497,39 @@ class EtcdClient:
         current = _kv(key, got[0][0], got[0][1]) if got else None
         return bool(ok), current
 
+    def put_guarded(
+        self,
+        key: str,
+        value: bytes | str,
+        guard_key: str,
+        guard_mod_revision: int,
+        lease: Lease | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Write ``key`` only while ``guard_key`` is still at ``guard_mod_revision``.
+
+        The fencing primitive: a write made on behalf of one membership
+        generation succeeds only if the generation key has not moved since.
+
+        Returns:
+            ``(True, None)`` when written, ``(False, current guard KeyValue or None)``
+            when the guard moved.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        lease_id = lease.id if lease else None
+
+        def txn(c: Any) -> Any:
+            return c.transaction(
+                compare=[c.transactions.mod(guard_key) == guard_mod_revision],
+                success=[c.transactions.put(key, data, lease=lease_id)],
+                failure=[c.transactions.get(guard_key)],
+            )
+
+        ok, responses = self._call(txn)
+        if ok:
+            return True, None
+        got = responses[-1]
+        return False, (_kv(guard_key, got[0][0], got[0][1]) if got else None)
+
     def get_many(self, keys: list[str]) -> dict[str, KeyValue]:
         """Read several keys in one transaction; the result holds those that exist.
 
@@ -487,6 +628,53 @@ class EtcdClient:
     def status(self) -> dict[str, Any]:
         st = self._call(lambda c: c.status())
         return {"version": st.version, "db_size": st.db_size, "raft_index": st.raft_index}
+
+
+def retry_unavailable(
+    fn: Callable[[], T],
+    what: str,
+    stop: threading.Event | None = None,
+    max_wait: timedelta | None = None,
+) -> T:
+    """Call ``fn`` until etcd answers: retry :class:`EtcdUnavailableError` with backoff.
+
+    For the long-lived processes (agent, controller, worker) an etcd outage is
+    a pause, not a crash: they keep their state and carry on when a quorum is
+    back.  Other errors (auth, bad request) are raised at once.
+
+    Args:
+        fn: the etcd operation.
+        what: what is being done, for the log.
+        stop: give up (re-raising the last error) once this is set.
+        max_wait: give up after this long (default: never).
+
+    Raises:
+        EtcdUnavailableError: ``stop`` was set or ``max_wait`` passed.
+    """
+    started = time.monotonic()
+    delay = 0.1
+    warned = False
+    while True:
+        try:
+            result = fn()
+        except EtcdUnavailableError as e:
+            waited = time.monotonic() - started
+            if (stop is not None and stop.is_set()) or (
+                max_wait is not None and waited >= max_wait.total_seconds()
+            ):
+                raise
+            if not warned:
+                log.warning("%s: etcd unavailable, retrying until it is back: %s", what, e)
+                warned = True
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF.total_seconds())
+            continue
+        if warned:
+            log.warning("%s: etcd is back after %.1fs", what, time.monotonic() - started)
+        return result
 
 
 def _kv(key: str, value: bytes, meta: Any) -> KeyValue:

@@ -3,8 +3,9 @@
 The leader holds ``/ringmaster/controller/leader`` under a lease it keeps
 alive.  A standby waits; when the leader dies its lease expires (within the
 TTL), the key vanishes and the first standby to create it leads.  A leader
-that cannot refresh its lease (partitioned) knows it is no longer leader by
-the lease's own deadline and stops acting.
+that cannot refresh its lease (partitioned, or etcd without quorum) knows it
+is no longer leader by the lease's own deadline and stops acting; it leads
+again if the lease survived once etcd answers, and campaigns afresh if not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from datetime import timedelta
 
 from orchestrator import keys
-from orchestrator.api import EtcdError
+from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd_client import EtcdClient, Lease
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class LeaderElection:
         """One attempt: True when this process now leads."""
         if self.is_leader:
             return True
+        if self._lease is not None:
+            return False  # our lease is being refreshed; it leads again once etcd answers
         lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
         if self.client.create(self.key, self.identity, lease=lease):
             self._lease = lease
@@ -88,14 +91,22 @@ class LeaderElection:
                 if lease is None:
                     return
                 try:
-                    lease.refresh()
-                    if lease.remaining() <= 0:
-                        raise EtcdError("leader lease expired")
-                    self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
+                    ttl = lease.refresh()
+                except EtcdUnavailableError as e:
+                    # Not leading while etcd is away (``is_leader`` lapses with the
+                    # deadline), but the lease may well survive the outage: etcd
+                    # extends leases when a new raft leader is elected.  Keep trying.
+                    log.warning("%s cannot refresh the leader lease: %s", self.identity, e)
+                    continue
                 except EtcdError as e:
                     log.warning("%s lost leadership: %s", self.identity, e)
                     self._lease = None
                     return
+                if ttl <= 0:
+                    log.warning("%s lost leadership: the leader lease expired", self.identity)
+                    self._lease = None
+                    return
+                self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
 
         self._thread = threading.Thread(target=loop, name="leader-lease", daemon=True)
         self._thread.start()

@@ -1,0 +1,112 @@
+"""A job on a three-member etcd cluster: one member SIGKILLed, then the quorum lost.
+
+One run of the tiny job (2 active nodes, 1 spare, local processes) on
+:class:`tests.faults.etcd_cluster.EtcdCluster`:
+
+1. at step 30 one member is SIGKILLed: the longest gap between two
+   training steps around it, next to the median step time;
+2. at step 60 a second member is SIGKILLed (no quorum) for ``OUTAGE_S``
+   seconds, then both come back: how many steps the job trained after the
+   quorum was lost before the workers paused, and how long after the cluster
+   was healthy again the next step completed;
+3. steps applied twice or never (both must be 0).
+
+The last line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator import jobs  # noqa: E402
+from orchestrator.api import JobPhase  # noqa: E402
+from orchestrator.etcd_client import EtcdOptions  # noqa: E402
+from tests.chaos.jobs import quiet_run, tiny_job  # noqa: E402
+from tests.faults.etcd_cluster import EtcdCluster  # noqa: E402
+
+STEPS = 120
+OUTAGE_S = 6.0
+
+
+def wait_for_step(run, step: int) -> None:  # type: ignore[no-untyped-def]
+    while True:
+        status = jobs.read_status(run._client, run.spec.name)
+        if status and status.step >= step and status.phase is JobPhase.RUNNING:
+            return
+        time.sleep(0.05)
+
+
+def step_times(tmp: Path) -> tuple[dict[int, float], int, int]:
+    """First completion time of each step; steps applied twice by a worker; steps never."""
+    first: dict[int, float] = {}
+    twice = 0
+    for f in (tmp / "steps").glob("*.log"):
+        seen = collections.Counter()
+        for line in f.read_text().splitlines():
+            step, _, _, at = line.split()
+            seen[int(step)] += 1
+            first[int(step)] = min(first.get(int(step), float("inf")), float(at))
+        twice += sum(1 for c in seen.values() if c > 1)
+    never = sum(1 for s in range(STEPS) if s not in first)
+    return first, twice, never
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="rm-bench-etcd-"))
+    lines: list[str] = []
+    spec = tiny_job("etcd-outage", tmp, steps=STEPS, step_time=0.05)
+    with (
+        EtcdCluster(3) as cluster,
+        quiet_run(spec, lines, etcd=EtcdOptions(cluster.endpoints)) as run,
+    ):
+        wait_for_step(run, 30)
+        one_down = time.time()
+        cluster.kill(0)
+        wait_for_step(run, 60)
+        cluster.restart(0)
+        cluster.wait_healthy()
+        wait_for_step(run, 65)
+        quorum_lost = time.time()
+        cluster.kill(0)
+        cluster.kill(1)
+        time.sleep(OUTAGE_S)
+        cluster.restart(0)
+        cluster.restart(1)
+        cluster.wait_healthy()
+        healthy = time.time()
+        result = run.wait()
+    first, twice, never = step_times(tmp)
+    ordered = sorted(first.items())
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(ordered)]
+    median = statistics.median(gaps)
+    around = [
+        b[1] - a[1] for a, b in itertools.pairwise(ordered) if one_down - 2 <= b[1] <= one_down + 5
+    ]
+    during = [s for s, t in ordered if quorum_lost <= t < healthy]
+    after = [t for _, t in ordered if t >= healthy]
+    figures = {
+        "phase": result.phase.value,
+        "median_step_s": round(median, 4),
+        "one_member_killed_longest_step_gap_s": round(max(around, default=0.0), 3),
+        "quorum_lost_steps_before_pause": len(during),
+        "quorum_outage_s": round(healthy - quorum_lost, 2),
+        "resume_after_quorum_back_s": round(after[0] - healthy, 3) if after else None,
+        "steps_applied_twice": twice,
+        "steps_never_applied": never,
+        "recoveries": result.recoveries,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

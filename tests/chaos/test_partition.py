@@ -1,0 +1,185 @@
+"""A node cut off by a network partition is replaced, then fenced when it returns.
+
+One active node runs (agent and workers) in its own network namespace
+(:mod:`tests.faults.netns`), reaching etcd and its peers only through a veth
+link; the other active node and the spare run on the host.  Cutting the link
+drops every packet both ways: the node's lease expires, the controller puts
+the spare in its slot, the survivor's stuck collective times out and it
+joins the new generation.  When the link comes back the old node learns from
+etcd that a newer generation left it out: it drops its stale state, writes
+nothing for the current generation and commits no checkpoint (every write
+and commit is fenced by the plan revision it joined).  The job ends with the
+parameters of a fault-free run and no step applied twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint.commit import committed_checkpoints
+from checkpoint.fsspec_storage import Location
+from orchestrator import events, jobs, keys
+from orchestrator.api import JobPhase, JobSpec
+from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
+from tests.faults.etcd_cluster import EtcdCluster
+from tests.faults.netns import IsolatedNode, unavailable_reason
+from tests.faults.processes import Services
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 100
+#: Collectives time out after twice this: how long the survivor waits on the cut peer.
+HANG_TIMEOUT = "4s"
+
+
+def partition_job(name: str, tmp: Path, spares: int) -> JobSpec:
+    spec = tiny_job(
+        name, tmp, steps=STEPS, step_time=0.05, spares=spares, hang_timeout=HANG_TIMEOUT
+    )
+    # periodic asynchronous checkpoints, so commits happen around the partition
+    return dataclasses.replace(
+        spec, checkpoint=dataclasses.replace(spec.checkpoint, every_steps=10)
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final parameters of a fault-free run of the same job."""
+    tmp = tmp_path_factory.mktemp("reference")
+    lines: list[str] = []
+    with quiet_run(partition_job("reference", tmp, spares=0), lines) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    return torch.load(tmp / "final.pt")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def isolated() -> Iterator[IsolatedNode]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"partition test needs network namespaces: {reason}")
+    with IsolatedNode("part") as node:
+        yield node
+
+
+def _wait(what: str, check, timeout: float = 90):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _plan(client: EtcdClient, job: str) -> dict | None:  # type: ignore[type-arg]
+    return client.get_json(keys.job_plan(job))  # type: ignore[no-any-return]
+
+
+def test_partitioned_node_is_replaced_and_fenced(
+    tmp_path: Path, isolated: IsolatedNode, reference: dict[str, torch.Tensor]
+) -> None:
+    lines: list[str] = []
+    spec = partition_job("partition", tmp_path, spares=1)
+    job = spec.name
+    with (
+        EtcdCluster(1, extra_hosts=(isolated.host_ip,)) as etcd,
+        Services(lines) as services,
+        connect(EtcdOptions(etcd.endpoints)) as client,
+    ):
+        jobs.submit(client, spec)
+        host_etcd = ["--etcd", ",".join(etcd.endpoints)]
+        services.start("controller", ["controller", "--job", job, *host_etcd])
+
+        def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
+            labels = f"zone=z,rack=r,host={node}"
+            return ["agent", "--job", job, "--node", node, "--labels", labels,
+                    "--address", address, *etcd_args]  # fmt: skip
+
+        # node-a sorts first, so it is active; the spare joins once generation 1 runs
+        services.start(
+            "node-a",
+            agent(
+                "node-a",
+                ["--etcd", ",".join(etcd.endpoints_on(isolated.host_ip))],
+                isolated.node_ip,
+            ),
+            env={"GLOO_SOCKET_IFNAME": isolated.node_if},
+            prefix=isolated.command([]),
+        )
+        host_env = {"GLOO_SOCKET_IFNAME": isolated.host_if}
+        services.start("node-b", agent("node-b", host_etcd, isolated.host_ip), env=host_env)
+        first = _wait("generation 1", lambda: _plan(client, job))
+        assert [m["node"] for m in first["members"]] == ["node-a", "node-b"], first
+        services.start("node-c", agent("node-c", host_etcd, isolated.host_ip), env=host_env)
+        _wait(
+            "step 20 with a warm spare",
+            lambda: (
+                (s := jobs.read_status(client, job)) and s.step >= 20 and "node-c" in s.spare_nodes
+            ),
+        )
+
+        isolated.cut()
+        cut_at = time.time()
+        second = _wait(
+            "generation 2", lambda: (p := _plan(client, job)) and p["generation"] >= 2 and p
+        )
+        first_step_gen2 = _wait(
+            "training in generation 2",
+            lambda: (
+                (p := client.get_json(keys.job_progress(job) + "node-c-0"))
+                and p.get("generation") == 2
+                and p["step"] > 0
+                and p["step"]
+            ),
+        )
+        isolated.heal()
+        status = _wait(
+            "the end of the job",
+            lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
+            timeout=150,
+        )
+        # the fenced node reads the new plan after the link is back, then leaves
+        _wait(
+            "node-a to learn it was fenced",
+            lambda: any("[node-a]" in line and "fenced out" in line for line in lines),
+            timeout=30,
+        )
+        log = events.list_events(client, job)
+        record = client.get_json(keys.job_checkpoint(job))
+    text = "\n".join(lines[-80:])
+    assert status.phase is JobPhase.SUCCEEDED, f"{status}\n{text}"
+    assert [m["node"] for m in second["members"]] == ["node-c", "node-b"], f"{second}\n{text}"
+    failed = [e for e in log if e.type == "NodeFailed"]
+    assert [e.data.get("node") for e in failed] == ["node-a"], f"{failed}\n{text}"
+    assert "lease expired" in failed[0].message
+    assert_exactly_once(tmp_path, STEPS)
+    # node-a applied no step of generation 2, before or after the link came back
+    for worker, seq in step_log(tmp_path).items():
+        if worker.startswith("node-a"):
+            assert max(seq) < first_step_gen2, f"{worker} {seq}\n{text}"
+    gen_of_step = _generations(tmp_path)
+    assert all(g == {1} for w, g in gen_of_step.items() if w.startswith("node-a")), gen_of_step
+    # checkpoints: unique steps, each committed by a two-rank generation; the
+    # record names one of them and was written after the cut by the new generation
+    root = Location.from_url(spec.checkpoint.url)
+    committed = committed_checkpoints(root)
+    steps = [c.step for c in committed]
+    assert len(steps) == len(set(steps)), steps
+    assert all(c.manifest is not None and c.manifest.world_size == 2 for c in committed)
+    assert record is not None and record["step"] in steps, f"{record} {steps}\n{text}"
+    assert record["at"] > cut_at, f"{record} written before the cut at {cut_at}"
+
+
+def _generations(tmp: Path) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for f in sorted((tmp / "steps").glob("*.log")):
+        out[f.stem] = {int(line.split()[1]) for line in f.read_text().splitlines()}
+    return out

@@ -7,10 +7,12 @@ Fault kinds (each used at least once per schedule):
 * ``controller-kill`` SIGKILL the leading controller (a standby leads);
 * ``worker-hang``     SIGSTOP one active worker (hang detection kills it);
 * ``preemption``      SIGTERM an active node (save within the grace, then leave);
-* ``upload-kill``     SIGKILL an active node while a checkpoint is uploading.
+* ``upload-kill``     SIGKILL an active node while a checkpoint is uploading;
+* ``etcd-restart``    SIGKILL one member of the 3-member etcd cluster, restart it 2 s later.
 
-A fault is injected once the job has reached its step and trains again after
-the previous fault, with a warm spare available; whatever a fault used up (a
+A fault is injected once the job has reached its step, trains again after
+the previous fault (and has made progress since), with a leader and a warm
+spare available; whatever a fault used up (a
 node, a controller) is replaced by a fresh process, as a cluster would.  The
 seed and the schedule are printed, so a failing run can be replayed with
 ``RINGMASTER_SOAK_SEED``.
@@ -28,6 +30,7 @@ from pathlib import Path
 from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun
+from tests.faults.etcd_cluster import EtcdCluster
 
 KINDS = (
     "node-kill",
@@ -36,7 +39,12 @@ KINDS = (
     "worker-hang",
     "preemption",
     "upload-kill",
+    "etcd-restart",
 )
+#: Seconds an etcd member stays down before it is restarted.
+ETCD_DOWN_S = 2.0
+#: Steps of progress between two faults, at least.
+MIN_GAP = 15
 #: Kinds after which the node is gone and a fresh spare is started.
 CONSUMES_NODE = {"node-kill", "preemption", "upload-kill"}
 
@@ -72,6 +80,7 @@ class Injector:
     faults: list[Fault]
     checkpoint_dir: Path
     rng: random.Random
+    cluster: EtcdCluster
     done: list[Fault] = field(default_factory=list)
     _nodes_started: int = 0
     _controllers_started: int = 0
@@ -80,13 +89,18 @@ class Injector:
         self._nodes_started = self.run.spec.nodes.max + self.run.spec.nodes.spares
         self._controllers_started = self.run.controllers
         self._uploads_seen: set[str] = set()
+        self._etcd_down: tuple[int, float] | None = None  # member, when to restart it
 
     @property
     def pending(self) -> list[Fault]:
         return self.faults[len(self.done) :]
 
     def poll(self) -> None:
-        if not self.pending:
+        if self._etcd_down is not None and time.monotonic() >= self._etcd_down[1]:
+            self.cluster.restart(self._etcd_down[0])
+            self.run.print(f"[soak] etcd member {self._etcd_down[0]} restarted")
+            self._etcd_down = None
+        if not self.pending or self._etcd_down is not None:
             return
         fault = self.pending[0]
         client = self.run._client
@@ -94,8 +108,16 @@ class Injector:
         status = jobs.read_status(client, self.run.spec.name)
         if status is None or status.phase is not JobPhase.RUNNING or status.step < fault.at_step:
             return
+        last = self.done[-1] if self.done else None
+        if last is not None and (
+            status.updated_at < last.injected_at + 0.5  # no news since the last fault
+            or status.step < last.injected_step + MIN_GAP
+        ):
+            return
         if not status.spare_nodes or len(status.active_nodes) < self.run.spec.nodes.max:
             return  # wait until the last fault is fully repaired
+        if client.get(keys.controller_leader()) is None:
+            return  # a standby has not taken over yet
         active = list(status.active_nodes)
         if fault.kind == "upload-kill" and not self._upload_in_flight():
             return
@@ -127,6 +149,11 @@ class Injector:
             pid = self._worker_pid(node)
             fault.target = f"{node} worker pid {pid}"
             os.kill(pid, signal.SIGKILL if fault.kind == "worker-kill" else signal.SIGSTOP)
+        elif fault.kind == "etcd-restart":
+            member = self.rng.randrange(len(self.cluster.members))
+            fault.target = f"etcd member {member}"
+            self.cluster.kill(member)
+            self._etcd_down = (member, time.monotonic() + ETCD_DOWN_S)
         elif fault.kind == "controller-kill":
             fault.target = self._kill_leader()
             self._controllers_started += 1

@@ -1,6 +1,7 @@
 """Chaos soak: many faults of every kind in one run; nothing completed is lost.
 
-The short form (6 faults, one of each kind) runs in ``make test``;
+The job runs on a 3-member etcd cluster.  The short form (7 faults, one of
+each kind) runs in ``make test``;
 ``make chaos`` sets ``RINGMASTER_SOAK_FAULTS=12`` for the long form.  At the
 end: the job succeeded, its final parameters equal a fault-free run's, every
 step was applied exactly once, and every checkpoint listed as committed
@@ -20,16 +21,18 @@ import torch
 from checkpoint import catalog
 from orchestrator import jobs
 from orchestrator.api import JobPhase, JobSpec
+from orchestrator.etcd_client import EtcdOptions
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary
 from tests.chaos.soak import KINDS, Injector, plan_faults
+from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 
-FAULTS = int(os.environ.get("RINGMASTER_SOAK_FAULTS", "6"))
+FAULTS = int(os.environ.get("RINGMASTER_SOAK_FAULTS", str(len(KINDS))))
 SEED = int(os.environ.get("RINGMASTER_SOAK_SEED", "0")) or random.SystemRandom().randrange(1, 10**6)
-FIRST, GAP, CKPT_EVERY = 20, 25, 30
-STEPS = FIRST + FAULTS * GAP + 40
+FIRST, GAP, CKPT_EVERY = 20, 60, 30
+STEPS = FIRST + FAULTS * GAP + 60
 
 
 def soak_job(name: str, tmp: Path, *, faults: bool) -> JobSpec:
@@ -48,7 +51,7 @@ def soak_job(name: str, tmp: Path, *, faults: bool) -> JobSpec:
                 ],
                 "env": {"RINGMASTER_LOG_EVERY": "1000", "RINGMASTER_TEST_SLOW_WRITE_S": "0.4"},
             },
-            "nodes": {"min": 2, "max": 2, "spares": 1 if faults else 0},
+            "nodes": {"min": 2, "max": 2, "spares": 2 if faults else 0},
             "max_steps": STEPS,
             "checkpoint": {
                 "url": f"file://{tmp}/ckpt",
@@ -79,8 +82,11 @@ def test_soak_every_fault_kind_nothing_lost(tmp_path: Path) -> None:
     run_dir = tmp_path / "soak"
     lines = []
     spec = soak_job("soak", run_dir, faults=True)
-    with quiet_run(spec, lines, controllers=2) as run:
-        injector = Injector(run, faults, run_dir / "ckpt", random.Random(SEED))
+    with (
+        EtcdCluster(3) as cluster,
+        quiet_run(spec, lines, controllers=2, etcd=EtcdOptions(cluster.endpoints)) as run,
+    ):
+        injector = Injector(run, faults, run_dir / "ckpt", random.Random(SEED), cluster)
         client = run._client
         assert client is not None
         deadline = time.monotonic() + 780

@@ -200,15 +200,11 @@ class JobController:
         )
         self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
         if not ready:
-            self._short_since = self._short_since or now
-            limit = self.spec.rendezvous.join_timeout.total_seconds()
-            if now - self._short_since > limit:
-                self._set_phase(
-                    JobPhase.FAILED,
-                    f"only {len(warm)} of the {need_min} nodes needed were ready within "
-                    f"{limit:g}s (rendezvous.join_timeout); see `ringmaster logs {self.job}` "
-                    "and `ringmaster events` for why nodes did not come up",
-                )
+            self._fail_when_short_too_long(
+                f"only {len(warm)} of the {need_min} nodes needed were ready",
+                f"see `ringmaster logs {self.job}` and `ringmaster events` for why nodes "
+                "did not come up",
+            )
             return
         self._short_since = None
         ordered = _topology_order(warm, nodes, self.spec.comm.topology_labels)
@@ -333,6 +329,18 @@ class JobController:
         )
         self._replace(plan, nodes, progress, silent, why, agent_gone=dead)
 
+    def _fail_when_short_too_long(self, what: str, advice: str) -> bool:
+        """Fewer nodes than ``nodes.min``: fail the job once that lasted ``join_timeout``."""
+        now = time.monotonic()
+        self._short_since = self._short_since or now
+        limit = self.spec.rendezvous.join_timeout.total_seconds()
+        if now - self._short_since <= limit:
+            return False
+        self._set_phase(
+            JobPhase.FAILED, f"{what} for {limit:g}s (rendezvous.join_timeout); {advice}"
+        )
+        return True
+
     def _probe_silent(self, silent: set[str], nodes: dict[str, dict[str, Any]]) -> None:
         """Ask each silent node's agent whether it is there; a refusal means dead now."""
         assert self._break is not None
@@ -371,20 +379,16 @@ class JobController:
                 new_members.append(spare)
                 swapped.append(f"{spare} replaces {node}")
         if len(new_members) < self.spec.nodes.min:
-            now = time.monotonic()
-            self._short_since = self._short_since or now
-            limit = self.spec.rendezvous.join_timeout.total_seconds()
-            if now - self._short_since > limit:
-                self._set_phase(
-                    JobPhase.FAILED,
-                    f"{why}; only {len(new_members)} of the {self.spec.nodes.min} nodes needed "
-                    f"for {limit:g}s (rendezvous.join_timeout): add nodes and "
-                    f"`ringmaster resume {self.job}`",
-                )
+            if self._fail_when_short_too_long(
+                f"{why}; only {len(new_members)} of the {self.spec.nodes.min} nodes needed were "
+                "left",
+                f"add nodes and `ringmaster resume {self.job}`",
+            ):
                 return
             self.status.message = (
                 f"{why}; {len(new_members)} nodes left, need {self.spec.nodes.min}: waiting "
-                f"up to {limit:g}s (rendezvous.join_timeout) for more"
+                f"up to {self.spec.rendezvous.join_timeout.total_seconds():g}s "
+                "(rendezvous.join_timeout) for more"
             )
             self._set_phase(JobPhase.RECOVERING, self.status.message)
             return

@@ -42,6 +42,11 @@ from typing import Any, TypeVar
 # gRPC's C core logs every failed TLS handshake at INFO on stderr unless told
 # otherwise; the error raised here says what went wrong in one line instead.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# Every process ringmaster starts is fork+exec (workers, agents, etcd).  gRPC's
+# fork handlers are for fork *without* exec; around a fork+exec they race with
+# gRPC's own threads and, under load, abort processes ("Bad file descriptor" in
+# the epoll poller, abseil mutex checks).  Off, as gRPC advises for fork+exec.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3
 import etcd3.exceptions as etcd_exc

@@ -272,14 +272,18 @@ class JobController:
             self._replace(plan, nodes, progress, set(gone), f"lease expired: {', '.join(gone)}")
             return
         self._detect_hangs(plan, nodes, progress)
-        if self.status.phase is JobPhase.RECOVERING and self._recovered(plan, workers, progress):
+        recovering = self.status.phase is JobPhase.RECOVERING or (
+            self.status.phase is JobPhase.PAUSED and self._paused_from is JobPhase.RECOVERING
+        )
+        if recovering and self._recovered(plan, workers, progress):
             took = time.monotonic() - (self._recovery_started or time.monotonic())
             self.observer.recovered(self.status, plan, progress)
-            self._set_phase(
-                JobPhase.RUNNING,
-                f"generation {plan.generation} trains again ({took:.2f}s after the failure)",
-                recovery_s=round(took, 3),
-            )
+            message = f"generation {plan.generation} trains again ({took:.2f}s after the failure)"
+            if self.status.phase is JobPhase.PAUSED:
+                self._paused_from = JobPhase.RUNNING  # the pause ends in Running
+                self.status.message = message
+            else:
+                self._set_phase(JobPhase.RUNNING, message, recovery_s=round(took, 3))
             self._recovery_started = None
 
     def _recovered(self, plan: Plan, workers: list[str], progress: dict[str, Any]) -> bool:

@@ -291,10 +291,10 @@ class EtcdClient:
         self._auth_lock = threading.Lock()
         #: ``time.monotonic()`` of the last call etcd answered (the cluster had quorum).
         self.last_success = time.monotonic()
-        #: ``(monotonic end, seconds)`` of the last gap longer than
-        #: :data:`SILENCE_THRESHOLD` between two answered calls.  For a client that
-        #: calls all the time (the controller), that is an outage or a stall of
-        #: etcd, during which leases may have expired for reasons of etcd's own.
+        #: ``(monotonic end, seconds)`` of the last time etcd kept this client's
+        #: calls waiting or failing for longer than :data:`SILENCE_THRESHOLD`: an
+        #: outage or a stall of etcd, during which leases may have expired for
+        #: reasons of etcd's own.
         self.last_silence: tuple[float, float] | None = None
         self._waiting: dict[int, float] = {}  # call id -> start, ordinary calls in flight
         self._ids = itertools.count()
@@ -349,8 +349,16 @@ class EtcdClient:
             try:
                 result = fn(self._raw)
                 now = time.monotonic()
-                if now - self.last_success > SILENCE_THRESHOLD.total_seconds():
-                    self.last_silence = (now, now - self.last_success)
+                # Silence is etcd keeping calls waiting or failing, not a gap between
+                # calls: a process that was idle or starved of CPU saw no outage.
+                # (A call with its own timeout is a long wait by design: only its
+                # failures count.)
+                since = started if timeout is None else now
+                if self._failing_since is not None:
+                    since = min(since, self._failing_since)
+                waited = now - since
+                if waited > SILENCE_THRESHOLD.total_seconds():
+                    self.last_silence = (now, waited)
                 self.last_success = now
                 self._failing_since = None
                 return result

@@ -408,7 +408,17 @@ class NodeAgent:
         name = cmd.get("command")
         if name == "kill-worker":
             w = self.workers.get(int(cmd.get("local_rank", -1)))
-            if w is not None and w.proc.poll() is None:
+            pid = cmd.get("pid")
+            if w is not None and pid is not None and w.proc.pid != int(pid):
+                log.warning(
+                    "[%s] not killing worker %d: pid %s named by the command has already "
+                    "been replaced by %d",
+                    self.node,
+                    w.local_rank,
+                    pid,
+                    w.proc.pid,
+                )
+            elif w is not None and w.proc.poll() is None:
                 log.warning(
                     "[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.get("reason")
                 )

@@ -424,6 +424,16 @@ class JobController:
         ft = self.spec.fault_tolerance
         now = time.time()
         stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+        beats = [
+            float(p.get("beat", now))
+            for p in (progress.get(w) for m in plan.members for w in self._workers(m))
+            if p is not None and p.get("generation") == plan.generation
+        ]
+        if len(beats) > 1 and all(now - b > stale_after for b in beats):
+            # A hung worker blocks its peers' steps, not their heartbeats: when every
+            # heartbeat stopped at once, it is their way to etcd that is stuck (the
+            # workers pause for that), not every worker hanging together.
+            return
         for m in plan.members:
             for i, w in enumerate(self._workers(m)):
                 p = progress.get(w)
@@ -431,11 +441,19 @@ class JobController:
                     continue
                 frozen = now - float(p.get("beat", now)) > stale_after
                 stalled = now - float(p.get("step_time", now)) > ft.hang_timeout.total_seconds()
-                if frozen and stalled and now - self._killed.get(w, 0) > stale_after:
-                    self._killed[w] = now
+                # the record names the process that stopped beating: a restarted
+                # worker (a new pid) is never killed for its predecessor's silence
+                victim = f"{w}/{p.get('pid')}"
+                if frozen and stalled and now - self._killed.get(victim, 0) > stale_after:
+                    self._killed[victim] = now
                     self.client.put_json(
                         keys.agent_commands(self.job, m.node) + f"{time.time_ns():020d}",
-                        {"command": "kill-worker", "local_rank": i, "reason": "hang"},
+                        {
+                            "command": "kill-worker",
+                            "local_rank": i,
+                            "pid": p.get("pid"),
+                            "reason": "hang",
+                        },
                     )
                     events.emit(
                         self.client,

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 FAULTS = int(os.environ.get("RINGMASTER_SOAK_FAULTS", str(len(KINDS))))
 SEED = int(os.environ.get("RINGMASTER_SOAK_SEED", "0")) or random.SystemRandom().randrange(1, 10**6)
 FIRST, GAP, CKPT_EVERY = 20, 60, 30
-STEPS = FIRST + FAULTS * GAP + 60
+STEPS = FIRST + FAULTS * GAP + 150  # room for faults that wait for a warm spare
 
 
 def soak_job(name: str, tmp: Path, *, faults: bool) -> JobSpec:

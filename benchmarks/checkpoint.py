@@ -9,15 +9,18 @@ one, so the distributed code paths run), this measures:
 * blocking time of DCP's plain ``torch.distributed.checkpoint.async_save``;
 * the time of a synchronous ``torch.save`` of the same state, until it
   returns and until it is durable (fsync), the reference for the target;
-* ringmaster's upload throughput (background write with its one streaming
-  CRC-32C pass, fsync, manifest) against a raw write + fsync of the same
-  bytes to the same filesystem (a local temp directory).
+* ringmaster's upload throughput (background write, CRC-32C of every
+  object, fsync, manifest) against a raw write + fsync of the same bytes to
+  the same filesystem (a local temp directory).
 
-Each round measures all four; ratios are taken within a round and the
-medians over rounds are reported, because on a shared machine I/O and CPU
-speed drift a lot during a run.  Warm-up rounds (default 1) run first and
-are printed but left out of the medians: the first rounds pay for the page
-cache and allocator settling after the state is built.
+On a shared machine I/O and CPU speed drift a lot during a run, so every
+ratio is taken between measurements made back to back: blocking rounds run
+torch.save, DCP and ringmaster one after the other; throughput pairs run a
+raw write and a ringmaster upload, alternating which goes first.  Medians
+over rounds are reported, and for throughput also the best upload against
+the best raw write (interference only ever slows a write).  Warm-up rounds
+(default 1) run first and are printed but left out: the first rounds pay for
+the page cache and allocator settling after the state is built.
 
 Targets: blocking <= 10% of the synchronous save; throughput >= 70% of raw.
 The last line of stdout is one JSON object with the headline figures.
@@ -204,12 +207,39 @@ def bench_raw_write(state: TrainState, workdir: Path, files: int) -> dict[str, f
     return {"raw_s": elapsed, "raw_bytes": float(written)}
 
 
+def blocking_round(state: TrainState, workdir: Path, saves: RingmasterSaves) -> dict[str, float]:
+    """One round of the blocking comparison: torch.save, DCP async_save, ringmaster."""
+    r: dict[str, float] = bench_torch_save(state, workdir)
+    r["dcp_async_blocking_s"] = bench_dcp_async(state, workdir)
+    r["blocking_s"] = saves.save(state)["blocking_s"]
+    r["blocking_ratio"] = r["blocking_s"] / r["torch_save_durable_s"]
+    r["blocking_ratio_page_cache"] = r["blocking_s"] / r["torch_save_s"]
+    return r
+
+
+def throughput_pair(
+    state: TrainState, workdir: Path, saves: RingmasterSaves, threads: int, raw_first: bool
+) -> dict[str, float]:
+    """A raw write and a ringmaster upload back to back, in the order given."""
+    r: dict[str, float] = {}
+    if raw_first:
+        r.update(bench_raw_write(state, workdir, threads))
+        r.update(saves.save(state))
+    else:
+        r.update(saves.save(state))
+        r.update(bench_raw_write(state, workdir, threads))
+    r["upload_mib_s"] = r["upload_bytes"] / r["upload_s"] / 2**20
+    r["raw_mib_s"] = r["raw_bytes"] / r["raw_s"] / 2**20
+    r["throughput_ratio"] = r["upload_mib_s"] / r["raw_mib_s"]
+    return r
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.1, help="state size (model + Adam)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved steady-state rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each comparison")
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     args = parser.parse_args()
 
@@ -229,67 +259,76 @@ def main() -> None:
 
         saves = RingmasterSaves(workdir, args.threads)
         first = saves.save(state)
-        rounds: list[dict[str, float]] = []
+
+        # Blocking: ratios within a round (I/O and CPU speed drift over a run).
+        blocking: list[dict[str, float]] = []
         for i in range(args.warmup + args.rounds):
-            # Every round measures everything, and ratios are taken within a
-            # round: on a shared machine, I/O and CPU speed drift over a run.
-            r: dict[str, float] = bench_torch_save(state, workdir)
-            r["dcp_async_blocking_s"] = bench_dcp_async(state, workdir)
-            r.update(bench_raw_write(state, workdir, args.threads))
-            r.update(saves.save(state))
-            r["blocking_ratio"] = r["blocking_s"] / r["torch_save_durable_s"]
-            r["blocking_ratio_page_cache"] = r["blocking_s"] / r["torch_save_s"]
-            r["throughput_ratio"] = (r["upload_bytes"] / r["upload_s"]) / (
-                r["raw_bytes"] / r["raw_s"]
-            )
+            r = blocking_round(state, workdir, saves)
             counted = i >= args.warmup
             if counted:
-                rounds.append(r)
+                blocking.append(r)
             label = f"round {i + 1 - args.warmup}" if counted else f"warm-up {i + 1}"
             print(
-                f"{label}: torch.save {r['torch_save_s']:.3f} s "
+                f"blocking {label}: torch.save {r['torch_save_s']:.3f} s "
                 f"(durable {r['torch_save_durable_s']:.3f} s) | DCP async_save blocks "
-                f"{r['dcp_async_blocking_s']:.3f} s | ringmaster blocks {r['blocking_s']:.3f} s, "
-                f"uploads {r['upload_bytes'] / r['upload_s'] / 2**20:.0f} MiB/s | raw write "
-                f"{r['raw_bytes'] / r['raw_s'] / 2**20:.0f} MiB/s | "
-                f"throughput {r['throughput_ratio']:.2f} of raw, blocking "
-                f"{r['blocking_ratio']:.3f} of durable torch.save "
+                f"{r['dcp_async_blocking_s']:.3f} s | ringmaster blocks {r['blocking_s']:.3f} s "
+                f"= {r['blocking_ratio']:.3f} of durable torch.save "
                 f"({r['blocking_ratio_page_cache']:.3f} of its page-cache time)"
+            )
+
+        # Throughput: a raw write and a ringmaster upload side by side, the
+        # order alternating (raw first, then ringmaster first, ...), so that
+        # neither always follows the other's deletes and flushes.
+        pairs: list[dict[str, float]] = []
+        for i in range(args.warmup + args.rounds):
+            r = throughput_pair(state, workdir, saves, args.threads, raw_first=i % 2 == 0)
+            counted = i >= args.warmup
+            if counted:
+                pairs.append(r)
+            label = f"pair {i + 1 - args.warmup}" if counted else f"warm-up {i + 1}"
+            print(
+                f"throughput {label} ({'raw' if i % 2 == 0 else 'ringmaster'} first): "
+                f"ringmaster uploads {r['upload_mib_s']:.0f} MiB/s | raw write "
+                f"{r['raw_mib_s']:.0f} MiB/s | ratio {r['throughput_ratio']:.2f}"
             )
         saves.close()
 
-        def med(key: str) -> float:
-            return statistics.median(r[key] for r in rounds)
+        def med(rows: list[dict[str, float]], key: str) -> float:
+            return statistics.median(r[key] for r in rows)
 
-        upload_mib_s = statistics.median(r["upload_bytes"] / r["upload_s"] for r in rounds) / 2**20
-        raw_mib_s = statistics.median(r["raw_bytes"] / r["raw_s"] for r in rounds) / 2**20
+        # Interference from other tenants only ever slows a write down, so the
+        # fastest of each kind is the least disturbed measurement of it.
+        best_ratio = max(r["upload_mib_s"] for r in pairs) / max(r["raw_mib_s"] for r in pairs)
         print(
-            f"medians of {args.rounds} rounds: torch.save {med('torch_save_s'):.3f} s "
-            f"(durable {med('torch_save_durable_s'):.3f} s); "
-            f"DCP async_save blocks {med('dcp_async_blocking_s'):.3f} s; ringmaster blocks "
-            f"{med('blocking_s'):.3f} s (first save, allocating buffers: "
+            f"medians of {args.rounds} rounds: torch.save {med(blocking, 'torch_save_s'):.3f} s "
+            f"(durable {med(blocking, 'torch_save_durable_s'):.3f} s); "
+            f"DCP async_save blocks {med(blocking, 'dcp_async_blocking_s'):.3f} s; ringmaster "
+            f"blocks {med(blocking, 'blocking_s'):.3f} s (first save, allocating buffers: "
             f"{first['blocking_s']:.3f} s; Checkpointer.prepare() moves that to start-up)"
         )
         print(
-            f"upload: ringmaster {upload_mib_s:.0f} MiB/s ({args.threads} writer threads; "
-            f"checksums, fsync and manifest included) vs raw write + fsync of the same "
-            f"bytes ({args.threads} files in parallel) {raw_mib_s:.0f} MiB/s"
+            f"upload: ringmaster {med(pairs, 'upload_mib_s'):.0f} MiB/s ({args.threads} writer "
+            f"threads; checksums, fsync and manifest included) vs raw write + fsync of the same "
+            f"bytes ({args.threads} files in parallel) {med(pairs, 'raw_mib_s'):.0f} MiB/s; "
+            f"median ratio of {args.rounds} pairs {med(pairs, 'throughput_ratio'):.2f}, "
+            f"best against best {best_ratio:.2f}"
         )
         headline = {
             "state_gib": round(size / 2**30, 3),
-            "blocking_s": round(med("blocking_s"), 4),
+            "blocking_s": round(med(blocking, "blocking_s"), 4),
             "first_blocking_s": round(first["blocking_s"], 4),
-            "dcp_async_blocking_s": round(med("dcp_async_blocking_s"), 4),
-            "torch_save_s": round(med("torch_save_s"), 4),
-            "torch_save_durable_s": round(med("torch_save_durable_s"), 4),
-            "blocking_ratio": round(med("blocking_ratio"), 4),
-            "blocking_ratio_page_cache": round(med("blocking_ratio_page_cache"), 4),
-            "upload_mib_per_s": round(upload_mib_s, 1),
-            "raw_write_mib_per_s": round(raw_mib_s, 1),
-            "throughput_ratio": round(med("throughput_ratio"), 4),
+            "dcp_async_blocking_s": round(med(blocking, "dcp_async_blocking_s"), 4),
+            "torch_save_s": round(med(blocking, "torch_save_s"), 4),
+            "torch_save_durable_s": round(med(blocking, "torch_save_durable_s"), 4),
+            "blocking_ratio": round(med(blocking, "blocking_ratio"), 4),
+            "blocking_ratio_page_cache": round(med(blocking, "blocking_ratio_page_cache"), 4),
+            "upload_mib_per_s": round(med(pairs, "upload_mib_s"), 1),
+            "raw_write_mib_per_s": round(med(pairs, "raw_mib_s"), 1),
+            "throughput_ratio": round(med(pairs, "throughput_ratio"), 4),
+            "throughput_ratio_best": round(best_ratio, 4),
+            "throughput_ratio_pairs": [round(r["throughput_ratio"], 3) for r in pairs],
             "writer_threads": args.threads,
             "rounds": args.rounds,
-            "throughput_ratio_rounds": [round(r["throughput_ratio"], 3) for r in rounds],
             "checksum": "crc32c",
         }
         print(json.dumps(headline))

@@ -44,6 +44,7 @@ from checkpoint.api import (
     SaveStatus,
 )
 from checkpoint.commit import step_dir_name, write_manifest
+from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, assign_owners, layout_digest
 from checkpoint.fsspec_storage import ChecksummingWriter, Location
 from checkpoint.groups import Coordination
@@ -277,7 +278,7 @@ class AsyncSaver:
             )
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             job.upload_seconds = time.perf_counter() - started
-            log.error("checkpoint step %d to %s failed: %s", job.step, directory.url, e)
+            log.error("checkpoint step %d to %s failed: %s", job.step, directory.url, describe(e))
             job._future.set_exception(_as_checkpoint_error(e, job))
             if not isinstance(e, Exception) and not _is_dcp_failure(e):
                 raise
@@ -309,7 +310,7 @@ def _is_dcp_failure(e: BaseException) -> bool:
 def _as_checkpoint_error(e: BaseException, job: SaveJob) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
-    err = CheckpointStorageError(f"save of step {job.step} to {job.url} failed: {e}")
+    err = CheckpointStorageError(f"save of step {job.step} to {job.url} failed: {describe(e)}")
     err.__cause__ = e
     return err
 

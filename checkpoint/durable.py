@@ -33,6 +33,7 @@ from checkpoint.commit import (
     read_manifest,
     verify_checkpoint,
 )
+from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, check_fits, is_rank_key
 from checkpoint.fsspec_storage import Location, LocationReader
 from checkpoint.groups import Coordination
@@ -85,7 +86,7 @@ def load_into(directory: Location, target: FlatState, coord: Coordination) -> No
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise CheckpointStorageError(f"loading {directory.url} failed: {e}") from e
+        raise CheckpointStorageError(f"loading {directory.url} failed: {describe(e)}") from e
 
 
 class DurableTier:

@@ -4,9 +4,11 @@
 ``file:///data/ckpt``, ``memory://x``) to an fsspec filesystem once, or wraps
 a filesystem given by the caller (tests pass deliberately faulty ones).
 
-:class:`ChecksummingWriter` is DCP's fsspec writer with every written object
-passed through a CRC-32C as it streams out, so the manifest gets sizes and
-checksums in the same pass as the write, without reading anything back.
+:class:`ChecksummingWriter` is DCP's fsspec writer that records the size and
+CRC-32C of every object it writes, for the manifest.  On object stores each
+chunk is checksummed as it streams out; on a local disk the file is
+checksummed from the page cache while its fsync runs (the two overlap, so
+the checksum costs no time of its own), see :class:`_ChecksumStream`.
 While it writes, torch's own per-record zip CRC-32 is switched off
 (:func:`torch_zip_crc_off`): it would be a second checksum pass over the
 same bytes, and the manifest's checksum covers every byte of the object.
@@ -16,6 +18,7 @@ same bytes, and the manifest's checksum covers every byte of the object.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import posixpath
 import threading
@@ -108,12 +111,30 @@ class Location:
 
 
 class _ChecksumStream(io.RawIOBase):
-    """A write-only stream that checksums and counts bytes on their way out."""
+    """A write-only stream that counts the bytes it passes on and checksums them.
 
-    def __init__(self, raw: Any) -> None:
+    Elsewhere than on a local disk, each chunk is checksummed as it streams
+    out.  On a local disk (``durable``) the checksum is taken from the file
+    itself while it is made durable: at :meth:`close`, one thread fsyncs the
+    file while another checksums its bytes straight from the page cache (a
+    read-only mapping of the same file, no copy).  The CPU work then runs
+    while the disk is busy flushing rather than before it, and the checksum
+    covers exactly what the file holds.
+    """
+
+    def __init__(self, raw: Any, *, durable: bool) -> None:
         super().__init__()
         self._raw = raw
-        self.crc: RunningChecksum = new_checksum()
+        self._reader_fd: int | None = _reopen_for_reading(raw) if durable else None
+        self._durable = durable
+        self._inline: RunningChecksum | None = (
+            None if self._reader_fd is not None else new_checksum()
+        )
+        self._abandoned = False
+        #: Bytes written.
+        self.size = 0
+        #: Checksum of the object (hex), once closed.
+        self.checksum: str | None = None
 
     def writable(self) -> bool:
         return True
@@ -123,7 +144,9 @@ class _ChecksumStream(io.RawIOBase):
         written = self._raw.write(view)
         if written is None:
             written = view.nbytes
-        self.crc.update(view[:written])
+        if self._inline is not None:
+            self._inline.update(view[:written])
+        self.size += int(written)
         return int(written)
 
     def tell(self) -> int:
@@ -136,13 +159,87 @@ class _ChecksumStream(io.RawIOBase):
     def fileno(self) -> int:
         return int(self._raw.fileno())
 
+    def abandon(self) -> None:
+        """The write failed: close without syncing or checksumming."""
+        self._abandoned = True
+        self.close()
+
     def close(self) -> None:
         if self.closed:
             return
         try:
-            self._raw.close()
+            if not self._abandoned:
+                self._raw.flush()
+                if self._reader_fd is not None:
+                    self.checksum = _sync_and_checksum(
+                        int(self._raw.fileno()), self._reader_fd, self.size
+                    )
+                else:
+                    assert self._inline is not None
+                    if self._durable:
+                        os.fsync(self._raw.fileno())
+                    self.checksum = self._inline.hexdigest()
         finally:
-            super().close()
+            try:
+                if self._reader_fd is not None:
+                    os.close(self._reader_fd)
+                    self._reader_fd = None
+                self._raw.close()
+            finally:
+                super().close()
+
+
+def _reopen_for_reading(raw: Any) -> int | None:
+    """A read-only descriptor of the file behind ``raw`` (None when it has none)."""
+    try:
+        return os.open(f"/proc/self/fd/{int(raw.fileno())}", os.O_RDONLY | os.O_CLOEXEC)
+    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+        return None
+
+
+def _sync_and_checksum(write_fd: int, read_fd: int, expected_size: int) -> str:
+    """fsync ``write_fd`` and, at the same time, checksum the file through ``read_fd``.
+
+    Raises:
+        OSError: the fsync or the read-back failed, or the file does not hold
+            the ``expected_size`` bytes that were written to it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def read_back() -> None:
+        try:
+            outcome["checksum"] = _checksum_of_file(read_fd, expected_size)
+        except BaseException as e:  # re-raised on the writing thread
+            outcome["error"] = e
+
+    reader = threading.Thread(target=read_back, name="ringmaster-checksum", daemon=True)
+    reader.start()
+    try:
+        os.fsync(write_fd)
+    finally:
+        reader.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return str(outcome["checksum"])
+
+
+def _checksum_of_file(fd: int, expected_size: int) -> str:
+    size = os.fstat(fd).st_size
+    if size != expected_size:
+        raise OSError(f"file holds {size} bytes after writing {expected_size}")
+    crc = new_checksum()
+    if size:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(mapped) as view:
+                for start in range(0, size, _READ_BACK_SLICE):
+                    with view[start : start + _READ_BACK_SLICE] as part:
+                        crc.update(part)
+    return crc.hexdigest()
+
+
+#: Slice of a mapped file checksummed per call (bounds how long one call runs).
+_READ_BACK_SLICE = 64 << 20
 
 
 _zip_crc_lock = threading.Lock()
@@ -178,11 +275,18 @@ def torch_zip_crc_off() -> Iterator[None]:
 
 
 class _RecordingFileSystem(_DcpFsspecFileSystem):
-    """DCP's fsspec adapter on a given filesystem; records what is written."""
+    """DCP's fsspec adapter on a given filesystem; records what is written.
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    Args:
+        fs: the filesystem.
+        durable: fsync every written file before it counts as written (local
+            disks; see :class:`_ChecksumStream`).
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, *, durable: bool = False) -> None:
         super().__init__()
         self.fs = fs
+        self.durable = durable
         self._lock = threading.Lock()
         self.written: dict[str, tuple[int, str]] = {}
 
@@ -196,11 +300,16 @@ class _RecordingFileSystem(_DcpFsspecFileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _ChecksumStream(raw)
-            yield stream
-            stream.close()
+            stream = _ChecksumStream(raw, durable=self.durable)
+            try:
+                yield stream
+            except BaseException:
+                stream.abandon()
+                raise
+            stream.close()  # DCP may have closed it already: then this is a no-op
+        assert stream.checksum is not None
         with self._lock:
-            self.written[os.fspath(path)] = (stream.crc.size, stream.crc.hexdigest())
+            self.written[os.fspath(path)] = (stream.size, stream.checksum)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -222,13 +331,14 @@ class ChecksummingWriter(FsspecWriter):
         super().__init__(
             location.root,
             single_file_per_rank=True,
-            # fsync is meaningful on local disks; elsewhere DCP would fall back
-            # to a machine-wide os.sync() on every object.
-            sync_files=location.is_local,
+            # The streams fsync local files themselves, overlapped with their
+            # checksum; elsewhere DCP would fall back to a machine-wide
+            # os.sync() on every object.
+            sync_files=False,
             thread_count=thread_count,
             overwrite=False,
         )
-        self._recorder = _RecordingFileSystem(location.fs)
+        self._recorder = _RecordingFileSystem(location.fs, durable=location.is_local)
         # DCP annotates ``fs`` as its local FileSystem; any FileSystemBase works.
         self.fs = self._recorder  # type: ignore[assignment]
         self.path = location.root

@@ -1,23 +1,34 @@
 """Object checksums: CRC-32C for new checkpoints, older CRC-32 manifests still verify.
 
-Over file:// in one process.  A checkpoint written now names ``crc32c``; one
-rewritten to look like an older checkpoint (``crc32`` manifest) still verifies
-and still catches a flipped byte; an unknown algorithm is refused by name.
+Over file:// (and memory:// for the streamed path) in one process.  A
+checkpoint written now names ``crc32c``; on a local disk the checksum is
+read back from the file while it is fsynced, and equals the one streamed
+to other filesystems; a failed fsync fails the save; one rewritten to look
+like an older checkpoint (``crc32`` manifest) still verifies and still
+catches a flipped byte; an unknown algorithm is refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
+import os
+import uuid
 import zlib
 from typing import Any
 
 import pytest
 import torch
 
-from checkpoint import Checkpointer, TrainState, checksums
-from checkpoint.api import MANIFEST_NAME, CheckpointCorruptError, ObjectEntry
+from checkpoint import Checkpointer, TrainState, checksums, fsspec_storage
+from checkpoint.api import (
+    MANIFEST_NAME,
+    CheckpointCorruptError,
+    CheckpointStorageError,
+    ObjectEntry,
+)
 from checkpoint.checksums import KNOWN_ALGORITHMS, checksum_hex, new_checksum
 from checkpoint.commit import read_manifest, verify_checkpoint, write_manifest
 from checkpoint.fsspec_storage import Location, torch_zip_crc_off
@@ -72,6 +83,62 @@ def test_new_checkpoints_name_crc32c_and_verify(tmp_path: Any) -> None:
     assert info is not None
     assert ckpt.verify(info).ok
     ckpt.close()
+
+
+def _data_objects(ckpt: Checkpointer) -> dict[str, tuple[int, str]]:
+    info = ckpt.latest()
+    assert info is not None and info.manifest is not None
+    return {
+        o.path: (o.size, o.checksum) for o in info.manifest.objects if o.path.endswith(".distcp")
+    }
+
+
+def test_local_checksums_come_from_the_file_and_equal_streamed_ones(tmp_path: Any) -> None:
+    local = Checkpointer(f"file://{tmp_path}/ck", thread_count=2)
+    streamed = Checkpointer(f"memory://sums-{uuid.uuid4().hex[:8]}/ck", thread_count=2)
+    state = _state()
+    local.save_now(1, state)
+    streamed.save_now(1, state)
+    on_disk = _data_objects(local)
+    assert len(on_disk) == 2  # one object per writer thread
+    # The same tensors serialise to the same bytes: read back or streamed, same sums.
+    assert on_disk == _data_objects(streamed)
+    info = local.latest()
+    assert info is not None
+    for path, (size, crc) in on_disk.items():
+        assert (size, crc) == local.root.child(info.name).checksum_object(
+            str(tmp_path / "ck" / info.name / path)
+        )
+    local.close()
+    streamed.close()
+
+
+def test_failed_fsync_fails_the_save_and_commits_nothing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpointer(f"file://{tmp_path}/ck")
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fsspec_storage.os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointStorageError, match=r"failed: rank 0: OSError: .*Input/output"):
+        ckpt.save_now(1, _state())
+    monkeypatch.undo()
+    assert ckpt.latest() is None
+    assert all(not info.committed for info in ckpt.list())
+
+
+def test_read_back_refuses_a_file_shorter_than_what_was_written(tmp_path: Any) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="holds 100 bytes after writing 120"):
+            fsspec_storage._checksum_of_file(fd, 120)
+        assert fsspec_storage._checksum_of_file(fd, 100) == checksum_hex(b"x" * 100)
+    finally:
+        os.close(fd)
 
 
 def _as_crc32_manifest(directory: Location) -> None:

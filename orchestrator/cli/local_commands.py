@@ -78,7 +78,16 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     help="start from this checkpoint directory, or the newest committed one under this root",
 )
 @click.option(
-    "--force", is_flag=True, help="with --from: accept a checkpoint of a differently set-up job"
+    "--resume",
+    "resume_own",
+    is_flag=True,
+    help="resume from the newest committed checkpoint under the job's checkpoint.url; "
+    "fail before starting if there is none",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="with --from/--resume: accept a checkpoint of a differently set-up job",
 )
 @etcd_options
 @handle_errors
@@ -89,10 +98,15 @@ def run(
     metrics_port: int,
     report_path: str | None,
     from_url: str | None,
+    resume_own: bool,
     force: bool,
     **kw: Any,
 ) -> None:
-    """Run a job on this machine: etcd (embedded unless --etcd), controller, agents."""
+    """Run a job on this machine: etcd (embedded unless --etcd), controller, agents.
+
+    Without --from or --resume the job still continues from its own newest
+    committed checkpoint when there is one, and starts fresh otherwise.
+    """
     from orchestrator.jobs import plan_resume
     from orchestrator.live_view import LiveView
     from orchestrator.local_run import LocalRun
@@ -101,14 +115,16 @@ def run(
 
     spec = load_job_file(job_file)
     resume = None
-    if from_url:
+    if from_url and resume_own:
+        fail("give either --from URL or --resume (the job's own checkpoints), not both", 2)
+    if from_url or resume_own:
         from orchestrator.cli.checkpoint_commands import print_resume
 
         # Checked before anything starts: reachable, committed, from a job like this one.
         resume = plan_resume(spec, from_url, force=force)
         print_resume(spec.name, resume, spec.nodes.max * spec.nproc_per_node)
     elif force:
-        fail("--force only applies with --from", 2)
+        fail("--force only applies with --from or --resume", 2)
     with (
         LiveView(console, spec.name, spec.max_steps) as view,
         LocalRun(

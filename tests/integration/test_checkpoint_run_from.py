@@ -1,4 +1,4 @@
-"""`ringmaster run job.yaml --from URL`: real runs resume another run's checkpoint.
+"""`ringmaster run job.yaml --from URL` / `--resume`: real runs resume committed checkpoints.
 
 A job with top-k gradient compression trains at world size 2 and commits
 checkpoints (with each rank's comm hook state).  Two more runs start from it
@@ -9,6 +9,8 @@ through the real CLI, each with a real controller, node agents and workers:
   step counter continues from the checkpoint instead of restarting.
 
 The hook state is read back from the checkpoints each run committed.
+``run --resume`` continues a job from its own checkpoint root, and refuses
+before starting when there is nothing to resume.
 """
 
 from __future__ import annotations
@@ -117,3 +119,26 @@ def test_run_from_refuses_a_missing_checkpoint_before_starting(etcd: Any, tmp_pa
     assert result.exit_code == 1
     assert "no committed checkpoint under" in result.output
     assert "[run] submitted" not in result.output
+
+
+def test_run_resume_continues_the_jobs_own_checkpoints(etcd: Any, tmp_path: Path) -> None:
+    name = f"again-{uuid.uuid4().hex[:6]}"
+    job = _job_file(tmp_path, name, nodes=1, steps=10)
+
+    # No checkpoint yet: refused before anything starts.
+    refused = CliRunner().invoke(main, ["run", str(job), "--etcd", etcd.endpoint, "--resume"])
+    assert refused.exit_code == 1
+    assert f"cannot resume job '{name}'" in refused.output and "does not exist" in refused.output
+    assert "[run] submitted" not in refused.output
+
+    both = CliRunner().invoke(
+        main, ["run", str(job), "--etcd", etcd.endpoint, "--resume", "--from", str(tmp_path)]
+    )
+    assert both.exit_code == 2 and "not both" in both.output
+
+    _run(etcd, job)
+    longer = _job_file(tmp_path, name, nodes=1, steps=20)
+    out = _run(etcd, longer, "--resume")
+    assert "resumes from step 10" in out
+    step, _ = _hook_states(f"file://{tmp_path}/{name}")
+    assert step == 20

@@ -469,6 +469,7 @@ class Session:
         from checkpoint import Checkpointer
         from orchestrator.jobs import checkpoint_hash
 
+        previous = self._ckpt
         self._ckpt = None
         self._pending_save = None
         cfg = self.spec.checkpoint
@@ -481,6 +482,10 @@ class Session:
             check_storage=first,
             fence=self._check_commit,
         )
+        if previous is not None:
+            # Same model, and usually the same share: the first save of this
+            # generation then copies into existing buffers instead of allocating.
+            self._ckpt.adopt_staging(previous)
 
     def _train_state(self) -> Any:
         from checkpoint import TrainState

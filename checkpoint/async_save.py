@@ -152,6 +152,25 @@ class AsyncSaver:
         job = self._inflight
         return job.wait(timeout) if job is not None else None
 
+    def adopt_staging(self, previous: AsyncSaver) -> bool:
+        """Take over ``previous``'s staging buffers when none of them can still be in use.
+
+        A new saver per membership generation would otherwise allocate (and
+        fault in) its buffers again at its first save, with the training loop
+        waiting.  Buffers an upload is still reading are never shared: a save
+        staged over them could commit a mix of two steps whose checksums match.
+
+        Returns:
+            True when the buffers were taken over; False when ``previous`` is
+            still uploading (this saver allocates its own).
+        """
+        job = previous._inflight
+        thread = previous._thread
+        if (job is not None and not job.done()) or (thread is not None and thread.is_alive()):
+            return False
+        self._stager, previous._stager = previous._stager, Stager()
+        return True
+
     def prepare(self, flat: FlatState) -> None:
         """Allocate staging buffers for this rank's share now, so the first save is fast too."""
         owners = assign_owners(flat, self.coord.world_size)

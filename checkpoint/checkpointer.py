@@ -232,6 +232,15 @@ class Checkpointer:
         flat, _ = capture(state, self.coord.rank)
         self.saver.prepare(flat)
 
+    def adopt_staging(self, previous: Checkpointer) -> bool:
+        """Reuse ``previous``'s staging memory (e.g. the checkpointer of the last generation).
+
+        The first save then copies into buffers that already exist instead of
+        allocating them while training waits.  Nothing is shared while
+        ``previous`` still uploads; see :meth:`AsyncSaver.adopt_staging`.
+        """
+        return self.saver.adopt_staging(previous.saver)
+
     def snapshot(self, step: int, state: TrainState) -> None:
         """Copy ``state`` into the node memory tier (no-op when it is disabled)."""
         if self.memory is not None:

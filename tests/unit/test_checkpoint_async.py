@@ -146,3 +146,55 @@ def test_prepare_allocates_this_ranks_share_before_the_first_save() -> None:
     assert ckpt.saver._stager.staged_bytes == params  # SGD without momentum: no optimizer tensors
     handle = ckpt.save_async(1, state)
     assert handle is not None and handle.wait().step == 1
+
+
+def _buffer_addresses(ckpt: Checkpointer) -> dict[str, int]:
+    return {k: b.data_ptr() for k, b in ckpt.saver._stager._buffers.items()}
+
+
+def test_next_generation_reuses_staging_memory_once_the_old_upload_is_done() -> None:
+    url = f"memory://adopt-{uuid.uuid4().hex[:8]}/ckpt"
+    state = _state()
+    old = Checkpointer(url)
+    first = old.save_async(1, state)
+    assert first is not None
+    first.wait(timedelta(seconds=30))
+    addresses = _buffer_addresses(old)
+    assert addresses
+
+    new = Checkpointer(url)
+    assert new.adopt_staging(old)
+    assert old.saver._stager.staged_bytes == 0  # handed over, not shared
+    handle = new.save_async(2, state)
+    assert handle is not None and handle.wait(timedelta(seconds=30)).step == 2
+    assert _buffer_addresses(new) == addresses  # copied into the same memory
+
+
+def test_buffers_of_an_upload_in_flight_are_never_shared(gated: Any) -> None:
+    url, fs, gate = gated
+    state = _state()
+    old = Checkpointer(url, filesystem=fs)
+    uploading = old.save_async(1, state)
+    assert uploading is not None and not uploading.done()
+    saved = {k: v.clone() for k, v in state.model.state_dict().items()}
+
+    # Another root, so the new saver's retention leaves the old save alone.
+    new = Checkpointer(f"{url}-next", filesystem=fs)
+    assert not new.adopt_staging(old)
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)  # the next generation trains on
+    later = new.save_async(2, state)  # stages step 2 into buffers of its own
+    assert later is not None
+    assert set(_buffer_addresses(new).values()).isdisjoint(_buffer_addresses(old).values())
+    gate.set()
+    uploading.wait(timedelta(seconds=30))
+    later.wait(timedelta(seconds=30))
+
+    # Step 1 holds step 1's values, not step 2's.
+    restored = _state()
+    reader = Checkpointer(url, filesystem=fs)
+    step_1 = next(i for i in reader.list() if i.step == 1)
+    reader.restore(restored, url=f"{url}/{step_1.name}")
+    for key, value in restored.model.state_dict().items():
+        assert torch.equal(value, saved[key])

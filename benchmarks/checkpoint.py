@@ -41,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -222,17 +223,33 @@ def throughput_pair(
     state: TrainState, workdir: Path, saves: RingmasterSaves, threads: int, raw_first: bool
 ) -> dict[str, float]:
     """A raw write and a ringmaster upload back to back, in the order given."""
-    r: dict[str, float] = {}
-    if raw_first:
-        r.update(bench_raw_write(state, workdir, threads))
-        r.update(saves.save(state))
-    else:
-        r.update(saves.save(state))
-        r.update(bench_raw_write(state, workdir, threads))
+    r: dict[str, float] = {"raw_first": float(raw_first)}
+    both = [lambda: bench_raw_write(state, workdir, threads), lambda: saves.save(state)]
+    for measure in both if raw_first else both[::-1]:
+        r.update(measure())
     r["upload_mib_s"] = r["upload_bytes"] / r["upload_s"] / 2**20
     r["raw_mib_s"] = r["raw_bytes"] / r["raw_s"] / 2**20
     r["throughput_ratio"] = r["upload_mib_s"] / r["raw_mib_s"]
     return r
+
+
+def counted_rounds(
+    args: argparse.Namespace,
+    kind: str,
+    measure: Callable[[int], dict[str, float]],
+    describe: Callable[[dict[str, float]], str],
+) -> list[dict[str, float]]:
+    """Run ``args.warmup`` + ``args.rounds`` rounds, print each, return the counted ones."""
+    counted: list[dict[str, float]] = []
+    for i in range(args.warmup + args.rounds):
+        r = measure(i)
+        if i >= args.warmup:
+            counted.append(r)
+            label = f"{kind} {i + 1 - args.warmup}"
+        else:
+            label = f"{kind} warm-up {i + 1}"
+        print(f"{label}: {describe(r)}")
+    return counted
 
 
 def main() -> None:
@@ -262,36 +279,31 @@ def main() -> None:
         first = saves.save(state)
 
         # Blocking: ratios within a round (I/O and CPU speed drift over a run).
-        blocking: list[dict[str, float]] = []
-        for i in range(args.warmup + args.rounds):
-            r = blocking_round(state, workdir, saves)
-            counted = i >= args.warmup
-            if counted:
-                blocking.append(r)
-            label = f"round {i + 1 - args.warmup}" if counted else f"warm-up {i + 1}"
-            print(
-                f"blocking {label}: torch.save {r['torch_save_s']:.3f} s "
+        blocking = counted_rounds(
+            args,
+            "blocking round",
+            lambda i: blocking_round(state, workdir, saves),
+            lambda r: (
+                f"torch.save {r['torch_save_s']:.3f} s "
                 f"(durable {r['torch_save_durable_s']:.3f} s) | DCP async_save blocks "
                 f"{r['dcp_async_blocking_s']:.3f} s | ringmaster blocks {r['blocking_s']:.3f} s "
                 f"= {r['blocking_ratio']:.3f} of durable torch.save "
                 f"({r['blocking_ratio_page_cache']:.3f} of its page-cache time)"
-            )
-
+            ),
+        )
         # Throughput: a raw write and a ringmaster upload side by side, the
         # order alternating (raw first, then ringmaster first, ...), so that
         # neither always follows the other's deletes and flushes.
-        pairs: list[dict[str, float]] = []
-        for i in range(args.warmup + args.rounds):
-            r = throughput_pair(state, workdir, saves, args.threads, raw_first=i % 2 == 0)
-            counted = i >= args.warmup
-            if counted:
-                pairs.append(r)
-            label = f"pair {i + 1 - args.warmup}" if counted else f"warm-up {i + 1}"
-            print(
-                f"throughput {label} ({'raw' if i % 2 == 0 else 'ringmaster'} first): "
-                f"ringmaster uploads {r['upload_mib_s']:.0f} MiB/s | raw write "
-                f"{r['raw_mib_s']:.0f} MiB/s | ratio {r['throughput_ratio']:.2f}"
-            )
+        pairs = counted_rounds(
+            args,
+            "throughput pair",
+            lambda i: throughput_pair(state, workdir, saves, args.threads, raw_first=i % 2 == 0),
+            lambda r: (
+                f"{'raw' if r['raw_first'] else 'ringmaster'} first | ringmaster uploads "
+                f"{r['upload_mib_s']:.0f} MiB/s | raw write {r['raw_mib_s']:.0f} MiB/s | "
+                f"ratio {r['throughput_ratio']:.2f}"
+            ),
+        )
         # A new membership generation opens a new checkpointer; it takes the
         # last one's staging buffers over, so its first save does not allocate.
         next_generation = RingmasterSaves(workdir, args.threads)

@@ -164,9 +164,7 @@ class AsyncSaver:
             True when the buffers were taken over; False when ``previous`` is
             still uploading (this saver allocates its own).
         """
-        job = previous._inflight
-        thread = previous._thread
-        if (job is not None and not job.done()) or (thread is not None and thread.is_alive()):
+        if previous.inflight is not None:
             return False
         self._stager, previous._stager = previous._stager, Stager()
         return True

@@ -300,6 +300,18 @@ class EtcdClient:
         self._ids = itertools.count()
         self._failing_since: float | None = None
 
+    def _record_silence(self, end: float, seconds: float) -> None:
+        """Record a silence, unless it lies inside the one recorded already.
+
+        Calls that were started during an outage end one after another once
+        etcd answers again; the first answer ends the outage, and a later,
+        shorter wait that overlaps it is the same outage, not a new one.
+        """
+        previous = self.last_silence
+        if previous is not None and end - seconds < previous[0] and seconds <= previous[1]:
+            return
+        self.last_silence = (end, seconds)
+
     def unreachable_for(self) -> float:
         """How long etcd has kept a call of this client waiting or failing (0: all is well).
 
@@ -358,7 +370,7 @@ class EtcdClient:
                     since = min(since, self._failing_since)
                 waited = now - since
                 if waited > SILENCE_THRESHOLD.total_seconds():
-                    self.last_silence = (now, waited)
+                    self._record_silence(now, waited)
                 self.last_success = now
                 self._failing_since = None
                 return result

@@ -145,7 +145,10 @@ def test_torchrun_finishes_after_a_node_is_killed(
             records = _records(tmp_path, tag)
             done = [r for r in records if r["event"] == "done"]
             assert len(done) == 1, f"{tag} did not finish its loop once: {done}"
-            assert done[0]["world"] == 2 and done[0]["restart"] >= 1
+            # A new worker (WORLD_SIZE is fixed per process).  torchrun counts a
+            # restart only when its own worker failed; when the survivor's agent
+            # sees the membership change first, it restarts without counting.
+            assert done[0]["world"] == 2
             reformed = [r for r in records if r["event"] == "step" and r["world"] == 2]
             assert reformed and reformed[0]["t"] > killed_at
             # Detection, re-rendezvous and a worker restart (import torch) in seconds.

@@ -3,7 +3,7 @@
 One :class:`LogShipper` per worker process.  A reader thread passes every
 line on to ``sink`` at once (a local run shows it live, prefixed by node) and
 queues it; every ``flush_every`` the queued lines go to etcd as one chunk
-(:mod:`orchestrator.logs` has the layout).  Once this worker's chunks exceed
+(:mod:`orchestrator.observe.logs` has the layout).  Once this worker's chunks exceed
 ``keep_bytes``, the oldest are deleted.  etcd being unreachable never blocks
 or kills the worker: lines wait (bounded) and go with the next flush.
 """
@@ -18,8 +18,8 @@ from collections import deque
 from typing import IO
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.logs import encode_chunk
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.observe.logs import encode_chunk
 
 log = logging.getLogger("ringmaster.agent")
 

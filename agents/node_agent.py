@@ -45,7 +45,7 @@ from agents.api import WorkerEnv
 from agents.log_shipper import LogShipper
 from orchestrator import events, keys
 from orchestrator.api import EtcdError, JobPhase, JobSpec
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, Lease, retry_unavailable
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, Lease, retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent

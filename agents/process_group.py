@@ -23,8 +23,8 @@ import torch.distributed as dist
 from agents.api import RecoveryError
 from orchestrator import keys
 from orchestrator.api import EtcdError
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.fencing import FencedError, GenerationFence
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.fencing import FencedError, GenerationFence
 
 log = logging.getLogger(__name__)
 

@@ -58,14 +58,14 @@ from agents.state_sync import NO_STATE, sync_state
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError, JobPhase, JobSpec, Plan
-from orchestrator.etcd_client import (
+from orchestrator.etcd.client import (
     EtcdClient,
     EtcdOptions,
     connect,
     parse_endpoints,
     retry_unavailable,
 )
-from orchestrator.fencing import FencedError, GenerationFence
+from orchestrator.etcd.fencing import FencedError, GenerationFence
 
 log = logging.getLogger("ringmaster.worker")
 

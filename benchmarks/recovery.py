@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.embedded_etcd import free_port  # noqa: E402
+from orchestrator.etcd.embedded import free_port  # noqa: E402
 
 STEPS = 400
 KILL_AT = 100

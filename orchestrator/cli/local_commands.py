@@ -37,7 +37,7 @@ def validate(job_file: str) -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False), help="keep data here")
 def etcd_cmd(port: int, data_dir: str | None) -> None:
     """Run a local etcd in the foreground (development)."""
-    from orchestrator.embedded_etcd import EmbeddedEtcd
+    from orchestrator.etcd.embedded import EmbeddedEtcd
 
     server = EmbeddedEtcd(data_dir=data_dir, client_port=port)
     with server:
@@ -108,9 +108,9 @@ def run(
     committed checkpoint when there is one, and starts fresh otherwise.
     """
     from orchestrator.jobs import plan_resume
-    from orchestrator.live_view import LiveView
     from orchestrator.local_run import LocalRun
-    from orchestrator.report import write_report
+    from orchestrator.observe.live_view import LiveView
+    from orchestrator.observe.report import write_report
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)

@@ -38,7 +38,7 @@ def events_cmd(job: str, as_json: bool, types: tuple[str, ...], **kw: Any) -> No
             click.echo(json.dumps(asdict(ev), sort_keys=True))
         return
     table = Table("time", "type", "source", "message")
-    from orchestrator.live_view import FAILURE_EVENTS, RECOVERY_EVENTS
+    from orchestrator.observe.live_view import FAILURE_EVENTS, RECOVERY_EVENTS
 
     for ev in log:
         style = (
@@ -67,7 +67,7 @@ def events_cmd(job: str, as_json: bool, types: tuple[str, ...], **kw: Any) -> No
 @handle_errors
 def report(job: str, output: str, png_path: str | None, **kw: Any) -> None:
     """Write an HTML report (loss, throughput, failures, recoveries) and a PNG."""
-    from orchestrator.report import write_report
+    from orchestrator.observe.report import write_report
 
     with connect_client(kw) as client:
         html_out, png_out, data = write_report(client, job, output, png_path)
@@ -88,7 +88,7 @@ def report(job: str, output: str, png_path: str | None, **kw: Any) -> None:
 @handle_errors
 def watch(job: str, interval: float, **kw: Any) -> None:
     """Follow a job: a progress bar (step, rate, ETA, phase), failures and recoveries."""
-    from orchestrator.live_view import LiveView
+    from orchestrator.observe.live_view import LiveView
 
     with connect_client(kw) as client:
         spec, _ = jobs.read_spec(client, job)

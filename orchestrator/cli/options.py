@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 
 from orchestrator.api import OrchestratorError, SpecError
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, parse_endpoints
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect, parse_endpoints
 
 console = Console()
 err_console = Console(stderr=True)

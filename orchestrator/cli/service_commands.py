@@ -15,7 +15,7 @@ from orchestrator.cli.options import (
     fail,
     handle_errors,
 )
-from orchestrator.etcd_client import connect
+from orchestrator.etcd.client import connect
 
 
 @click.command()
@@ -72,7 +72,7 @@ def controller(job: str | None, metrics_port: int | None, metrics_host: str, **k
     import logging
     import threading
 
-    from orchestrator.controller import Controller
+    from orchestrator.controller.service import Controller
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     stop = threading.Event()

@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator import jobs, keys
 from orchestrator.api import EtcdAuthError, EtcdError, JobSpec
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
 from orchestrator.operator.api import PermanentOperatorError, RetryableOperatorError
 
 

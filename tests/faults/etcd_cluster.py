@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from orchestrator.embedded_etcd import find_etcd_binary, free_port
+from orchestrator.etcd.embedded import find_etcd_binary, free_port
 from orchestrator.process_lifetime import tie_to_parent
 
 #: How long a starting member (or a whole cluster) may take to become healthy.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.api import JobSpec
-from orchestrator.embedded_etcd import EmbeddedEtcd, EtcdUser, ServerTLS
+from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser, ServerTLS
 from orchestrator.spec_loader import load_job_data
 from tests.certs import TLSFiles
 

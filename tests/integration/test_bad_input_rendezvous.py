@@ -3,7 +3,7 @@
 The state of a run lives in one etcd key as ``magic + crc32 + state``.  Random
 bytes, every truncation and every changed byte of a real encoded state are
 written to a real etcd and read back through
-:class:`~orchestrator.rendezvous.EtcdRendezvousBackend`: the reader must
+:class:`~orchestrator.rendezvous.backend.EtcdRendezvousBackend`: the reader must
 return exactly the state written, or raise torch's ``RendezvousStateError``
 naming the key.  A writer whose compare-and-set loses to a corrupt state gets
 the same error instead of the bad bytes.
@@ -19,9 +19,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
-from orchestrator.rendezvous import EtcdRendezvousBackend, _encode_state
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.rendezvous.backend import EtcdRendezvousBackend, _encode_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

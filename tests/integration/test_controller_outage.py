@@ -1,6 +1,6 @@
 """The controller across a real etcd quorum loss: pause, grace, then detection again.
 
-A :class:`~orchestrator.controller.JobController` runs a job on a real
+A :class:`~orchestrator.controller.service.JobController` runs a job on a real
 three-member cluster; nodes are plain registrations and heartbeats written
 by the test (no training processes).  Two members are killed and restarted:
 the controller's next look marks the job ``Paused`` with the reason, and a
@@ -17,11 +17,11 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import controller as controller_module
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase
-from orchestrator.controller import JobController
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect, retry_unavailable
+from orchestrator.controller import service as controller_module
+from orchestrator.controller.service import JobController
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect, retry_unavailable
 from orchestrator.spec_loader import load_job_data
 from tests.faults.etcd_cluster import EtcdCluster
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdOptions, connect
+from orchestrator.etcd.client import EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_sigkilled_parent_leaves_no_etcd(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import time
-        from orchestrator.embedded_etcd import EmbeddedEtcd
+        from orchestrator.etcd.embedded import EmbeddedEtcd
         server = EmbeddedEtcd().start()
         open({str(pid_file)!r}, "w").write(str(server.pid))
         time.sleep(600)

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.embedded_etcd import free_port
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, WatchEvent, connect
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, WatchEvent, connect
+from orchestrator.etcd.embedded import free_port
 
 pytestmark = pytest.mark.integration
 

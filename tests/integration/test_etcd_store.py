@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
-from orchestrator.etcd_store import (
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.rendezvous.store import (
     EtcdStore,
     EtcdStoreConnectionError,
     EtcdStoreTimeoutError,

@@ -25,14 +25,14 @@ from checkpoint import Checkpointer, TrainState
 from checkpoint.api import CheckpointError, CommitFencedError
 from orchestrator import keys
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.etcd_client import (
+from orchestrator.etcd.client import (
     EtcdClient,
     EtcdOptions,
     KeyValue,
     connect,
     retry_unavailable,
 )
-from orchestrator.fencing import FencedError, GenerationFence
+from orchestrator.etcd.fencing import FencedError, GenerationFence
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.history import HistoryWriter, Sample, read_history
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.observe.history import HistoryWriter, Sample, read_history
 
 pytestmark = pytest.mark.integration
 

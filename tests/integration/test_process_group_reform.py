@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.embedded_etcd import EmbeddedEtcd
+from orchestrator.etcd.embedded import EmbeddedEtcd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -25,7 +25,7 @@ def _survivor(endpoint: str, job: str, results: Any) -> None:
 
     from agents.api import RecoveryError
     from agents.process_group import form_group, teardown_group
-    from orchestrator.etcd_client import EtcdOptions, connect
+    from orchestrator.etcd.client import EtcdOptions, connect
 
     client = connect(EtcdOptions((endpoint,)))
     short = timedelta(seconds=1)
@@ -49,7 +49,7 @@ def _newcomer(endpoint: str, job: str, results: Any) -> None:
     import torch.distributed as dist
 
     from agents.process_group import form_group, teardown_group
-    from orchestrator.etcd_client import EtcdOptions, connect
+    from orchestrator.etcd.client import EtcdOptions, connect
 
     client = connect(EtcdOptions((endpoint,)))
     long = timedelta(seconds=30)

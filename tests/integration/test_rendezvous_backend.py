@@ -18,10 +18,10 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from orchestrator import keys
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdClient, EtcdOptions, connect
-from orchestrator.etcd_store import RunLease
-from orchestrator.rendezvous import EtcdRendezvousBackend
+from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.rendezvous.backend import EtcdRendezvousBackend
+from orchestrator.rendezvous.store import RunLease
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

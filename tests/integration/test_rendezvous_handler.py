@@ -27,8 +27,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from orchestrator.embedded_etcd import EmbeddedEtcd, free_port
-from orchestrator.rendezvous import (
+from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
+from orchestrator.rendezvous.backend import (
     EtcdRendezvousHandler,
     create_handler,
     handler_factory,
@@ -97,11 +97,11 @@ def test_entry_point_and_registry_find_the_handler(etcd: EmbeddedEtcd) -> None:
 
 def test_importing_ringmaster_first_still_registers_the_entry_point() -> None:
     # torch loads entry points while its rendezvous package initialises, which
-    # here happens in the middle of importing orchestrator.rendezvous.
+    # here happens in the middle of importing orchestrator.rendezvous.backend.
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "import orchestrator.rendezvous\n"
+        "import orchestrator.rendezvous.backend\n"
         "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry\n"
         "print('etcd-v3' in rendezvous_handler_registry._registry)\n"
     )
@@ -199,7 +199,7 @@ _NODE = textwrap.dedent(
     """
     import sys, time
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from orchestrator.rendezvous import create_handler
+    from orchestrator.rendezvous.backend import create_handler
     params = RendezvousParameters(
         "etcd-v3", sys.argv[1], sys.argv[2], 1, 2, local_addr="127.0.0.1",
         last_call_timeout="1", join_timeout="30", ttl="600",

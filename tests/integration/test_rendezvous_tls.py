@@ -16,8 +16,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from orchestrator.embedded_etcd import EmbeddedEtcd, ServerTLS
-from orchestrator.rendezvous import EtcdRendezvousHandler, create_handler
+from orchestrator.etcd.embedded import EmbeddedEtcd, ServerTLS
+from orchestrator.rendezvous.backend import EtcdRendezvousHandler, create_handler
 from tests.certs import make_tls_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

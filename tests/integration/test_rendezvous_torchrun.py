@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.embedded_etcd import EmbeddedEtcd
+from orchestrator.etcd.embedded import EmbeddedEtcd
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

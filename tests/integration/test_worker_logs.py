@@ -15,9 +15,9 @@ from agents.log_shipper import LogShipper
 from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
-from orchestrator.embedded_etcd import EmbeddedEtcd
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.logs import follow_logs, read_logs
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.observe.logs import follow_logs, read_logs
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import etcd_client
-from orchestrator.etcd_client import EtcdClient, EtcdOptions
+from orchestrator.etcd import client as etcd_client
+from orchestrator.etcd.client import EtcdClient, EtcdOptions
 
 pytestmark = pytest.mark.unit
 

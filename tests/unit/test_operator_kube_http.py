@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlparse
 import kopf
 import pytest
 
-from orchestrator.embedded_etcd import free_port
+from orchestrator.etcd.embedded import free_port
 from orchestrator.operator import handlers
 from orchestrator.operator.api import (
     OperatorSettings,

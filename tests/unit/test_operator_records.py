@@ -13,8 +13,8 @@ import pytest
 
 from orchestrator import jobs, keys
 from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
-from orchestrator.embedded_etcd import EmbeddedEtcd, free_port
-from orchestrator.etcd_client import EtcdClient, EtcdOptions
+from orchestrator.etcd.client import EtcdClient, EtcdOptions
+from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
 from orchestrator.operator.api import RetryableOperatorError
 from orchestrator.operator.records import EtcdJobRecords
 

@@ -7,8 +7,8 @@ from prometheus_client import generate_latest
 
 from orchestrator.api import JobPhase
 from orchestrator.events import Event
-from orchestrator.metrics import JobMetrics
-from orchestrator.recoveries import (
+from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.recoveries import (
     PHASES,
     FailureCause,
     RecoveryRecord,

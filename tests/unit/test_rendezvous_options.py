@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from orchestrator.etcd_client import KeyValue
-from orchestrator.rendezvous import (
+from orchestrator.etcd.client import KeyValue
+from orchestrator.rendezvous.backend import (
     DEFAULT_ETCD_PORT,
     EtcdRendezvousBackend,
     create_handler,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient, KeyValue
+from orchestrator.etcd.client import EtcdClient, KeyValue
 
 
 @dataclass(frozen=True)

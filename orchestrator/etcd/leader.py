@@ -19,7 +19,7 @@ from datetime import timedelta
 
 from orchestrator import keys
 from orchestrator.api import EtcdError, EtcdUnavailableError
-from orchestrator.etcd_client import EtcdClient, Lease
+from orchestrator.etcd.client import EtcdClient, Lease
 
 log = logging.getLogger(__name__)
 

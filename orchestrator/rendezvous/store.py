@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from orchestrator.api import EtcdError
-from orchestrator.etcd_client import EtcdClient, KeyValue, Lease
+from orchestrator.etcd.client import EtcdClient, KeyValue, Lease
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from orchestrator import keys
 from orchestrator.api import EtcdError, OrchestratorError
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
 

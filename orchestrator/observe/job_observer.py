@@ -1,13 +1,13 @@
 """What the controller observes about a job, beyond deciding who trains.
 
-:class:`JobObserver` is fed by :class:`~orchestrator.controller.JobController`
+:class:`JobObserver` is fed by :class:`~orchestrator.controller.service.JobController`
 on every tick and at the moments that matter (a failure seen, a failure
 declared, a recovery finished, a checkpoint committed).  From that it keeps
 the job status's observability fields (rate, throughput, loss, effective
 training time, the last recovery), appends the sampled history
-(:mod:`orchestrator.history`), records membership changes and recoveries as
+(:mod:`orchestrator.observe.history`), records membership changes and recoveries as
 events, stores recovery records, and updates the Prometheus metrics
-(:mod:`orchestrator.metrics`) when the controller serves them.
+(:mod:`orchestrator.observe.metrics`) when the controller serves them.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 from orchestrator import events, keys
 from orchestrator.api import JobPhase, Plan
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.history import HistoryWriter, Sample
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import JobStatus
-from orchestrator.metrics import JobMetrics
-from orchestrator.recoveries import (
+from orchestrator.observe.history import HistoryWriter, Sample
+from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.recoveries import (
     FailureCause,
     RecoveryRecord,
     build_record,

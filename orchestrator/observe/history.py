@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd.client import EtcdClient
 
 #: How often the controller samples a running job.
 SAMPLE_EVERY = timedelta(seconds=float(os.environ.get("RINGMASTER_HISTORY_EVERY", "0.5")))

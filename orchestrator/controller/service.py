@@ -1,6 +1,6 @@
 """The controller: decides who trains, notices failures, publishes generations.
 
-One leader (:mod:`orchestrator.leader`) runs a :class:`JobController` per
+One leader (:mod:`orchestrator.etcd.leader`) runs a :class:`JobController` per
 job.  Everything it knows lives in etcd, so a standby that takes over simply
 reads it back.  Per job it:
 
@@ -18,7 +18,7 @@ reads it back.  Per job it:
   (same ranks, so the ring order is kept), or scales down to ``nodes.min``
   when no spare is left;
 * rides out etcd outages: when etcd did not answer it for longer than
-  :data:`~orchestrator.etcd_client.SILENCE_THRESHOLD` (no quorum, a stall,
+  :data:`~orchestrator.etcd.client.SILENCE_THRESHOLD` (no quorum, a stall,
   leadership lapsed meanwhile), it marks the job
   ``Paused`` with the reason and, for ``OUTAGE_GRACE`` after etcd is back,
   declares no failure from lease expiry, stale heartbeats or missing
@@ -27,7 +27,7 @@ reads it back.  Per job it:
 * relays checkpoint and stop requests to the workers (the ``control`` key,
   agreed on by all ranks at the same step), and records phase and events;
 * observes: rate, history, recovery timings, effective training time and,
-  with ``metrics_port``, Prometheus metrics (:mod:`orchestrator.job_observer`).
+  with ``metrics_port``, Prometheus metrics (:mod:`orchestrator.observe.job_observer`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from typing import Any
 
 from orchestrator import events, keys
 from orchestrator.api import EtcdError, JobPhase, Member, Plan
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.job_observer import JobObserver
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.leader import LeaderElection
 from orchestrator.jobs import JobStatus, read_spec, read_status
-from orchestrator.leader import LeaderElection
 from orchestrator.liveness import Liveness, probe
-from orchestrator.metrics import JobMetrics, MetricsServer
+from orchestrator.observe.job_observer import JobObserver
+from orchestrator.observe.metrics import JobMetrics, MetricsServer
 
 log = logging.getLogger("ringmaster.controller")
 

@@ -8,7 +8,7 @@ so losing that node ends the job.  This module keeps everything in etcd v3:
   key (:func:`orchestrator.keys.rdzv_state`); writes are compare-and-set on
   the key's ``mod_revision`` in one etcd transaction, the ``mod_revision``
   being the fencing token torch's ``DynamicRendezvousHandler`` passes back.
-* :class:`~orchestrator.etcd_store.EtcdStore` is the store the agents get for
+* :class:`~orchestrator.rendezvous.store.EtcdStore` is the store the agents get for
   the work around each round (master address, rank assignment, exit barrier).
 * :class:`EtcdRendezvousHandler` is torch's dynamic handler with one fix that
   makes every node replaceable: the address of the store the *workers*
@@ -24,7 +24,7 @@ Liveness: each agent's handler writes a heartbeat into the state every
 whose heartbeat is older than ``keep_alive_interval * keep_alive_max_attempt``
 is dropped by the next node that reads the state, so a dead node leaves the
 rendezvous within about three seconds.  The run's keys carry a
-:class:`~orchestrator.etcd_store.RunLease`, so an abandoned run's keys expire
+:class:`~orchestrator.rendezvous.store.RunLease`, so an abandoned run's keys expire
 (``ttl``, default two hours) instead of piling up.
 
 Which store the workers bootstrap through: the per-round ``TCPStore`` on the
@@ -81,7 +81,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from orchestrator import keys  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
-from orchestrator.etcd_client import (  # noqa: E402
+from orchestrator.etcd.client import (  # noqa: E402
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,
     EtcdClient,
@@ -90,7 +90,7 @@ from orchestrator.etcd_client import (  # noqa: E402
     connect,
     parse_endpoints,
 )
-from orchestrator.etcd_store import DEFAULT_RUN_TTL, EtcdStore, RunLease  # noqa: E402
+from orchestrator.rendezvous.store import DEFAULT_RUN_TTL, EtcdStore, RunLease  # noqa: E402
 
 #: The name torchrun knows this backend by (``--rdzv-backend=etcd-v3``).
 BACKEND_NAME = "etcd-v3"

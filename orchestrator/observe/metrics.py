@@ -31,7 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from orchestrator.api import JobPhase, OrchestratorError
-from orchestrator.recoveries import PHASES, RecoveryRecord
+from orchestrator.observe.recoveries import PHASES, RecoveryRecord
 
 log = logging.getLogger("ringmaster.metrics")
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import events, keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.history import Sample, read_history
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import JobNotFoundError, JobStatus, read_status
-from orchestrator.recoveries import PHASES, RecoveryRecord
+from orchestrator.observe.history import Sample, read_history
+from orchestrator.observe.recoveries import PHASES, RecoveryRecord
 
 FAILURE, RECOVERY, CHECKPOINT = "failure", "recovery", "checkpoint"
 _COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4"}

@@ -1,0 +1,1 @@
+"""Observability: events history, recoveries, metrics, reports, the live view, worker logs."""

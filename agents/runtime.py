@@ -57,7 +57,7 @@ from agents.process_group import form_group, is_collective_failure, teardown_gro
 from agents.state_sync import NO_STATE, sync_state
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
-from orchestrator.api import EtcdError, JobPhase, JobSpec, Plan
+from orchestrator.api import EtcdError, JobPhase, JobSpec
 from orchestrator.etcd.client import (
     EtcdClient,
     EtcdOptions,
@@ -66,6 +66,7 @@ from orchestrator.etcd.client import (
     retry_unavailable,
 )
 from orchestrator.etcd.fencing import FencedError, GenerationFence
+from orchestrator.records import Plan
 
 log = logging.getLogger("ringmaster.worker")
 

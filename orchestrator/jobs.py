@@ -17,12 +17,12 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import keys
-from orchestrator.api import JobPhase, JobSpec, OrchestratorError
+from orchestrator import keys, records
+from orchestrator.api import JobSpec, OrchestratorError
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, SpecRecord
 
 
 class JobExistsError(OrchestratorError):
@@ -58,28 +58,6 @@ def checkpoint_hash(spec: JobSpec) -> str:
         "compression": spec.to_dict()["comm"]["compression"],
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class ResumeRequest:
-    """Where a resubmitted job's workers take their first state from.
-
-    Attributes:
-        url: a committed checkpoint directory.
-        step: its step (for messages).
-        world_size: ranks that saved it (the job may run at another size).
-    """
-
-    url: str
-    step: int
-    world_size: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "step": self.step, "world_size": self.world_size}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ResumeRequest:
-        return cls(url=str(data["url"]), step=int(data["step"]), world_size=int(data["world_size"]))
 
 
 def plan_resume(
@@ -118,49 +96,6 @@ def plan_resume(
     return ResumeRequest(url=info.url, step=info.step, world_size=info.manifest.world_size)
 
 
-@dataclass
-class JobStatus:
-    """What the controller reports about a job (``/ringmaster/jobs/<job>/status``)."""
-
-    name: str
-    phase: JobPhase = JobPhase.PENDING
-    step: int = 0
-    world_size: int = 0
-    generation: int = 0
-    active_nodes: list[str] = field(default_factory=list)
-    spare_nodes: list[str] = field(default_factory=list)
-    failed_nodes: list[str] = field(default_factory=list)
-    recoveries: int = 0
-    last_checkpoint: str | None = None
-    last_checkpoint_at: float | None = None
-    message: str = ""
-    updated_at: float = 0.0
-    # observability (orchestrator.observe.job_observer)
-    steps_per_s: float = 0.0
-    samples_per_s: float | None = None
-    loss: float | None = None
-    submitted_at: float = 0.0
-    train_started_at: float | None = None
-    last_step_at: float | None = None
-    finished_at: float | None = None
-    productive_s: float = 0.0
-    effective_fraction: float = 0.0
-    last_recovery: dict[str, Any] | None = None
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobStatus:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        if "phase" in known:
-            known["phase"] = JobPhase(known["phase"])
-        return cls(**known)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["last_recovery"] = dict(self.last_recovery) if self.last_recovery else None
-        out["phase"] = self.phase.value
-        return out
-
-
 def submit(
     client: EtcdClient,
     spec: JobSpec,
@@ -180,15 +115,11 @@ def submit(
         JobExistsError: a job of that name exists and has not finished.
     """
     spec.validate()
-    record: dict[str, Any] = {
-        "spec": spec.to_dict(),
-        "hash": spec_hash(spec),
-        "submitted_at": time.time(),
-    }
-    if resume is not None:
-        record["resume"] = resume.to_dict()
-    if client.create(keys.job_spec(spec.name), json.dumps(record)):
-        client.put_json(keys.job_status(spec.name), JobStatus(spec.name).to_dict())
+    record = SpecRecord(
+        spec=spec.to_dict(), hash=spec_hash(spec), submitted_at=time.time(), resume=resume
+    )
+    if client.create(keys.job_spec(spec.name), record.encode()):
+        records.write(client, keys.job_status(spec.name), JobStatus(spec.name))
         return
     status = read_status(client, spec.name)
     if status is not None and status.phase.terminal and replace_finished:
@@ -210,18 +141,27 @@ def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:
     """
     from orchestrator.spec_loader import load_job_data
 
-    record = client.get_json(keys.job_spec(job))
+    record = read_spec_record(client, job)
+    return load_job_data(record.spec, source=f"etcd:{keys.job_spec(job)}"), record.hash
+
+
+def read_spec_record(client: EtcdClient, job: str) -> SpecRecord:
+    """The submitted record: spec, hash, submission time, resume point.
+
+    Raises:
+        JobNotFoundError: nothing submitted under that name.
+        RecordError: the stored record is malformed.
+    """
+    record = records.read(client, keys.job_spec(job), SpecRecord)
     if record is None:
         raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
-    return load_job_data(record["spec"], source=f"etcd:{keys.job_spec(job)}"), record["hash"]
+    return record
 
 
 def read_resume(client: EtcdClient, job: str) -> ResumeRequest | None:
     """The checkpoint a resubmitted job starts from, if it was resumed."""
-    record = client.get_json(keys.job_spec(job))
-    if record is None or not record.get("resume"):
-        return None
-    return ResumeRequest.from_dict(record["resume"])
+    record = records.read(client, keys.job_spec(job), SpecRecord)
+    return None if record is None else record.resume
 
 
 def resume(
@@ -256,16 +196,16 @@ def resume(
 
 
 def read_status(client: EtcdClient, job: str) -> JobStatus | None:
-    data = client.get_json(keys.job_status(job))
-    return None if data is None else JobStatus.from_dict(data)
+    return records.read(client, keys.job_status(job), JobStatus)
 
 
 def list_jobs(client: EtcdClient) -> list[JobStatus]:
     """Status of every job, sorted by name."""
-    out = []
-    for kv in client.get_prefix(keys.jobs_prefix()):
-        if kv.key.endswith("/status"):
-            out.append(JobStatus.from_dict(json.loads(kv.value)))
+    out = [
+        records.decode(JobStatus, kv.value, kv.key)
+        for kv in client.get_prefix(keys.jobs_prefix())
+        if kv.key.endswith("/status")
+    ]
     return sorted(out, key=lambda s: s.name)
 
 
@@ -282,7 +222,6 @@ def request_stop(client: EtcdClient, job: str) -> None:
 
 def send_command(client: EtcdClient, job: str, command: str, **args: Any) -> None:
     """Append a command for the controller (``checkpoint``, ``drain``, ``stop``)."""
-    client.put_json(
-        keys.job_commands(job) + f"{time.time_ns():020d}",
-        {"command": command, "args": args, "at": time.time()},
+    records.write(
+        client, keys.job_commands(job) + f"{time.time_ns():020d}", CommandRecord(command, args)
     )

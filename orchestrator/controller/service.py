@@ -43,13 +43,14 @@ from datetime import timedelta
 from typing import Any
 
 from orchestrator import events, keys
-from orchestrator.api import EtcdError, JobPhase, Member, Plan
+from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.leader import LeaderElection
-from orchestrator.jobs import JobStatus, read_spec, read_status
+from orchestrator.jobs import read_spec, read_status
 from orchestrator.liveness import Liveness, probe
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
+from orchestrator.records import JobStatus, Member, Plan
 
 log = logging.getLogger("ringmaster.controller")
 

@@ -19,9 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 from orchestrator import events, keys
-from orchestrator.api import JobPhase, Plan
+from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import JobStatus
 from orchestrator.observe.history import HistoryWriter, Sample
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.recoveries import (
@@ -31,6 +30,7 @@ from orchestrator.observe.recoveries import (
     classify_cause,
     effective_time,
 )
+from orchestrator.records import JobStatus, Plan
 
 #: Steps per second are measured over this trailing window.
 RATE_WINDOW = timedelta(seconds=3)

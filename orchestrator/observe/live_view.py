@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from orchestrator.events import Event
-from orchestrator.jobs import JobStatus
+from orchestrator.records import JobStatus
 
 #: Event types shown as failures (red) and as recoveries (green).
 FAILURE_EVENTS = frozenset({"NodeFailed", "WorkerExited", "WorkerHung", "Preempted", "NodeLost"})

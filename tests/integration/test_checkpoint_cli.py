@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from checkpoint import Checkpointer, TrainState
 from checkpoint.commit import list_checkpoints, step_dir_name
 from checkpoint.fsspec_storage import Location
-from orchestrator import jobs, keys
+from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.spec_loader import load_job_data
@@ -178,7 +178,7 @@ def _spec(name: str, url: str, args: list[str] | None = None) -> Any:
 
 def _submit_finished(client: Any, spec: Any, phase: JobPhase) -> None:
     jobs.submit(client, spec)
-    status = jobs.JobStatus(spec.name, phase=phase)
+    status = records.JobStatus(spec.name, phase=phase)
     client.put_json(keys.job_status(spec.name), status.to_dict())
 
 
@@ -259,7 +259,7 @@ def test_resume_refuses_an_active_job_and_a_missing_checkpoint(
     assert result.exit_code == 1
     assert f"job '{name}' is Running" in result.output and "ringmaster stop" in result.output
 
-    etcd_client.put_json(keys.job_status(name), jobs.JobStatus(name, JobPhase.FAILED).to_dict())
+    etcd_client.put_json(keys.job_status(name), records.JobStatus(name, JobPhase.FAILED).to_dict())
     (tmp_path / "ckpt").mkdir()
     result = _cli("resume", name, *_etcd_args(etcd))
     assert result.exit_code == 1

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from agents.log_shipper import LogShipper
-from orchestrator import jobs, keys
+from orchestrator import keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
@@ -98,7 +98,7 @@ def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient) -> None:
     assert missing.exit_code == 1 and "no job named 'no-such-job'" in missing.output
 
     job = job_name()
-    etcd_client.put_json(keys.job_status(job), jobs.JobStatus(job, JobPhase.RUNNING).to_dict())
+    etcd_client.put_json(keys.job_status(job), records.JobStatus(job, JobPhase.RUNNING).to_dict())
     ship(etcd_client, job, "node-x", 2, "print('hello from a worker')", flush_every=0.01)
     out = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "-t"])
     assert out.exit_code == 0, out.output

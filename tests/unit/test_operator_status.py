@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
-from orchestrator.jobs import JobStatus
 from orchestrator.operator.status import build_status, invalid_status, rfc3339
+from orchestrator.records import JobStatus
 
 pytestmark = pytest.mark.unit
 

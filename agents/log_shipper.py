@@ -2,8 +2,9 @@
 
 One :class:`LogShipper` per worker process.  A reader thread passes every
 line on to ``sink`` at once (a local run shows it live, prefixed by node) and
-queues it; every ``flush_every`` the queued lines go to etcd as one chunk
-(:mod:`orchestrator.observe.logs` has the layout).  Once this worker's chunks exceed
+queues it; every ``flush_every`` the queued lines go to etcd as one
+:class:`~orchestrator.records.LogChunk` (:mod:`orchestrator.observe.logs`
+has the layout and reads them).  Once this worker's chunks exceed
 ``keep_bytes``, the oldest are deleted.  etcd being unreachable never blocks
 or kills the worker: lines wait (bounded) and go with the next flush.
 """
@@ -19,7 +20,7 @@ from typing import IO
 
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.observe.logs import encode_chunk
+from orchestrator.records import LogChunk
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -111,7 +112,7 @@ class LogShipper:
         if not lines:
             return
         key = f"{self.prefix}{time.time_ns():020d}"
-        data = encode_chunk(self.node, self.local_rank, lines)
+        data = LogChunk(self.node, self.local_rank, lines).encode().encode()
         try:
             self.client.put(key, data)
         except Exception as e:  # etcd away: keep the lines for the next flush

@@ -2,7 +2,8 @@
 
 Each node agent reads its workers' stdout and stderr, passes the bytes on to
 its own output (so a local run still shows them live) and ships them to etcd
-in chunks (:class:`agents.log_shipper.LogShipper`), one key per chunk::
+in chunks (:class:`agents.log_shipper.LogShipper`), one
+:class:`~orchestrator.records.LogChunk` per key::
 
     /ringmaster/jobs/<job>/logs/<node>/<local_rank>/<time_ns>
 
@@ -14,13 +15,15 @@ logs to a real log store for that.
 
 from __future__ import annotations
 
-import json
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient, KeyValue
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,17 +40,14 @@ class LogLine:
         return f"{self.node}/{self.local_rank}"
 
 
-def encode_chunk(node: str, local_rank: int, lines: list[tuple[float, str]]) -> bytes:
-    return json.dumps({"node": node, "local_rank": local_rank, "lines": lines}).encode()
-
-
 def _decode(kv: KeyValue) -> list[LogLine]:
     try:
-        data = json.loads(kv.value)
-        node, rank = str(data["node"]), int(data["local_rank"])
-        return [LogLine(float(t), node, rank, str(text)) for t, text in data["lines"]]
-    except (ValueError, KeyError, TypeError):
-        return []  # a chunk written by something else: not a log line
+        chunk = records.decode(records.LogChunk, kv.value, kv.key)
+    except records.RecordError as e:
+        # written by something else (or by a newer ringmaster): not lines to show
+        log.warning("skipping a log chunk that cannot be read: %s", e)
+        return []
+    return [LogLine(t, chunk.node, chunk.local_rank, text) for t, text in chunk.lines]
 
 
 def _prefix(job: str, node: str | None) -> str:

@@ -43,17 +43,19 @@ from typing import Any
 
 from agents.api import WorkerEnv
 from agents.log_shipper import LogShipper
-from orchestrator import events, keys
+from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase, JobSpec
 from orchestrator.etcd.client import EtcdClient, EtcdOptions, Lease, retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.records import AgentCommand, CheckpointRecord, NodeRecord, RecordError
+from orchestrator.settings import SETTINGS
 
 log = logging.getLogger("ringmaster.agent")
 
 #: Node registration lease; a dead agent's node disappears within this time.
-DEFAULT_NODE_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_NODE_TTL", "3")))
+DEFAULT_NODE_TTL = SETTINGS.node_ttl
 #: How often workers are polled.
 POLL = 0.05
 
@@ -231,17 +233,17 @@ class NodeAgent:
 
     def _register(self) -> None:
         assert self._lease is not None and self.spec is not None
-        info = {
-            "host": socket.gethostname(),
-            "address": self.address,
-            "slots": self.spec.nproc_per_node,
-            "labels": self.labels,
-            "pid": os.getpid(),
-            "worker_pids": [w.proc.pid for w in self.workers.values()],
-            "liveness": self._liveness.address if self._liveness else None,
-            "started": time.time(),
-        }
-        self.client.put_json(keys.job_node(self.job, self.node), info, lease=self._lease)
+        registration = NodeRecord(
+            host=socket.gethostname(),
+            address=self.address,
+            slots=self.spec.nproc_per_node,
+            pid=os.getpid(),
+            worker_pids=[w.proc.pid for w in self.workers.values()],
+            started=time.time(),
+            labels=self.labels,
+            liveness=self._liveness.address if self._liveness else None,
+        )
+        records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 
     def _liveness_status(self) -> dict[str, Any]:
         """What the liveness port answers: which local workers are running."""
@@ -315,12 +317,16 @@ class NodeAgent:
             self._stop.wait(POLL)
 
     def _saved_since_preemption(self) -> bool:
+        key = keys.job_checkpoint(self.job)
         try:
-            record = self.client.get_json(keys.job_checkpoint(self.job))
+            record = records.read(self.client, key, CheckpointRecord)
         except EtcdError:
             return False
+        except RecordError as e:  # not proof of a save: wait out the grace period
+            log.warning("[%s] checkpoint record unreadable: %s", self.node, e)
+            return False
         since = self._preempted_wall
-        return bool(record and since is not None and float(record.get("at", 0)) >= since)
+        return record is not None and since is not None and record.at >= since
 
     @property
     def _preempted_wall(self) -> float | None:
@@ -402,14 +408,19 @@ class NodeAgent:
         with contextlib.suppress(Exception):
             if not self.client.delete(key):
                 return  # already executed
-        self._execute(json.loads(value))
+        try:
+            cmd = records.decode(AgentCommand, value, key)
+        except RecordError as e:
+            log.warning("[%s] ignoring a command that cannot be read: %s", self.node, e)
+            return
+        self._execute(cmd)
 
-    def _execute(self, cmd: dict[str, Any]) -> None:
-        name = cmd.get("command")
+    def _execute(self, cmd: AgentCommand) -> None:
+        name = cmd.command
         if name == "kill-worker":
-            w = self.workers.get(int(cmd.get("local_rank", -1)))
-            pid = cmd.get("pid")
-            if w is not None and pid is not None and w.proc.pid != int(pid):
+            w = self.workers.get(cmd.local_rank)
+            pid = cmd.pid
+            if w is not None and pid is not None and w.proc.pid != pid:
                 log.warning(
                     "[%s] not killing worker %d: pid %s named by the command has already "
                     "been replaced by %d",
@@ -420,7 +431,7 @@ class NodeAgent:
                 )
             elif w is not None and w.proc.poll() is None:
                 log.warning(
-                    "[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.get("reason")
+                    "[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason
                 )
                 w.proc.kill()
         elif name == "stop":

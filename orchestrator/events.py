@@ -1,39 +1,34 @@
 """The per-job event log in etcd: what happened, when, and why.
 
-Events are small JSON records under ``/ringmaster/jobs/<job>/events/<ns>``
-(the key sorts by time).  The controller and agents append; ``ringmaster
-events`` and the status view read.
+Events are :class:`~orchestrator.records.Event` records under
+``/ringmaster/jobs/<job>/events/<ns>-<source>`` (the key sorts by time).
+The controller and agents append; ``ringmaster events`` and the status view
+read.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import Event
 
+__all__ = ["Event", "emit", "list_events", "record"]
 
-@dataclass
-class Event:
-    """One entry of a job's event log."""
-
-    type: str
-    message: str
-    time: float = field(default_factory=time.time)
-    source: str = "controller"
-    data: dict[str, Any] = field(default_factory=dict)
+log = logging.getLogger(__name__)
 
 
 def record(client: EtcdClient, job: str, event: Event) -> None:
+    """Append ``event`` to the log of ``job``."""
     key = keys.job_events(job) + f"{time.time_ns():020d}-{event.source}"
-    client.put(key, json.dumps(asdict(event), sort_keys=True))
+    records.write(client, key, event)
 
 
 def emit(client: EtcdClient, job: str, type: str, message: str, **data: Any) -> Event:
-    """Append an event from the controller; returns it."""
+    """Append an event (from the controller unless ``source=`` says who); returns it."""
     source = str(data.pop("source", "controller"))
     event = Event(type=type, message=message, source=source, data=data)
     record(client, job, event)
@@ -41,8 +36,16 @@ def emit(client: EtcdClient, job: str, type: str, message: str, **data: Any) -> 
 
 
 def list_events(client: EtcdClient, job: str) -> list[Event]:
-    """Every event of ``job``, oldest first."""
+    """Every event of ``job``, oldest first.
+
+    An entry that is not an event (written by something else, or by a newer
+    ringmaster) is left out with a warning naming its key: one bad entry never
+    hides the rest of the log.
+    """
     out = []
     for kv in client.get_prefix(keys.job_events(job)):
-        out.append(Event(**json.loads(kv.value)))
+        try:
+            out.append(records.decode(Event, kv.value, kv.key))
+        except records.RecordError as e:
+            log.warning("skipping an event that cannot be read: %s", e)
     return out

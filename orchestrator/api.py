@@ -234,20 +234,25 @@ class TLSSpec:
 
 @dataclass
 class RendezvousSpec:
-    """Where and how nodes meet.  Empty ``endpoints`` means: use an embedded etcd."""
+    """Where and how nodes meet.  Empty ``endpoints`` means: use an embedded etcd.
+
+    ``join_timeout`` bounds how long the job waits below ``nodes.min`` before it
+    fails; ``last_call_timeout`` is how long the controller waits for more nodes
+    once ``nodes.min`` is reached.  How fast a dead node or worker is noticed is
+    ``fault_tolerance.heartbeat_interval`` and the agents' registration lease
+    (``RINGMASTER_NODE_TTL``), not a rendezvous setting.
+    """
 
     endpoints: list[str] = field(default_factory=list)
     join_timeout: timedelta = timedelta(seconds=600)
     last_call_timeout: timedelta = timedelta(seconds=5)
-    close_timeout: timedelta = timedelta(seconds=30)
-    heartbeat: timedelta = timedelta(seconds=2)
     tls: TLSSpec = field(default_factory=TLSSpec)
     user: str | None = None
     password_env: str | None = None
 
     def problems(self) -> Problems:
         out: Problems = []
-        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat"):
+        for name in ("join_timeout", "last_call_timeout"):
             out += _positive(getattr(self, name), name)
         for i, ep in enumerate(self.endpoints):
             if not _ENDPOINT_RE.match(ep):

@@ -28,6 +28,7 @@ from orchestrator.api import (
     CompressionSpec,
     EntrypointSpec,
     JobSpec,
+    RendezvousSpec,
     SpecError,
     SpecProblem,
 )
@@ -37,6 +38,20 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _MISSING = object()
 #: Longest duration accepted (a century; timedelta itself ends near 2.7 million years).
 _MAX_SECONDS = 100 * 365 * 24 * 3600.0
+
+#: Keys that job files used to accept, by the spec class they were in: what to do instead.
+_REMOVED_KEYS: dict[tuple[type, str], str] = {
+    (RendezvousSpec, "close_timeout"): (
+        "is no longer a job setting (nothing in a ringmaster job waited on it); delete it. "
+        "torchrun's etcd-v3 backend takes close_timeout=<seconds> in --rdzv-conf"
+    ),
+    (RendezvousSpec, "heartbeat"): (
+        "is no longer a job setting; delete it. A hung or dead worker is noticed through "
+        "fault_tolerance.heartbeat_interval, a dead node when its registration lease "
+        "(RINGMASTER_NODE_TTL) expires; torchrun's etcd-v3 backend takes "
+        "heartbeat=<seconds> in --rdzv-conf"
+    ),
+}
 
 
 def load_job_file(path: str | Path) -> JobSpec:
@@ -147,7 +162,9 @@ class _Builder:
             seen.add(key)
             f = fields.get(key)
             if f is None:
-                self.add(sub, _unknown_key_message(key, list(fields)), _line(key_node))
+                removed = _REMOVED_KEYS.get((cls, key))
+                message = removed or _unknown_key_message(key, list(fields))
+                self.add(sub, message, _line(key_node))
                 continue
             tp = hints[f.name]
             value = self.value(tp, value_node, sub)

@@ -59,6 +59,10 @@ DESCRIPTIONS: dict[str, str] = {
     "max_steps": "Stop after this many steps; 0 means the script decides.",
     "rendezvous": "Where nodes meet; empty endpoints means the operator's etcd.",
     "rendezvous.endpoints": "etcd client endpoints, host:port or http(s)://host:port.",
+    "rendezvous.join_timeout": "How long the job may stay below nodes.min before it fails.",
+    "rendezvous.last_call_timeout": (
+        "Once nodes.min nodes are there, how long to wait for more before training."
+    ),
     "checkpoint": "Durable checkpoints: where, how often, how many to keep.",
     "checkpoint.url": "fsspec URL (s3://, gs://, file://, ...) of the checkpoint directory.",
     "checkpoint.async": "Save in the background while training goes on.",

@@ -1,6 +1,6 @@
 """What the controller observes about a job, beyond deciding who trains.
 
-:class:`JobObserver` is fed by :class:`~orchestrator.controller.service.JobController`
+:class:`JobObserver` is fed by :class:`~orchestrator.controller.job.JobController`
 on every tick and at the moments that matter (a failure seen, a failure
 declared, a recovery finished, a checkpoint committed).  From that it keeps
 the job status's observability fields (rate, throughput, loss, effective
@@ -13,24 +13,32 @@ events, stores recovery records, and updates the Prometheus metrics
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import time
 from datetime import timedelta
 from typing import Any
 
-from orchestrator import events, keys
+from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.history import HistoryWriter, Sample
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.recoveries import (
     FailureCause,
-    RecoveryRecord,
     build_record,
     classify_cause,
     effective_time,
 )
-from orchestrator.records import JobStatus, Plan
+from orchestrator.records import (
+    BreakReport,
+    JobStatus,
+    NodeRecord,
+    Plan,
+    ProgressRecord,
+    RecoveryRecord,
+    SpecRecord,
+    Telemetry,
+)
 
 #: Steps per second are measured over this trailing window.
 RATE_WINDOW = timedelta(seconds=3)
@@ -65,12 +73,11 @@ class JobObserver:
         self._known_nodes: set[str] | None = None
         self._pending: _Pending | None = None
         self._start_step = 0
-        self.recoveries: list[RecoveryRecord] = [
-            RecoveryRecord.from_dict(json.loads(kv.value))
-            for kv in client.get_prefix(keys.job_recoveries(job))
-        ]
-        record = client.get_json(keys.job_spec(job)) or {}
-        self.submitted_at = float(record.get("submitted_at", time.time()))
+        self.recoveries: list[RecoveryRecord] = list(
+            records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values()
+        )
+        spec = records.read(client, keys.job_spec(job), SpecRecord)
+        self.submitted_at = spec.submitted_at if spec is not None else time.time()
 
     # -- every tick --------------------------------------------------------------------
 
@@ -78,8 +85,8 @@ class JobObserver:
         self,
         status: JobStatus,
         plan: Plan | None,
-        nodes: dict[str, dict[str, Any]],
-        progress: dict[str, dict[str, Any]],
+        nodes: dict[str, NodeRecord],
+        progress: dict[str, ProgressRecord],
     ) -> None:
         now = time.time()
         status.submitted_at = status.submitted_at or self.submitted_at
@@ -87,33 +94,25 @@ class JobObserver:
         workers = self._plan_workers(plan, progress)
         if self.metrics is not None:
             for w, p in progress.items():
-                if p.get("telemetry"):
-                    self.metrics.worker_telemetry(self.job, w, p.get("pid"), p["telemetry"])
+                self.metrics.worker_telemetry(self.job, w, p.pid, p.telemetry)
         if workers and status.train_started_at is None:
             firsts = [
-                (float(t["first_step_at"]), int(t.get("restored_step") or 0))
-                for t in (p.get("telemetry") or {} for p in workers.values())
-                if t.get("first_step_at")
+                (p.telemetry.first_step_at, p.telemetry.restored_step or 0)
+                for p in workers.values()
+                if p.telemetry.first_step_at
             ]
             if firsts:
                 status.train_started_at, self._start_step = min(firsts)
-        if workers:
-            times = [float(p["step_time"]) for p in workers.values() if p.get("step_time")]
-            if times and status.train_started_at is not None:
-                status.last_step_at = max(times)
+        if workers and status.train_started_at is not None:
+            status.last_step_at = max(p.step_time for p in workers.values())
         self._rate(status, now)
-        samples = [
-            float(p["metrics"]["samples"])
-            for p in workers.values()
-            if isinstance(p.get("metrics"), dict) and "samples" in p["metrics"]
-        ]
+        samples = [p.metrics["samples"] for p in workers.values() if "samples" in p.metrics]
         status.samples_per_s = (
             round(status.steps_per_s * sum(samples), 3) if samples else status.samples_per_s
         )
-        rank0 = next((p for p in workers.values() if p.get("rank") == 0), None)
-        if rank0 is not None and isinstance(rank0.get("metrics"), dict):
-            loss = rank0["metrics"].get("loss")
-            status.loss = None if loss is None else float(loss)
+        rank0 = next((p for p in workers.values() if p.rank == 0), None)
+        if rank0 is not None:
+            status.loss = rank0.metrics.get("loss")
         if status.phase.terminal and status.finished_at is None:
             status.finished_at = now
         end = status.finished_at or now
@@ -142,7 +141,7 @@ class JobObserver:
         if self.metrics is not None:
             tel = _rank0_telemetry(progress)
             self.metrics.checkpoint_times(
-                self.job, tel.get("checkpoint_blocking_s"), tel.get("checkpoint_upload_s")
+                self.job, tel.checkpoint_blocking_s, tel.checkpoint_upload_s
             )
             self.metrics.job_state(
                 self.job,
@@ -159,8 +158,8 @@ class JobObserver:
             )
 
     def _plan_workers(
-        self, plan: Plan | None, progress: dict[str, dict[str, Any]]
-    ) -> dict[str, dict[str, Any]]:
+        self, plan: Plan | None, progress: dict[str, ProgressRecord]
+    ) -> dict[str, ProgressRecord]:
         if plan is None:
             return {}
         out = {}
@@ -168,7 +167,7 @@ class JobObserver:
             for i in range(m.nproc):
                 w = keys.worker_id(m.node, i)
                 p = progress.get(w)
-                if p is not None and p.get("generation") == plan.generation:
+                if p is not None and p.generation == plan.generation:
                     out[w] = p
         return out
 
@@ -183,13 +182,13 @@ class JobObserver:
         if now - t0 >= 0.5:
             status.steps_per_s = round(max(0, status.step - s0) / (now - t0), 3)
 
-    def _membership(self, status: JobStatus, nodes: dict[str, dict[str, Any]]) -> None:
+    def _membership(self, status: JobStatus, nodes: dict[str, NodeRecord]) -> None:
         current = set(nodes)
         if self._known_nodes is None:
             # A standby that takes over adopts what it finds; only a fresh job logs arrivals.
             self._known_nodes = set() if status.phase is JobPhase.PENDING else current
         for node in sorted(current - self._known_nodes):
-            labels = ",".join(f"{k}={v}" for k, v in sorted(nodes[node].get("labels", {}).items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(nodes[node].labels.items()))
             events.emit(
                 self.client, self.job, "NodeRegistered", f"{node} registered ({labels})", node=node
             )
@@ -205,10 +204,9 @@ class JobObserver:
 
     # -- moments -----------------------------------------------------------------------
 
-    def failure_seen(self, reports: dict[str, dict[str, Any]], step: int) -> None:
+    def failure_seen(self, reports: dict[str, BreakReport], step: int) -> None:
         """Workers reported a broken generation (called once per break)."""
-        times = [float(r["at"]) for r in reports.values() if r.get("at") is not None]
-        at = min(times) if times else time.time()
+        at = min((r.at for r in reports.values()), default=time.time())
         if self._pending is None:
             self._pending = _Pending(at, step)
 
@@ -242,14 +240,15 @@ class JobObserver:
         return cause.value
 
     def recovered(
-        self, status: JobStatus, plan: Plan, progress: dict[str, dict[str, Any]]
+        self, status: JobStatus, plan: Plan, progress: dict[str, ProgressRecord]
     ) -> RecoveryRecord | None:
         """Every worker of ``plan`` trains again: store the recovery's record."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         workers = {
-            w: dict(p.get("telemetry") or {}) for w, p in self._plan_workers(plan, progress).items()
+            w: dataclasses.asdict(p.telemetry)
+            for w, p in self._plan_workers(plan, progress).items()
         }
         now = time.time()
         record = build_record(
@@ -263,7 +262,7 @@ class JobObserver:
             step=pending.step,
             observed_s=now - pending.failure_at,
         )
-        self.client.put_json(keys.job_recovery(self.job, plan.generation), record.to_dict())
+        records.write(self.client, keys.job_recovery(self.job, plan.generation), record)
         self.recoveries.append(record)
         phases = record.phases
         status.last_recovery = {
@@ -289,19 +288,18 @@ class JobObserver:
             self.metrics.recovery(self.job, record)
         return record
 
-    def checkpoint(self, progress: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def checkpoint(self, progress: dict[str, ProgressRecord]) -> dict[str, Any]:
         """A checkpoint was committed: its timings (from rank 0) for the event."""
         tel = _rank0_telemetry(progress)
-        blocking, upload = tel.get("checkpoint_blocking_s"), tel.get("checkpoint_upload_s")
+        blocking, upload = tel.checkpoint_blocking_s, tel.checkpoint_upload_s
         if self.metrics is not None:
             self.metrics.checkpoint(self.job, blocking, upload)
         return {"blocking_s": blocking, "upload_s": upload}
 
 
-def _rank0_telemetry(progress: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _rank0_telemetry(progress: dict[str, ProgressRecord]) -> Telemetry:
     """Telemetry of the newest generation's rank 0 (it saves and records checkpoints)."""
-    rank0 = [p for p in progress.values() if p.get("rank") == 0]
+    rank0 = [p for p in progress.values() if p.rank == 0]
     if not rank0:
-        return {}
-    newest = max(rank0, key=lambda p: int(p.get("generation") or 0))
-    return dict(newest.get("telemetry") or {})
+        return Telemetry()
+    return max(rank0, key=lambda p: p.generation).telemetry

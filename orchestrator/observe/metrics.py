@@ -31,7 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from orchestrator.api import JobPhase, OrchestratorError
-from orchestrator.observe.recoveries import PHASES, RecoveryRecord
+from orchestrator.records import PHASES, RecoveryRecord, Telemetry
 
 log = logging.getLogger("ringmaster.metrics")
 
@@ -165,13 +165,13 @@ class JobMetrics:
         self.effective_ratio.labels(job).set(effective_ratio)
         self.productive_seconds.labels(job).set(productive_s)
 
-    def worker_telemetry(self, job: str, worker: str, pid: Any, telemetry: dict[str, Any]) -> None:
+    def worker_telemetry(self, job: str, worker: str, pid: int, telemetry: Telemetry) -> None:
         """Fold a worker's running byte totals into the job's counters.
 
         A restarted worker starts again from zero, so totals are tracked per
         (worker, pid) and only their increase is added.
         """
-        wire, dense = int(telemetry.get("wire_bytes") or 0), int(telemetry.get("dense_bytes") or 0)
+        wire, dense = telemetry.wire_bytes, telemetry.dense_bytes
         key = (job, f"{worker}/{pid}")
         old_wire, old_dense = self._worker_bytes.get(key, (0, 0))
         if wire > old_wire:

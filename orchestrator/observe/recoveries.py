@@ -21,15 +21,12 @@ progress).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from orchestrator.events import Event
-
-PHASES = ("detect", "rendezvous", "restore", "first_step")
+from orchestrator.records import Event, RecoveryRecord
 
 
 class FailureCause(str, Enum):
@@ -88,70 +85,6 @@ def classify_cause(
         if cause in found:
             return cause
     return FailureCause.UNRESPONSIVE
-
-
-@dataclass
-class RecoveryRecord:
-    """One recovery, as stored under ``/ringmaster/jobs/<job>/recoveries/<gen>``.
-
-    Attributes:
-        generation: the generation that trains again.
-        cause: a :class:`FailureCause` value.
-        nodes: the nodes declared failed.
-        reason: the controller's one-line explanation.
-        failure_at, declared_at, group_formed_at, restored_at, first_step_at:
-            the phase boundaries (wall-clock seconds), already clamped.
-        step: the step that was running when the generation broke.
-        restored_step: the step the new generation started from.
-        observed_s: the controller's own measurement, from the failure to the
-            moment it saw every worker of the new generation past ``step``.
-    """
-
-    generation: int
-    cause: str
-    nodes: list[str]
-    reason: str
-    failure_at: float
-    declared_at: float
-    group_formed_at: float
-    restored_at: float
-    first_step_at: float
-    step: int = 0
-    restored_step: int = 0
-    observed_s: float = 0.0
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def phases(self) -> dict[str, float]:
-        """Seconds spent in each of :data:`PHASES`."""
-        bounds = [
-            self.failure_at,
-            self.declared_at,
-            self.group_formed_at,
-            self.restored_at,
-            self.first_step_at,
-        ]
-        return {name: bounds[i + 1] - bounds[i] for i, name in enumerate(PHASES)}
-
-    @property
-    def total_s(self) -> float:
-        return self.first_step_at - self.failure_at
-
-    @property
-    def steps_rerun(self) -> int:
-        """Completed steps that had to be trained again (restored from an older state)."""
-        return max(0, self.step - self.restored_step)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["phases"] = {k: round(v, 6) for k, v in self.phases.items()}
-        out["total_s"] = round(self.total_s, 6)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RecoveryRecord:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def build_record(

@@ -23,8 +23,7 @@ from orchestrator import events, keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import JobNotFoundError, read_status
 from orchestrator.observe.history import Sample, read_history
-from orchestrator.observe.recoveries import PHASES, RecoveryRecord
-from orchestrator.records import JobStatus
+from orchestrator.records import PHASES, JobStatus, RecoveryRecord
 
 FAILURE, RECOVERY, CHECKPOINT = "failure", "recovery", "checkpoint"
 _COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4"}

@@ -1,6 +1,6 @@
 """The controller across a real etcd quorum loss: pause, grace, then detection again.
 
-A :class:`~orchestrator.controller.service.JobController` runs a job on a real
+A :class:`~orchestrator.controller.job.JobController` runs a job on a real
 three-member cluster; nodes are plain registrations and heartbeats written
 by the test (no training processes).  Two members are killed and restarted:
 the controller's next look marks the job ``Paused`` with the reason, and a
@@ -19,9 +19,11 @@ import pytest
 
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase
-from orchestrator.controller import service as controller_module
-from orchestrator.controller.service import JobController
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect, retry_unavailable
+from orchestrator.controller import policy
+from orchestrator.controller.job import JobController
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.spec_loader import load_job_data
 from tests.faults.etcd_cluster import EtcdCluster
 
@@ -49,7 +51,7 @@ def _beat(client: EtcdClient, job: str, nodes: list[str]) -> None:
 def test_no_failure_is_declared_until_a_grace_after_the_outage(
     cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(controller_module, "OUTAGE_GRACE", timedelta(seconds=1.5))
+    monkeypatch.setattr(policy, "OUTAGE_GRACE", timedelta(seconds=1.5))
     job = f"outage-{uuid.uuid4().hex[:8]}"
     client = connect(EtcdOptions(cluster.endpoints, op_timeout=timedelta(seconds=1)))
     spec = load_job_data(

@@ -94,13 +94,15 @@ def _data_objects(ckpt: Checkpointer) -> dict[str, tuple[int, str]]:
 
 
 def test_local_checksums_come_from_the_file_and_equal_streamed_ones(tmp_path: Any) -> None:
-    local = Checkpointer(f"file://{tmp_path}/ck", thread_count=2)
-    streamed = Checkpointer(f"memory://sums-{uuid.uuid4().hex[:8]}/ck", thread_count=2)
+    # One writer thread: with two, which tensors share a file depends on thread timing
+    # (seen failing under load), and then the two saves' objects differ.
+    local = Checkpointer(f"file://{tmp_path}/ck", thread_count=1)
+    streamed = Checkpointer(f"memory://sums-{uuid.uuid4().hex[:8]}/ck", thread_count=1)
     state = _state()
     local.save_now(1, state)
     streamed.save_now(1, state)
     on_disk = _data_objects(local)
-    assert len(on_disk) == 2  # one object per writer thread
+    assert len(on_disk) == 1  # one object per writer thread
     # The same tensors serialise to the same bytes: read back or streamed, same sums.
     assert on_disk == _data_objects(streamed)
     info = local.latest()

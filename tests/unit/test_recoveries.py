@@ -9,13 +9,12 @@ from orchestrator.api import JobPhase
 from orchestrator.events import Event
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.recoveries import (
-    PHASES,
     FailureCause,
-    RecoveryRecord,
     build_record,
     classify_cause,
     effective_time,
 )
+from orchestrator.records import PHASES, RecoveryRecord, Telemetry
 
 pytestmark = pytest.mark.unit
 
@@ -135,10 +134,10 @@ def test_effective_time_excludes_startup_recoveries_and_rerun_steps() -> None:
 
 def test_byte_counters_add_only_increases_and_survive_worker_restarts() -> None:
     m = JobMetrics()
-    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1000, "dense_bytes": 4000})
-    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1000, "dense_bytes": 4000})  # same beat
-    m.worker_telemetry("j", "n1-0", 100, {"wire_bytes": 1500, "dense_bytes": 6000})
-    m.worker_telemetry("j", "n1-0", 200, {"wire_bytes": 300, "dense_bytes": 1200})  # restarted
+    m.worker_telemetry("j", "n1-0", 100, Telemetry(wire_bytes=1000, dense_bytes=4000))
+    m.worker_telemetry("j", "n1-0", 100, Telemetry(wire_bytes=1000, dense_bytes=4000))  # same beat
+    m.worker_telemetry("j", "n1-0", 100, Telemetry(wire_bytes=1500, dense_bytes=6000))
+    m.worker_telemetry("j", "n1-0", 200, Telemetry(wire_bytes=300, dense_bytes=1200))  # restarted
     text = generate_latest(m.registry).decode()
     assert 'ringmaster_job_comm_wire_bytes_total{job="j"} 1800.0' in text
     assert 'ringmaster_job_comm_dense_bytes_total{job="j"} 7200.0' in text

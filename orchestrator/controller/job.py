@@ -1,0 +1,148 @@
+"""One job's controller: read the world, decide, apply the decisions.
+
+:class:`JobController` holds the job's status and the policy's memory.  Each
+:meth:`~JobController.tick` reads a snapshot (:mod:`orchestrator.controller.world`),
+asks the pure policy (:mod:`orchestrator.controller.policy`) what to do, and
+applies the actions it returns to etcd, the event log and the observer
+(:mod:`orchestrator.observe.job_observer`).  Everything it knows lives in
+etcd, so a standby that takes over simply reads it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from orchestrator import events, keys, records
+from orchestrator.controller import policy
+from orchestrator.controller.actions import (
+    Action,
+    CheckpointCommitted,
+    DeclareFailed,
+    DeleteCommand,
+    Emit,
+    FailureSeen,
+    KillWorker,
+    PhaseChanged,
+    PublishPlan,
+    Recovered,
+    WriteControl,
+)
+from orchestrator.controller.world import World, WorldReader
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.jobs import read_spec, read_status
+from orchestrator.observe.job_observer import JobObserver
+from orchestrator.observe.metrics import JobMetrics
+from orchestrator.records import JobStatus, Plan
+
+log = logging.getLogger("ringmaster.controller")
+
+
+class JobController:
+    """Reconciles one job; :meth:`tick` is called whenever something may have changed."""
+
+    def __init__(self, client: EtcdClient, job: str, metrics: JobMetrics | None = None) -> None:
+        self.client = client
+        self.job = job
+        self.spec, self.spec_hash = read_spec(client, job)
+        self.status = read_status(client, job) or JobStatus(job)
+        self.observer = JobObserver(client, job, self.spec.fault_tolerance.hang_timeout, metrics)
+        self.reader = WorldReader(client, job)
+        self.memory = policy.Memory(silence_seen=client.last_silence)
+        self._last_written: dict[str, Any] = {}
+
+    def tick(self) -> None:
+        if self.status.phase.terminal:
+            return
+        world = self.reader.read()
+        decision = policy.decide(self.spec, self.memory, self.status, world)
+        self.memory = decision.memory
+        self.status = decision.status
+        self._apply(decision.actions, world)
+        if world.plan is not None and not any(isinstance(a, PublishPlan) for a in decision.actions):
+            plan: Plan | None = world.plan
+        else:
+            plan = records.read(self.client, keys.job_plan(self.job), Plan)
+        self.observer.observe(self.status, plan, world.nodes, world.progress)
+        self._write_status()
+
+    # -- the executor ------------------------------------------------------------------
+
+    def _apply(self, actions: list[Action], world: World) -> None:
+        for action in actions:
+            self._apply_one(action, world)
+
+    def _apply_one(self, action: Action, world: World) -> None:
+        client, job = self.client, self.job
+        if isinstance(action, DeleteCommand):
+            client.delete(action.key)
+        elif isinstance(action, WriteControl):
+            records.write(client, keys.job_control(job), action.control)
+        elif isinstance(action, Emit):
+            events.emit(client, job, action.type, action.message, **action.data)
+        elif isinstance(action, PhaseChanged):
+            events.emit(
+                client, job, "Phase", f"{action.phase.value}: {action.message}", **action.data
+            )
+            log.warning("[%s] %s: %s", job, action.phase.value, action.message)
+            self._write_status()
+        elif isinstance(action, PublishPlan):
+            self._publish(action.plan)
+        elif isinstance(action, FailureSeen):
+            self.observer.failure_seen(action.reports, action.step)
+        elif isinstance(action, DeclareFailed):
+            cause = self.observer.declared(
+                set(action.nodes), action.why, world.nodes, action.step, set(action.agent_gone)
+            )
+            for node in sorted(action.nodes):
+                events.emit(
+                    client,
+                    job,
+                    "NodeFailed",
+                    f"{node}: {action.why} ({cause})",
+                    node=node,
+                    cause=cause,
+                )
+        elif isinstance(action, Recovered):
+            self.observer.recovered(self.status, action.plan, world.progress)
+        elif isinstance(action, CheckpointCommitted):
+            r = action.record
+            events.emit(
+                client,
+                job,
+                "Checkpoint",
+                f"step {r.step} committed to {r.url} ({r.reason})",
+                step=r.step,
+                **self.observer.checkpoint(world.progress),
+            )
+        elif isinstance(action, KillWorker):
+            records.write(
+                client,
+                keys.agent_commands(job, action.node) + f"{time.time_ns():020d}",
+                action.command,
+            )
+            events.emit(client, job, "WorkerHung", action.message, worker=action.worker)
+        else:  # pragma: no cover - every action kind is handled above
+            raise TypeError(f"unknown controller action {action!r}")
+
+    def _publish(self, plan: Plan) -> None:
+        records.write(self.client, keys.job_plan(self.job), plan)
+        members = ", ".join(m.node for m in plan.members)
+        log.warning("[%s] generation %d: %s (%s)", self.job, plan.generation, members, plan.reason)
+        events.emit(
+            self.client,
+            self.job,
+            "Generation",
+            f"generation {plan.generation}: {members} ({plan.reason})",
+            generation=plan.generation,
+        )
+
+    def _write_status(self) -> None:
+        data = self.status.to_dict()
+        comparable = {k: v for k, v in data.items() if k != "updated_at"}
+        if comparable == self._last_written:
+            return
+        self._last_written = comparable
+        self.status.updated_at = time.time()
+        records.write(self.client, keys.job_status(self.job), self.status)

@@ -1,0 +1,474 @@
+"""The controller's decisions, as a pure function of a snapshot of the world.
+
+:func:`decide` takes the job spec, the policy's own memory (timers kept
+across ticks), the job status and a :class:`~orchestrator.controller.world.World`
+and returns the new memory, the new status and a list of actions
+(:mod:`orchestrator.controller.actions`).  It reads no clock (times come in
+the snapshot) and does no I/O, so it is tested through a table of scenarios
+without etcd (``tests/unit/test_controller_policy.py``).
+
+Per job it:
+
+* starts the job when ``nodes.max`` nodes are warm (or ``nodes.min`` after
+  the last-call timeout), in topology order, the rest as warm spares;
+* on a break (workers reported the generation broken) waits ``REPORT_GRACE``
+  for the silent members' reports, unless their agents refused a liveness
+  probe, then replaces the silent ones;
+* replaces a member whose registration lease expired;
+* kills a worker whose heartbeat stopped while its step stalled for
+  ``hang_timeout`` (not when every heartbeat stopped at once: then their way
+  to etcd is stuck, and the workers pause for that);
+* puts a warm spare from the failed node's rack (then zone) in its place,
+  and orders the new members by topology so the ring crosses the fewest
+  boundaries; scales down to ``nodes.min`` when no spare is left and fails
+  the job when fewer than ``nodes.min`` remain for ``rendezvous.join_timeout``;
+* treats a step that raised an error of the training script's own (a break
+  report with ``user_error``) as the script's failure, not a peer's: the job
+  restarts in a new generation up to ``fault_tolerance.max_restarts`` times,
+  then fails with the script's message; no recovery is recorded;
+* pauses (phase ``Paused``) after an etcd outage and declares nobody dead
+  for ``OUTAGE_GRACE`` after it;
+* relays stop and checkpoint commands to the workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from orchestrator import keys
+from orchestrator.api import JobPhase, JobSpec
+from orchestrator.controller.actions import (
+    Action,
+    CheckpointCommitted,
+    DeclareFailed,
+    DeleteCommand,
+    Emit,
+    FailureSeen,
+    KillWorker,
+    PhaseChanged,
+    PublishPlan,
+    Recovered,
+    WriteControl,
+)
+from orchestrator.controller.world import World, silent_members, workers_of
+from orchestrator.records import AgentCommand, JobStatus, Member, Plan
+from orchestrator.settings import SETTINGS
+from orchestrator.topology import NodeInfo, topology_order
+
+#: After the first failure report, how long to wait for the other survivors' reports.
+REPORT_GRACE = timedelta(seconds=1.0)
+#: A worker whose heartbeat is older than this many intervals is frozen or gone.
+STALE_BEATS = 3
+#: After an outage, how long lease expiry and stale heartbeats are not taken as failures
+#: (agents re-register and workers beat again within a lease TTL or two).
+OUTAGE_GRACE = SETTINGS.outage_grace
+
+
+@dataclass
+class Memory:
+    """What the policy remembers between ticks (monotonic times unless said otherwise)."""
+
+    min_reached_at: float | None = None
+    #: generation whose break is being handled, and when its first report was seen
+    break_generation: int | None = None
+    break_seen_at: float = 0.0
+    recovery_started: float | None = None
+    recovery_step: int = 0
+    #: fewer than nodes.min nodes left since then
+    short_since: float | None = None
+    #: ``<worker>/<pid>`` → wall time it was last told to die
+    killed: dict[str, float] = field(default_factory=dict)
+    grace_until: float = 0.0
+    paused_from: JobPhase | None = None
+    silence_seen: tuple[float, float] | None = None
+    #: generations that ended with an error of the training script
+    user_errors: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    memory: Memory
+    status: JobStatus
+    actions: list[Action]
+
+
+def decide(spec: JobSpec, memory: Memory, status: JobStatus, world: World) -> Decision:
+    """One tick of the controller's reasoning; inputs are not modified."""
+    d = _Decider(spec, copy.deepcopy(memory), dataclasses.replace(status), world)
+    d.run()
+    return Decision(d.memory, d.status, d.actions)
+
+
+class _Decider:
+    def __init__(self, spec: JobSpec, memory: Memory, status: JobStatus, world: World) -> None:
+        self.spec = spec
+        self.m = memory
+        self.status = status
+        self.status.active_nodes = list(status.active_nodes)
+        self.status.spare_nodes = list(status.spare_nodes)
+        self.status.failed_nodes = list(status.failed_nodes)
+        self.w = world
+        self.actions: list[Action] = []
+
+    @property
+    def memory(self) -> Memory:
+        return self.m
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def phase(self, phase: JobPhase, message: str, **data: object) -> None:
+        self.status.message = message
+        if phase is self.status.phase or not self.status.phase.can_move_to(phase):
+            return
+        self.status.phase = phase
+        self.actions.append(PhaseChanged(phase, message, dict(data)))
+
+    def in_grace(self) -> bool:
+        return self.w.mono < self.m.grace_until
+
+    def warm(self, node: str) -> bool:
+        """A registered node whose every worker is alive and beating (ready for a slot)."""
+        info = self.w.nodes.get(node)
+        if info is None:
+            return False
+        stale = STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds()
+        for i in range(info.slots):
+            p = self.w.progress.get(keys.worker_id(node, i))
+            if p is None or self.w.now - p.beat > stale or p.pid not in info.worker_pids:
+                return False
+        return True
+
+    def node_info(self, node: str) -> NodeInfo:
+        info = self.w.nodes.get(node)
+        slots = info.slots if info is not None else self.spec.nproc_per_node
+        return NodeInfo(node, slots, dict(info.labels) if info is not None else {})
+
+    def make_plan(self, generation: int, order: list[str], spares: list[str], why: str) -> Plan:
+        members, base = [], 0
+        for node in order:
+            info = self.node_info(node)
+            members.append(Member(node, base, info.slots, dict(info.labels)))
+            base += info.slots
+        return Plan(generation, members, spares=list(spares), reason=why)
+
+    def ordered(self, nodes: list[str], previous: list[str] | None = None) -> list[str]:
+        labels = self.spec.comm.topology_labels
+        order = topology_order([self.node_info(n) for n in nodes], labels, previous)
+        return list(order.node_ids)
+
+    def short_too_long(self, what: str, advice: str) -> bool:
+        """Fewer nodes than ``nodes.min``: fail the job once that lasted ``join_timeout``."""
+        self.m.short_since = self.m.short_since or self.w.mono
+        limit = self.spec.rendezvous.join_timeout.total_seconds()
+        if self.w.mono - self.m.short_since <= limit:
+            return False
+        self.phase(JobPhase.FAILED, f"{what} for {limit:g}s (rendezvous.join_timeout); {advice}")
+        return True
+
+    # -- the tick ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.status.phase.terminal:
+            return
+        self.commands()
+        if self.status.phase.terminal:
+            return
+        if self.w.plan is None:
+            self.maybe_start()
+            return
+        self.notice_outage()
+        self.end_pause()
+        self.watch_running(self.w.plan)
+
+    def commands(self) -> None:
+        control = dataclasses.replace(self.w.control)
+        changed = False
+        for key, cmd in self.w.commands.items():
+            self.actions.append(DeleteCommand(key))
+            if cmd.command == "stop":
+                control.stop = True
+                if self.w.plan is None:
+                    self.phase(JobPhase.STOPPED, "stopped before it started")
+            elif cmd.command == "checkpoint":
+                control.checkpoint += 1
+            else:
+                self.actions.append(Emit("BadCommand", f"unknown command {cmd.command!r}"))
+                continue
+            changed = True
+            reason = f" ({cmd.args['reason']})" if cmd.args.get("reason") else ""
+            self.actions.append(Emit("Command", f"{cmd.command} requested{reason}"))
+        if changed:
+            self.actions.append(WriteControl(control))
+            self.w.control = control
+
+    def maybe_start(self) -> None:
+        warm = [n for n in self.w.nodes if self.warm(n)]
+        need_max, need_min = self.spec.nodes.max, self.spec.nodes.min
+        now = self.w.mono
+        if len(warm) >= need_min and self.m.min_reached_at is None:
+            self.m.min_reached_at = now
+        last_call = self.spec.rendezvous.last_call_timeout.total_seconds()
+        ready = len(warm) >= need_max or (
+            len(warm) >= need_min
+            and self.m.min_reached_at is not None
+            and now - self.m.min_reached_at >= last_call
+        )
+        self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
+        if not ready:
+            self.short_too_long(
+                f"only {len(warm)} of the {need_min} nodes needed were ready",
+                f"see `ringmaster logs {self.status.name}` and `ringmaster events` for why "
+                "nodes did not come up",
+            )
+            return
+        self.m.short_since = None
+        ordered = self.ordered(warm)
+        active = self.ordered(ordered[:need_max])
+        self.actions.append(PublishPlan(self.make_plan(1, active, ordered[need_max:], "start")))
+        self.phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
+
+    def notice_outage(self) -> None:
+        silence = self.w.silence
+        if silence is None or silence == self.m.silence_seen:
+            return
+        self.m.silence_seen = silence
+        seconds = silence[1]
+        self.m.grace_until = self.w.mono + OUTAGE_GRACE.total_seconds()
+        self.m.break_generation = None  # report timing from before the outage means nothing
+        phase = self.status.phase
+        if phase.terminal or phase is JobPhase.PENDING:
+            return
+        if phase is not JobPhase.PAUSED:
+            self.m.paused_from = phase
+        self.phase(
+            JobPhase.PAUSED,
+            f"paused: etcd was unavailable (no quorum, unreachable or stalled) for "
+            f"{seconds:.1f}s; workers hold their state at a step boundary. No failures are "
+            f"declared for {OUTAGE_GRACE.total_seconds():g}s while nodes re-register",
+            outage_s=round(seconds, 2),
+        )
+
+    def end_pause(self) -> None:
+        if self.status.phase is JobPhase.PAUSED and not self.in_grace():
+            back = self.m.paused_from or JobPhase.RUNNING
+            self.m.paused_from = None
+            self.phase(back, "resumed after the etcd outage")
+
+    def watch_running(self, plan: Plan) -> None:
+        w, status = self.w, self.status
+        members = {m.node for m in plan.members}
+        workers = workers_of(plan)
+        status.generation = plan.generation
+        status.world_size = plan.world_size
+        status.active_nodes = [m.node for m in plan.members]
+        status.spare_nodes = [n for n in w.nodes if n not in members and self.warm(n)]
+        record = w.checkpoint
+        if record is not None and record.at != status.last_checkpoint_at:
+            status.last_checkpoint = f"step {record.step} ({record.reason})"
+            status.last_checkpoint_at = record.at
+            self.actions.append(CheckpointCommitted(record))
+        steps = [w.progress[x].step for x in workers if x in w.progress]
+        if steps:
+            status.step = max(status.step, max(steps))
+        last = self.spec.max_steps
+        finished_all = last > 0 and any(r.step >= last for r in w.done.values())
+        if (workers and all(x in w.done for x in workers)) or finished_all:
+            # A worker that applied the last step holds the final state: a failure
+            # of its peers after that loses nothing, so nobody waits for a new group.
+            self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}")
+            return
+        if w.control.stop and all(x in w.done for x in workers if x in w.progress):
+            self.phase(JobPhase.STOPPED, "stopped on request")
+            return
+        if w.reports:
+            if any(r.user_error for r in w.reports.values()):
+                self.user_error(plan)
+            else:
+                self.handle_break(plan)
+            return
+        if self.in_grace():
+            return  # registrations and heartbeats are still coming back
+        gone = {n for n in members if n not in w.nodes}
+        if gone:
+            self.replace(plan, gone, f"lease expired: {', '.join(sorted(gone))}")
+            return
+        self.detect_hangs(plan)
+        recovering = status.phase is JobPhase.RECOVERING or (
+            status.phase is JobPhase.PAUSED and self.m.paused_from is JobPhase.RECOVERING
+        )
+        if recovering and self.recovered(plan, workers):
+            took = w.mono - (self.m.recovery_started or w.mono)
+            self.actions.append(Recovered(plan))
+            message = f"generation {plan.generation} trains again ({took:.2f}s after the failure)"
+            if status.phase is JobPhase.PAUSED:
+                self.m.paused_from = JobPhase.RUNNING  # the pause ends in Running
+                status.message = message
+            else:
+                self.phase(JobPhase.RUNNING, message, recovery_s=round(took, 3))
+            self.m.recovery_started = None
+
+    def recovered(self, plan: Plan, workers: list[str]) -> bool:
+        for x in workers:
+            p = self.w.progress.get(x)
+            if p is None or p.generation != plan.generation or p.step <= self.m.recovery_step:
+                return False
+        return True
+
+    def user_error(self, plan: Plan) -> None:
+        """The training script raised in a step: restart up to max_restarts, then fail."""
+        if plan.generation not in self.m.user_errors:
+            self.m.user_errors.append(plan.generation)
+        worker, report = next((x, r) for x, r in self.w.reports.items() if r.user_error)
+        limit = self.spec.fault_tolerance.max_restarts
+        used = len(self.m.user_errors)
+        if used > limit:
+            self.phase(
+                JobPhase.FAILED,
+                f"worker {worker} failed at step {report.step}: {report.reason} (an error in "
+                f"the training script, {used} time(s), fault_tolerance.max_restarts is "
+                f"{limit}); see `ringmaster logs {self.status.name}`",
+                worker=worker,
+            )
+            return
+        order = [m.node for m in plan.members]
+        why = (
+            f"restart {used} of {limit} after an error in the training script on {worker} at "
+            f"step {report.step}: {report.reason}"
+        )
+        spares = [n for n in self.w.nodes if n not in order and self.warm(n)]
+        self.actions.append(Emit("Restart", why, {"worker": worker, "step": report.step}))
+        self.actions.append(
+            PublishPlan(self.make_plan(plan.generation + 1, order, spares, "restart"))
+        )
+        self.status.message = why
+
+    def handle_break(self, plan: Plan) -> None:
+        w, m = self.w, self.m
+        if m.break_generation != plan.generation:
+            m.break_generation, m.break_seen_at = plan.generation, w.mono
+            first = next(iter(w.reports.values()))
+            if m.recovery_started is None:
+                m.recovery_started = w.mono
+            m.recovery_step = first.step
+            if not all(r.planned for r in w.reports.values()):
+                self.actions.append(FailureSeen(dict(w.reports), m.recovery_step))
+                self.phase(
+                    JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
+                )
+        silent = silent_members(plan, w.reports)
+        # a refused liveness probe is first-hand: it needs no grace, not even after an outage
+        waiting = silent - w.dead
+        if waiting and (
+            w.mono - m.break_seen_at < REPORT_GRACE.total_seconds() or self.in_grace()
+        ):
+            return  # give the other survivors time to report
+        if all(r.planned for r in w.reports.values()) and not silent:
+            return  # a planned switch: the new generation is already published
+        dead = w.dead & silent
+        why = (
+            f"agent of {', '.join(sorted(dead))} gone (liveness port refused)"
+            if dead == silent
+            else f"no report from {', '.join(sorted(silent))}"
+        )
+        self.replace(plan, silent, why, agent_gone=dead)
+
+    def pick_spare(self, failed: str, spares: list[str]) -> str:
+        """The spare nearest to ``failed``: same rack, then same zone, then any."""
+        labels = self.spec.comm.topology_labels
+        old = self.w.plan.member(failed) if self.w.plan else None
+        path = NodeInfo(failed, 1, dict(old.labels) if old else {}).path(labels)
+
+        def shared(node: str) -> int:
+            mine = self.node_info(node).path(labels)
+            depth = 0
+            while depth < len(path) and path[depth] == mine[depth]:
+                depth += 1
+            return depth
+
+        return max(spares, key=lambda n: (shared(n), -spares.index(n)))
+
+    def replace(
+        self, plan: Plan, failed: set[str], why: str, agent_gone: set[str] | None = None
+    ) -> None:
+        members = [m.node for m in plan.members]
+        spares = [
+            n
+            for n in self.ordered(list(self.w.nodes))
+            if n not in members and n not in failed and self.warm(n)
+        ]
+        kept, swapped = [n for n in members if n not in failed], []
+        for node in [n for n in members if n in failed]:
+            if spares:
+                spare = self.pick_spare(node, spares)
+                spares.remove(spare)
+                kept.append(spare)
+                swapped.append(f"{spare} replaces {node}")
+        if len(kept) < self.spec.nodes.min:
+            if self.short_too_long(
+                f"{why}; only {len(kept)} of the {self.spec.nodes.min} nodes needed were left",
+                f"add nodes and `ringmaster resume {self.status.name}`",
+            ):
+                return
+            self.phase(
+                JobPhase.RECOVERING,
+                f"{why}; {len(kept)} nodes left, need {self.spec.nodes.min}: waiting up to "
+                f"{self.spec.rendezvous.join_timeout.total_seconds():g}s "
+                "(rendezvous.join_timeout) for more",
+            )
+            return
+        self.m.short_since = None
+        self.actions.append(
+            DeclareFailed(frozenset(failed), why, self.status.step, frozenset(agent_gone or ()))
+        )
+        for node in sorted(failed):
+            if node not in self.status.failed_nodes:
+                self.status.failed_nodes.append(node)
+        if self.m.recovery_started is None:
+            self.m.recovery_started = self.w.mono
+            self.m.recovery_step = self.status.step
+        self.status.recoveries += 1
+        reason = "; ".join(swapped) or f"scaled down to {len(kept)} nodes"
+        order = self.ordered(kept, previous=members)
+        new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
+        self.actions.append(PublishPlan(new_plan))
+        self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")
+
+    def detect_hangs(self, plan: Plan) -> None:
+        ft, now = self.spec.fault_tolerance, self.w.now
+        stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+        current = {
+            x: p
+            for x in workers_of(plan)
+            if (p := self.w.progress.get(x)) is not None and p.generation == plan.generation
+        }
+        if len(current) > 1 and all(now - p.beat > stale_after for p in current.values()):
+            # A hung worker blocks its peers' steps, not their heartbeats: when every
+            # heartbeat stopped at once, it is their way to etcd that is stuck (the
+            # workers pause for that), not every worker hanging together.
+            return
+        for member in plan.members:
+            for i in range(member.nproc):
+                worker = keys.worker_id(member.node, i)
+                p = current.get(worker)
+                if p is None:
+                    continue
+                frozen = now - p.beat > stale_after
+                stalled = now - p.step_time > ft.hang_timeout.total_seconds()
+                # the record names the process that stopped beating: a restarted
+                # worker (a new pid) is never killed for its predecessor's silence
+                victim = f"{worker}/{p.pid}"
+                if frozen and stalled and now - self.m.killed.get(victim, 0) > stale_after:
+                    self.m.killed[victim] = now
+                    self.actions.append(
+                        KillWorker(
+                            member.node,
+                            AgentCommand("kill-worker", local_rank=i, pid=p.pid, reason="hang"),
+                            worker,
+                            f"{worker}: no step for {now - p.step_time:.1f}s and no heartbeat;"
+                            " killing it",
+                        )
+                    )
+

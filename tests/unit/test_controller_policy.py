@@ -1,0 +1,325 @@
+"""The controller's policy, driven through a table of scenarios without etcd.
+
+Each scenario builds a snapshot of the world (nodes, heartbeats, plan,
+reports), runs :func:`orchestrator.controller.policy.decide` one or more
+times, and checks the actions and the status it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import keys
+from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
+from orchestrator.controller import policy
+from orchestrator.controller.actions import (
+    Action,
+    DeclareFailed,
+    DeleteCommand,
+    Emit,
+    KillWorker,
+    PhaseChanged,
+    PublishPlan,
+    WriteControl,
+)
+from orchestrator.controller.world import World
+from orchestrator.records import (
+    BreakReport,
+    CommandRecord,
+    DoneRecord,
+    JobStatus,
+    Member,
+    NodeRecord,
+    Plan,
+    ProgressRecord,
+)
+from orchestrator.topology import min_ring_crossings, ring_crossings
+
+pytestmark = pytest.mark.unit
+
+NOW = 1_000_000.0
+RACKS = {"a": "r1", "b": "r2", "c": "r1", "d": "r2", "e": "r2", "f": "r1"}
+
+
+def _spec(min_nodes: int = 2, max_nodes: int = 2, spares: int = 1, **ft: object) -> JobSpec:
+    spec = JobSpec(
+        name="job",
+        entrypoint=EntrypointSpec(script="train.py"),
+        nodes=NodesSpec(min=min_nodes, max=max_nodes, spares=spares),
+    )
+    for key, value in ft.items():
+        setattr(spec.fault_tolerance, key, value)
+    spec.rendezvous.join_timeout = timedelta(seconds=30)
+    return spec.validate()
+
+
+def _node(name: str, pid: int = 100) -> NodeRecord:
+    return NodeRecord(
+        host=name,
+        address="127.0.0.1",
+        slots=1,
+        pid=1,
+        worker_pids=[pid],
+        started=NOW - 100,
+        labels={"zone": "z", "rack": RACKS[name], "host": name},
+    )
+
+
+def _beat(generation: int, step: int = 10, *, beat: float = NOW, step_time: float = NOW,
+          pid: int = 100, rank: int = 0) -> ProgressRecord:  # fmt: skip
+    return ProgressRecord(
+        step=step, generation=generation, rank=rank, world_size=2, pid=pid, beat=beat,
+        step_time=step_time,
+    )  # fmt: skip
+
+
+def _plan(generation: int, *nodes: str) -> Plan:
+    return Plan(
+        generation,
+        [Member(n, i, 1, {"zone": "z", "rack": RACKS[n], "host": n}) for i, n in enumerate(nodes)],
+    )
+
+
+def _world(
+    nodes: list[str], plan: Plan | None = None, *, mono: float = 50.0, **kw: object
+) -> World:
+    generation = plan.generation if plan else 0
+    world = World(now=NOW, mono=mono, plan=plan)
+    world.nodes = {n: _node(n) for n in nodes}
+    world.progress = {keys.worker_id(n, 0): _beat(generation) for n in nodes}
+    for key, value in kw.items():
+        setattr(world, key, value)
+    return world
+
+
+def _report(step: int = 10, *, planned: bool = False, user_error: bool = False,
+            reason: str = "peer gone") -> BreakReport:  # fmt: skip
+    return BreakReport(step=step, reason=reason, planned=planned, at=NOW, user_error=user_error)
+
+
+@dataclass
+class Run:
+    spec: JobSpec
+    memory: policy.Memory = field(default_factory=policy.Memory)
+    status: JobStatus = field(default_factory=lambda: JobStatus("job", JobPhase.RUNNING))
+    actions: list[Action] = field(default_factory=list)
+
+    def tick(self, world: World) -> list[Action]:
+        decision = policy.decide(self.spec, self.memory, self.status, world)
+        self.memory, self.status, self.actions = decision.memory, decision.status, decision.actions
+        return self.actions
+
+    def plans(self) -> list[Plan]:
+        return [a.plan for a in self.actions if isinstance(a, PublishPlan)]
+
+    def of(self, kind: type) -> list:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+
+def _order(plan: Plan) -> list[str]:
+    return [m.node for m in plan.members]
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def start_in_topology_order() -> None:
+    run = Run(_spec(), status=JobStatus("job"))
+    run.tick(_world(["b", "a", "c"]))
+    (plan,) = run.plans()
+    assert plan.generation == 1
+    assert _order(plan) == ["a", "c"]  # both in rack r1: the ring stays in one rack
+    assert plan.spares == ["b"]
+    assert run.status.phase is JobPhase.RUNNING
+
+
+def node_death_refused_probe_is_replaced_from_its_rack() -> None:
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    # c (rack r1) sorts first among the spares; b was in rack r2, so d takes its place
+    world = _world(["a", "b", "c", "d"], plan, reports={"a-0": _report()}, dead={"b"})
+    run.tick(world)
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == {"b"} and declared.agent_gone == {"b"}
+    (new,) = run.plans()
+    assert new.generation == 2 and _order(new) == ["a", "d"]
+    assert "d replaces b" in new.reason
+    assert run.status.phase is JobPhase.RECOVERING and run.status.recoveries == 1
+    assert run.status.failed_nodes == ["b"]
+
+
+def silent_node_gets_the_report_grace() -> None:
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "b", "c"], plan, mono=50.0, reports={"a-0": _report()}))
+    assert run.plans() == [] and run.status.phase is JobPhase.RECOVERING
+    run.tick(_world(["a", "b", "c"], plan, mono=50.5, reports={"a-0": _report()}))
+    assert run.plans() == []
+    run.tick(_world(["a", "b", "c"], plan, mono=51.1, reports={"a-0": _report()}))
+    (new,) = run.plans()
+    assert _order(new) == ["a", "c"]
+    assert "no report from b" in run.of(DeclareFailed)[0].why
+
+
+def no_spare_in_the_rack_reorders_the_ring() -> None:
+    run = Run(_spec(min_nodes=4, max_nodes=4))
+    plan = _plan(1, "a", "c", "b", "d")  # r1 r1 r2 r2: two crossings
+    # a (r1) dies; the only warm spare, e, is in r2
+    world = _world(["a", "b", "c", "d", "e"], plan, reports={"b-0": _report()}, dead={"a"})
+    for w in ("b-0", "c-0", "d-0"):
+        world.reports[w] = _report()
+    run.tick(world)
+    (new,) = run.plans()
+    assert set(_order(new)) == {"b", "c", "d", "e"}
+    racks = [RACKS[n] for n in _order(new)]
+    assert ring_crossings(racks) == min_ring_crossings(racks) == 2
+    assert [m.rank_base for m in new.members] == [0, 1, 2, 3]
+
+
+def lease_expiry_preempted_node_is_replaced() -> None:
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "c", "d"], plan))  # b's registration is gone (preempted, revoked)
+    (new,) = run.plans()
+    assert _order(new) == ["a", "d"]
+    assert "lease expired: b" in run.of(DeclareFailed)[0].why
+
+
+def hung_worker_is_killed_by_pid() -> None:
+    run = Run(_spec(hang_timeout=timedelta(seconds=60)))
+    plan = _plan(1, "a", "b")
+    world = _world(["a", "b"], plan)
+    world.progress["b-0"] = _beat(1, beat=NOW - 30, step_time=NOW - 120, pid=4242)
+    run.tick(world)
+    (kill,) = run.of(KillWorker)
+    assert kill.node == "b" and kill.command.pid == 4242 and kill.command.local_rank == 0
+    run.tick(world)  # told once per stale period, not on every tick
+    assert run.of(KillWorker) == []
+
+
+def every_heartbeat_stopped_is_not_a_hang() -> None:
+    run = Run(_spec(hang_timeout=timedelta(seconds=60)))
+    plan = _plan(1, "a", "b")
+    world = _world(["a", "b"], plan)
+    for w in ("a-0", "b-0"):
+        world.progress[w] = _beat(1, beat=NOW - 30, step_time=NOW - 120)
+    run.tick(world)
+    assert run.of(KillWorker) == []
+
+
+def outage_pauses_and_holds_fire_for_the_grace() -> None:
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    grace = policy.OUTAGE_GRACE.total_seconds()
+    run.tick(_world(["a", "c"], plan, mono=50.0, silence=(49.0, 8.0)))  # b's lease ran out
+    assert run.status.phase is JobPhase.PAUSED and run.plans() == []
+    run.tick(_world(["a", "c"], plan, mono=50.0 + grace / 2, silence=(49.0, 8.0)))
+    assert run.status.phase is JobPhase.PAUSED and run.plans() == []
+    run.tick(_world(["a", "c"], plan, mono=50.0 + grace + 0.1, silence=(49.0, 8.0)))
+    assert next(a.phase for a in run.of(PhaseChanged)) is JobPhase.RUNNING
+    assert _order(run.plans()[0]) == ["a", "c"]
+
+
+def scale_down_to_nodes_min_without_spares() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=2, spares=0))
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "b"], plan, reports={"a-0": _report()}, dead={"b"}))
+    (new,) = run.plans()
+    assert _order(new) == ["a"] and new.reason == "scaled down to 1 nodes"
+
+
+def no_spare_left_waits_then_fails() -> None:
+    run = Run(_spec(min_nodes=2, max_nodes=2, spares=0))
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "b"], plan, mono=50.0, reports={"a-0": _report()}, dead={"b"}))
+    assert run.plans() == [] and run.status.phase is JobPhase.RECOVERING
+    assert "waiting up to 30s" in run.status.message
+    run.tick(_world(["a", "b"], plan, mono=81.0, reports={"a-0": _report()}, dead={"b"}))
+    assert run.status.phase is JobPhase.FAILED
+    assert "rendezvous.join_timeout" in run.status.message
+
+
+def user_error_restarts_then_fails_without_a_recovery() -> None:
+    run = Run(_spec(max_restarts=1))
+    error = _report(step=5, user_error=True, reason="RuntimeError: socket timed out")
+    run.tick(_world(["a", "b", "c"], _plan(1, "a", "b"), reports={"a-0": error}))
+    (restart,) = run.plans()
+    assert restart.generation == 2 and _order(restart) == ["a", "b"]
+    assert [e.type for e in run.of(Emit)] == ["Restart"]
+    assert run.of(DeclareFailed) == [] and run.status.phase is JobPhase.RUNNING
+    run.tick(_world(["a", "b", "c"], _plan(2, "a", "b"), reports={"b-0": error}))
+    assert run.plans() == []
+    assert run.status.phase is JobPhase.FAILED
+    assert "worker b-0 failed at step 5: RuntimeError: socket timed out" in run.status.message
+    assert run.status.recoveries == 0 and run.status.failed_nodes == []
+
+
+def a_peer_failure_beside_a_user_error_is_the_user_error() -> None:
+    run = Run(_spec(max_restarts=0))
+    reports = {"a-0": _report(), "b-0": _report(user_error=True, reason="ValueError: bad")}
+    run.tick(_world(["a", "b"], _plan(1, "a", "b"), reports=reports))
+    assert run.status.phase is JobPhase.FAILED and "ValueError: bad" in run.status.message
+
+
+def planned_switch_is_not_a_failure() -> None:
+    run = Run(_spec())
+    reports = {"a-0": _report(planned=True), "b-0": _report(planned=True)}
+    run.tick(_world(["a", "b"], _plan(1, "a", "b"), reports=reports))
+    assert run.plans() == [] and run.status.phase is JobPhase.RUNNING
+
+
+def stop_command_reaches_the_workers() -> None:
+    run = Run(_spec())
+    world = _world(["a", "b"], _plan(1, "a", "b"), commands={"/k/1": CommandRecord("stop")})
+    run.tick(world)
+    assert run.of(DeleteCommand) == [DeleteCommand("/k/1")]
+    (control,) = run.of(WriteControl)
+    assert control.control.stop
+    done = DoneRecord(step=12, generation=1, at=NOW)
+    world = _world(["a", "b"], _plan(1, "a", "b"), done={"a-0": done, "b-0": done})
+    world.control.stop = True
+    run.tick(world)
+    assert run.status.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED)
+
+
+def finished_workers_succeed() -> None:
+    run = Run(_spec())
+    done = DoneRecord(step=300, generation=1, at=NOW)
+    run.tick(_world(["a", "b"], _plan(1, "a", "b"), done={"a-0": done, "b-0": done}))
+    assert run.status.phase is JobPhase.SUCCEEDED
+
+
+def inputs_are_not_modified() -> None:
+    spec, memory, status = _spec(), policy.Memory(), JobStatus("job", JobPhase.RUNNING)
+    world = _world(["a", "c", "d"], _plan(1, "a", "b"))
+    policy.decide(spec, memory, status, world)
+    assert memory == policy.Memory() and status == JobStatus("job", JobPhase.RUNNING)
+
+
+SCENARIOS: list[Callable[[], None]] = [
+    start_in_topology_order,
+    node_death_refused_probe_is_replaced_from_its_rack,
+    silent_node_gets_the_report_grace,
+    no_spare_in_the_rack_reorders_the_ring,
+    lease_expiry_preempted_node_is_replaced,
+    hung_worker_is_killed_by_pid,
+    every_heartbeat_stopped_is_not_a_hang,
+    outage_pauses_and_holds_fire_for_the_grace,
+    scale_down_to_nodes_min_without_spares,
+    no_spare_left_waits_then_fails,
+    user_error_restarts_then_fails_without_a_recovery,
+    a_peer_failure_beside_a_user_error_is_the_user_error,
+    planned_switch_is_not_a_failure,
+    stop_command_reaches_the_workers,
+    finished_workers_succeed,
+    inputs_are_not_modified,
+]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])
+def test_policy(scenario: Callable[[], None]) -> None:
+    scenario()

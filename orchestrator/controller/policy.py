@@ -47,21 +47,19 @@ from orchestrator.controller.actions import (
     DeleteCommand,
     Emit,
     FailureSeen,
-    KillWorker,
     PhaseChanged,
     PublishPlan,
     Recovered,
     WriteControl,
 )
+from orchestrator.controller.hangs import STALE_BEATS, hung_workers
 from orchestrator.controller.world import World, silent_members, workers_of
-from orchestrator.records import AgentCommand, JobStatus, Member, Plan
+from orchestrator.records import JobStatus, Member, Plan
 from orchestrator.settings import SETTINGS
 from orchestrator.topology import NodeInfo, topology_order
 
 #: After the first failure report, how long to wait for the other survivors' reports.
 REPORT_GRACE = timedelta(seconds=1.0)
-#: A worker whose heartbeat is older than this many intervals is frozen or gone.
-STALE_BEATS = 3
 #: After an outage, how long lease expiry and stale heartbeats are not taken as failures
 #: (agents re-register and workers beat again within a lease TTL or two).
 OUTAGE_GRACE = SETTINGS.outage_grace
@@ -295,7 +293,7 @@ class _Decider:
         if gone:
             self.replace(plan, gone, f"lease expired: {', '.join(sorted(gone))}")
             return
-        self.detect_hangs(plan)
+        self.actions += hung_workers(self.spec, plan, self.w, self.m.killed)
         recovering = status.phase is JobPhase.RECOVERING or (
             status.phase is JobPhase.PAUSED and self.m.paused_from is JobPhase.RECOVERING
         )
@@ -435,40 +433,3 @@ class _Decider:
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
         self.actions.append(PublishPlan(new_plan))
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")
-
-    def detect_hangs(self, plan: Plan) -> None:
-        ft, now = self.spec.fault_tolerance, self.w.now
-        stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
-        current = {
-            x: p
-            for x in workers_of(plan)
-            if (p := self.w.progress.get(x)) is not None and p.generation == plan.generation
-        }
-        if len(current) > 1 and all(now - p.beat > stale_after for p in current.values()):
-            # A hung worker blocks its peers' steps, not their heartbeats: when every
-            # heartbeat stopped at once, it is their way to etcd that is stuck (the
-            # workers pause for that), not every worker hanging together.
-            return
-        for member in plan.members:
-            for i in range(member.nproc):
-                worker = keys.worker_id(member.node, i)
-                p = current.get(worker)
-                if p is None:
-                    continue
-                frozen = now - p.beat > stale_after
-                stalled = now - p.step_time > ft.hang_timeout.total_seconds()
-                # the record names the process that stopped beating: a restarted
-                # worker (a new pid) is never killed for its predecessor's silence
-                victim = f"{worker}/{p.pid}"
-                if frozen and stalled and now - self.m.killed.get(victim, 0) > stale_after:
-                    self.m.killed[victim] = now
-                    self.actions.append(
-                        KillWorker(
-                            member.node,
-                            AgentCommand("kill-worker", local_rank=i, pid=p.pid, reason="hang"),
-                            worker,
-                            f"{worker}: no step for {now - p.step_time:.1f}s and no heartbeat;"
-                            " killing it",
-                        )
-                    )
-

@@ -1,0 +1,68 @@
+"""Which workers hang: a pure rule over heartbeats, used by the controller's policy.
+
+A worker hangs when its heartbeat thread stopped (no beat for ``STALE_BEATS``
+heartbeat intervals) and its step has not moved for ``hang_timeout``.  Its
+agent is told to kill it, which turns the hang into a failure handled like
+any other.  When every heartbeat stopped at once, the workers' way to etcd is
+stuck (they pause for that), so nobody is killed.
+"""
+
+from __future__ import annotations
+
+from orchestrator import keys
+from orchestrator.api import JobSpec
+from orchestrator.controller.actions import KillWorker
+from orchestrator.controller.world import World, workers_of
+from orchestrator.records import AgentCommand, Plan
+
+#: A worker whose heartbeat is older than this many intervals is frozen or gone.
+STALE_BEATS = 3
+
+
+def hung_workers(
+    spec: JobSpec, plan: Plan, world: World, killed: dict[str, float]
+) -> list[KillWorker]:
+    """Kill commands for the hung workers of ``plan``.
+
+    Args:
+        spec: the job (``fault_tolerance`` timeouts).
+        plan: the current generation.
+        world: the snapshot (heartbeats, the time).
+        killed: ``<worker>/<pid>`` → when it was last told to die; updated here,
+            so one process is told once per stale period.
+    """
+    ft, now = spec.fault_tolerance, world.now
+    stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+    current = {
+        x: p
+        for x in workers_of(plan)
+        if (p := world.progress.get(x)) is not None and p.generation == plan.generation
+    }
+    if len(current) > 1 and all(now - p.beat > stale_after for p in current.values()):
+        # A hung worker blocks its peers' steps, not their heartbeats: when every
+        # heartbeat stopped at once, it is their way to etcd that is stuck.
+        return []
+    out: list[KillWorker] = []
+    for member in plan.members:
+        for i in range(member.nproc):
+            worker = keys.worker_id(member.node, i)
+            p = current.get(worker)
+            if p is None:
+                continue
+            frozen = now - p.beat > stale_after
+            stalled = now - p.step_time > ft.hang_timeout.total_seconds()
+            # the record names the process that stopped beating: a restarted
+            # worker (a new pid) is never killed for its predecessor's silence
+            victim = f"{worker}/{p.pid}"
+            if frozen and stalled and now - killed.get(victim, 0) > stale_after:
+                killed[victim] = now
+                out.append(
+                    KillWorker(
+                        member.node,
+                        AgentCommand("kill-worker", local_rank=i, pid=p.pid, reason="hang"),
+                        worker,
+                        f"{worker}: no step for {now - p.step_time:.1f}s and no heartbeat;"
+                        " killing it",
+                    )
+                )
+    return out

@@ -45,7 +45,10 @@ from agents.api import WorkerEnv
 from agents.log_shipper import LogShipper
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase, JobSpec
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, Lease, retry_unavailable
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.kv import Lease
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent

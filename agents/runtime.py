@@ -58,14 +58,10 @@ from agents.state_sync import NO_STATE, sync_state
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError, JobPhase, JobSpec
-from orchestrator.etcd.client import (
-    EtcdClient,
-    EtcdOptions,
-    connect,
-    parse_endpoints,
-    retry_unavailable,
-)
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.fencing import FencedError, GenerationFence
+from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.records import Plan
 
 log = logging.getLogger("ringmaster.worker")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator import jobs  # noqa: E402
 from orchestrator.api import JobPhase  # noqa: E402
-from orchestrator.etcd.client import EtcdOptions  # noqa: E402
+from orchestrator.etcd.options import EtcdOptions  # noqa: E402
 from tests.chaos.jobs import quiet_run, tiny_job  # noqa: E402
 from tests.faults.etcd_cluster import EtcdCluster  # noqa: E402
 

@@ -73,7 +73,8 @@ def _agent(index: int, conn: Connection) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
     from orchestrator.rendezvous.backend import register
     from orchestrator.rendezvous.store import EtcdStore
 
@@ -307,7 +308,8 @@ def store_op_ms(etcd: EmbeddedEtcd, ops: int = 200) -> dict[str, float]:
     """Median milliseconds of a set + get pair on each store, from one process."""
     import torch.distributed as dist
 
-    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
     from orchestrator.rendezvous.store import EtcdStore
 
     client = connect(EtcdOptions((etcd.endpoint,)))

@@ -31,8 +31,9 @@ from typing import IO, Any
 
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase, JobSpec
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
 

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
+from orchestrator.etcd.options import EtcdOptions
 from tests.gloo import run_gloo
 
 S3_BUCKET = "ringmaster-test"

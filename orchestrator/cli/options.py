@@ -17,7 +17,8 @@ import click
 from rich.console import Console
 
 from orchestrator.api import OrchestratorError, SpecError
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect, parse_endpoints
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 
 console = Console()
 err_console = Console(stderr=True)

@@ -1,27 +1,29 @@
-"""All etcd access goes through this module.
+"""The etcd client: every etcd call of ringmaster goes through :class:`EtcdClient`.
 
 It wraps the ``etcd3`` v3-API client (installed from the ``cslab-etcd3``
 distribution) with what the rest of ringmaster needs and nothing else:
 
 * :func:`connect` tries every endpoint within a connect timeout and fails with
   an :class:`~orchestrator.api.EtcdUnavailableError` naming each endpoint tried
-  and why; TLS (CA, client cert/key) and user/password are options.
+  and why, or at once with an :class:`~orchestrator.api.EtcdAuthError` when
+  TLS or the credentials cannot work (:mod:`orchestrator.etcd.diagnosis`).
 * Calls fail over between endpoints and are retried for up to the operation
   timeout when an endpoint is unreachable, so a single member going down is
-  invisible to callers.
+  invisible to callers.  The client records how long etcd kept its calls
+  waiting (:attr:`EtcdClient.last_silence`).
 * Values are ``bytes`` in, ``bytes`` out; JSON helpers sit on top.
 * Compare-and-set on ``mod_revision`` (the primitive rendezvous, leader
   election and fencing are built from), leases, prefix watches.
 * For the c10d store: compare-and-set on a value, multi-key reads and writes
   in one transaction, and waits that watch a key from the revision a read saw.
-* A TLS mismatch (wrong CA, a client certificate the server refuses, plain
-  text against a TLS server or the reverse) fails at once with an
-  :class:`~orchestrator.api.EtcdAuthError` that names the endpoint and the
-  option to check, instead of waiting out the connect timeout.
-* With user/password, the auth token is sent as call metadata, so it works on
-  plain-text channels too (gRPC refuses call credentials there), and a token
-  the server no longer knows (another member, expiry) is renewed once.
-  Passwords never appear in messages, logs or ``repr``.
+* With user/password, an auth token the server no longer knows (another
+  member, expiry) is renewed once.  Passwords never appear in messages, logs
+  or ``repr``.
+
+Options are in :mod:`orchestrator.etcd.options`, the values handed out in
+:mod:`orchestrator.etcd.kv`, waiting out outages in :mod:`orchestrator.etcd.retry`.
+Importing this module sets no environment variable; the gRPC settings of
+ringmaster's own processes are in :mod:`orchestrator.etcd.grpc_env`.
 """
 
 from __future__ import annotations
@@ -29,257 +31,32 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
-import socket
-import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-# gRPC's C core logs every failed TLS handshake at INFO on stderr unless told
-# otherwise; the error raised here says what went wrong in one line instead.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-# Every process ringmaster starts is fork+exec (workers, agents, etcd).  gRPC's
-# fork handlers are for fork *without* exec; around a fork+exec they race with
-# gRPC's own threads and, under load, abort processes ("Bad file descriptor" in
-# the epoll poller, abseil mutex checks).  Off, as gRPC advises for fork+exec.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import etcd3
 import etcd3.exceptions as etcd_exc
 import grpc
-from etcd3 import etcdrpc
 
 from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
+from orchestrator.etcd import channel, diagnosis
+from orchestrator.etcd.kv import KeyValue, Lease, Watch, key_value
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How long :func:`connect` waits for some endpoint to answer.
-DEFAULT_CONNECT_TIMEOUT = timedelta(
-    seconds=float(os.environ.get("RINGMASTER_ETCD_CONNECT_TIMEOUT", "5"))
-)
-#: Per-operation deadline, including fail-over retries across endpoints.
-DEFAULT_OP_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_OP_TIMEOUT", "10")))
-#: How long a failed endpoint is avoided before it is tried again.
-ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
 #: Operations per transaction (etcd's default ``--max-txn-ops``).
 MAX_TXN_OPS = 128
-
 #: A gap this long between two answered calls of a busy client is an etcd outage
 #: (or a stall) as far as that client can tell: see ``EtcdClient.last_silence``.
 SILENCE_THRESHOLD = timedelta(seconds=2)
-#: Longest pause between two attempts of :func:`retry_unavailable`.
-MAX_BACKOFF = timedelta(seconds=2)
-
-_RETRYABLE = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.NoServerAvailableError,
-    etcd_exc.InternalServerError,
-)
-
-# What etcd answers while it has no leader (quorum lost, election running): the
-# request reached a member but could not be committed.  Worth retrying.
-_NO_QUORUM_DETAILS = (
-    "context deadline exceeded",
-    "request timed out",
-    "no leader",
-    "leader changed",
-    "raft proposal dropped",
-    "too many requests",
-)
-
-
-def _transient(e: grpc.RpcError) -> bool:
-    code = e.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return True
-    details = (e.details() or "").lower()
-    return any(d in details for d in _NO_QUORUM_DETAILS)
-
-
-def _describe(endpoint: str, e: Exception | None) -> str:
-    """Why ``endpoint`` did not serve a call that failed with ``e``, for people."""
-    what = type(e).__name__ if e is not None else "no answer"
-    if isinstance(e, grpc.RpcError):
-        what = f"{e.code().name}: {e.details() or ''}"
-    try:
-        host, port = _host_port(endpoint)
-        with socket.create_connection((host, port), timeout=0.3):
-            pass
-    except OSError as err:
-        return f"down or unreachable: {err.strerror or type(err).__name__}"
-    except EtcdError:
-        return what
-    return f"accepts connections but did not answer ({what}): cluster without quorum?"
-
-
-@dataclass(frozen=True)
-class EtcdOptions:
-    """How to reach etcd.
-
-    Attributes:
-        endpoints: ``host:port`` or ``http(s)://host:port`` client endpoints.
-        ca_cert / cert / key: TLS files; ``ca_cert`` alone means server-auth TLS.
-        user / password: etcd RBAC credentials (the password is never logged).
-        connect_timeout: how long :func:`connect` waits for some endpoint.
-        op_timeout: deadline of each call, fail-over retries included.
-    """
-
-    endpoints: tuple[str, ...]
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT
-    op_timeout: timedelta = DEFAULT_OP_TIMEOUT
-
-    @property
-    def secure(self) -> bool:
-        return bool(self.ca_cert) or any(e.startswith("https://") for e in self.endpoints)
-
-
-def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """``"a:1,b:2"`` or a list → a tuple of endpoints, whitespace trimmed, empties dropped."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    return tuple(s.strip() for s in items if s.strip())
-
-
-def _host_port(endpoint: str) -> tuple[str, int]:
-    rest = endpoint.split("://", 1)[1] if "://" in endpoint else endpoint
-    rest = rest.rstrip("/")
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
-        raise EtcdError(f"etcd endpoint {endpoint!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """A key with its value and revisions."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    version: int
-    lease_id: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """A put (``value`` set) or delete (``value`` is None) seen by a watch."""
-
-    key: str
-    value: bytes | None
-    mod_revision: int
-
-    @property
-    def deleted(self) -> bool:
-        return self.value is None
-
-
-class Lease:
-    """An etcd lease; keys put with it vanish when it expires or is revoked."""
-
-    def __init__(self, client: EtcdClient, raw: Any, ttl: int) -> None:
-        self._client = client
-        self._raw = raw
-        self.ttl = ttl
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def id(self) -> int:
-        return int(self._raw.id)
-
-    def refresh(self) -> int:
-        """Refresh once; returns the TTL granted, ``<= 0`` when the lease is gone."""
-        responses = self._client._call(lambda c: list(c.refresh_lease(self.id)))
-        return int(responses[-1].TTL) if responses else -1
-
-    def revoke(self) -> None:
-        self.stop_keepalive()
-        try:
-            self._client._call(lambda c: c.revoke_lease(self.id))
-        except EtcdError as e:  # the lease expires on its own anyway
-            log.debug("revoking lease %x failed: %s", self.id, e)
-
-    def remaining(self) -> int:
-        """Seconds left, or -1 when the lease is gone."""
-        info = self._client._call(lambda c: c.get_lease_info(self.id))
-        return int(info.TTL)
-
-    def keep_alive(
-        self, interval: float | None = None, on_lost: Callable[[Lease], None] | None = None
-    ) -> None:
-        """Refresh in a daemon thread every ``interval`` s (default ttl/3) until stopped.
-
-        Failed refreshes (etcd unreachable, no quorum) are retried: etcd extends
-        every lease by its TTL when a new raft leader is elected, so a lease
-        usually outlives an outage.  When etcd answers that the lease is gone,
-        ``on_lost(lease)`` is called once and the thread ends.
-        """
-        if self._thread is not None:
-            return
-        every = interval if interval is not None else max(self.ttl / 3.0, 0.2)
-        self._stop.clear()
-
-        def loop() -> None:
-            failing = False
-            while not self._stop.wait(every):
-                try:
-                    ttl = self.refresh()
-                except EtcdError as e:
-                    if not failing:
-                        log.warning("lease %x keep-alive failing (retrying): %s", self.id, e)
-                    failing = True
-                    continue
-                if failing and ttl > 0:
-                    log.warning("lease %x kept alive again", self.id)
-                failing = False
-                if ttl <= 0:
-                    log.warning("lease %x expired", self.id)
-                    if on_lost is not None:
-                        on_lost(self)
-                    return
-
-        self._thread = threading.Thread(target=loop, name=f"lease-{self.id:x}", daemon=True)
-        self._thread.start()
-
-    def stop_keepalive(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-            self._thread = None
-
-
-class Watch:
-    """A running watch; iterate it for events, ``cancel()`` to stop."""
-
-    def __init__(self, events: Iterator[Any], cancel: Callable[[], None]) -> None:
-        self._events = events
-        self._cancel = cancel
-
-    def __iter__(self) -> Iterator[WatchEvent]:
-        for ev in self._events:
-            value = None if isinstance(ev, etcd3.events.DeleteEvent) else bytes(ev.value)
-            yield WatchEvent(ev.key.decode(), value, int(ev.mod_revision))
-
-    def cancel(self) -> None:
-        self._cancel()
-
-    def __enter__(self) -> Watch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cancel()
+#: Pauses between the attempts of one call (jittered, doubling up to the second).
+RETRY_PAUSES = (timedelta(seconds=0.1), timedelta(seconds=0.5))
 
 
 class EtcdClient:
@@ -357,6 +134,7 @@ class EtcdClient:
     ) -> T:
         last: Exception | None = None
         renewed = False
+        backoff: Backoff | None = None
         while True:
             try:
                 result = fn(self._raw)
@@ -374,45 +152,37 @@ class EtcdClient:
                 self.last_success = now
                 self._failing_since = None
                 return result
-            except _RETRYABLE as e:
+            except diagnosis.RETRYABLE as e:
                 last = e
             except grpc.RpcError as e:
-                if _token_rejected(e) and self.options.user and not renewed:
+                if diagnosis.token_rejected(e) and self.options.user and not renewed:
                     renewed = True
                     self._renew_token()
                     continue
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    who = f"user {self.options.user!r}" if self.options.user else "no user"
-                    raise EtcdAuthError(
-                        f"etcd at {', '.join(self.endpoints)} refused the request ({who}): "
-                        f"{e.details()}; check --etcd-user / RINGMASTER_ETCD_USER and the "
-                        "user's role (it needs read-write on the /ringmaster/ prefix)"
-                    ) from e
-                if "user name is empty" in (e.details() or ""):
-                    raise EtcdAuthError(
-                        f"etcd at {', '.join(self.endpoints)} requires authentication: pass "
-                        "--etcd-user and --etcd-password (or RINGMASTER_ETCD_USER / "
-                        "RINGMASTER_ETCD_PASSWORD)"
-                    ) from e
-                if not _transient(e):
+                refused = diagnosis.auth_refusal(e, self.endpoints, self.options.user)
+                if refused is not None:
+                    raise refused from e
+                if not diagnosis.transient(e):
                     raise EtcdError(f"etcd error {e.code().name}: {e.details()}") from e
                 last = e
             if self._failing_since is None:
                 self._failing_since = started
-            if time.monotonic() >= deadline:
-                reasons = {ep: _describe(ep, last) for ep in self.endpoints}
+            now = time.monotonic()
+            if now >= deadline:
+                reasons = {ep: diagnosis.describe_endpoint(ep, last) for ep in self.endpoints}
                 raise EtcdUnavailableError(
                     list(self.endpoints),
                     timeout or self.options.op_timeout,
                     reasons,
                 ) from last
-            time.sleep(0.1)
+            backoff = backoff or Backoff(*RETRY_PAUSES)
+            time.sleep(min(backoff.next(), deadline - now))
 
     def _renew_token(self) -> None:
         """Authenticate again (the member answering did not know the token)."""
         with self._auth_lock:
             try:
-                _authenticate(self._raw, self.options)
+                channel.authenticate(self._raw, self.options)
             except grpc.RpcError as e:
                 raise EtcdAuthError(
                     f"etcd at {', '.join(self.endpoints)} refused user "
@@ -426,12 +196,12 @@ class EtcdClient:
         value, meta = self._call(lambda c: c.get(key))
         if meta is None:
             return None
-        return _kv(key, value, meta)
+        return key_value(key, value, meta)
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """All keys under ``prefix``, sorted by key."""
         items = self._call(lambda c: list(c.get_prefix(prefix, sort_order="ascend")))
-        return [_kv(meta.key.decode(), value, meta) for value, meta in items]
+        return [key_value(meta.key.decode(), value, meta) for value, meta in items]
 
     def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> int:
         """Write ``key``; returns the new revision."""
@@ -486,7 +256,7 @@ class EtcdClient:
 
         ok, responses = self._call(txn)
         got = responses[-1]
-        current = _kv(key, got[0][0], got[0][1]) if got else None
+        current = key_value(key, got[0][0], got[0][1]) if got else None
         return bool(ok), current
 
     def create(self, key: str, value: bytes | str, lease: Lease | None = None) -> bool:
@@ -519,7 +289,7 @@ class EtcdClient:
 
         ok, responses = self._call(txn)
         got = responses[-1]
-        current = _kv(key, got[0][0], got[0][1]) if got else None
+        current = key_value(key, got[0][0], got[0][1]) if got else None
         return bool(ok), current
 
     def put_guarded(
@@ -553,7 +323,7 @@ class EtcdClient:
         if ok:
             return True, None
         got = responses[-1]
-        return False, (_kv(guard_key, got[0][0], got[0][1]) if got else None)
+        return False, (key_value(guard_key, got[0][0], got[0][1]) if got else None)
 
     def get_many(self, keys: list[str]) -> dict[str, KeyValue]:
         """Read several keys in one transaction; the result holds those that exist.
@@ -572,7 +342,7 @@ class EtcdClient:
             _, responses = self._call(txn)
             for key, got in zip(batch, responses, strict=True):
                 if got:
-                    found[key] = _kv(key, got[0][0], got[0][1])
+                    found[key] = key_value(key, got[0][0], got[0][1])
         return found
 
     def put_many(self, items: list[tuple[str, bytes]], lease: Lease | None = None) -> None:
@@ -655,265 +425,13 @@ class EtcdClient:
         return {"version": st.version, "db_size": st.db_size, "raft_index": st.raft_index}
 
 
-def retry_unavailable(
-    fn: Callable[[], T],
-    what: str,
-    stop: threading.Event | None = None,
-    max_wait: timedelta | None = None,
-) -> T:
-    """Call ``fn`` until etcd answers: retry :class:`EtcdUnavailableError` with backoff.
-
-    For the long-lived processes (agent, controller, worker) an etcd outage is
-    a pause, not a crash: they keep their state and carry on when a quorum is
-    back.  Other errors (auth, bad request) are raised at once.
-
-    Args:
-        fn: the etcd operation.
-        what: what is being done, for the log.
-        stop: give up (re-raising the last error) once this is set.
-        max_wait: give up after this long (default: never).
-
-    Raises:
-        EtcdUnavailableError: ``stop`` was set or ``max_wait`` passed.
-    """
-    started = time.monotonic()
-    delay = 0.1
-    warned = False
-    while True:
-        try:
-            result = fn()
-        except EtcdUnavailableError as e:
-            waited = time.monotonic() - started
-            if (stop is not None and stop.is_set()) or (
-                max_wait is not None and waited >= max_wait.total_seconds()
-            ):
-                raise
-            if not warned:
-                log.warning("%s: etcd unavailable, retrying until it is back: %s", what, e)
-                warned = True
-            if stop is not None:
-                stop.wait(delay)
-            else:
-                time.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF.total_seconds())
-            continue
-        if warned:
-            log.warning("%s: etcd is back after %.1fs", what, time.monotonic() - started)
-        return result
-
-
-def _kv(key: str, value: bytes, meta: Any) -> KeyValue:
-    return KeyValue(
-        key=key,
-        value=bytes(value),
-        mod_revision=int(meta.mod_revision),
-        create_revision=int(meta.create_revision),
-        version=int(meta.version),
-        lease_id=int(meta.lease_id),
-    )
-
-
 def connect(options: EtcdOptions) -> EtcdClient:
     """Connect to the first etcd endpoint that answers within ``connect_timeout``.
 
     Raises:
         EtcdUnavailableError: no endpoint answered; names every endpoint and its error.
-        EtcdAuthError: an endpoint answered but refused the credentials.
+        EtcdAuthError: an endpoint answered but refused the credentials, or TLS
+            between the options and every endpoint that answered cannot work.
         EtcdError: an endpoint is malformed or a TLS file cannot be read.
     """
-    if not options.endpoints:
-        raise EtcdError("no etcd endpoints given; pass --etcd host:port or set RINGMASTER_ETCD")
-    creds = None
-    if options.secure:
-        if not options.ca_cert:
-            raise EtcdError("https etcd endpoints need a CA certificate (--etcd-ca)")
-        try:
-            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(
-                options.ca_cert, options.key, options.cert
-            )
-        except OSError as e:
-            raise EtcdError(f"cannot read etcd TLS file: {e}") from e
-    deadline = time.monotonic() + options.connect_timeout.total_seconds()
-    reasons: dict[str, str] = {}
-    checked: set[str] = set()
-    tls_problems: dict[str, str] = {}
-    while True:
-        if tls_problems and set(tls_problems) | set(reasons) >= set(options.endpoints):
-            # Every endpoint failed and some for a TLS reason: that will not heal.
-            raise EtcdAuthError("; ".join(tls_problems.values()))
-        for ep in options.endpoints:
-            host, port = _host_port(ep)
-            remaining = max(deadline - time.monotonic(), 0.2)
-            try:
-                raw = _open(options, host, port, creds, remaining)
-            except EtcdAuthError:
-                raise
-            except Exception as e:
-                reasons[ep] = _reason(e)
-                if ep not in checked:
-                    checked.add(ep)
-                    mismatch = tls_mismatch(options, host, port)
-                    if mismatch:
-                        tls_problems[ep] = mismatch
-                continue
-            # Re-open with every endpoint for fail-over once one is known to work.
-            if len(options.endpoints) > 1:
-                raw.close()
-                raw = _open_all(options, creds)
-            return EtcdClient(options, raw)
-        if time.monotonic() >= deadline:
-            raise EtcdUnavailableError(list(options.endpoints), options.connect_timeout, reasons)
-        time.sleep(0.2)
-
-
-def _endpoint(host: str, port: int, creds: Any) -> Any:
-    return etcd3.Endpoint(
-        host,
-        port,
-        secure=creds is not None,
-        creds=creds,
-        time_retry=ENDPOINT_RETRY_AFTER.total_seconds(),
-    )
-
-
-def _authenticate(raw: Any, options: EtcdOptions) -> None:
-    """Get a token for ``options.user`` and send it as metadata with every call.
-
-    The etcd3 library also wraps the token in gRPC call credentials, which gRPC
-    refuses to send on a plain-text channel; metadata works on both.
-    """
-    request = etcdrpc.AuthenticateRequest(name=options.user, password=options.password)
-    resp = raw.authstub.Authenticate(request, raw.timeout)
-    raw.metadata = (("token", resp.token),)
-    raw.call_credentials = None
-    raw._stubs.pop("watcher", None)  # a watcher keeps the metadata it was made with
-
-
-def _new_client(options: EtcdOptions, endpoints: list[Any], timeout: float) -> Any:
-    if bool(options.user) != bool(options.password):
-        missing = "--etcd-password (or RINGMASTER_ETCD_PASSWORD)" if options.user else "--etcd-user"
-        raise EtcdError(f"etcd user/password auth needs both; {missing} is missing")
-    raw = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
-    if options.user:
-        _authenticate(raw, options)
-    return raw
-
-
-def _open(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float) -> Any:
-    try:
-        raw = _new_client(options, [_endpoint(host, port, creds)], timeout)
-        raw.status()
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-            raise EtcdAuthError(
-                f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}; "
-                "check --etcd-user and --etcd-password / RINGMASTER_ETCD_PASSWORD"
-            ) from e
-        raise
-    raw.timeout = options.op_timeout.total_seconds()
-    return raw
-
-
-def _open_all(options: EtcdOptions, creds: Any) -> Any:
-    endpoints = [_endpoint(*_host_port(ep), creds) for ep in options.endpoints]
-    return _new_client(options, endpoints, options.op_timeout.total_seconds())
-
-
-def _plain_text_reply(e: ssl.SSLError) -> bool:
-    """The TLS handshake met a peer that does not speak TLS (or hung up on it)."""
-    text = f"{e.reason or ''} {e}".upper()
-    markers = ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PACKET_LENGTH", "UNEXPECTED_EOF", "EOF")
-    return isinstance(e, ssl.SSLEOFError) or any(m in text for m in markers)
-
-
-def _token_rejected(e: grpc.RpcError) -> bool:
-    details = (e.details() or "").lower()
-    return e.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in details
-
-
-#: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
-_TLS_PROBE_SECONDS = 1.0
-
-
-def tls_mismatch(options: EtcdOptions, host: str, port: int) -> str | None:
-    """Why TLS between these options and ``host:port`` cannot work, or None.
-
-    Tries a TLS handshake the way the options describe (or, without TLS
-    options, whether the server speaks TLS at all) and turns the outcome into
-    one sentence naming the endpoint and the option to check.  None when the
-    endpoint does not answer at all or the handshake is fine: then TLS is not
-    the problem.
-    """
-    where = f"etcd at {host}:{port}"
-    try:
-        sock = socket.create_connection((host, port), timeout=_TLS_PROBE_SECONDS)
-    except OSError:
-        return None
-    with sock:
-        if not options.secure:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-            try:
-                with ctx.wrap_socket(sock, server_hostname=host):
-                    pass
-            except ssl.SSLError as e:
-                if _plain_text_reply(e):
-                    return None  # not a TLS server: the failure is something else
-            except OSError:
-                return None
-            return (
-                f"{where} serves TLS but no TLS options were given: pass --etcd-ca "
-                "(RINGMASTER_ETCD_CA) with the CA that signed its certificate, and "
-                "--etcd-cert / --etcd-key if it requires client certificates"
-            )
-        try:
-            ctx = ssl.create_default_context(cafile=options.ca_cert)
-            if options.cert and options.key:
-                ctx.load_cert_chain(options.cert, options.key)
-        except (ssl.SSLError, OSError, ValueError) as e:
-            return (
-                f"{where}: cannot use the TLS files given (--etcd-ca / --etcd-cert / "
-                f"--etcd-key): {e}"
-            )
-        try:
-            with ctx.wrap_socket(sock, server_hostname=host) as tls:
-                tls.settimeout(_TLS_PROBE_SECONDS)
-                # TLS 1.3 servers refuse a client certificate after the handshake.
-                tls.recv(1)
-        except ssl.SSLCertVerificationError as e:
-            return (
-                f"{where}: its certificate does not verify against --etcd-ca "
-                f"{options.ca_cert} ({e.verify_message}); check that --etcd-ca "
-                "(RINGMASTER_ETCD_CA) is the CA that signed the server certificate and "
-                f"that the certificate names {host}"
-            )
-        except ssl.SSLError as e:
-            text = f"{e.reason or ''} {e}".upper()
-            if _plain_text_reply(e):
-                return (
-                    f"{where} does not answer TLS (it looks like plain http): drop --etcd-ca / "
-                    "--etcd-cert / --etcd-key or point --etcd at its TLS client endpoint"
-                )
-            if "CERTIFICATE" in text or "UNKNOWN_CA" in text or "ALERT" in text:
-                given = options.cert or "none given"
-                return (
-                    f"{where} refused the client certificate ({given}): check --etcd-cert / "
-                    "--etcd-key (RINGMASTER_ETCD_CERT / RINGMASTER_ETCD_KEY); etcd wants one "
-                    "signed by its --trusted-ca-file"
-                )
-            return (
-                f"{where}: TLS handshake failed ({e.reason or e}); check the --etcd-ca / "
-                "--etcd-cert / --etcd-key files"
-            )
-        except (TimeoutError, OSError):
-            return None  # the server accepted us and waited for a request: TLS is fine
-    return None
-
-
-def _reason(e: Exception) -> str:
-    if isinstance(e, grpc.RpcError):
-        return f"{e.code().name}: {e.details()}"
-    name = type(e).__name__
-    text = str(e)
-    return f"{name}: {text}" if text else name
+    return EtcdClient(options, channel.open_client(options))

@@ -19,7 +19,8 @@ from datetime import timedelta
 
 from orchestrator import keys
 from orchestrator.api import EtcdError, EtcdUnavailableError
-from orchestrator.etcd.client import EtcdClient, Lease
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.kv import Lease
 
 log = logging.getLogger(__name__)
 

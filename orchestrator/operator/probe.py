@@ -28,7 +28,8 @@ from datetime import timedelta
 
 from orchestrator import keys
 from orchestrator.api import EtcdError
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect, parse_endpoints
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 
 #: A probe's etcd calls must end well inside the probe's own timeout.
 PROBE_ETCD_TIMEOUT = timedelta(seconds=2)

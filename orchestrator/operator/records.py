@@ -17,7 +17,8 @@ from typing import Any
 
 from orchestrator import jobs, keys
 from orchestrator.api import EtcdAuthError, EtcdError, JobSpec
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import PermanentOperatorError, RetryableOperatorError
 
 

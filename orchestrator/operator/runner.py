@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import kopf
 
-from orchestrator.etcd.client import EtcdOptions
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator import handlers
 from orchestrator.operator.api import OperatorSettings
 from orchestrator.operator.handlers import Runtime

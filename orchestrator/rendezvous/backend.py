@@ -81,13 +81,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from orchestrator import keys  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
-from orchestrator.etcd.client import (  # noqa: E402
+from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
+from orchestrator.etcd.kv import KeyValue  # noqa: E402
+from orchestrator.etcd.options import (  # noqa: E402
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,
-    EtcdClient,
     EtcdOptions,
-    KeyValue,
-    connect,
     parse_endpoints,
 )
 from orchestrator.rendezvous.store import DEFAULT_RUN_TTL, EtcdStore, RunLease  # noqa: E402

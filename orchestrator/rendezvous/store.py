@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from orchestrator.api import EtcdError
-from orchestrator.etcd.client import EtcdClient, KeyValue, Lease
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.kv import KeyValue, Lease
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 
 from orchestrator import jobs
 from orchestrator.api import JobPhase
-from orchestrator.etcd.client import EtcdOptions
+from orchestrator.etcd.options import EtcdOptions
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary, tiny_job
 from tests.faults.etcd_cluster import EtcdCluster
 

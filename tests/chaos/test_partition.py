@@ -26,7 +26,8 @@ from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase, JobSpec
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.options import EtcdOptions
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.netns import IsolatedNode, unavailable_reason

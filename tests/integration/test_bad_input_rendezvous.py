@@ -19,8 +19,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.rendezvous.backend import EtcdRendezvousBackend, _encode_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.etcd.client import EtcdOptions, connect
+from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,10 @@ from datetime import timedelta
 import pytest
 
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, WatchEvent, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import free_port
+from orchestrator.etcd.kv import WatchEvent
+from orchestrator.etcd.options import EtcdOptions
 
 pytestmark = pytest.mark.integration
 

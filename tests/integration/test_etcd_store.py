@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.rendezvous.store import (
     EtcdStore,
     EtcdStoreConnectionError,

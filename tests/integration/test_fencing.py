@@ -25,14 +25,11 @@ from checkpoint import Checkpointer, TrainState
 from checkpoint.api import CheckpointError, CommitFencedError
 from orchestrator import keys
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.etcd.client import (
-    EtcdClient,
-    EtcdOptions,
-    KeyValue,
-    connect,
-    retry_unavailable,
-)
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.fencing import FencedError, GenerationFence
+from orchestrator.etcd.kv import KeyValue
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.retry import retry_unavailable
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration

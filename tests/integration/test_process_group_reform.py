@@ -25,7 +25,8 @@ def _survivor(endpoint: str, job: str, results: Any) -> None:
 
     from agents.api import RecoveryError
     from agents.process_group import form_group, teardown_group
-    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
 
     client = connect(EtcdOptions((endpoint,)))
     short = timedelta(seconds=1)
@@ -49,7 +50,8 @@ def _newcomer(endpoint: str, job: str, results: Any) -> None:
     import torch.distributed as dist
 
     from agents.process_group import form_group, teardown_group
-    from orchestrator.etcd.client import EtcdOptions, connect
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
 
     client = connect(EtcdOptions((endpoint,)))
     long = timedelta(seconds=30)

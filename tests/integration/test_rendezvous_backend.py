@@ -18,8 +18,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from orchestrator import keys
-from orchestrator.etcd.client import EtcdClient, EtcdOptions, connect
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.rendezvous.backend import EtcdRendezvousBackend
 from orchestrator.rendezvous.store import RunLease
 

@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from orchestrator.api import EtcdAuthError, JobPhase
-from orchestrator.etcd.client import EtcdOptions, connect
+from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.local_run import run_job
 from tests.certs import TLSFiles, make_tls_files
 from tests.integration.security_jobs import REPO, auth_etcd, one_node_job, ringmaster, tls_etcd

@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 
 from orchestrator.etcd import client as etcd_client
-from orchestrator.etcd.client import EtcdClient, EtcdOptions
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.options import EtcdOptions
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.etcd.client import EtcdOptions
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator import probe
 
 pytestmark = pytest.mark.unit

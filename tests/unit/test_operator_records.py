@@ -13,8 +13,9 @@ import pytest
 
 from orchestrator import jobs, keys
 from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
-from orchestrator.etcd.client import EtcdClient, EtcdOptions
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import RetryableOperatorError
 from orchestrator.operator.records import EtcdJobRecords
 

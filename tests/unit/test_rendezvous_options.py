@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from orchestrator.etcd.client import KeyValue
+from orchestrator.etcd.kv import KeyValue
 from orchestrator.rendezvous.backend import (
     DEFAULT_ETCD_PORT,
     EtcdRendezvousBackend,

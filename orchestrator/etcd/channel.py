@@ -1,0 +1,152 @@
+"""Opening the etcd3 library's client: endpoints, TLS credentials, the auth token.
+
+:func:`open_client` (behind :func:`orchestrator.etcd.client.connect`) tries
+every endpoint until one answers, then opens all of them for fail-over.  A
+failure that will not heal (refused credentials, a TLS mismatch) ends it at
+once, with what to check (:mod:`orchestrator.etcd.diagnosis`).  With user/password the auth token is
+sent as call metadata (:func:`authenticate`), which works on plain-text
+channels too: gRPC refuses call credentials there.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc
+
+from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
+from orchestrator.etcd import diagnosis
+from orchestrator.etcd.options import EtcdOptions, host_port
+from orchestrator.etcd.retry import Backoff
+
+#: How long a failed endpoint is avoided before it is tried again.
+ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
+#: Pauses between rounds over every endpoint while connecting (jittered, doubling).
+CONNECT_PAUSES = (timedelta(seconds=0.2), timedelta(seconds=1))
+
+
+def open_client(options: EtcdOptions) -> Any:
+    """A raw client of every endpoint, once one has answered within ``connect_timeout``.
+
+    Raises:
+        EtcdUnavailableError: no endpoint answered; names every endpoint and its error.
+        EtcdAuthError: refused credentials, or TLS cannot work with any endpoint that failed.
+        EtcdError: an endpoint is malformed or a TLS file cannot be read.
+    """
+    if not options.endpoints:
+        raise EtcdError("no etcd endpoints given; pass --etcd host:port or set RINGMASTER_ETCD")
+    creds = secure_credentials(options)
+    deadline = time.monotonic() + options.connect_timeout.total_seconds()
+    backoff = Backoff(*CONNECT_PAUSES)
+    reasons: dict[str, str] = {}
+    checked: set[str] = set()
+    tls_problems: dict[str, str] = {}
+    while True:
+        if tls_problems and set(tls_problems) | set(reasons) >= set(options.endpoints):
+            # Every endpoint failed and some for a TLS reason: that will not heal.
+            raise EtcdAuthError("; ".join(tls_problems.values()))
+        for ep in options.endpoints:
+            host, port = host_port(ep)
+            remaining = max(deadline - time.monotonic(), 0.2)
+            try:
+                raw = open_endpoint(options, host, port, creds, remaining)
+            except EtcdAuthError:
+                raise
+            except Exception as e:
+                reasons[ep] = diagnosis.reason(e)
+                if ep not in checked:
+                    checked.add(ep)
+                    mismatch = diagnosis.tls_mismatch(options, host, port)
+                    if mismatch:
+                        tls_problems[ep] = mismatch
+                continue
+            # Re-open with every endpoint for fail-over once one is known to work.
+            if len(options.endpoints) > 1:
+                raw.close()
+                raw = open_all(options, creds)
+            return raw
+        if time.monotonic() >= deadline:
+            raise EtcdUnavailableError(list(options.endpoints), options.connect_timeout, reasons)
+        time.sleep(min(backoff.next(), max(deadline - time.monotonic(), 0.0)))
+
+
+def secure_credentials(options: EtcdOptions) -> Any:
+    """gRPC channel credentials for TLS options, or None for plain text.
+
+    Raises:
+        EtcdError: https without a CA, or a TLS file that cannot be read.
+    """
+    if not options.secure:
+        return None
+    if not options.ca_cert:
+        raise EtcdError("https etcd endpoints need a CA certificate (--etcd-ca)")
+    try:
+        return etcd3.MultiEndpointEtcd3Client.get_secure_creds(
+            options.ca_cert, options.key, options.cert
+        )
+    except OSError as e:
+        raise EtcdError(f"cannot read etcd TLS file: {e}") from e
+
+
+def authenticate(raw: Any, options: EtcdOptions) -> None:
+    """Get a token for ``options.user`` and send it as metadata with every call.
+
+    The etcd3 library also wraps the token in gRPC call credentials, which gRPC
+    refuses to send on a plain-text channel; metadata works on both.
+    """
+    request = etcdrpc.AuthenticateRequest(name=options.user, password=options.password)
+    resp = raw.authstub.Authenticate(request, raw.timeout)
+    raw.metadata = (("token", resp.token),)
+    raw.call_credentials = None
+    raw._stubs.pop("watcher", None)  # a watcher keeps the metadata it was made with
+
+
+def open_endpoint(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float) -> Any:
+    """A raw client of one endpoint that has answered a status call.
+
+    Raises:
+        EtcdAuthError: the endpoint refused the user or password.
+        Exception: whatever the etcd3 library or gRPC raised (the caller diagnoses it).
+    """
+    try:
+        raw = _new_client(options, [_endpoint(host, port, creds)], timeout)
+        raw.status()
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+            raise EtcdAuthError(
+                f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}; "
+                "check --etcd-user and --etcd-password / RINGMASTER_ETCD_PASSWORD"
+            ) from e
+        raise
+    raw.timeout = options.op_timeout.total_seconds()
+    return raw
+
+
+def open_all(options: EtcdOptions, creds: Any) -> Any:
+    """A raw client over every endpoint, failing over between them."""
+    endpoints = [_endpoint(*host_port(ep), creds) for ep in options.endpoints]
+    return _new_client(options, endpoints, options.op_timeout.total_seconds())
+
+
+def _endpoint(host: str, port: int, creds: Any) -> Any:
+    return etcd3.Endpoint(
+        host,
+        port,
+        secure=creds is not None,
+        creds=creds,
+        time_retry=ENDPOINT_RETRY_AFTER.total_seconds(),
+    )
+
+
+def _new_client(options: EtcdOptions, endpoints: list[Any], timeout: float) -> Any:
+    if bool(options.user) != bool(options.password):
+        missing = "--etcd-password (or RINGMASTER_ETCD_PASSWORD)" if options.user else "--etcd-user"
+        raise EtcdError(f"etcd user/password auth needs both; {missing} is missing")
+    raw = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
+    if options.user:
+        authenticate(raw, options)
+    return raw

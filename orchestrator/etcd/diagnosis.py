@@ -1,0 +1,201 @@
+"""Why etcd did not answer, in words a person can act on.
+
+The client asks this module three things about a failure:
+
+* is it worth retrying (:func:`transient`: no quorum, an election, an
+  unreachable member) or is it final;
+* what to tell people about each endpoint (:func:`describe_endpoint`,
+  :func:`reason`), and which refusals are about credentials
+  (:func:`auth_refusal`, :func:`token_rejected`);
+* whether TLS can work at all between the options and a server
+  (:func:`tls_mismatch`): wrong CA, a client certificate the server refuses,
+  plain text against a TLS server or the reverse.  Such a mismatch will not
+  heal, so ``connect`` fails at once instead of waiting out its timeout.
+
+Passwords never appear in these messages.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+import etcd3.exceptions as etcd_exc
+import grpc
+
+from orchestrator.api import EtcdAuthError, EtcdError
+from orchestrator.etcd.options import EtcdOptions, host_port
+
+#: Errors of the etcd3 library that mean "this endpoint did not serve the call".
+RETRYABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+
+# What etcd answers while it has no leader (quorum lost, election running): the
+# request reached a member but could not be committed.  Worth retrying.
+_NO_QUORUM_DETAILS = (
+    "context deadline exceeded",
+    "request timed out",
+    "no leader",
+    "leader changed",
+    "raft proposal dropped",
+    "too many requests",
+)
+
+#: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
+_TLS_PROBE_SECONDS = 1.0
+
+
+def transient(e: grpc.RpcError) -> bool:
+    """True when the call may succeed if tried again (unreachable, no quorum)."""
+    code = e.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return True
+    details = (e.details() or "").lower()
+    return any(d in details for d in _NO_QUORUM_DETAILS)
+
+
+def token_rejected(e: grpc.RpcError) -> bool:
+    """The member answering does not know the auth token (another member, expiry)."""
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in details
+
+
+def auth_refusal(
+    e: grpc.RpcError, endpoints: tuple[str, ...], user: str | None
+) -> EtcdAuthError | None:
+    """The error to raise when ``e`` is etcd refusing this client's identity, else None."""
+    where = f"etcd at {', '.join(endpoints)}"
+    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        who = f"user {user!r}" if user else "no user"
+        return EtcdAuthError(
+            f"{where} refused the request ({who}): {e.details()}; check --etcd-user / "
+            "RINGMASTER_ETCD_USER and the user's role (it needs read-write on the "
+            "/ringmaster/ prefix)"
+        )
+    if "user name is empty" in (e.details() or ""):
+        return EtcdAuthError(
+            f"{where} requires authentication: pass --etcd-user and --etcd-password (or "
+            "RINGMASTER_ETCD_USER / RINGMASTER_ETCD_PASSWORD)"
+        )
+    return None
+
+
+def reason(e: Exception) -> str:
+    """One line on why a connection attempt failed."""
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    name = type(e).__name__
+    text = str(e)
+    return f"{name}: {text}" if text else name
+
+
+def describe_endpoint(endpoint: str, e: Exception | None) -> str:
+    """Why ``endpoint`` did not serve a call that failed with ``e``, for people."""
+    what = type(e).__name__ if e is not None else "no answer"
+    if isinstance(e, grpc.RpcError):
+        what = f"{e.code().name}: {e.details() or ''}"
+    try:
+        host, port = host_port(endpoint)
+        with socket.create_connection((host, port), timeout=0.3):
+            pass
+    except OSError as err:
+        return f"down or unreachable: {err.strerror or type(err).__name__}"
+    except EtcdError:
+        return what
+    return f"accepts connections but did not answer ({what}): cluster without quorum?"
+
+
+def plain_text_reply(e: ssl.SSLError) -> bool:
+    """The TLS handshake met a peer that does not speak TLS (or hung up on it)."""
+    text = f"{e.reason or ''} {e}".upper()
+    markers = ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PACKET_LENGTH", "UNEXPECTED_EOF", "EOF")
+    return isinstance(e, ssl.SSLEOFError) or any(m in text for m in markers)
+
+
+def tls_mismatch(options: EtcdOptions, host: str, port: int) -> str | None:
+    """Why TLS between these options and ``host:port`` cannot work, or None.
+
+    Tries a TLS handshake the way the options describe (or, without TLS
+    options, whether the server speaks TLS at all) and turns the outcome into
+    one sentence naming the endpoint and the option to check.  None when the
+    endpoint does not answer at all or the handshake is fine: then TLS is not
+    the problem.
+    """
+    where = f"etcd at {host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=_TLS_PROBE_SECONDS)
+    except OSError:
+        return None
+    with sock:
+        if not options.secure:
+            return _tls_without_options(sock, host, where)
+        try:
+            ctx = ssl.create_default_context(cafile=options.ca_cert)
+            if options.cert and options.key:
+                ctx.load_cert_chain(options.cert, options.key)
+        except (ssl.SSLError, OSError, ValueError) as e:
+            return (
+                f"{where}: cannot use the TLS files given (--etcd-ca / --etcd-cert / "
+                f"--etcd-key): {e}"
+            )
+        try:
+            with ctx.wrap_socket(sock, server_hostname=host) as tls:
+                tls.settimeout(_TLS_PROBE_SECONDS)
+                # TLS 1.3 servers refuse a client certificate after the handshake.
+                tls.recv(1)
+        except ssl.SSLCertVerificationError as e:
+            return (
+                f"{where}: its certificate does not verify against --etcd-ca "
+                f"{options.ca_cert} ({e.verify_message}); check that --etcd-ca "
+                "(RINGMASTER_ETCD_CA) is the CA that signed the server certificate and "
+                f"that the certificate names {host}"
+            )
+        except ssl.SSLError as e:
+            return _handshake_refused(e, options, where)
+        except (TimeoutError, OSError):
+            return None  # the server accepted us and waited for a request: TLS is fine
+    return None
+
+
+def _tls_without_options(sock: socket.socket, host: str, where: str) -> str | None:
+    """No TLS options were given: a problem only if the server speaks TLS."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with ctx.wrap_socket(sock, server_hostname=host):
+            pass
+    except ssl.SSLError as e:
+        if plain_text_reply(e):
+            return None  # not a TLS server: the failure is something else
+    except OSError:
+        return None
+    return (
+        f"{where} serves TLS but no TLS options were given: pass --etcd-ca "
+        "(RINGMASTER_ETCD_CA) with the CA that signed its certificate, and "
+        "--etcd-cert / --etcd-key if it requires client certificates"
+    )
+
+
+def _handshake_refused(e: ssl.SSLError, options: EtcdOptions, where: str) -> str:
+    text = f"{e.reason or ''} {e}".upper()
+    if plain_text_reply(e):
+        return (
+            f"{where} does not answer TLS (it looks like plain http): drop --etcd-ca / "
+            "--etcd-cert / --etcd-key or point --etcd at its TLS client endpoint"
+        )
+    if "CERTIFICATE" in text or "UNKNOWN_CA" in text or "ALERT" in text:
+        given = options.cert or "none given"
+        return (
+            f"{where} refused the client certificate ({given}): check --etcd-cert / "
+            "--etcd-key (RINGMASTER_ETCD_CERT / RINGMASTER_ETCD_KEY); etcd wants one "
+            "signed by its --trusted-ca-file"
+        )
+    return (
+        f"{where}: TLS handshake failed ({e.reason or e}); check the --etcd-ca / "
+        "--etcd-cert / --etcd-key files"
+    )

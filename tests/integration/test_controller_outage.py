@@ -17,13 +17,14 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import events, jobs, keys
+from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.controller import policy
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
+from orchestrator.records import NodeRecord, Plan, ProgressRecord
 from orchestrator.spec_loader import load_job_data
 from tests.faults.etcd_cluster import EtcdCluster
 
@@ -39,13 +40,15 @@ def cluster() -> Iterator[EtcdCluster]:
 def _beat(client: EtcdClient, job: str, nodes: list[str]) -> None:
     now = time.time()
     for node in nodes:
-        client.put_json(
-            keys.job_node(job, node), {"slots": 1, "labels": {"host": node}, "worker_pids": [1]}
+        registration = NodeRecord(
+            host=node, address="127.0.0.1", slots=1, pid=1, worker_pids=[1], started=now,
+            labels={"host": node},
+        )  # fmt: skip
+        records.write(client, keys.job_node(job, node), registration)
+        beat = ProgressRecord(
+            step=5, generation=1, rank=0, world_size=2, pid=1, beat=now, step_time=now
         )
-        client.put_json(
-            keys.job_progress(job) + keys.worker_id(node, 0),
-            {"step": 5, "generation": 1, "beat": now, "step_time": now, "pid": 1},
-        )
+        records.write(client, keys.job_progress(job) + keys.worker_id(node, 0), beat)
 
 
 def test_no_failure_is_declared_until_a_grace_after_the_outage(
@@ -83,7 +86,8 @@ def test_no_failure_is_declared_until_a_grace_after_the_outage(
     status = jobs.read_status(client, job)
     assert status is not None and status.phase is JobPhase.PAUSED
     assert "etcd was unavailable" in status.message and "No failures" in status.message
-    assert client.get_json(keys.job_plan(job))["generation"] == 1
+    plan = records.read(client, keys.job_plan(job), Plan)
+    assert plan is not None and plan.generation == 1
     assert not [e for e in events.list_events(client, job) if e.type == "NodeFailed"]
 
     deadline = time.monotonic() + 10

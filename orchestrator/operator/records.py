@@ -10,16 +10,16 @@ endpoints, since a job may name its own etcd.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
-from orchestrator import jobs, keys
+from orchestrator import jobs, keys, records
 from orchestrator.api import EtcdAuthError, EtcdError, JobSpec
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import PermanentOperatorError, RetryableOperatorError
+from orchestrator.records import SpecRecord
 
 
 class EtcdJobRecords:
@@ -65,9 +65,9 @@ class EtcdJobRecords:
           controller picks up the change (e.g. ``nodes.max``).
         """
         client = self._client(endpoints)
-        record = _guard(lambda: client.get_json(keys.job_spec(spec.name)))
+        record = _guard(lambda: records.read(client, keys.job_spec(spec.name), SpecRecord))
         digest = jobs.spec_hash(spec)
-        if isinstance(record, dict) and record.get("hash") == digest:
+        if record is not None and record.hash == digest:
             return False
         status = _guard(lambda: jobs.read_status(client, spec.name))
         if record is None or (status is not None and status.phase.terminal):
@@ -76,15 +76,14 @@ class EtcdJobRecords:
             except jobs.JobExistsError:
                 return False  # another sync submitted it a moment ago
             return True
-        # Same record shape as jobs.submit().
-        updated = {"spec": spec.to_dict(), "hash": digest, "submitted_at": time.time()}
-        _guard(lambda: client.put(keys.job_spec(spec.name), json.dumps(updated)))
+        updated = SpecRecord(spec=spec.to_dict(), hash=digest, submitted_at=time.time())
+        _guard(lambda: records.write(client, keys.job_spec(spec.name), updated))
         return True
 
     def read_status(self, endpoints: tuple[str, ...], job: str) -> dict[str, Any] | None:
         client = self._client(endpoints)
-        data = _guard(lambda: client.get_json(keys.job_status(job)))
-        return data if isinstance(data, dict) else None
+        status = _guard(lambda: jobs.read_status(client, job))
+        return None if status is None else status.to_dict()
 
     def forget(self, endpoints: tuple[str, ...], job: str) -> None:
         client = self._client(endpoints)

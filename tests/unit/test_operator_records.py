@@ -18,6 +18,7 @@ from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import RetryableOperatorError
 from orchestrator.operator.records import EtcdJobRecords
+from orchestrator.records import JobStatus, write
 
 pytestmark = pytest.mark.integration
 
@@ -58,8 +59,8 @@ def test_a_finished_job_is_not_restarted_by_a_resync(
     name = "fin-" + key_prefix.strip("/").split("/")[-1][:8]
     endpoints = (etcd.endpoint,)
     records.ensure_spec(endpoints, spec(name))
-    done = jobs.JobStatus(name, phase=JobPhase.SUCCEEDED, step=100).to_dict()
-    etcd_client.put_json(keys.job_status(name), done)
+    done = JobStatus(name, phase=JobPhase.SUCCEEDED, step=100)
+    write(etcd_client, keys.job_status(name), done)
     assert records.ensure_spec(endpoints, spec(name)) is False
     assert records.read_status(endpoints, name)["phase"] == "Succeeded"  # type: ignore[index]
     # a changed spec after the end runs the job again

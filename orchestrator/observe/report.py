@@ -14,12 +14,11 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import events, keys
+from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import JobNotFoundError, read_status
 from orchestrator.observe.history import Sample, read_history
@@ -89,10 +88,7 @@ def build_report(client: EtcdClient, job: str) -> ReportData:
     status = read_status(client, job)
     if status is None:
         raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
-    recoveries = [
-        RecoveryRecord.from_dict(json.loads(kv.value))
-        for kv in client.get_prefix(keys.job_recoveries(job))
-    ]
+    recoveries = list(records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values())
     log = events.list_events(client, job)
     t0 = status.submitted_at or (log[0].time if log else time.time())
     data = ReportData(job, status, t0, read_history(client, job), [], recoveries, log)

@@ -18,7 +18,6 @@ Nothing here imports an implementation module.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,21 +43,19 @@ MANIFEST_FORMAT = 1
 CHECKSUM_ALGORITHM = "crc32c"
 
 
-def _env_seconds(name: str, default: float) -> timedelta:
-    return timedelta(seconds=float(os.environ.get(name, default)))
-
+# Timeouts are plain defaults: this package reads no environment variable.  A
+# caller passes its own (ringmaster's worker runtime passes the
+# ``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` knob of :mod:`orchestrator.settings`).
 
 #: Default bound on one save's upload (all ranks write and the manifest lands).
-#: Override with ``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (seconds).
-DEFAULT_SAVE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_SAVE_TIMEOUT", 1800)
+DEFAULT_SAVE_TIMEOUT = timedelta(seconds=1800)
 
 #: Default bound on collectives of the checkpoint process groups.
-#: Override with ``RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT`` (seconds).
-DEFAULT_COLLECTIVE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT", 600)
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 
-#: Default bound on a restore (discovery, verification, load).
-#: Override with ``RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT`` (seconds).
-DEFAULT_RESTORE_TIMEOUT = _env_seconds("RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT", 1800)
+#: Bound meant for a restore (discovery, verification, load); nothing enforces it yet:
+#: :meth:`~checkpoint.checkpointer.Checkpointer.restore` takes no timeout.
+DEFAULT_RESTORE_TIMEOUT = timedelta(seconds=1800)
 
 # --------------------------------------------------------------------------- errors
 

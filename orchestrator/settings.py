@@ -4,7 +4,8 @@ Knobs are for operators: timeouts and intervals that a site may need to
 change without editing a job file.  Everything about one job belongs in the
 job file instead.  :data:`SETTINGS` is read from the environment when this
 module is first imported; a value that is not a number where one is needed
-is an error that names the variable.  ``ringmaster settings`` prints the
+(or not one of the allowed words) is an error that names the variable.  A
+variable set to the empty string counts as unset.  ``ringmaster settings`` prints the
 table below with the values in force, and the README lists it.
 
 The identity variables an agent passes to its workers (``RINGMASTER_JOB``,
@@ -15,9 +16,10 @@ worker environment contract of :mod:`agents.api`, and the CLI's own
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 
 from orchestrator.api import OrchestratorError
@@ -35,6 +37,13 @@ class Knob:
     default: str
     meaning: str
     kind: type = float
+    #: For a ``str`` knob: the values allowed (compared case-insensitively), if limited.
+    choices: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        """The :class:`Settings` field of this knob: the variable without ``RINGMASTER_``."""
+        return self.env.removeprefix("RINGMASTER_").lower()
 
 
 #: Every knob, in the order the README lists them.
@@ -91,16 +100,6 @@ KNOBS: tuple[Knob, ...] = (
         "seconds one checkpoint save may take (all ranks written, manifest committed)",
     ),
     Knob(
-        "RINGMASTER_CHECKPOINT_COLLECTIVE_TIMEOUT",
-        "600",
-        "seconds a collective of the checkpoint process groups may take",
-    ),
-    Knob(
-        "RINGMASTER_CHECKPOINT_RESTORE_TIMEOUT",
-        "1800",
-        "seconds a restore may take (discovery, verification, load)",
-    ),
-    Knob(
         "RINGMASTER_OPERATOR_SYNC",
         "10",
         "seconds between the operator's periodic reconciles of a TrainingJob",
@@ -120,6 +119,7 @@ KNOBS: tuple[Knob, ...] = (
         "WARNING",
         "log level of workers and agents (DEBUG, INFO, WARNING, ERROR)",
         str,
+        ("DEBUG", "INFO", "WARNING", "ERROR"),
     ),
 )
 
@@ -146,8 +146,6 @@ class Settings:
     store_timeout: timedelta
     rdzv_ttl: timedelta
     checkpoint_save_timeout: timedelta
-    checkpoint_collective_timeout: timedelta
-    checkpoint_restore_timeout: timedelta
     operator_sync: timedelta
     topology_wait: timedelta
     drain_timeout: timedelta
@@ -161,25 +159,32 @@ class Settings:
             SettingsError: naming the variable, its value and what is expected.
         """
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
-        by_name = {k.env.removeprefix("RINGMASTER_").lower(): k for k in KNOBS}
-        for f in fields(cls):
-            knob = by_name[f.name]
-            text = env.get(knob.env, knob.default)
-            if knob.kind is str:
-                values[f.name] = text
-                continue
-            try:
-                number = knob.kind(text)
-            except ValueError:
-                raise SettingsError(
-                    f"{knob.env}={text!r} is not {'an integer' if knob.kind is int else 'a number'}"
-                    f" ({knob.meaning}; default {knob.default})"
-                ) from None
-            if number <= 0:
-                raise SettingsError(f"{knob.env}={text!r} must be positive ({knob.meaning})")
-            values[f.name] = number if knob.kind is int else _seconds(number)
+        values = {knob.field: _parse(knob, env.get(knob.env, "")) for knob in KNOBS}
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(knob: Knob, text: str) -> object:
+    """The value of ``knob`` given the variable's ``text`` (empty: the default)."""
+    text = text.strip() or knob.default
+    if knob.kind is str:
+        if knob.choices and text.upper() not in knob.choices:
+            raise SettingsError(
+                f"{knob.env}={text!r} is not one of {', '.join(knob.choices)} ({knob.meaning})"
+            )
+        return text.upper() if knob.choices else text
+    try:
+        number = knob.kind(text)
+    except ValueError:
+        raise SettingsError(
+            f"{knob.env}={text!r} is not {'an integer' if knob.kind is int else 'a number'}"
+            f" ({knob.meaning}; default {knob.default})"
+        ) from None
+    if not math.isfinite(number) or number <= 0:
+        raise SettingsError(
+            f"{knob.env}={text!r} must be a positive, finite number ({knob.meaning};"
+            f" default {knob.default})"
+        )
+    return number if knob.kind is int else _seconds(number)
 
 
 #: The knobs of this process, read once at import.
@@ -189,3 +194,31 @@ SETTINGS = Settings.from_environ()
 def knob_table() -> list[tuple[str, str, str]]:
     """``(variable, default, meaning)`` for every knob, for ``--help`` and the README."""
     return [(k.env, k.default or "(none)", k.meaning) for k in KNOBS]
+
+
+def show(value: object) -> str:
+    """A knob's value as a person would write it in the environment."""
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}"
+    return str(value) if value != "" else "(none)"
+
+
+def knobs_in_force(
+    settings: Settings | None = None, environ: Mapping[str, str] | None = None
+) -> list[tuple[Knob, str, bool]]:
+    """``(knob, value in force, set in the environment)`` for every knob.
+
+    Args:
+        settings: the values in force (default :data:`SETTINGS`).
+        environ: the environment they were read from (default ``os.environ``).
+    """
+    current = SETTINGS if settings is None else settings
+    env = os.environ if environ is None else environ
+    return [(k, show(getattr(current, k.field)), bool(env.get(k.env, "").strip())) for k in KNOBS]
+
+
+def readme_table() -> str:
+    """The README's table of knobs (Markdown), generated from :data:`KNOBS`."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{env}` | {default} | {meaning} |" for env, default, meaning in knob_table()]
+    return "\n".join(lines) + "\n"

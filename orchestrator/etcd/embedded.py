@@ -35,9 +35,10 @@ from types import TracebackType
 
 from orchestrator.api import EmbeddedEtcdError
 from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.settings import SETTINGS
 
 #: How long to wait for a fresh etcd to answer.
-DEFAULT_START_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_ETCD_START", "20")))
+DEFAULT_START_TIMEOUT = SETTINGS.etcd_start
 
 
 def find_etcd_binary() -> str:
@@ -46,7 +47,7 @@ def find_etcd_binary() -> str:
     Raises:
         EmbeddedEtcdError: when none is found, saying how to install one.
     """
-    override = os.environ.get("RINGMASTER_ETCD_BINARY")
+    override = SETTINGS.etcd_binary
     candidates = [override] if override else []
     candidates.append(str(Path(sys.executable).parent / "etcd"))
     found = shutil.which("etcd")

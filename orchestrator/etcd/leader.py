@@ -21,11 +21,12 @@ from orchestrator import keys
 from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import Lease
+from orchestrator.settings import SETTINGS
 
 log = logging.getLogger(__name__)
 
 #: Leader lease; a standby takes over at most this long after the leader dies.
-DEFAULT_LEADER_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_LEADER_TTL", "3")))
+DEFAULT_LEADER_TTL = SETTINGS.leader_ttl
 
 
 class LeaderElection:

@@ -11,18 +11,17 @@ coarser resolution and etcd never holds more than ``MAX_SAMPLES`` of them.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.settings import SETTINGS
 
 #: How often the controller samples a running job.
-SAMPLE_EVERY = timedelta(seconds=float(os.environ.get("RINGMASTER_HISTORY_EVERY", "0.5")))
+SAMPLE_EVERY = SETTINGS.history_every
 #: Most samples kept per job.
-MAX_SAMPLES = int(os.environ.get("RINGMASTER_HISTORY_MAX", "1000"))
+MAX_SAMPLES = SETTINGS.history_max
 
 
 @dataclass

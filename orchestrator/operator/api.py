@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from orchestrator.api import OrchestratorError
+from orchestrator.settings import SETTINGS
 
 # --------------------------------------------------------------------------- names
 
@@ -66,7 +67,7 @@ TOPOLOGY_FILE = f"{PODINFO_DIR}/annotations"
 GRACE_MARGIN = timedelta(seconds=15)
 
 #: How often the operator re-reads the controller's status and re-checks children.
-SYNC_INTERVAL = timedelta(seconds=float(os.environ.get("RINGMASTER_OPERATOR_SYNC", "10")))
+SYNC_INTERVAL = SETTINGS.operator_sync
 
 #: The GPU extended resource requested for ``resources.gpus``.
 GPU_RESOURCE = "nvidia.com/gpu"

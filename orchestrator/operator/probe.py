@@ -30,6 +30,7 @@ from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+from orchestrator.settings import Settings
 
 #: A probe's etcd calls must end well inside the probe's own timeout.
 PROBE_ETCD_TIMEOUT = timedelta(seconds=2)
@@ -73,7 +74,7 @@ def drain(
     poll: timedelta = timedelta(seconds=1),
 ) -> int:
     """The preStop hook: SIGTERM the agent, wait for it to deregister (0) or time out (1)."""
-    deadline = time.monotonic() + float(env.get("RINGMASTER_DRAIN_TIMEOUT", "30"))
+    deadline = time.monotonic() + Settings.from_environ(env).drain_timeout.total_seconds()
     try:
         kill(AGENT_PID, signal.SIGTERM)
     except ProcessLookupError:

@@ -32,9 +32,10 @@ from orchestrator.operator.api import (
     ANN_ZONE,
     OperatorSettings,
 )
+from orchestrator.settings import SETTINGS
 
 #: How long :func:`read_topology` waits for the operator's annotations by default.
-DEFAULT_TOPOLOGY_WAIT = timedelta(seconds=float(os.environ.get("RINGMASTER_TOPOLOGY_WAIT", "60")))
+DEFAULT_TOPOLOGY_WAIT = SETTINGS.topology_wait
 
 
 def needs_topology(pod: dict[str, Any]) -> bool:

@@ -22,7 +22,6 @@ up in etcd.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,15 +34,16 @@ import torch.distributed as dist
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue, Lease
+from orchestrator.settings import SETTINGS
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 #: How long blocking reads wait for a key by default (``c10d``'s default store timeout).
-DEFAULT_STORE_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGMASTER_STORE_TIMEOUT", "300")))
+DEFAULT_STORE_TIMEOUT = SETTINGS.store_timeout
 #: How long the keys of a run outlive the last process that kept them alive.
-DEFAULT_RUN_TTL = timedelta(seconds=float(os.environ.get("RINGMASTER_RDZV_TTL", "7200")))
+DEFAULT_RUN_TTL = SETTINGS.rdzv_ttl
 
 
 class EtcdStoreTimeoutError(dist.DistStoreError):

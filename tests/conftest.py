@@ -25,10 +25,16 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
-from orchestrator.etcd.options import EtcdOptions
-from tests.gloo import run_gloo
+from orchestrator.etcd.grpc_env import apply_grpc_environment
+
+# Tests start ringmaster's processes (etcd, agents, controllers, workers) the way
+# the CLI does, so they run with its gRPC settings, set before gRPC is imported.
+apply_grpc_environment()
+
+from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
+from orchestrator.etcd.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from orchestrator.etcd.options import EtcdOptions  # noqa: E402
+from tests.gloo import run_gloo  # noqa: E402
 
 S3_BUCKET = "ringmaster-test"
 

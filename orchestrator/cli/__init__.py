@@ -7,14 +7,30 @@ on; shared options and error handling are in ``options``.
 
 from __future__ import annotations
 
-import click
+import sys
 
-from orchestrator.cli import (
+from orchestrator.api import OrchestratorError
+from orchestrator.etcd.grpc_env import apply_grpc_environment
+
+# The command line is one of ringmaster's own processes: it (and every process
+# it starts) gets ringmaster's gRPC settings, set before gRPC is first imported.
+apply_grpc_environment()
+
+try:  # every knob is read once, here; a bad one is one line and exit code 2
+    from orchestrator.settings import SETTINGS  # noqa: F401
+except OrchestratorError as _e:
+    sys.stderr.write(f"error: {_e}\n")
+    sys.exit(2)
+
+import click  # noqa: E402
+
+from orchestrator.cli import (  # noqa: E402
     checkpoint_commands,
     job_commands,
     local_commands,
     observe_commands,
     service_commands,
+    settings_command,
 )
 
 
@@ -40,6 +56,7 @@ for _command in (
     service_commands.agent,
     service_commands.controller,
     service_commands.operator,
+    settings_command.settings,
 ):
     main.add_command(_command)
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from orchestrator.api import OrchestratorError, SpecError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+from orchestrator.settings import SETTINGS
 
 console = Console()
 err_console = Console(stderr=True)
@@ -52,10 +53,9 @@ def etcd_options(fn: F) -> F:
         click.option(
             "--etcd-timeout",
             type=float,
-            default=5.0,
+            default=SETTINGS.etcd_connect_timeout.total_seconds(),
             show_default=True,
-            envvar="RINGMASTER_ETCD_CONNECT_TIMEOUT",
-            help="seconds to wait for etcd to answer",
+            help="seconds to wait for etcd to answer (default: RINGMASTER_ETCD_CONNECT_TIMEOUT)",
         ),
     ]
     for opt in reversed(options):
@@ -68,7 +68,7 @@ def build_etcd_options(kw: dict[str, Any], default: str | None = None) -> EtcdOp
     text = kw.pop("etcd_endpoints", None) or default
     ca, cert, key = kw.pop("etcd_ca", None), kw.pop("etcd_cert", None), kw.pop("etcd_key", None)
     user, password = kw.pop("etcd_user", None), kw.pop("etcd_password", None)
-    timeout = kw.pop("etcd_timeout", 5.0)
+    timeout = kw.pop("etcd_timeout", SETTINGS.etcd_connect_timeout.total_seconds())
     if not text:
         return None
     if password and _from_command_line("etcd_password"):

@@ -1,2 +1,16 @@
-"""The shared etcd core: client, connection diagnosis, leases, watches, retry,
-the embedded etcd, generation fencing and leader election."""
+"""The shared etcd core.
+
+* ``client``: :class:`~orchestrator.etcd.client.EtcdClient` and ``connect``;
+  every etcd call goes through it (fail-over, retries, silences).
+* ``options``: ``EtcdOptions`` (endpoints, TLS, credentials, timeouts).
+* ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``, ``Lease``.
+* ``channel``: opening the etcd3 library's client; the connect loop.
+* ``diagnosis``: why etcd did not answer (TLS mismatch, refused credentials, no quorum).
+* ``retry``: jittered backoff and ``retry_unavailable`` for waiting out outages.
+* ``grpc_env``: gRPC's environment for the processes ringmaster starts.
+* ``embedded``, ``fencing``, ``leader``: a private etcd, generation-fenced
+  writes, leader election.
+
+This package's ``__init__`` imports nothing, so ``grpc_env`` can be applied
+before gRPC is loaded.
+"""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -45,8 +44,6 @@ from orchestrator.etcd import channel, diagnosis
 from orchestrator.etcd.kv import KeyValue, Lease, Watch, key_value
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import Backoff
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from orchestrator.api import EtcdError
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
 
-log = logging.getLogger("orchestrator.etcd.client")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

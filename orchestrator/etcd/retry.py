@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from orchestrator.api import EtcdUnavailableError
 
-log = logging.getLogger("orchestrator.etcd.client")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -109,9 +109,14 @@ def describe_endpoint(endpoint: str, e: Exception | None) -> str:
     return f"accepts connections but did not answer ({what}): cluster without quorum?"
 
 
+def _ssl_reason(e: ssl.SSLError) -> str:
+    """OpenSSL's short reason (``WRONG_VERSION_NUMBER``...), or ``""`` when there is none."""
+    return str(getattr(e, "reason", None) or "")
+
+
 def plain_text_reply(e: ssl.SSLError) -> bool:
     """The TLS handshake met a peer that does not speak TLS (or hung up on it)."""
-    text = f"{e.reason or ''} {e}".upper()
+    text = f"{_ssl_reason(e)} {e}".upper()
     markers = ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PACKET_LENGTH", "UNEXPECTED_EOF", "EOF")
     return isinstance(e, ssl.SSLEOFError) or any(m in text for m in markers)
 
@@ -182,7 +187,7 @@ def _tls_without_options(sock: socket.socket, host: str, where: str) -> str | No
 
 
 def _handshake_refused(e: ssl.SSLError, options: EtcdOptions, where: str) -> str:
-    text = f"{e.reason or ''} {e}".upper()
+    text = f"{_ssl_reason(e)} {e}".upper()
     if plain_text_reply(e):
         return (
             f"{where} does not answer TLS (it looks like plain http): drop --etcd-ca / "
@@ -196,6 +201,6 @@ def _handshake_refused(e: ssl.SSLError, options: EtcdOptions, where: str) -> str
             "signed by its --trusted-ca-file"
         )
     return (
-        f"{where}: TLS handshake failed ({e.reason or e}); check the --etcd-ca / "
+        f"{where}: TLS handshake failed ({_ssl_reason(e) or e}); check the --etcd-ca / "
         "--etcd-cert / --etcd-key files"
     )

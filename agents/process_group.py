@@ -8,13 +8,15 @@ next generation has another rank 0 and another store.  The store is only
 needed while the group forms (gloo then talks peer to peer).
 
 Seen on these machines: after a peer is SIGKILLed, the survivors' gloo calls
-raise at once, ``destroy_process_group`` takes well under a millisecond and a
-new group forms in tens of milliseconds, so recovering in-process is cheap.
+raise at once (a plain ``RuntimeError``, see :mod:`agents.failures`),
+``destroy_process_group`` takes well under a millisecond and a new group
+forms in tens of milliseconds, so recovering in-process is cheap.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from datetime import timedelta
 
@@ -30,28 +32,6 @@ log = logging.getLogger(__name__)
 
 #: How long forming a group may take before the generation is given up.
 DEFAULT_FORM_TIMEOUT = timedelta(seconds=30)
-
-_COLLECTIVE_ERROR_WORDS = (
-    "gloo",
-    "connection reset",
-    "connection closed",
-    "broken pipe",
-    "timed out",
-    "socket",
-    "nccl",
-    "process group",
-    "peer",
-)
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """True when ``exc`` comes from a collective whose peers went away (not a user bug)."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(w in text for w in _COLLECTIVE_ERROR_WORDS)
 
 
 def form_group(
@@ -105,13 +85,22 @@ def form_group(
                 timeout=min(timeout, collective_timeout),
                 wait_for_workers=False,
             )
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=collective_timeout,
-        )
+        # init_process_group wraps sys.excepthook to prefix every line of an
+        # uncaught error's traceback with "[rank<r>]: ", once more per group
+        # formed: after a few generations a script's error would be printed
+        # behind a pile of prefixes (and its own rank twice).  The agent already
+        # prefixes each line with the worker, so the hook is left as it was.
+        excepthook = sys.excepthook
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=collective_timeout,
+            )
+        finally:
+            sys.excepthook = excepthook
     except (RuntimeError, OSError, EtcdError, FencedError) as e:
         teardown_group()
         raise RecoveryError(

@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from orchestrator.records import Telemetry
+
 
 class WorkerTelemetry:
     """Timestamps and totals of one worker process (see the module docstring)."""
@@ -76,15 +78,16 @@ class WorkerTelemetry:
         if seconds is not None:
             self.checkpoint_upload_s = round(seconds, 6)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "group_formed_at": self.group_formed_at,
-            "restored_at": self.restored_at,
-            "restored_step": self.restored_step,
-            "first_step_at": self.first_step_at,
-            "checkpoint_blocking_s": self.checkpoint_blocking_s,
-            "checkpoint_upload_s": self.checkpoint_upload_s,
-            "wire_bytes": self.wire_bytes,
-            "dense_bytes": self.dense_bytes,
-        }
+    def record(self) -> Telemetry:
+        """The figures as the record published in the worker's progress."""
+        return Telemetry(
+            generation=self.generation,
+            group_formed_at=self.group_formed_at,
+            restored_at=self.restored_at,
+            restored_step=self.restored_step,
+            first_step_at=self.first_step_at,
+            checkpoint_blocking_s=self.checkpoint_blocking_s,
+            checkpoint_upload_s=self.checkpoint_upload_s,
+            wire_bytes=self.wire_bytes,
+            dense_bytes=self.dense_bytes,
+        )

@@ -1,0 +1,247 @@
+"""Joining a generation, and leaving a broken one for the next.
+
+A generation is the controller's plan of who trains (:class:`Plan`).  To join
+one, a worker waits until a plan of at least the generation it needs
+includes its node, forms that generation's process group
+(:mod:`agents.process_group`), opens its checkpointer and brings every rank
+to the freshest live state (:mod:`agents.state_sync`), or to the newest
+durable checkpoint when no rank holds live state (a fresh or resumed job).
+
+When a generation breaks (a peer is gone, or the controller switched to a
+new plan), the worker drops its DDP and group, reports the break under the
+generation's ``reports/`` prefix (a :class:`BreakReport`, keyed by
+generation, so a late report can never affect a newer one) and joins the
+next.  A group that does not form is reported like a broken generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agents.api import JobEndedError, RecoveryError
+from agents.process_group import form_group, teardown_group
+from agents.state_sync import NO_STATE, sync_state
+from orchestrator import keys, records
+from orchestrator.api import EtcdError
+from orchestrator.etcd.retry import retry_unavailable
+from orchestrator.records import BreakReport, JobStatus, Plan, RecordError
+from orchestrator.settings import SETTINGS
+
+if TYPE_CHECKING:
+    from agents.runtime import Session
+
+log = logging.getLogger("ringmaster.worker")
+
+#: A step that fails this many times in a row is not a peer failure: give up.
+MAX_FAILURES_PER_STEP = 5
+
+
+class Generations:
+    """Moves one worker from generation to generation (see the module docstring)."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        self.failures_at_step = 0
+
+    # -- leaving -----------------------------------------------------------------------
+
+    def recover(self, reason: str, planned: bool = False) -> None:
+        """Leave the current generation and join the next one.
+
+        Raises:
+            RecoveryError: the same step failed too often, or no generation came.
+            JobEndedError: the job ended while this worker waited.
+        """
+        s = self._s
+        started = time.monotonic()
+        self.failures_at_step += 0 if planned else 1
+        if self.failures_at_step > MAX_FAILURES_PER_STEP:
+            raise RecoveryError(
+                f"step {s.step} failed {self.failures_at_step} times in a row; last: {reason}"
+            )
+        s.recoveries += 0 if planned else 1
+        log.warning("[%s] generation %d ends: %s", s.worker, s.generation, reason)
+        s.hook = None
+        for w in s.wrapped:
+            w.drop()
+        teardown_group()
+        self.report(s.generation, reason, planned)
+        self.join_next(s.generation + 1)
+        s.last_recovery_s = time.monotonic() - started
+        log.warning(
+            "[%s] rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
+            s.worker,
+            s.rank,
+            s.world_size,
+            s.generation,
+            s.step,
+            s.last_recovery_s,
+        )
+
+    def report(self, generation: int, reason: str, planned: bool, user_error: bool = False) -> None:
+        """Tell the controller that ``generation`` broke here (best effort)."""
+        s = self._s
+        report = BreakReport(
+            step=s.step, reason=reason, planned=planned, at=time.time(), user_error=user_error
+        )
+        try:
+            records.write(s.client, keys.job_reports(s.env.job, generation) + s.worker, report)
+        except EtcdError as e:
+            log.warning(
+                "[%s] could not report the end of generation %d: %s", s.worker, generation, e
+            )
+
+    # -- joining -----------------------------------------------------------------------
+
+    def join_next(self, min_generation: int) -> None:
+        """Join the first generation from ``min_generation`` on whose group forms.
+
+        A group that does not form (a member died or came too late) is
+        reported like a broken generation, and the worker waits for the next.
+        """
+        while True:
+            plan = self._await_plan(min_generation)
+            try:
+                self._join(plan)
+                return
+            except RecoveryError as e:
+                log.warning("[%s] %s", self._s.worker, e)
+                self.report(plan.generation, str(e), False)
+                min_generation = plan.generation + 1
+
+    def _await_plan(self, min_generation: int) -> Plan:
+        """Block until a plan of at least ``min_generation`` that includes this worker."""
+        s = self._s
+        timeout = SETTINGS.plan_timeout.total_seconds()
+        deadline = time.monotonic() + timeout
+        while True:
+            plan = s.watch.wait_newer(min_generation - 1, timeout=1.0)
+            if plan is not None:
+                member = plan.member(s.env.node)
+                if member is not None and s.env.local_rank < member.nproc:
+                    return plan
+                if s.has_state and s.generation > 0:
+                    # Replaced while away (partitioned, or too slow): the state held
+                    # here is stale.  Drop it and wait as a spare that gets live state.
+                    log.warning(
+                        "[%s] fenced out: generation %d does not include this node; "
+                        "dropping the state of step %d and waiting as a spare",
+                        s.worker,
+                        plan.generation,
+                        s.step,
+                    )
+                    s.has_state = False
+                    s.fence.leave()
+                min_generation = plan.generation + 1  # not in it: wait as a spare
+            status = self._job_status()
+            if status is not None and status.phase.terminal:
+                raise JobEndedError(f"job {s.env.job} is {status.phase.value}")
+            if time.monotonic() > deadline:
+                raise RecoveryError(
+                    f"no generation >= {min_generation} including {s.worker} within "
+                    f"{timeout:g}s (RINGMASTER_PLAN_TIMEOUT)"
+                )
+
+    def _job_status(self) -> JobStatus | None:
+        s = self._s
+        try:
+            return records.read(s.client, keys.job_status(s.env.job), JobStatus)
+        except (EtcdError, RecordError) as e:
+            log.debug("[%s] job phase unknown: %s", s.worker, e)
+            return None
+
+    def _join(self, plan: Plan) -> None:
+        s = self._s
+        member = plan.member(s.env.node)
+        assert member is not None
+        s.generation = plan.generation
+        s.plan = plan
+        s.rank = member.rank_base + s.env.local_rank
+        s.world_size = plan.world_size
+        s.fence.join(plan.generation, s.watch.revision_of(plan.generation))
+        form_group(
+            s.client,
+            s.env.job,
+            plan.generation,
+            s.rank,
+            s.world_size,
+            s.env.address,
+            collective_timeout=s.spec.fault_tolerance.hang_timeout * 2,
+            fence=s.fence,
+        )
+        s.telemetry.group_formed(plan.generation)
+        try:
+            s.saving.open(first=plan.generation == 1)
+            mine = s.step if s.has_state else NO_STATE
+            result = sync_state(mine, self._capture, self._restore)
+        except RuntimeError as e:  # the new group broke already: a member is gone again
+            teardown_group()
+            raise RecoveryError(
+                f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
+            ) from e
+        if result.step != NO_STATE:
+            s.step = result.step
+            s.has_state = True
+        elif s.saving.train_state() is not None:
+            s.saving.resume()
+        s.telemetry.state_restored(s.step)
+        for w in s.wrapped:
+            w.rebuild()
+        s.heartbeat.start()
+        s.heartbeat.poke()
+
+    def _capture(self) -> dict[str, Any]:
+        s = self._s
+        return {
+            "step": s.step,
+            "tracked": {name: obj.state_dict() for name, obj in s.tracked.items()},
+            "rng": torch.get_rng_state(),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        s = self._s
+        for name, obj in s.tracked.items():
+            if name in state["tracked"]:
+                obj.load_state_dict(state["tracked"][name])
+        torch.set_rng_state(state["rng"])
+        s.step = int(state["step"])
+        s.has_state = True
+
+    # -- etcd outages ------------------------------------------------------------------
+
+    def pause_for_etcd(self) -> None:
+        """Wait, state kept, until etcd answers again (every rank pauses at this step).
+
+        Training on without etcd would go unnoticed by the controller and could
+        not be fenced, so an outage pauses the job instead of failing it.
+
+        Raises:
+            RecoveryError: etcd stayed away for ``RINGMASTER_PLAN_TIMEOUT``.
+        """
+        s = self._s
+        started = time.monotonic()
+        s.paused = f"etcd unreachable at step {s.step}"
+        log.warning("[%s] %s: pausing until etcd is back", s.worker, s.paused)
+        try:
+            retry_unavailable(
+                s.watch.load,
+                f"[{s.worker}] paused at step {s.step}",
+                max_wait=SETTINGS.plan_timeout,
+            )
+        except EtcdError as e:
+            raise RecoveryError(
+                f"etcd stayed unreachable for {SETTINGS.plan_timeout.total_seconds():g}s "
+                f"(RINGMASTER_PLAN_TIMEOUT) while paused at step {s.step}: {e}"
+            ) from e
+        finally:
+            s.paused = None
+        log.warning(
+            "[%s] etcd is back; resuming at step %d after %.1fs",
+            s.worker,
+            s.step,
+            time.monotonic() - started,
+        )

@@ -33,6 +33,7 @@ from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
@@ -116,7 +117,7 @@ class LocalRun:
         return args
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**grpc_environment(), **os.environ}
         if self.etcd_options and self.etcd_options.password:
             env["RINGMASTER_ETCD_PASSWORD"] = self.etcd_options.password
         env.setdefault("PYTHONUNBUFFERED", "1")

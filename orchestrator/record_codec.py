@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union
 from orchestrator.api import OrchestratorError
 
 if TYPE_CHECKING:
-    from orchestrator.etcd.client import EtcdClient, Lease
+    from orchestrator.etcd.client import EtcdClient
+    from orchestrator.etcd.kv import Lease
 
 #: Format version of every record written by this release.
 FORMAT = 1

@@ -128,7 +128,17 @@ def peer_failure(
     return None
 
 
+#: What torch puts before an error that went through a future's ``then`` callback
+#: (DDP's hooks chain one or two): said once in a log line is enough.
+_CALLBACK_WRAPPER = "Got the following error when running the callback: "
+
+
 def one_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (its type name when it has none), at most 200 chars."""
+    """The first line of ``e``'s message (its type name when it has none), at most 200 chars.
+
+    For display only; nothing is decided from the words.
+    """
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    while text.startswith(_CALLBACK_WRAPPER):
+        text = text.removeprefix(_CALLBACK_WRAPPER).removeprefix("RuntimeError: ")
     return text[:200]

@@ -3,8 +3,8 @@
 The node agent starts workers with the environment described by
 :class:`WorkerEnv`; the worker runtime (:mod:`agents.runtime`) reads it.  The
 worker runtime never imports the controller: the two meet only through etcd
-keys (:mod:`orchestrator.keys`) and the :class:`~orchestrator.api.Plan`
-contract.
+keys (:mod:`orchestrator.keys`) and the records stored there
+(:mod:`orchestrator.records`).
 """
 
 from __future__ import annotations

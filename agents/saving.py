@@ -8,7 +8,8 @@ on request, on stop, and periodically, every ``checkpoint.every_steps``
 steps or ``checkpoint.every_seconds`` seconds.  Rank 0 records each commit in
 etcd as a :class:`~orchestrator.records.CheckpointRecord`, through the
 generation fence, so a fenced-out process never claims a checkpoint; the
-commit itself is fenced too (:meth:`Saving.check_commit`).
+commit itself is fenced too (:meth:`Saving.check_commit`).  A save may take
+``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (``SETTINGS.checkpoint_save_timeout``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError
 from orchestrator.records import CheckpointRecord
+from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
     from agents.runtime import Session
@@ -172,7 +174,7 @@ class Saving:
                 self._pending = job
             return
         try:
-            manifest = self._ckpt.save_now(s.step, state)
+            manifest = self._ckpt.save_now(s.step, state, timeout=SETTINGS.checkpoint_save_timeout)
         except Exception as e:
             if not self._refused_commit(e):
                 raise
@@ -187,7 +189,7 @@ class Saving:
         if job is not None and job.done():
             self._pending = None
             try:
-                manifest = job.wait()
+                manifest = job.wait(SETTINGS.checkpoint_save_timeout)
             except Exception as e:
                 if not self._refused_commit(e):
                     raise
@@ -219,7 +221,8 @@ class Saving:
         if self._ckpt is None:
             return
         job, self._pending = self._pending, None
+        timeout = SETTINGS.checkpoint_save_timeout
         if job is not None:
-            self._record(job.wait().step, "periodic")
-        self._ckpt.close()
+            self._record(job.wait(timeout).step, "periodic")
+        self._ckpt.close(timeout)
         self._ckpt = None

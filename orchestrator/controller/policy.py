@@ -23,9 +23,10 @@ Per job it:
   boundaries; scales down to ``nodes.min`` when no spare is left and fails
   the job when fewer than ``nodes.min`` remain for ``rendezvous.join_timeout``;
 * treats a step that raised an error of the training script's own (a break
-  report with ``user_error``) as the script's failure, not a peer's: the job
-  restarts in a new generation up to ``fault_tolerance.max_restarts`` times,
-  then fails with the script's message; no recovery is recorded;
+  report with ``user_error``, while no member's agent is gone) as the script's
+  failure, not a peer's: the job restarts in a new generation up to
+  ``fault_tolerance.max_restarts`` times, then fails with the script's
+  message; no recovery is recorded;
 * pauses (phase ``Paused``) after an etcd outage and declares nobody dead
   for ``OUTAGE_GRACE`` after it;
 * relays stop and checkpoint commands to the workers.
@@ -282,7 +283,10 @@ class _Decider:
             self.phase(JobPhase.STOPPED, "stopped on request")
             return
         if w.reports:
-            if any(r.user_error for r in w.reports.values()):
+            # A member whose agent is gone did not raise anything: its peers' errors
+            # came from the collectives it left (one the runtime could not see).
+            node_gone = w.dead & silent_members(plan, w.reports)
+            if any(r.user_error for r in w.reports.values()) and not node_gone:
                 self.user_error(plan)
             else:
                 self.handle_break(plan)

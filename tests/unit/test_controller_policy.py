@@ -265,6 +265,14 @@ def a_peer_failure_beside_a_user_error_is_the_user_error() -> None:
     assert run.status.phase is JobPhase.FAILED and "ValueError: bad" in run.status.message
 
 
+def a_user_error_beside_a_dead_node_is_a_node_failure() -> None:
+    run = Run(_spec(max_restarts=0))
+    reports = {"a-0": _report(user_error=True, reason="RuntimeError: read failed")}
+    run.tick(_world(["a", "b", "c"], _plan(1, "a", "b"), reports=reports, dead={"b"}))
+    assert run.status.phase is JobPhase.RECOVERING
+    assert _order(run.plans()[0]) == ["a", "c"]
+
+
 def planned_switch_is_not_a_failure() -> None:
     run = Run(_spec())
     reports = {"a-0": _report(planned=True), "b-0": _report(planned=True)}
@@ -313,6 +321,7 @@ SCENARIOS: list[Callable[[], None]] = [
     no_spare_left_waits_then_fails,
     user_error_restarts_then_fails_without_a_recovery,
     a_peer_failure_beside_a_user_error_is_the_user_error,
+    a_user_error_beside_a_dead_node_is_a_node_failure,
     planned_switch_is_not_a_failure,
     stop_command_reaches_the_workers,
     finished_workers_succeed,

@@ -73,7 +73,6 @@ class Saving:
             url,
             keep=cfg.keep,
             job_spec_hash=checkpoint_hash(s.spec),
-            job=s.env.job,
             check_storage=first,
             fence=self.check_commit,
         )

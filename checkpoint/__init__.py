@@ -1,4 +1,4 @@
-"""Asynchronous sharded checkpoints with a commit protocol, tiers and elastic resume.
+"""Asynchronous sharded checkpoints with a commit protocol and elastic resume.
 
 The public surface is re-exported here; contracts live in :mod:`checkpoint.api`.
 """
@@ -22,14 +22,12 @@ from checkpoint.api import (
     SaveHandle,
     SaveInProgressError,
     SaveStatus,
-    StateTier,
     TrainState,
     VerifyReport,
 )
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.data_position import ElasticSampler
 from checkpoint.manifest import job_spec_hash
-from checkpoint.memory_tier import SharedMemoryTier
 from checkpoint.triggers import SaveTrigger, request_on_signal
 
 __all__ = [
@@ -52,8 +50,6 @@ __all__ = [
     "SaveInProgressError",
     "SaveStatus",
     "SaveTrigger",
-    "SharedMemoryTier",
-    "StateTier",
     "TrainState",
     "VerifyReport",
     "job_spec_hash",

@@ -4,8 +4,8 @@ A training runtime hands a :class:`TrainState` to a checkpointer.  A durable
 checkpoint is a directory of objects (one per writing rank plus DCP's
 ``.metadata``) and a :class:`Manifest` written last; the manifest's presence
 and integrity *is* the commit.  Saves are asynchronous and return a
-:class:`SaveHandle`.  Restores pick the freshest valid source among the
-:class:`StateTier` implementations (node memory, a live peer, durable storage).
+:class:`SaveHandle`.  A restore loads the newest committed checkpoint that
+verifies and says so in a :class:`RestoreResult`.
 
 Errors share one base, :class:`CheckpointError`.  A
 :class:`RetryableCheckpointError` may succeed if tried again (storage hiccup,
@@ -275,8 +275,6 @@ class SaveHandle(Protocol):
 class RestoreSource(str, Enum):
     """Where a restore took its state from."""
 
-    MEMORY = "memory"
-    PEER = "peer"
     DURABLE = "durable"
     NONE = "none"
 
@@ -286,7 +284,7 @@ class RestoreResult:
     """Outcome of a restore.
 
     Attributes:
-        source: the tier used (``NONE`` when nothing was found: fresh start).
+        source: ``DURABLE``, or ``NONE`` when nothing was found (a fresh start).
         step: step of the restored state (None for a fresh start).
         samples_seen: restored global data position.
         url: checkpoint directory, for durable restores.
@@ -300,31 +298,3 @@ class RestoreResult:
     url: str | None = None
     rank_state_restored: bool = False
     skipped: tuple[str, ...] = ()
-
-
-# --------------------------------------------------------------------------- tiers
-
-
-@runtime_checkable
-class StateTier(Protocol):
-    """A place state can be restored from.
-
-    A flat state maps dotted keys to tensors or picklable objects (the form
-    :mod:`checkpoint.flat_state` produces).  ``load`` fills tensors of
-    ``target`` in place and replaces non-tensor values.
-    """
-
-    @property
-    def name(self) -> RestoreSource: ...
-
-    def latest_step(self) -> int | None:
-        """Newest step this tier can restore on this rank, or None."""
-        ...
-
-    def load(self, step: int, target: dict[str, Any]) -> None:
-        """Fill ``target`` with the state of ``step``.
-
-        Raises:
-            CheckpointError: the step is gone or does not fit ``target``.
-        """
-        ...

@@ -1,16 +1,19 @@
-"""The one object a training runtime uses: save on triggers, snapshot to memory, restore.
+"""The one object a training runtime uses: save on triggers, restore.
 
 Typical loop (every rank)::
 
-    ckpt = Checkpointer(spec.checkpoint.url, keep=3, every_steps=100, job="demo")
-    result = ckpt.restore(state)             # memory, peer or durable; any world size
+    ckpt = Checkpointer(spec.checkpoint.url, keep=3, every_steps=100)
+    result = ckpt.restore(state)             # newest committed checkpoint; any world size
     sampler = ElasticSampler(len(ds), rank, world, result.samples_seen)
     for step in range((result.step or 0) + 1, total + 1):
         train_one_step(...)
         state.samples_seen += batch_size * world
-        ckpt.snapshot(step, state)           # memory tier, if enabled
         ckpt.maybe_save(step, state)         # async; returns a handle or None
     ckpt.close()
+
+Live state reaches a replacement rank from the survivors
+(:mod:`agents.state_sync`), not from here: a checkpoint is for starting a job
+again, after every rank is gone or on request.
 
 Controller commands and preemption call :meth:`Checkpointer.request_save`
 (from any thread or a signal handler) so that the next ``maybe_save`` saves on
@@ -30,22 +33,23 @@ import torch.distributed as dist
 from checkpoint.api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_SAVE_TIMEOUT,
+    CheckpointCorruptError,
     CheckpointInfo,
     CheckpointStorageError,
     CommitFence,
     Manifest,
     RestoreResult,
+    RestoreSource,
     SaveInProgressError,
     TrainState,
     VerifyReport,
 )
 from checkpoint.async_save import AsyncSaver, SaveJob
 from checkpoint.commit import latest_committed, list_checkpoints, verify_checkpoint
-from checkpoint.flat_state import capture
+from checkpoint.durable import restore_durable
+from checkpoint.flat_state import apply, capture
 from checkpoint.fsspec_storage import Location
 from checkpoint.groups import Coordination
-from checkpoint.memory_tier import SharedMemoryTier, default_directory
-from checkpoint.restore import restore
 from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
 
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Asynchronous durable checkpoints plus the memory tier, for one training job.
+    """Asynchronous durable checkpoints for one training job.
 
     Constructing it is collective when ``torch.distributed`` is initialised
     (it creates the checkpoint's gloo groups): every rank constructs it together.
@@ -67,9 +71,6 @@ class Checkpointer:
         every_seconds: save every T seconds, as measured on rank 0 (0: off).
         job_spec_hash: recorded in each manifest.
         group: training process group whose ranks save together (default: world).
-        memory: enable the node memory tier; ``job`` names its directory.
-        memory_directory: where the memory tier lives (default under /dev/shm).
-        job: job name for the memory tier directory.
         thread_count: writer threads per rank.
         collective_timeout: bound on every checkpoint collective.
         check_storage: write and delete a probe object now, so a wrong URL or
@@ -90,9 +91,6 @@ class Checkpointer:
         every_seconds: float = 0.0,
         job_spec_hash: str = "",
         group: dist.ProcessGroup | None = None,
-        memory: bool = False,
-        memory_directory: str | None = None,
-        job: str = "default",
         thread_count: int = 1,
         collective_timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         check_storage: bool = True,
@@ -113,11 +111,6 @@ class Checkpointer:
             thread_count=thread_count,
             fence=fence,
         )
-        self.memory: SharedMemoryTier | None = None
-        if memory or memory_directory:
-            self.memory = SharedMemoryTier(
-                memory_directory or default_directory(job, self.coord.rank)
-            )
         if check_storage:
             problem = None
             if self.coord.is_coordinator:
@@ -241,12 +234,6 @@ class Checkpointer:
         """
         return self.saver.adopt_staging(previous.saver)
 
-    def snapshot(self, step: int, state: TrainState) -> None:
-        """Copy ``state`` into the node memory tier (no-op when it is disabled)."""
-        if self.memory is not None:
-            flat, _ = capture(state, self.coord.rank)
-            self.memory.put(step, flat)
-
     def wait(self, timeout: timedelta = DEFAULT_SAVE_TIMEOUT) -> Manifest | None:
         """Wait for the save in flight, if any."""
         return self.saver.wait_inflight(timeout)
@@ -254,13 +241,21 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def restore(self, state: TrainState, *, url: str | None = None) -> RestoreResult:
-        """Restore ``state`` from the freshest valid source (all ranks call together).
+        """Restore ``state`` from the newest committed checkpoint that verifies (collective).
+
+        Checkpoints that fail verification are passed over for older ones
+        (listed in the result's ``skipped``); with none left, ``state`` is
+        untouched and the result's source is ``NONE`` (a fresh start).
 
         Args:
             state: filled in place (model, optimizer, scheduler, extra,
                 ``samples_seen``, and this rank's ``rank_state`` + RNG when saved).
             url: a specific checkpoint directory (under this root or any
-                other, read with the same storage options); it must verify.
+                other, read with the same storage options); it must verify,
+                there is no falling back.
+
+        Raises:
+            CheckpointCorruptError: ``url`` was given and cannot be used.
         """
         if self.saver.inflight is not None:
             self.saver.wait_inflight()
@@ -270,7 +265,29 @@ class Checkpointer:
             if parent != self.root.url:
                 # A checkpoint of another root (another job, another bucket).
                 root = Location.from_url(parent, self._storage_options)
-        return restore(state, self.coord, root=root, memory=self.memory, url=url)
+        target, mapping = capture(state, self.coord.rank)
+        outcome = restore_durable(root, target, self.coord, url=url)
+        if outcome.manifest is None and url is not None:
+            raise CheckpointCorruptError(
+                f"the checkpoint asked for, {url}, cannot be used: {'; '.join(outcome.skipped)}"
+            )
+        if outcome.manifest is None:
+            log.info("no usable checkpoint under %s; starting fresh", root.url)
+            return RestoreResult(
+                source=RestoreSource.NONE,
+                step=None,
+                samples_seen=state.samples_seen,
+                skipped=outcome.skipped,
+            )
+        restored_rank = apply(state, target, mapping, self.coord.rank)
+        return RestoreResult(
+            source=RestoreSource.DURABLE,
+            step=outcome.manifest.step,
+            samples_seen=state.samples_seen,
+            url=outcome.url,
+            rank_state_restored=restored_rank,
+            skipped=outcome.skipped,
+        )
 
     # ------------------------------------------------------------------ inspection
 

@@ -23,12 +23,10 @@ from checkpoint.api import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     Manifest,
-    RestoreSource,
 )
 from checkpoint.commit import (
     committed_checkpoints,
     inspect_checkpoint,
-    latest_committed,
     parse_step_dir,
     read_manifest,
     verify_checkpoint,
@@ -87,36 +85,6 @@ def load_into(directory: Location, target: FlatState, coord: Coordination) -> No
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointStorageError(f"loading {directory.url} failed: {describe(e)}") from e
-
-
-class DurableTier:
-    """Durable storage as a :class:`~checkpoint.api.StateTier` (collective ``load``).
-
-    Args:
-        root: checkpoint root.
-        coord: the checkpoint groups; ``load`` is called by all ranks together.
-    """
-
-    def __init__(self, root: Location, coord: Coordination) -> None:
-        self.root = root
-        self.coord = coord
-
-    @property
-    def name(self) -> RestoreSource:
-        return RestoreSource.DURABLE
-
-    def latest_step(self) -> int | None:
-        latest = latest_committed(self.root)
-        return latest.step if latest else None
-
-    def load(self, step: int, target: FlatState) -> None:
-        for info in committed_checkpoints(self.root):
-            if info.step == step:
-                load_into(self.root.child(info.name), target, self.coord)
-                return
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint of step {step} under {self.root.url}"
-        )
 
 
 def _candidates(root: Location, url: str | None) -> list[str]:

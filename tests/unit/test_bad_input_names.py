@@ -1,15 +1,14 @@
 """Names are validated before they become etcd keys or paths (property-based).
 
-Job names, node names, rendezvous ids, topology labels and the memory tier's
-directory come from users, job files and the environment.  Whatever text they
-hold, either it is refused with a clear error, or it stays inside its own key
-segment / directory: no ``/``, no ``..``, no control characters, no escape.
+Job names, node names, rendezvous ids and topology labels come from users, job
+files and the environment.  Whatever text they hold, either it is refused with
+a clear error, or it stays inside its own key segment: no ``/``, no ``..``, no
+control characters, no escape.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from pathlib import Path
 
 import pytest
 import yaml
@@ -17,7 +16,6 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agents.node_agent import parse_labels
-from checkpoint.memory_tier import default_directory
 from orchestrator import keys
 from orchestrator.api import SpecError
 from orchestrator.spec_loader import load_job_text
@@ -140,16 +138,3 @@ def test_agent_cli_labels_that_are_not_safe_are_refused() -> None:
         "rack": "r1",
         "host": "",
     }
-
-
-@given(NAMES)
-def test_the_memory_tier_directory_stays_under_its_base(job: str) -> None:
-    try:
-        path = default_directory(job, 3)
-    except ValueError as e:
-        assert "memory tier" in str(e)
-        return
-    base = path.parents[2]
-    assert path == base / "ringmaster" / job / "rank-3"
-    assert Path(str(path)).resolve().is_relative_to(base.resolve())
-    assert_safe_segment(job)

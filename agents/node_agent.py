@@ -46,6 +46,7 @@ from agents.log_shipper import LogShipper
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase, JobSpec
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
@@ -259,7 +260,7 @@ class NodeAgent:
 
     def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
         assert self.spec is not None
-        env = dict(os.environ)
+        env = {**grpc_environment(), **os.environ}
         env.update(self.spec.entrypoint.env)
         env.update(
             WorkerEnv(

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from orchestrator import keys, records
-from orchestrator.etcd.client import EtcdClient, KeyValue
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.kv import KeyValue
 
 log = logging.getLogger(__name__)
 

@@ -179,20 +179,7 @@ def _used(field: str) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "field",
-    [
-        pytest.param(
-            k.field,
-            marks=pytest.mark.xfail(
-                reason="the worker runtime does not pass SETTINGS.checkpoint_save_timeout yet"
-            ),
-        )
-        if k.field == "checkpoint_save_timeout"
-        else k.field
-        for k in KNOBS
-    ],
-)
+@pytest.mark.parametrize("field", [k.field for k in KNOBS])
 def test_every_knob_is_read_somewhere(field: str) -> None:
     assert _used(field), f"nothing reads SETTINGS.{field}: a knob that does nothing"
 

@@ -49,7 +49,6 @@ def test_full_job_round_trips_through_to_dict() -> None:
               endpoints: ["10.0.0.1:2379", "https://10.0.0.2:2379"]
               join_timeout: 5m
               last_call_timeout: 500ms
-              heartbeat: 1
             checkpoint: {url: "s3://bucket/run1", every_steps: 100, keep: 2, async: false}
             fault_tolerance: {max_restarts: 10, hang_timeout: 2m, heartbeat_interval: 5s}
             comm:
@@ -185,3 +184,9 @@ def test_programmatic_spec_validate_lists_all() -> None:
     with pytest.raises(SpecError) as info:
         spec.validate()
     assert {p.path for p in info.value.problems} == {"name", "entrypoint", "nodes.min"}
+
+
+@pytest.mark.parametrize("key", ["heartbeat", "close_timeout"])
+def test_removed_rendezvous_settings_say_what_to_use(key: str) -> None:
+    with pytest.raises(SpecError, match=rf"rendezvous\.{key}: is no longer a job setting"):
+        load_job_data({"name": "j", "entrypoint": "t.py", "rendezvous": {key: 1}})

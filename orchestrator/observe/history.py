@@ -1,51 +1,26 @@
 """A job's training curve in etcd: step, throughput and loss sampled over time.
 
-The controller appends one :class:`Sample` every :data:`SAMPLE_EVERY` while
-the job runs, one key per sample under ``/ringmaster/jobs/<job>/history/``.
-The history is bounded: past :data:`MAX_SAMPLES` keys, every other sample
-of the older half is dropped, so a long job keeps its whole time span at a
-coarser resolution and etcd never holds more than ``MAX_SAMPLES`` of them.
-``ringmaster report`` reads it back.
+The controller appends one :class:`~orchestrator.records.HistorySample` every
+:data:`SAMPLE_EVERY` while the job runs, one key per sample under
+``/ringmaster/jobs/<job>/history/``.  The history is bounded: past
+:data:`MAX_SAMPLES` keys, every other sample of the older half is dropped, so
+a long job keeps its whole time span at a coarser resolution and etcd never
+holds more than ``MAX_SAMPLES`` of them.  ``ringmaster report`` reads it back.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
 
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import HistorySample
 from orchestrator.settings import SETTINGS
 
 #: How often the controller samples a running job.
 SAMPLE_EVERY = SETTINGS.history_every
 #: Most samples kept per job.
 MAX_SAMPLES = SETTINGS.history_max
-
-
-@dataclass
-class Sample:
-    """The job at one moment.
-
-    Attributes:
-        time: wall-clock seconds.
-        step: highest step completed.
-        steps_per_s: recent training rate.
-        samples_per_s: recent throughput in samples (None when workers do
-            not report ``samples``).
-        loss: rank 0's last reported loss (None when the script reports none).
-        phase: the job phase.
-        world_size: ranks training.
-    """
-
-    time: float
-    step: int
-    steps_per_s: float
-    samples_per_s: float | None
-    loss: float | None
-    phase: str
-    world_size: int
 
 
 class HistoryWriter:
@@ -64,10 +39,10 @@ class HistoryWriter:
         now = time.monotonic() if now is None else now
         return now - self._last >= SAMPLE_EVERY.total_seconds()
 
-    def append(self, sample: Sample) -> None:
+    def append(self, sample: HistorySample) -> None:
         self._last = time.monotonic()
         key = keys.job_history(self.job) + f"{time.time_ns():020d}"
-        self.client.put(key, json.dumps(asdict(sample)))
+        records.write(self.client, key, sample)
         if self._count is None:
             self._count = len(self.client.get_prefix(keys.job_history(self.job)))
         else:
@@ -83,10 +58,7 @@ class HistoryWriter:
         self._count = len(entries) - len(older[1::2])
 
 
-def read_history(client: EtcdClient, job: str) -> list[Sample]:
+def read_history(client: EtcdClient, job: str) -> list[HistorySample]:
     """Every stored sample of ``job``, oldest first."""
-    out = []
-    for kv in client.get_prefix(keys.job_history(job)):
-        data = json.loads(kv.value)
-        out.append(Sample(**{k: data.get(k) for k in Sample.__dataclass_fields__}))
+    out = records.read_all(client, keys.job_history(job), HistorySample).values()
     return sorted(out, key=lambda s: s.time)

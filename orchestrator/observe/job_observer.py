@@ -21,7 +21,7 @@ from typing import Any
 from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.observe.history import HistoryWriter, Sample
+from orchestrator.observe.history import HistoryWriter
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.recoveries import (
     FailureCause,
@@ -31,6 +31,7 @@ from orchestrator.observe.recoveries import (
 )
 from orchestrator.records import (
     BreakReport,
+    HistorySample,
     JobStatus,
     NodeRecord,
     Plan,
@@ -128,7 +129,7 @@ class JobObserver:
         status.effective_fraction = round(eff.fraction, 4)
         if plan is not None and not status.phase.terminal and self.history.due():
             self.history.append(
-                Sample(
+                HistorySample(
                     time=now,
                     step=status.step,
                     steps_per_s=status.steps_per_s,

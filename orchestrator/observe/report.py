@@ -21,8 +21,8 @@ from pathlib import Path
 from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import JobNotFoundError, read_status
-from orchestrator.observe.history import Sample, read_history
-from orchestrator.records import PHASES, JobStatus, RecoveryRecord
+from orchestrator.observe.history import read_history
+from orchestrator.records import PHASES, HistorySample, JobStatus, RecoveryRecord
 
 FAILURE, RECOVERY, CHECKPOINT = "failure", "recovery", "checkpoint"
 _COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4"}
@@ -44,7 +44,7 @@ class ReportData:
     job: str
     status: JobStatus
     t0: float
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[HistorySample] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     events: list[events.Event] = field(default_factory=list)

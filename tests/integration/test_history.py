@@ -6,7 +6,8 @@ import pytest
 
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.observe.history import HistoryWriter, Sample, read_history
+from orchestrator.observe.history import HistoryWriter, read_history
+from orchestrator.records import HistorySample
 
 pytestmark = pytest.mark.integration
 
@@ -16,7 +17,7 @@ def test_history_is_thinned_not_truncated(etcd_client: EtcdClient) -> None:
     etcd_client.delete_prefix(keys.job_prefix(job))
     writer = HistoryWriter(etcd_client, job, max_samples=20)
     for i in range(60):
-        writer.append(Sample(float(i), i, 1.0, None, 1.0 / (i + 1), "Running", 2))
+        writer.append(HistorySample(float(i), i, 1.0, None, 1.0 / (i + 1), "Running", 2))
     samples = read_history(etcd_client, job)
     assert len(samples) <= 20
     steps = [s.step for s in samples]

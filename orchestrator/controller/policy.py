@@ -54,6 +54,7 @@ from orchestrator.controller.actions import (
     WriteControl,
 )
 from orchestrator.controller.hangs import STALE_BEATS, hung_workers
+from orchestrator.controller.placement import nearest_spare, replacement_order
 from orchestrator.controller.world import World, silent_members, workers_of
 from orchestrator.records import JobStatus, Member, Plan
 from orchestrator.settings import SETTINGS
@@ -377,21 +378,6 @@ class _Decider:
         )
         self.replace(plan, silent, why, agent_gone=dead)
 
-    def pick_spare(self, failed: str, spares: list[str]) -> str:
-        """The spare nearest to ``failed``: same rack, then same zone, then any."""
-        labels = self.spec.comm.topology_labels
-        old = self.w.plan.member(failed) if self.w.plan else None
-        path = NodeInfo(failed, 1, dict(old.labels) if old else {}).path(labels)
-
-        def shared(node: str) -> int:
-            mine = self.node_info(node).path(labels)
-            depth = 0
-            while depth < len(path) and path[depth] == mine[depth]:
-                depth += 1
-            return depth
-
-        return max(spares, key=lambda n: (shared(n), -spares.index(n)))
-
     def replace(
         self, plan: Plan, failed: set[str], why: str, agent_gone: set[str] | None = None
     ) -> None:
@@ -401,13 +387,19 @@ class _Decider:
             for n in self.ordered(list(self.w.nodes))
             if n not in members and n not in failed and self.warm(n)
         ]
-        kept, swapped = [n for n in members if n not in failed], []
+        labels = self.spec.comm.topology_labels
+        swaps: dict[str, NodeInfo] = {}
         for node in [n for n in members if n in failed]:
             if spares:
-                spare = self.pick_spare(node, spares)
-                spares.remove(spare)
-                kept.append(spare)
-                swapped.append(f"{spare} replaces {node}")
+                old = plan.member(node)
+                gone = NodeInfo(node, 1, dict(old.labels) if old is not None else {})
+                spare = nearest_spare(gone, [self.node_info(s) for s in spares], labels)
+                spares.remove(spare.node_id)
+                swaps[node] = spare
+        swapped = [f"{spare.node_id} replaces {node}" for node, spare in swaps.items()]
+        staying = [self.node_info(n) for n in members if n not in failed or n in swaps]
+        order = replacement_order(staying, swaps, labels)
+        kept = order
         if len(kept) < self.spec.nodes.min:
             if self.short_too_long(
                 f"{why}; only {len(kept)} of the {self.spec.nodes.min} nodes needed were left",
@@ -433,7 +425,6 @@ class _Decider:
             self.m.recovery_step = self.status.step
         self.status.recoveries += 1
         reason = "; ".join(swapped) or f"scaled down to {len(kept)} nodes"
-        order = self.ordered(kept, previous=members)
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
         self.actions.append(PublishPlan(new_plan))
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")

@@ -29,7 +29,6 @@ ringmaster's own processes are in :mod:`orchestrator.etcd.grpc_env`.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -212,13 +211,6 @@ class EtcdClient:
     def delete_prefix(self, prefix: str) -> int:
         resp = self._call(lambda c: c.delete_prefix(prefix))
         return int(resp.deleted)
-
-    def put_json(self, key: str, obj: Any, lease: Lease | None = None) -> int:
-        return self.put(key, json.dumps(obj, sort_keys=True), lease)
-
-    def get_json(self, key: str) -> Any | None:
-        kv = self.get(key)
-        return None if kv is None else json.loads(kv.value)
 
     # -- transactions ------------------------------------------------------------------
 

@@ -17,13 +17,13 @@ not commit.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 from orchestrator import keys
 from orchestrator.api import EtcdError, OrchestratorError
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import Plan, RecordError, decode
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +95,12 @@ class GenerationFence:
         if not ok:
             raise FencedError(self._moved(mine, guard.value if guard else None))
 
-    def put_json(self, key: str, obj: object) -> None:
-        self.put(key, json.dumps(obj, sort_keys=True))
-
     def _moved(self, mine: Membership, plan: bytes | None) -> str:
         newer = "none"
         if plan is not None:
             try:
-                newer = str(json.loads(plan).get("generation"))
-            except (ValueError, AttributeError):
+                newer = str(decode(Plan, plan, self.plan_key).generation)
+            except RecordError:
                 newer = "unreadable"
         return (
             f"job {self.job}: generation {mine.generation} is no longer current "

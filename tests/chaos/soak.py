@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import jobs, keys
+from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun
+from orchestrator.records import ProgressRecord
 from tests.faults.etcd_cluster import EtcdCluster
 
 KINDS = (
@@ -166,11 +167,10 @@ class Injector:
     def _worker_pid(self, node: str) -> int:
         client = self.run._client
         assert client is not None
-        progress = client.get_json(
-            keys.job_progress(self.run.spec.name) + keys.worker_id(node, 0)
-        )
+        key = keys.job_progress(self.run.spec.name) + keys.worker_id(node, 0)
+        progress = records.read(client, key, ProgressRecord)
         assert progress, f"no progress record for {node}"
-        return int(progress["pid"])
+        return progress.pid
 
     def _kill_leader(self) -> str:
         client = self.run._client

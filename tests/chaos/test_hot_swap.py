@@ -122,18 +122,21 @@ def test_sigkill_leader_controller_standby_takes_over(
 
 def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # type: ignore[no-untyped-def]
     """Wait until the job reaches ``step``; return the pid of an active worker."""
-    from orchestrator import jobs, keys
+    from orchestrator import jobs, keys, records
+    from orchestrator.records import ProgressRecord
 
     deadline = time.monotonic() + timeout
     client = run._client
     while time.monotonic() < deadline:
         status = jobs.read_status(client, run.spec.name)
         if status and status.step >= step and status.active_nodes:
-            progress = client.get_json(
-                keys.job_progress(run.spec.name) + keys.worker_id(status.active_nodes[-1], 0)
+            progress = records.read(
+                client,
+                keys.job_progress(run.spec.name) + keys.worker_id(status.active_nodes[-1], 0),
+                ProgressRecord,
             )
             if progress:
-                return int(progress["pid"])
+                return progress.pid
         time.sleep(0.1)
     raise AssertionError(f"job did not reach step {step} in {timeout}s")
 

@@ -24,10 +24,11 @@ import torch
 
 from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
-from orchestrator import events, jobs, keys
+from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase, JobSpec
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
+from orchestrator.records import CheckpointRecord, Plan, ProgressRecord
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.netns import IsolatedNode, unavailable_reason
@@ -80,8 +81,8 @@ def _wait(what: str, check, timeout: float = 90):  # type: ignore[no-untyped-def
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _plan(client: EtcdClient, job: str) -> dict | None:  # type: ignore[type-arg]
-    return client.get_json(keys.job_plan(job))  # type: ignore[no-any-return]
+def _plan(client: EtcdClient, job: str) -> Plan | None:
+    return records.read(client, keys.job_plan(job), Plan)
 
 
 def test_partitioned_node_is_replaced_and_fenced(
@@ -118,7 +119,7 @@ def test_partitioned_node_is_replaced_and_fenced(
         host_env = {"GLOO_SOCKET_IFNAME": isolated.host_if}
         services.start("node-b", agent("node-b", host_etcd, isolated.host_ip), env=host_env)
         first = _wait("generation 1", lambda: _plan(client, job))
-        assert [m["node"] for m in first["members"]] == ["node-a", "node-b"], first
+        assert [m.node for m in first.members] == ["node-a", "node-b"], first
         services.start("node-c", agent("node-c", host_etcd, isolated.host_ip), env=host_env)
         _wait(
             "step 20 with a warm spare",
@@ -130,15 +131,15 @@ def test_partitioned_node_is_replaced_and_fenced(
         isolated.cut()
         cut_at = time.time()
         second = _wait(
-            "generation 2", lambda: (p := _plan(client, job)) and p["generation"] >= 2 and p
+            "generation 2", lambda: (p := _plan(client, job)) and p.generation >= 2 and p
         )
         first_step_gen2 = _wait(
             "training in generation 2",
             lambda: (
-                (p := client.get_json(keys.job_progress(job) + "node-c-0"))
-                and p.get("generation") == 2
-                and p["step"] > 0
-                and p["step"]
+                (p := records.read(client, keys.job_progress(job) + "node-c-0", ProgressRecord))
+                and p.generation == 2
+                and p.step > 0
+                and p.step
             ),
         )
         isolated.heal()
@@ -154,10 +155,10 @@ def test_partitioned_node_is_replaced_and_fenced(
             timeout=30,
         )
         log = events.list_events(client, job)
-        record = client.get_json(keys.job_checkpoint(job))
+        record = records.read(client, keys.job_checkpoint(job), CheckpointRecord)
     text = "\n".join(lines[-80:])
     assert status.phase is JobPhase.SUCCEEDED, f"{status}\n{text}"
-    assert [m["node"] for m in second["members"]] == ["node-c", "node-b"], f"{second}\n{text}"
+    assert [m.node for m in second.members] == ["node-c", "node-b"], f"{second}\n{text}"
     failed = [e for e in log if e.type == "NodeFailed"]
     assert [e.data.get("node") for e in failed] == ["node-a"], f"{failed}\n{text}"
     assert "lease expired" in failed[0].message
@@ -175,8 +176,8 @@ def test_partitioned_node_is_replaced_and_fenced(
     steps = [c.step for c in committed]
     assert len(steps) == len(set(steps)), steps
     assert all(c.manifest is not None and c.manifest.world_size == 2 for c in committed)
-    assert record is not None and record["step"] in steps, f"{record} {steps}\n{text}"
-    assert record["at"] > cut_at, f"{record} written before the cut at {cut_at}"
+    assert record is not None and record.step in steps, f"{record} {steps}\n{text}"
+    assert record.at > cut_at, f"{record} written before the cut at {cut_at}"
 
 
 def _generations(tmp: Path) -> dict[str, set[int]]:

@@ -179,7 +179,7 @@ def _spec(name: str, url: str, args: list[str] | None = None) -> Any:
 def _submit_finished(client: Any, spec: Any, phase: JobPhase) -> None:
     jobs.submit(client, spec)
     status = records.JobStatus(spec.name, phase=phase)
-    client.put_json(keys.job_status(spec.name), status.to_dict())
+    records.write(client, keys.job_status(spec.name), status)
 
 
 def _etcd_args(etcd: Any) -> list[str]:
@@ -259,7 +259,7 @@ def test_resume_refuses_an_active_job_and_a_missing_checkpoint(
     assert result.exit_code == 1
     assert f"job '{name}' is Running" in result.output and "ringmaster stop" in result.output
 
-    etcd_client.put_json(keys.job_status(name), records.JobStatus(name, JobPhase.FAILED).to_dict())
+    records.write(etcd_client, keys.job_status(name), records.JobStatus(name, JobPhase.FAILED))
     (tmp_path / "ckpt").mkdir()
     result = _cli("resume", name, *_etcd_args(etcd))
     assert result.exit_code == 1

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 
+from orchestrator import records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import free_port
@@ -32,10 +33,14 @@ def test_put_get_delete_prefix(etcd_client: EtcdClient, key_prefix: str) -> None
     assert etcd_client.get_prefix(key_prefix) == []
 
 
-def test_json_round_trip(etcd_client: EtcdClient, key_prefix: str) -> None:
-    etcd_client.put_json(key_prefix + "j", {"step": 3, "phase": "Running"})
-    assert etcd_client.get_json(key_prefix + "j") == {"step": 3, "phase": "Running"}
-    assert etcd_client.get_json(key_prefix + "missing") is None
+def test_record_round_trip(etcd_client: EtcdClient, key_prefix: str) -> None:
+    done = records.DoneRecord(step=3, generation=1, at=2.5)
+    records.write(etcd_client, key_prefix + "j", done)
+    assert records.read(etcd_client, key_prefix + "j", records.DoneRecord) == done
+    assert records.read(etcd_client, key_prefix + "missing", records.DoneRecord) is None
+    etcd_client.put(key_prefix + "bad", b'{"v": 1, "step": 3}')
+    with pytest.raises(records.RecordError, match=f"{key_prefix}bad: DoneRecord is missing"):
+        records.read_all(etcd_client, key_prefix, records.DoneRecord)
 
 
 def test_lease_expiry_removes_key(etcd_client: EtcdClient, key_prefix: str) -> None:

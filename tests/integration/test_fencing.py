@@ -23,13 +23,14 @@ import torch
 
 from checkpoint import Checkpointer, TrainState
 from checkpoint.api import CheckpointError, CommitFencedError
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.fencing import FencedError, GenerationFence
 from orchestrator.etcd.kv import KeyValue
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
+from orchestrator.records import Plan
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration
@@ -41,7 +42,7 @@ def job() -> str:
 
 
 def _publish(client: EtcdClient, job: str, generation: int) -> int:
-    return client.put_json(keys.job_plan(job), {"generation": generation, "members": []})
+    return records.write(client, keys.job_plan(job), Plan(generation, []))
 
 
 def test_guarded_write_fails_after_a_newer_generation(etcd_client: EtcdClient, job: str) -> None:

@@ -98,7 +98,7 @@ def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient) -> None:
     assert missing.exit_code == 1 and "no job named 'no-such-job'" in missing.output
 
     job = job_name()
-    etcd_client.put_json(keys.job_status(job), records.JobStatus(job, JobPhase.RUNNING).to_dict())
+    records.write(etcd_client, keys.job_status(job), records.JobStatus(job, JobPhase.RUNNING))
     ship(etcd_client, job, "node-x", 2, "print('hello from a worker')", flush_every=0.01)
     out = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "-t"])
     assert out.exit_code == 0, out.output

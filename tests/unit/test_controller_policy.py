@@ -166,18 +166,29 @@ def silent_node_gets_the_report_grace() -> None:
 
 
 def no_spare_in_the_rack_reorders_the_ring() -> None:
-    run = Run(_spec(min_nodes=4, max_nodes=4))
-    plan = _plan(1, "a", "c", "b", "d")  # r1 r1 r2 r2: two crossings
-    # a (r1) dies; the only warm spare, e, is in r2
-    world = _world(["a", "b", "c", "d", "e"], plan, reports={"b-0": _report()}, dead={"a"})
-    for w in ("b-0", "c-0", "d-0"):
-        world.reports[w] = _report()
+    run = Run(_spec(min_nodes=5, max_nodes=5))
+    plan = _plan(1, "a", "c", "f", "b", "d")  # r1 r1 r1 r2 r2: two crossings
+    # c (r1, mid-group) dies; the only warm spare, e, is in r2: in c's slot the
+    # ring would cross racks four times, so the ranks are re-ordered
+    world = _world(["a", "b", "c", "d", "e", "f"], plan, dead={"c"})
+    world.reports = {w: _report() for w in ("a-0", "f-0", "b-0", "d-0")}
     run.tick(world)
     (new,) = run.plans()
-    assert set(_order(new)) == {"b", "c", "d", "e"}
+    assert set(_order(new)) == {"a", "f", "b", "d", "e"}
     racks = [RACKS[n] for n in _order(new)]
     assert ring_crossings(racks) == min_ring_crossings(racks) == 2
-    assert [m.rank_base for m in new.members] == [0, 1, 2, 3]
+    assert ring_crossings(["r1", "r2", "r1", "r2", "r2"]) == 4  # what the slot would give
+    assert [m.rank_base for m in new.members] == [0, 1, 2, 3, 4]
+
+
+def a_spare_from_another_rack_keeps_the_slot_when_the_ring_stays_short() -> None:
+    run = Run(_spec(min_nodes=4, max_nodes=4))
+    plan = _plan(1, "a", "c", "b", "d")  # r1 r1 r2 r2
+    world = _world(["a", "b", "c", "d", "e"], plan, dead={"a"})
+    world.reports = {w: _report() for w in ("c-0", "b-0", "d-0")}
+    run.tick(world)
+    (new,) = run.plans()
+    assert _order(new) == ["e", "c", "b", "d"]  # r2 r1 r2 r2: still two crossings
 
 
 def lease_expiry_preempted_node_is_replaced() -> None:
@@ -313,6 +324,7 @@ SCENARIOS: list[Callable[[], None]] = [
     node_death_refused_probe_is_replaced_from_its_rack,
     silent_node_gets_the_report_grace,
     no_spare_in_the_rack_reorders_the_ring,
+    a_spare_from_another_rack_keeps_the_slot_when_the_ring_stays_short,
     lease_expiry_preempted_node_is_replaced,
     hung_worker_is_killed_by_pid,
     every_heartbeat_stopped_is_not_a_hang,

@@ -44,7 +44,7 @@ from typing import Any
 from agents.api import WorkerEnv
 from agents.log_shipper import LogShipper
 from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, JobPhase, JobSpec
+from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
@@ -55,6 +55,7 @@ from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
 from orchestrator.records import AgentCommand, CheckpointRecord, NodeRecord, RecordError
 from orchestrator.settings import SETTINGS
+from orchestrator.spec import JobSpec
 
 log = logging.getLogger("ringmaster.agent")
 

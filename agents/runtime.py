@@ -70,13 +70,14 @@ from agents.process_group import teardown_group
 from agents.saving import Saving
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
-from orchestrator.api import EtcdError, JobSpec
+from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.fencing import FencedError, GenerationFence
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.records import DoneRecord, Plan, ProgressRecord
 from orchestrator.settings import SETTINGS
+from orchestrator.spec import JobSpec
 
 log = logging.getLogger("ringmaster.worker")
 

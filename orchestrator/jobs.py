@@ -20,9 +20,10 @@ import time
 from typing import Any
 
 from orchestrator import keys, records
-from orchestrator.api import JobSpec, OrchestratorError
+from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, SpecRecord
+from orchestrator.spec import JobSpec
 
 
 class JobExistsError(OrchestratorError):

@@ -30,13 +30,14 @@ from datetime import timedelta
 from typing import IO, Any
 
 from orchestrator import events, jobs, keys
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.spec import JobSpec
 
 Printer = Callable[[str], None]
 

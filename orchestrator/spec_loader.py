@@ -1,4 +1,4 @@
-"""Load a YAML job file into a validated :class:`~orchestrator.api.JobSpec`.
+"""Load a YAML job file into a validated :class:`~orchestrator.spec.JobSpec`.
 
 The loader walks YAML *nodes* (not plain data) so that every problem can name
 the line it comes from.  It is driven by the dataclass tree in
@@ -22,15 +22,14 @@ from typing import Any
 
 import yaml
 
-from orchestrator.api import (
+from orchestrator.api import SpecError, SpecProblem
+from orchestrator.spec import (
     COMPRESSION_PARAMS,
     CompressionKind,
     CompressionSpec,
     EntrypointSpec,
     JobSpec,
     RendezvousSpec,
-    SpecError,
-    SpecProblem,
 )
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*\Z", re.ASCII)

@@ -18,7 +18,7 @@ from agents.comm.hierarchical import HierarchyGroups, build_groups
 from agents.comm.qsgd import QSGDCompressor
 from agents.comm.safety import SafetyPolicy
 from agents.comm.topk import TopKCompressor
-from orchestrator.api import CommSpec, CompressionKind
+from orchestrator.spec import CommSpec, CompressionKind
 
 #: Kinds that are torch's own hooks and have no hierarchical form here.
 _FLAT_ONLY = {

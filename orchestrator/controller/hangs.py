@@ -10,10 +10,10 @@ stuck (they pause for that), so nobody is killed.
 from __future__ import annotations
 
 from orchestrator import keys
-from orchestrator.api import JobSpec
 from orchestrator.controller.actions import KillWorker
 from orchestrator.controller.world import World, workers_of
 from orchestrator.records import AgentCommand, Plan
+from orchestrator.spec import JobSpec
 
 #: A worker whose heartbeat is older than this many intervals is frozen or gone.
 STALE_BEATS = 3

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from orchestrator import keys
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
 from orchestrator.controller.actions import (
     Action,
     CheckpointCommitted,
@@ -58,6 +58,7 @@ from orchestrator.controller.placement import nearest_spare, replacement_order
 from orchestrator.controller.world import World, silent_members, workers_of
 from orchestrator.records import JobStatus, Member, Plan
 from orchestrator.settings import SETTINGS
+from orchestrator.spec import JobSpec
 from orchestrator.topology import NodeInfo, topology_order
 
 #: After the first failure report, how long to wait for the other survivors' reports.

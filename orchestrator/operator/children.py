@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.api import JobSpec
 from orchestrator.operator.api import (
     LABEL_JOB,
     LABEL_ROLE,
@@ -38,6 +37,7 @@ from orchestrator.operator.meta import (
     service_name,
 )
 from orchestrator.operator.pods import RUN_AS_USER
+from orchestrator.spec import JobSpec
 
 
 def controller_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.api import JobSpec
 from orchestrator.operator.api import OperatorSettings
+from orchestrator.spec import JobSpec
 
 #: Where the etcd TLS Secret is mounted in agent and controller pods.
 TLS_DIR = "/etc/ringmaster/etcd-tls"

@@ -36,7 +36,6 @@ import json
 from datetime import timedelta
 from typing import Any
 
-from orchestrator.api import JobSpec
 from orchestrator.operator.api import (
     ANN_INDEX,
     ANN_TEMPLATE_HASH,
@@ -51,6 +50,7 @@ from orchestrator.operator.api import (
 )
 from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volumes
 from orchestrator.operator.meta import agent_selector, child_meta, service_name
+from orchestrator.spec import JobSpec
 
 #: Non-root user of the image (k8s/Dockerfile creates it).
 RUN_AS_USER = 1000

@@ -31,7 +31,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from orchestrator.api import JobSpec, SpecError, SpecProblem
+from orchestrator.api import SpecError, SpecProblem
 from orchestrator.operator.api import (
     ANN_INDEX,
     ANN_TEMPLATE_HASH,
@@ -48,6 +48,7 @@ from orchestrator.operator.children import (
 )
 from orchestrator.operator.pods import agent_pod, agent_pod_spec, template_hash
 from orchestrator.operator.status import build_status, controller_phase, pod_ready
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 
 _LIVE_PHASES = ("Pending", "Running", "Unknown")

@@ -15,11 +15,12 @@ import time
 from typing import Any
 
 from orchestrator import jobs, keys, records
-from orchestrator.api import EtcdAuthError, EtcdError, JobSpec
+from orchestrator.api import EtcdAuthError, EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import PermanentOperatorError, RetryableOperatorError
 from orchestrator.records import SpecRecord
+from orchestrator.spec import JobSpec
 
 
 class EtcdJobRecords:

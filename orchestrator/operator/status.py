@@ -24,7 +24,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
+from orchestrator.spec import JobSpec
 
 INVALID_PHASE = "Invalid"
 

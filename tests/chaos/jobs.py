@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from orchestrator.api import JobSpec
 from orchestrator.local_run import LocalRun, RunResult
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 
 REPO = Path(__file__).resolve().parents[2]

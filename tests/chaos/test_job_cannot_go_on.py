@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import REPO, quiet_run
 

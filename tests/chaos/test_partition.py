@@ -25,10 +25,11 @@ import torch
 from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
 from orchestrator import events, jobs, keys, records
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.records import CheckpointRecord, Plan, ProgressRecord
+from orchestrator.spec import JobSpec
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.netns import IsolatedNode, unavailable_reason

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary
 

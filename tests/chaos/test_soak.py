@@ -20,8 +20,9 @@ import torch
 
 from checkpoint import catalog
 from orchestrator import jobs
-from orchestrator.api import JobPhase, JobSpec
+from orchestrator.api import JobPhase
 from orchestrator.etcd.options import EtcdOptions
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary
 from tests.chaos.soak import KINDS, Injector, plan_faults

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from orchestrator.api import JobSpec
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser, ServerTLS
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from tests.certs import TLSFiles
 

@@ -18,7 +18,8 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from orchestrator.api import JobSpec, SpecError
+from orchestrator.api import SpecError
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data, load_job_text
 
 pytestmark = pytest.mark.unit

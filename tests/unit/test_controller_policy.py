@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from orchestrator import keys
-from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
+from orchestrator.api import JobPhase
 from orchestrator.controller import policy
 from orchestrator.controller.actions import (
     Action,
@@ -37,6 +37,7 @@ from orchestrator.records import (
     Plan,
     ProgressRecord,
 )
+from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
 from orchestrator.topology import min_ring_crossings, ring_crossings
 
 pytestmark = pytest.mark.unit

@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.api import JobSpec
 from orchestrator.operator.crd import crd_manifest, render_crd_yaml, spec_schema
+from orchestrator.spec import JobSpec
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.api import EntrypointSpec, JobPhase, JobSpec, NodesSpec
+from orchestrator.api import JobPhase
 from orchestrator.operator.status import build_status, invalid_status, rfc3339
 from orchestrator.records import JobStatus
+from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator.api import CompressionKind, JobSpec, SpecError, SpecProblem
+from orchestrator.api import SpecError, SpecProblem
+from orchestrator.spec import CompressionKind, JobSpec
 from orchestrator.spec_loader import load_job_data, load_job_text
 
 pytestmark = pytest.mark.unit
@@ -178,7 +179,7 @@ def test_inter_node_only_needs_hierarchical() -> None:
 
 
 def test_programmatic_spec_validate_lists_all() -> None:
-    from orchestrator.api import EntrypointSpec, NodesSpec
+    from orchestrator.spec import EntrypointSpec, NodesSpec
 
     spec = JobSpec(name="UP", entrypoint=EntrypointSpec(), nodes=NodesSpec(min=3, max=1))
     with pytest.raises(SpecError) as info:

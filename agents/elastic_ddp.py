@@ -50,9 +50,11 @@ class ElasticDDP(nn.Module):
     def rebuild(self) -> None:
         """Wrap the module in a DDP on the current default group."""
         self.drop()
-        ddp = DDP(self.module, init_sync=False, **self._ddp_kwargs)
         if self._failures is not None:
-            _record_failures(ddp, self._failures)
+            kwargs = {"init_sync": False, **self._ddp_kwargs}
+            ddp: DDP = _RecordingDDP(self.module, self._failures, **kwargs)
+        else:
+            ddp = DDP(self.module, init_sync=False, **self._ddp_kwargs)
         if self._hook_installer is not None:
             self._hook_installer(ddp)
         elif self._failures is not None:
@@ -60,8 +62,18 @@ class ElasticDDP(nn.Module):
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: keep state_dict keys clean
 
     def drop(self) -> None:
-        """Forget the DDP of a broken group; gradients of a failed step are discarded."""
+        """Forget the DDP of a broken group; gradients of a failed step are discarded.
+
+        The old DDP's autograd hooks are removed at once: something may still
+        hold the old DDP (the traceback of the step's error does when the
+        step failed in its forward), and hooks left on the parameters would
+        fire in the next generation's backward, where its reducer, stuck in
+        the failed step, raises "Expected to mark a variable ready only once".
+        """
+        old = self._ddp
         object.__setattr__(self, "_ddp", None)
+        if old is not None:
+            old._remove_autograd_hooks()
         for p in self.module.parameters():
             p.grad = None
 
@@ -85,18 +97,23 @@ class ElasticDDP(nn.Module):
         return torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])
 
 
-def _record_failures(ddp: DDP, failures: CollectiveFailures) -> None:
-    """Make ``ddp``'s comm hooks and buffer broadcast record their errors in ``failures``."""
-    register = ddp.register_comm_hook
-    sync_buffers = ddp._sync_buffers
+class _RecordingDDP(DDP):
+    """A DDP whose comm hooks and buffer broadcast record their errors in ``failures``.
 
-    def register_recorded(state: object, hook: Callable[..., Any]) -> None:
-        register(state, failures.wrap_hook(hook))
+    A subclass rather than patched instance attributes: bound methods stored
+    on the instance would make a reference cycle that keeps a dropped DDP
+    (and its autograd hooks) alive until the garbage collector runs.
+    """
 
-    def sync_buffers_recorded() -> None:
-        with failures.collective():
-            sync_buffers()
+    _failures: CollectiveFailures
 
-    # instance attributes, not submodules: DDP calls both through ``self``
-    object.__setattr__(ddp, "register_comm_hook", register_recorded)
-    object.__setattr__(ddp, "_sync_buffers", sync_buffers_recorded)
+    def __init__(self, module: nn.Module, failures: CollectiveFailures, **kwargs: Any) -> None:
+        object.__setattr__(self, "_failures", failures)
+        super().__init__(module, **kwargs)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        super().register_comm_hook(state, self._failures.wrap_hook(hook))
+
+    def _sync_buffers(self) -> None:
+        with self._failures.collective():
+            super()._sync_buffers()

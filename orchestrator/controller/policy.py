@@ -276,13 +276,16 @@ class _Decider:
             status.step = max(status.step, max(steps))
         last = self.spec.max_steps
         finished_all = last > 0 and any(r.step >= last for r in w.done.values())
-        if (workers and all(x in w.done for x in workers)) or finished_all:
+        all_done = bool(workers) and all(x in w.done for x in workers)
+        # A stop wins over "all done": the workers end their loops on the stop.
+        if w.control.stop and (all_done or all(x in w.done for x in workers if x in w.progress)):
+            steps = sorted({r.step for r in w.done.values()})
+            self.phase(JobPhase.STOPPED, f"stopped on request at step {max(steps, default=0)}")
+            return
+        if all_done or finished_all:
             # A worker that applied the last step holds the final state: a failure
             # of its peers after that loses nothing, so nobody waits for a new group.
             self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}")
-            return
-        if w.control.stop and all(x in w.done for x in workers if x in w.progress):
-            self.phase(JobPhase.STOPPED, "stopped on request")
             return
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors

@@ -303,7 +303,8 @@ def stop_command_reaches_the_workers() -> None:
     world = _world(["a", "b"], _plan(1, "a", "b"), done={"a-0": done, "b-0": done})
     world.control.stop = True
     run.tick(world)
-    assert run.status.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED)
+    assert run.status.phase is JobPhase.STOPPED  # not Succeeded, though every worker is done
+    assert run.status.message == "stopped on request at step 12"
 
 
 def finished_workers_succeed() -> None:

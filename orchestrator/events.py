@@ -35,17 +35,27 @@ def emit(client: EtcdClient, job: str, type: str, message: str, **data: Any) -> 
     return event
 
 
-def list_events(client: EtcdClient, job: str) -> list[Event]:
-    """Every event of ``job``, oldest first.
+def list_events(client: EtcdClient, job: str, run: int | None = None) -> list[Event]:
+    """Every event of ``job`` (of one ``run`` of it, when given), oldest first.
 
     An entry that is not an event (written by something else, or by a newer
     ringmaster) is left out with a warning naming its key: one bad entry never
     hides the rest of the log.
+
+    Raises:
+        JobNotFoundError: ``run`` is not a run of the job.
     """
+    window = None
+    if run is not None:
+        from orchestrator.jobs import list_runs, run_window
+
+        window = run_window(list_runs(client, job), run)
     out = []
     for kv in client.get_prefix(keys.job_events(job)):
         try:
             out.append(records.decode(Event, kv.value, kv.key))
         except records.RecordError as e:
             log.warning("skipping an event that cannot be read: %s", e)
+    if window is not None:
+        out = [e for e in out if window[0] <= e.time < window[1]]
     return out

@@ -22,7 +22,7 @@ from typing import Any
 from orchestrator import keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, SpecRecord
+from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
 from orchestrator.spec import JobSpec
 
 
@@ -103,13 +103,20 @@ def submit(
     *,
     replace_finished: bool = True,
     resume: ResumeRequest | None = None,
-) -> None:
-    """Write a validated spec under ``/ringmaster/jobs/<job>/spec``.
+) -> int:
+    """Write a validated spec under ``/ringmaster/jobs/<job>/spec``; returns the run number.
+
+    A job name has runs: the first submit starts run 1.  Submitting the name
+    of a finished job (stopped, failed or succeeded) again starts its next
+    run: what belonged to the last run (its plan, status, nodes, progress,
+    commands) is cleared, while the job's events, logs, history, recoveries
+    and run records stay readable.
 
     Args:
         client: etcd.
         spec: the job.
-        replace_finished: replace a finished job of the same name.
+        replace_finished: start a new run of a finished job of the same name
+            (otherwise a finished job's name is refused like an active one).
         resume: the checkpoint its workers start from (see :func:`plan_resume`).
 
     Raises:
@@ -120,18 +127,53 @@ def submit(
         spec=spec.to_dict(), hash=spec_hash(spec), submitted_at=time.time(), resume=resume
     )
     if client.create(keys.job_spec(spec.name), record.encode()):
-        records.write(client, keys.job_status(spec.name), JobStatus(spec.name))
-        return
+        _start_run(client, spec.name, record)
+        return record.run
+    previous = records.read(client, keys.job_spec(spec.name), SpecRecord)
     status = read_status(client, spec.name)
     if status is not None and status.phase.terminal and replace_finished:
-        client.delete_prefix(keys.job_prefix(spec.name))
-        submit(client, spec, replace_finished=False, resume=resume)
-        return
+        for key in keys.run_state(spec.name):
+            if key.endswith("/"):
+                client.delete_prefix(key)
+            else:
+                client.delete(key)
+        record.run = (previous.run if previous is not None else status.run) + 1
+        if client.create(keys.job_spec(spec.name), record.encode()):
+            _start_run(client, spec.name, record)
+            return record.run
+        status = read_status(client, spec.name)  # another submit won the race
     phase = status.phase.value if status else "unknown"
     raise JobExistsError(
         f"job '{spec.name}' is already submitted (phase {phase}); stop it with "
         f"`ringmaster stop {spec.name}` or pick another name"
     )
+
+
+def _start_run(client: EtcdClient, job: str, record: SpecRecord) -> None:
+    run = RunRecord(run=record.run, submitted_at=record.submitted_at, resume=record.resume)
+    records.write(client, keys.job_run(job, record.run), run)
+    records.write(client, keys.job_status(job), JobStatus(job, run=record.run))
+
+
+def list_runs(client: EtcdClient, job: str) -> list[RunRecord]:
+    """Every run of ``job``, oldest first."""
+    return sorted(
+        records.read_all(client, keys.job_runs(job), RunRecord).values(), key=lambda r: r.run
+    )
+
+
+def run_window(runs: list[RunRecord], run: int) -> tuple[float, float]:
+    """Wall-clock span of ``run``: from its submit to the next run's (or forever).
+
+    Raises:
+        JobNotFoundError: the job has no such run; the message lists the runs.
+    """
+    for i, r in enumerate(runs):
+        if r.run == run:
+            end = runs[i + 1].submitted_at if i + 1 < len(runs) else float("inf")
+            return r.submitted_at, end
+    known = ", ".join(str(r.run) for r in runs) or "none"
+    raise JobNotFoundError(f"the job has no run {run} (runs: {known})")
 
 
 def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:

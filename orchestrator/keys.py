@@ -17,7 +17,8 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/pg/<gen>/...      process-group bootstrap store of a generation
     /ringmaster/jobs/<job>/logs/<node>/<lr>/<t>  chunks of worker output (not leased)
     /ringmaster/jobs/<job>/history/<ns>      sampled step, rate and loss over time (bounded)
-    /ringmaster/jobs/<job>/recoveries/<gen>  one record per recovery: cause and phase timings
+    /ringmaster/jobs/<job>/recoveries/<run>-<gen>  one record per recovery: cause and phase timings
+    /ringmaster/jobs/<job>/runs/<run>        one record per run of the job (submit, resume)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
     /ringmaster/controller/leader            leader election (leased)
@@ -142,9 +143,40 @@ def job_recoveries(job: str) -> str:
     return job_prefix(job) + "recoveries/"
 
 
-def job_recovery(job: str, generation: int) -> str:
-    """The record of the recovery that ended with ``generation`` training."""
-    return job_recoveries(job) + f"{int(generation):08d}"
+def job_recovery(job: str, run: int, generation: int) -> str:
+    """The record of the recovery that ended with ``generation`` of ``run`` training."""
+    return job_recoveries(job) + f"{int(run):04d}-{int(generation):08d}"
+
+
+def job_runs(job: str) -> str:
+    return job_prefix(job) + "runs/"
+
+
+def job_run(job: str, run: int) -> str:
+    """The record of one run of the job (a submit or a resume starts one)."""
+    return job_runs(job) + f"{int(run):04d}"
+
+
+def run_state(job: str) -> list[str]:
+    """Keys and prefixes that belong to one run: cleared when a finished job runs again.
+
+    What stays is the job's story across runs: events, logs, history,
+    recoveries and the run records.
+    """
+    return [
+        job_spec(job),
+        job_status(job),
+        job_plan(job),
+        job_checkpoint(job),
+        job_control(job),
+        job_nodes(job),
+        job_commands(job),
+        job_prefix(job) + "reports/",
+        job_progress(job),
+        job_done(job),
+        job_prefix(job) + "agents/",
+        job_prefix(job) + "pg/",
+    ]
 
 
 def agent_commands(job: str, node: str) -> str:

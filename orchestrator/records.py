@@ -26,7 +26,8 @@ The records, by key (see :mod:`orchestrator.keys` for the layout):
 ``agents/<node>/cmd/<seq>`` :class:`AgentCommand`
 ``logs/<node>/<lr>/<t>``    :class:`LogChunk`
 ``history/<ns>``            :class:`HistorySample`
-``recoveries/<gen>``        :class:`RecoveryRecord`
+``recoveries/<run>-<gen>``  :class:`RecoveryRecord`
+``runs/<run>``              :class:`RunRecord`
 ==========================  =========================================
 """
 
@@ -60,6 +61,7 @@ __all__ = [
     "RecordError",
     "RecoveryRecord",
     "ResumeRequest",
+    "RunRecord",
     "SpecRecord",
     "Telemetry",
     "decode",
@@ -236,10 +238,21 @@ class ResumeRequest(Record):
 
 @dataclass
 class SpecRecord(Record):
-    """A submitted job: its spec (as plain data), its hash and the resume point."""
+    """A submitted job: its spec (as plain data), its hash, its run and resume point."""
 
     spec: dict[str, Any]
     hash: str
+    submitted_at: float
+    resume: ResumeRequest | None = None
+    #: which run of the job this is: 1 for the first submit, one more per resubmit
+    run: int = 1
+
+
+@dataclass
+class RunRecord(Record):
+    """One run of a job: when it was submitted and the checkpoint it resumed from."""
+
+    run: int
     submitted_at: float
     resume: ResumeRequest | None = None
 
@@ -250,6 +263,8 @@ class JobStatus(Record):
 
     name: str
     phase: JobPhase = JobPhase.PENDING
+    #: the run of the job this status is about (see :class:`RunRecord`)
+    run: int = 1
     step: int = 0
     world_size: int = 0
     generation: int = 0
@@ -352,6 +367,8 @@ class RecoveryRecord(Record):
     restored_step: int = 0
     observed_s: float = 0.0
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the run of the job it happened in
+    run: int = 1
 
     @property
     def phases(self) -> dict[str, float]:

@@ -46,8 +46,10 @@ class JobController:
         self.client = client
         self.job = job
         self.spec, self.spec_hash = read_spec(client, job)
-        self.status = read_status(client, job) or JobStatus(job)
         self.observer = JobObserver(client, job, self.spec.fault_tolerance.hang_timeout, metrics)
+        #: the run of the job this controller runs (a resubmit starts a new one)
+        self.run = self.observer.run
+        self.status = read_status(client, job) or JobStatus(job, run=self.run)
         self.reader = WorldReader(client, job)
         self.memory = policy.Memory(silence_seen=client.last_silence)
         self._last_written: dict[str, Any] = {}

@@ -15,12 +15,13 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.leader import LeaderElection
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
+from orchestrator.records import SpecRecord
 
 log = logging.getLogger("ringmaster.controller")
 
@@ -99,10 +100,13 @@ class Controller:
     def _tick_all(self) -> None:
         names = [self.job] if self.job else _job_names(self.client)
         for name in names:
+            record = records.read(self.client, keys.job_spec(name), SpecRecord)
+            if record is None:
+                self._jobs.pop(name, None)  # gone, or between two runs
+                continue
             jc = self._jobs.get(name)
-            if jc is None:
-                if self.client.get(keys.job_spec(name)) is None:
-                    continue
+            if jc is None or jc.run != record.run:
+                # a new run of the job (resubmitted or resumed): a fresh controller
                 jc = self._jobs[name] = JobController(self.client, name, self.metrics)
             jc.tick()
 

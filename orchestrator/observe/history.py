@@ -14,6 +14,7 @@ import time
 
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.jobs import list_runs, run_window
 from orchestrator.records import HistorySample
 from orchestrator.settings import SETTINGS
 
@@ -58,7 +59,17 @@ class HistoryWriter:
         self._count = len(entries) - len(older[1::2])
 
 
-def read_history(client: EtcdClient, job: str) -> list[HistorySample]:
-    """Every stored sample of ``job``, oldest first."""
-    out = records.read_all(client, keys.job_history(job), HistorySample).values()
-    return sorted(out, key=lambda s: s.time)
+def read_history(client: EtcdClient, job: str, run: int | None = None) -> list[HistorySample]:
+    """Every stored sample of ``job`` (of one ``run`` of it, when given), oldest first.
+
+    Raises:
+        JobNotFoundError: ``run`` is not a run of the job.
+    """
+    out = sorted(
+        records.read_all(client, keys.job_history(job), HistorySample).values(),
+        key=lambda s: s.time,
+    )
+    if run is None:
+        return out
+    start, end = run_window(list_runs(client, job), run)
+    return [s for s in out if start <= s.time < end]

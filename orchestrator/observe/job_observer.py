@@ -74,11 +74,15 @@ class JobObserver:
         self._known_nodes: set[str] | None = None
         self._pending: _Pending | None = None
         self._start_step = 0
-        self.recoveries: list[RecoveryRecord] = list(
-            records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values()
-        )
         spec = records.read(client, keys.job_spec(job), SpecRecord)
         self.submitted_at = spec.submitted_at if spec is not None else time.time()
+        #: the run observed: recoveries of earlier runs are theirs, not this run's
+        self.run = spec.run if spec is not None else 1
+        self.recoveries: list[RecoveryRecord] = [
+            r
+            for r in records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values()
+            if r.run == self.run
+        ]
 
     # -- every tick --------------------------------------------------------------------
 
@@ -263,7 +267,8 @@ class JobObserver:
             step=pending.step,
             observed_s=now - pending.failure_at,
         )
-        records.write(self.client, keys.job_recovery(self.job, plan.generation), record)
+        record.run = self.run
+        records.write(self.client, keys.job_recovery(self.job, self.run, plan.generation), record)
         self.recoveries.append(record)
         phases = record.phases
         status.last_recovery = {

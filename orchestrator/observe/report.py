@@ -20,12 +20,12 @@ from pathlib import Path
 
 from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import JobNotFoundError, read_status
+from orchestrator.jobs import JobNotFoundError, list_runs, read_status
 from orchestrator.observe.history import read_history
 from orchestrator.records import PHASES, HistorySample, JobStatus, RecoveryRecord
 
-FAILURE, RECOVERY, CHECKPOINT = "failure", "recovery", "checkpoint"
-_COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4"}
+FAILURE, RECOVERY, CHECKPOINT, RUN = "failure", "recovery", "checkpoint", "run"
+_COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4", RUN: "#7f7f7f"}
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Marker:
     """Something that happened at ``time`` seconds after the job was submitted."""
 
     time: float
-    kind: str  # FAILURE, RECOVERY or CHECKPOINT
+    kind: str  # FAILURE, RECOVERY, CHECKPOINT or RUN
     label: str
 
 
@@ -90,8 +90,16 @@ def build_report(client: EtcdClient, job: str) -> ReportData:
         raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
     recoveries = list(records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values())
     log = events.list_events(client, job)
-    t0 = status.submitted_at or (log[0].time if log else time.time())
+    runs = list_runs(client, job)
+    # the whole story, across runs: time 0 is the first run's submission
+    first = runs[0].submitted_at if runs else status.submitted_at
+    t0 = first or (log[0].time if log else time.time())
     data = ReportData(job, status, t0, read_history(client, job), [], recoveries, log)
+    for run in runs[1:] if len(runs) > 1 else []:
+        label = f"run {run.run} submitted"
+        if run.resume is not None:
+            label += f", resumed from the checkpoint of step {run.resume.step} ({run.resume.url})"
+        data.markers.append(Marker(run.submitted_at - t0, RUN, label))
     for r in recoveries:
         nodes = ", ".join(r.nodes) or "-"
         data.markers.append(Marker(r.failure_at - t0, FAILURE, f"{r.cause}: {nodes}"))

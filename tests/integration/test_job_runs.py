@@ -1,0 +1,68 @@
+"""A job name has runs: a finished job submitted again starts its next run on a live controller.
+
+Real etcd; the controller service is ticked in-process (no agents needed: a
+stop before the start ends a run at once).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from orchestrator import events, jobs, keys, records
+from orchestrator.api import JobPhase
+from orchestrator.controller.service import Controller
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import Plan, RecoveryRecord, ResumeRequest
+from orchestrator.spec import EntrypointSpec, JobSpec
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(name: str) -> JobSpec:
+    return JobSpec(name=name, entrypoint=EntrypointSpec(script="train.py")).validate()
+
+
+def _stop_and_tick(controller: Controller, client: EtcdClient, name: str) -> records.JobStatus:
+    jobs.request_stop(client, name)
+    controller._tick_all()
+    status = jobs.read_status(client, name)
+    assert status is not None
+    return status
+
+
+def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClient) -> None:
+    name = f"runs-{uuid.uuid4().hex[:8]}"
+    controller = Controller(etcd_client, job=name)
+    assert jobs.submit(etcd_client, _spec(name)) == 1
+    controller._tick_all()
+    first = _stop_and_tick(controller, etcd_client, name)
+    assert first.phase is JobPhase.STOPPED and first.run == 1
+    # what the first run leaves: a recovery record and a plan (the plan belongs to the run)
+    old = RecoveryRecord(3, "agent_gone", ["n1"], "why", 1.0, 2.0, 3.0, 4.0, 5.0, run=1)
+    records.write(etcd_client, keys.job_recovery(name, 1, 3), old)
+    records.write(etcd_client, keys.job_plan(name), Plan(3, []))
+    with pytest.raises(jobs.JobExistsError):
+        jobs.submit(etcd_client, _spec(name), replace_finished=False)
+
+    time.sleep(0.01)  # the runs' windows must not touch
+    resume = ResumeRequest("file:///tmp/ck/step-0000000010", 10, 2)
+    assert jobs.submit(etcd_client, _spec(name), resume=resume) == 2
+    assert records.read(etcd_client, keys.job_plan(name), Plan) is None
+    controller._tick_all()  # the same controller takes up run 2 ...
+    second = _stop_and_tick(controller, etcd_client, name)  # ... and a stop reaches it
+    assert second.phase is JobPhase.STOPPED and second.run == 2
+
+    runs = jobs.list_runs(etcd_client, name)
+    assert [r.run for r in runs] == [1, 2] and runs[1].resume == resume
+    kept = records.read_all(etcd_client, keys.job_recoveries(name), RecoveryRecord)
+    assert list(kept.values()) == [old]
+    one = [e.message for e in events.list_events(etcd_client, name, run=1)]
+    two = [e.message for e in events.list_events(etcd_client, name, run=2)]
+    assert "Stopped: stopped before it started" in " ".join(one)
+    assert "Stopped: stopped before it started" in " ".join(two)
+    assert len(events.list_events(etcd_client, name)) == len(one) + len(two)
+    with pytest.raises(jobs.JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
+        events.list_events(etcd_client, name, run=3)

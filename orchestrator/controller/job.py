@@ -50,7 +50,7 @@ class JobController:
         #: the run of the job this controller runs (a resubmit starts a new one)
         self.run = self.observer.run
         self.status = read_status(client, job) or JobStatus(job, run=self.run)
-        self.reader = WorldReader(client, job)
+        self.reader = WorldReader(client, job, since=self.observer.submitted_at)
         self.memory = policy.Memory(silence_seen=client.last_silence)
         self._last_written: dict[str, Any] = {}
 

@@ -45,14 +45,13 @@ from orchestrator.controller.actions import (
     Action,
     CheckpointCommitted,
     DeclareFailed,
-    DeleteCommand,
     Emit,
     FailureSeen,
     PhaseChanged,
     PublishPlan,
     Recovered,
-    WriteControl,
 )
+from orchestrator.controller.commands import take_commands
 from orchestrator.controller.hangs import STALE_BEATS, hung_workers
 from orchestrator.controller.placement import nearest_spare, replacement_order
 from orchestrator.controller.world import World, silent_members, workers_of
@@ -112,6 +111,7 @@ class _Decider:
         self.status.spare_nodes = list(status.spare_nodes)
         self.status.failed_nodes = list(status.failed_nodes)
         self.w = world
+        self.control = world.control
         self.actions: list[Action] = []
 
     @property
@@ -185,25 +185,10 @@ class _Decider:
         self.watch_running(self.w.plan)
 
     def commands(self) -> None:
-        control = dataclasses.replace(self.w.control)
-        changed = False
-        for key, cmd in self.w.commands.items():
-            self.actions.append(DeleteCommand(key))
-            if cmd.command == "stop":
-                control.stop = True
-                if self.w.plan is None:
-                    self.phase(JobPhase.STOPPED, "stopped before it started")
-            elif cmd.command == "checkpoint":
-                control.checkpoint += 1
-            else:
-                self.actions.append(Emit("BadCommand", f"unknown command {cmd.command!r}"))
-                continue
-            changed = True
-            reason = f" ({cmd.args['reason']})" if cmd.args.get("reason") else ""
-            self.actions.append(Emit("Command", f"{cmd.command} requested{reason}"))
-        if changed:
-            self.actions.append(WriteControl(control))
-            self.w.control = control
+        actions, self.control = take_commands(self.w.commands, self.w.control)
+        self.actions += actions
+        if self.control.stop and self.w.plan is None:
+            self.phase(JobPhase.STOPPED, "stopped before it started")
 
     def maybe_start(self) -> None:
         warm = [n for n in self.w.nodes if self.warm(n)]
@@ -218,6 +203,8 @@ class _Decider:
             and now - self.m.min_reached_at >= last_call
         )
         self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
+        if not ready and self.failed_to_start(warm):
+            return
         if not ready:
             self.short_too_long(
                 f"only {len(warm)} of the {need_min} nodes needed were ready",
@@ -230,6 +217,26 @@ class _Decider:
         active = self.ordered(ordered[:need_max])
         self.actions.append(PublishPlan(self.make_plan(1, active, ordered[need_max:], "start")))
         self.phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
+
+    def failed_to_start(self, warm: list[str]) -> bool:
+        """Fail the job when every node's workers failed the same way before any step.
+
+        A script that cannot start (a missing file or module, a syntax error)
+        fails alike on every node; waiting for ``join_timeout`` would not help.
+        """
+        failures = self.w.startup_failures
+        known = set(self.w.nodes) | set(failures)
+        if warm or len(known) < self.spec.nodes.min or set(failures) != known:
+            return False
+        reasons = set(failures.values())
+        if len(reasons) != 1:
+            return False
+        self.phase(
+            JobPhase.FAILED,
+            f"the workers of every node ({', '.join(sorted(known))}) failed before their "
+            f"first step: {reasons.pop()}; fix the entrypoint and submit the job again",
+        )
+        return True
 
     def notice_outage(self) -> None:
         silence = self.w.silence
@@ -278,7 +285,7 @@ class _Decider:
         finished_all = last > 0 and any(r.step >= last for r in w.done.values())
         all_done = bool(workers) and all(x in w.done for x in workers)
         # A stop wins over "all done": the workers end their loops on the stop.
-        if w.control.stop and (all_done or all(x in w.done for x in workers if x in w.progress)):
+        if self.control.stop and (all_done or all(x in w.done for x in workers if x in w.progress)):
             steps = sorted({r.step for r in w.done.values()})
             self.phase(JobPhase.STOPPED, f"stopped on request at step {max(steps, default=0)}")
             return

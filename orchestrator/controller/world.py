@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from orchestrator import keys, records
+from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.liveness import Liveness, probe
 from orchestrator.records import (
@@ -52,6 +52,8 @@ class World:
         reports: break reports of the current generation, by worker id.
         dead: member nodes whose agent refused a liveness probe during this break.
         silence: the last etcd silence the client recorded (end, seconds), if any.
+        startup_failures: before the job started: node → how one of its workers
+            exited (the agents' ``WorkerExited`` events of this run).
     """
 
     now: float
@@ -66,6 +68,7 @@ class World:
     reports: dict[str, BreakReport] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
+    startup_failures: dict[str, str] = field(default_factory=dict)
 
 
 def workers_of(plan: Plan) -> list[str]:
@@ -85,9 +88,11 @@ def silent_members(plan: Plan, reports: dict[str, BreakReport]) -> set[str]:
 class WorldReader:
     """Reads snapshots of one job; remembers which nodes it probed in which break."""
 
-    def __init__(self, client: EtcdClient, job: str) -> None:
+    def __init__(self, client: EtcdClient, job: str, since: float = 0.0) -> None:
         self.client = client
         self.job = job
+        #: when this run was submitted: older events belong to earlier runs
+        self.since = since
         self._probed_generation = -1
         self._probed: set[str] = set()
         self._dead: set[str] = set()
@@ -118,8 +123,21 @@ class WorldReader:
                 self.client, keys.job_reports(job, world.plan.generation), BreakReport
             )
             world.dead = self._probe(world.plan, world.reports, world.nodes)
+        else:
+            world.startup_failures = self._startup_failures()
         world.silence = self.client.last_silence
         return world
+
+    def _startup_failures(self) -> dict[str, str]:
+        """How workers exited before the job started, by node (the first exit of each)."""
+        out: dict[str, str] = {}
+        for event in events.list_events(self.client, self.job):
+            if event.type != "WorkerExited" or event.time < self.since:
+                continue
+            worker = str(event.data.get("worker", ""))
+            what = event.message.removeprefix(worker).strip()
+            out.setdefault(event.source, what)
+        return out
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]

@@ -285,6 +285,33 @@ def a_user_error_beside_a_dead_node_is_a_node_failure() -> None:
     assert _order(run.plans()[0]) == ["a", "c"]
 
 
+def every_node_failing_before_its_first_step_fails_the_job() -> None:
+    run = Run(_spec(), status=JobStatus("job"))
+    cannot = "exit code 2: python: can't open file '/w/trian.py'"
+    world = _world(["a"])  # a registered; b's agent already gave up
+    world.progress = {}
+    world.startup_failures = {"a": cannot}
+    run.tick(world)  # one node known, two needed: not yet
+    assert run.status.phase is JobPhase.PENDING
+    world.startup_failures = {"a": cannot, "b": cannot}
+    run.tick(world)
+    assert run.status.phase is JobPhase.FAILED
+    assert "(a, b) failed before their first step: " + cannot in run.status.message
+
+
+def one_node_failing_at_start_does_not_fail_the_job() -> None:
+    run = Run(_spec(), status=JobStatus("job"))
+    world = _world(["a", "b"])
+    world.progress = {"b-0": _beat(0)}
+    world.startup_failures = {"a": "exit code 1: ImportError: no module named foo"}
+    run.tick(world)
+    assert run.status.phase is JobPhase.PENDING
+    world.startup_failures["b"] = "exit code -9 (SIGKILL)"  # not the same way
+    world.progress = {}
+    run.tick(world)
+    assert run.status.phase is JobPhase.PENDING
+
+
 def planned_switch_is_not_a_failure() -> None:
     run = Run(_spec())
     reports = {"a-0": _report(planned=True), "b-0": _report(planned=True)}
@@ -336,6 +363,8 @@ SCENARIOS: list[Callable[[], None]] = [
     user_error_restarts_then_fails_without_a_recovery,
     a_peer_failure_beside_a_user_error_is_the_user_error,
     a_user_error_beside_a_dead_node_is_a_node_failure,
+    every_node_failing_before_its_first_step_fails_the_job,
+    one_node_failing_at_start_does_not_fail_the_job,
     planned_switch_is_not_a_failure,
     stop_command_reaches_the_workers,
     finished_workers_succeed,

@@ -64,6 +64,49 @@ def load_job_file(path: str | Path) -> JobSpec:
     return load_job_text(p.read_text(encoding="utf-8"), source=str(p))
 
 
+def check_entrypoint(spec: JobSpec, workdir: str | Path, source: str = "<job>") -> None:
+    """Check that the job's entrypoint can be found where its workers will start.
+
+    Workers start in the directory ``ringmaster run`` or ``ringmaster agent``
+    runs in, so a relative ``script`` is looked up there, and a ``module`` on
+    this Python's path with that directory first.  Only what can be seen from
+    here is checked: agents on other machines see their own files.
+
+    Raises:
+        SpecError: naming the field, what was looked for and where.
+    """
+    import importlib.util
+    import sys
+
+    where = Path(workdir).resolve()
+    entry = spec.entrypoint
+    if entry.script is not None:
+        path = Path(entry.script)
+        full = path if path.is_absolute() else where / path
+        if not full.is_file():
+            message = (
+                f"script '{entry.script}' was not found: looked for {full} (workers start "
+                f"in {where}, the directory `ringmaster run` or `ringmaster agent` runs in); "
+                "give a path relative to it or an absolute path"
+            )
+            raise SpecError([SpecProblem("entrypoint.script", message, None, source)])
+        return
+    top = str(entry.module).split(".", 1)[0]
+    sys.path.insert(0, str(where))
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.remove(str(where))
+    if not found:
+        message = (
+            f"module '{entry.module}' cannot be imported: '{top}' is neither in {where} "
+            f"(where workers start) nor installed for {sys.executable}"
+        )
+        raise SpecError([SpecProblem("entrypoint.module", message, None, source)])
+
+
 def load_job_text(text: str, source: str = "<job>") -> JobSpec:
     """Parse YAML text into a validated :class:`JobSpec` (see :func:`load_job_file`)."""
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -18,11 +19,12 @@ from orchestrator.cli.options import build_etcd_options, console, etcd_options, 
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
-    """Check a job file; print OK or every problem (exit 2)."""
-    from orchestrator.spec_loader import load_job_file
+    """Check a job file and that its entrypoint is here; print OK or every problem (exit 2)."""
+    from orchestrator.spec_loader import check_entrypoint, load_job_file
 
     try:
         spec = load_job_file(job_file)
+        check_entrypoint(spec, os.getcwd(), job_file)
     except SpecError as e:
         click.echo(str(e), err=True)
         sys.exit(2)
@@ -111,9 +113,10 @@ def run(
     from orchestrator.local_run import LocalRun
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.spec_loader import check_entrypoint, load_job_file
 
     spec = load_job_file(job_file)
+    check_entrypoint(spec, os.getcwd(), job_file)
     resume = None
     if from_url and resume_own:
         fail("give either --from URL or --resume (the job's own checkpoints), not both", 2)

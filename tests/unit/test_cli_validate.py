@@ -12,12 +12,38 @@ from orchestrator.cli import main
 pytestmark = pytest.mark.unit
 
 
-def test_validate_ok(tmp_path: Path) -> None:
+def test_validate_ok(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "job.yaml"
     f.write_text("name: demo\nentrypoint: train.py\n")
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["validate", str(f)])
     assert result.exit_code == 0, result.output
     assert "OK" in result.output and "demo" in result.output
+
+
+def test_validate_names_a_missing_script_and_where_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: trian.py\n")
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2
+    assert "entrypoint.script: script 'trian.py' was not found" in result.output
+    assert f"looked for {tmp_path.resolve() / 'trian.py'}" in result.output
+
+
+def test_validate_names_a_module_that_cannot_be_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: {module: no_such_pkg_x.train}\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2
+    assert "module 'no_such_pkg_x.train' cannot be imported" in result.output
 
 
 def test_validate_lists_problems_and_exits_2(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ times, and checks the actions and the status it returns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -299,6 +300,17 @@ def every_node_failing_before_its_first_step_fails_the_job() -> None:
     assert "(a, b) failed before their first step: " + cannot in run.status.message
 
 
+def nodes_that_never_come_up_fail_the_job_after_join_timeout() -> None:
+    run = Run(_spec(), status=JobStatus("job"))
+    world = _world(["a", "b"], mono=10.0)
+    world.progress = {}  # registered, but no worker ever beat
+    run.tick(world)
+    assert run.status.phase is JobPhase.PENDING
+    run.tick(dataclasses.replace(world, mono=41.0))
+    assert run.status.phase is JobPhase.FAILED
+    assert "only 0 of the 2 nodes needed were ready for 30s" in run.status.message
+
+
 def one_node_failing_at_start_does_not_fail_the_job() -> None:
     run = Run(_spec(), status=JobStatus("job"))
     world = _world(["a", "b"])
@@ -365,6 +377,7 @@ SCENARIOS: list[Callable[[], None]] = [
     a_user_error_beside_a_dead_node_is_a_node_failure,
     every_node_failing_before_its_first_step_fails_the_job,
     one_node_failing_at_start_does_not_fail_the_job,
+    nodes_that_never_come_up_fail_the_job_after_join_timeout,
     planned_switch_is_not_a_failure,
     stop_command_reaches_the_workers,
     finished_workers_succeed,

@@ -97,6 +97,8 @@ class JobController:
             cause = self.observer.declared(
                 set(action.nodes), action.why, world.nodes, action.step, set(action.agent_gone)
             )
+            log.warning("[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)),
+                        action.why, cause)  # fmt: skip
             for node in sorted(action.nodes):
                 events.emit(
                     client,
@@ -107,7 +109,15 @@ class JobController:
                     cause=cause,
                 )
         elif isinstance(action, Recovered):
-            self.observer.recovered(self.status, action.plan, world.progress)
+            record = self.observer.recovered(self.status, action.plan, world.progress)
+            if record is not None:
+                log.warning(
+                    "[%s] recovered: generation %d trains again %.2fs after the failure (%s)",
+                    job,
+                    record.generation,
+                    record.total_s,
+                    record.cause,
+                )
         elif isinstance(action, CheckpointCommitted):
             r = action.record
             events.emit(

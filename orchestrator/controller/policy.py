@@ -314,14 +314,13 @@ class _Decider:
             status.phase is JobPhase.PAUSED and self.m.paused_from is JobPhase.RECOVERING
         )
         if recovering and self.recovered(plan, workers):
-            took = w.mono - (self.m.recovery_started or w.mono)
-            self.actions.append(Recovered(plan))
-            message = f"generation {plan.generation} trains again ({took:.2f}s after the failure)"
+            self.actions.append(Recovered(plan))  # its event says how long it took
+            message = f"generation {plan.generation} trains again"
             if status.phase is JobPhase.PAUSED:
                 self.m.paused_from = JobPhase.RUNNING  # the pause ends in Running
                 status.message = message
             else:
-                self.phase(JobPhase.RUNNING, message, recovery_s=round(took, 3))
+                self.phase(JobPhase.RUNNING, message)
             self.m.recovery_started = None
 
     def recovered(self, plan: Plan, workers: list[str]) -> bool:

@@ -151,6 +151,7 @@ class JobObserver:
             self.metrics.job_state(
                 self.job,
                 phase=status.phase,
+                run=status.run,
                 step=status.step,
                 steps_per_s=status.steps_per_s,
                 samples_per_s=status.samples_per_s,

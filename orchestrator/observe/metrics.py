@@ -5,7 +5,7 @@ progress and telemetry, recoveries), so it is the one exporter: workers do
 not open ports.  Every series carries a ``job`` label.
 
 * ``ringmaster_job_phase`` (gauge; job, phase): 1 for the current phase
-* ``ringmaster_job_step``, ``ringmaster_job_world_size`` (gauges)
+* ``ringmaster_job_step``, ``ringmaster_job_run``, ``ringmaster_job_world_size`` (gauges)
 * ``ringmaster_job_steps_per_second``, ``ringmaster_job_samples_per_second`` (gauges)
 * ``ringmaster_job_nodes`` (gauge; job, state = active/spare/failed) and
   ``ringmaster_job_spare_nodes`` (warm spares left)
@@ -53,6 +53,10 @@ class JobMetrics:
             "ringmaster_job_phase", "1 for the job's current phase", ["job", "phase"], registry=r
         )
         self.step = Gauge("ringmaster_job_step", "Highest completed step", ["job"], registry=r)
+        self.run = Gauge(
+            "ringmaster_job_run", "The job's current run (1, then one more per resubmit)",
+            ["job"], registry=r,
+        )  # fmt: skip
         self.steps_per_second = Gauge(
             "ringmaster_job_steps_per_second", "Recent training rate", ["job"], registry=r
         )
@@ -142,6 +146,7 @@ class JobMetrics:
         job: str,
         *,
         phase: JobPhase,
+        run: int,
         step: int,
         steps_per_s: float,
         samples_per_s: float | None,
@@ -155,6 +160,7 @@ class JobMetrics:
         for p in JobPhase:
             self.phase.labels(job, p.value).set(1 if p is phase else 0)
         self.step.labels(job).set(step)
+        self.run.labels(job).set(run)
         self.steps_per_second.labels(job).set(steps_per_s)
         if samples_per_s is not None:
             self.samples_per_second.labels(job).set(samples_per_s)

@@ -149,6 +149,7 @@ def test_phase_gauge_marks_only_the_current_phase() -> None:
     m.job_state(
         "j",
         phase=JobPhase.RECOVERING,
+        run=2,
         step=5,
         steps_per_s=0.0,
         samples_per_s=None,
@@ -163,6 +164,7 @@ def test_phase_gauge_marks_only_the_current_phase() -> None:
     assert 'ringmaster_job_phase{job="j",phase="Recovering"} 1.0' in text
     assert 'ringmaster_job_phase{job="j",phase="Running"} 0.0' in text
     assert 'ringmaster_job_nodes{job="j",state="failed"} 1.0' in text
+    assert 'ringmaster_job_run{job="j"} 2.0' in text
 
 
 def test_a_refused_liveness_probe_is_agent_gone_unless_a_worker_said_more() -> None:

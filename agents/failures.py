@@ -42,6 +42,7 @@ raised (a collective or not) and the control plane can tell them apart.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -133,12 +134,22 @@ def peer_failure(
 _CALLBACK_WRAPPER = "Got the following error when running the callback: "
 
 
-def one_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (its type name when it has none), at most 200 chars.
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of ``e``'s message (its type name when it has none), in whole words.
 
-    For display only; nothing is decided from the words.
+    A line longer than ``limit`` characters keeps its whole sentences that
+    fit (when they are at least half of it), else the words that fit and an
+    ellipsis: it never ends in the middle of a word.  For display only;
+    nothing is decided from the words.
     """
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = str(e).splitlines()[0].strip() if str(e).strip() else type(e).__name__
     while text.startswith(_CALLBACK_WRAPPER):
         text = text.removeprefix(_CALLBACK_WRAPPER).removeprefix("RuntimeError: ")
-    return text[:200]
+    if len(text) <= limit:
+        return text
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", text[: limit + 1])]
+    if ends and ends[-1] >= limit // 2:
+        return text[: ends[-1]]
+    cut = text[: limit - 1]
+    words = cut.rsplit(" ", 1)[0] if " " in cut else cut
+    return words.rstrip(" ,;:") + "…"

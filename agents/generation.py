@@ -64,7 +64,7 @@ class Generations:
                 f"step {s.step} failed {self.failures_at_step} times in a row; last: {reason}"
             )
         s.recoveries += 0 if planned else 1
-        log.warning("[%s] generation %d ends: %s", s.worker, s.generation, reason)
+        log.warning("generation %d ends: %s", s.generation, reason)
         s.hook = None
         for w in s.wrapped:
             w.drop()
@@ -73,8 +73,7 @@ class Generations:
         self.join_next(s.generation + 1)
         s.last_recovery_s = time.monotonic() - started
         log.warning(
-            "[%s] rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
-            s.worker,
+            "rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
             s.rank,
             s.world_size,
             s.generation,
@@ -91,9 +90,7 @@ class Generations:
         try:
             records.write(s.client, keys.job_reports(s.env.job, generation) + s.worker, report)
         except EtcdError as e:
-            log.warning(
-                "[%s] could not report the end of generation %d: %s", s.worker, generation, e
-            )
+            log.warning("could not report the end of generation %d: %s", generation, e)
 
     # -- joining -----------------------------------------------------------------------
 
@@ -109,7 +106,7 @@ class Generations:
                 self._join(plan)
                 return
             except RecoveryError as e:
-                log.warning("[%s] %s", self._s.worker, e)
+                log.warning("%s", e)
                 self.report(plan.generation, str(e), False)
                 min_generation = plan.generation + 1
 
@@ -128,9 +125,8 @@ class Generations:
                     # Replaced while away (partitioned, or too slow): the state held
                     # here is stale.  Drop it and wait as a spare that gets live state.
                     log.warning(
-                        "[%s] fenced out: generation %d does not include this node; "
+                        "fenced out: generation %d does not include this node; "
                         "dropping the state of step %d and waiting as a spare",
-                        s.worker,
                         plan.generation,
                         s.step,
                     )
@@ -151,7 +147,7 @@ class Generations:
         try:
             return records.read(s.client, keys.job_status(s.env.job), JobStatus)
         except (EtcdError, RecordError) as e:
-            log.debug("[%s] job phase unknown: %s", s.worker, e)
+            log.debug("job phase unknown: %s", e)
             return None
 
     def _join(self, plan: Plan) -> None:
@@ -225,11 +221,11 @@ class Generations:
         s = self._s
         started = time.monotonic()
         s.paused = f"etcd unreachable at step {s.step}"
-        log.warning("[%s] %s: pausing until etcd is back", s.worker, s.paused)
+        log.warning("%s: pausing until etcd is back", s.paused)
         try:
             retry_unavailable(
                 s.watch.load,
-                f"[{s.worker}] paused at step {s.step}",
+                f"paused at step {s.step}",
                 max_wait=SETTINGS.plan_timeout,
             )
         except EtcdError as e:
@@ -240,8 +236,7 @@ class Generations:
         finally:
             s.paused = None
         log.warning(
-            "[%s] etcd is back; resuming at step %d after %.1fs",
-            s.worker,
+            "etcd is back; resuming at step %d after %.1fs",
             s.step,
             time.monotonic() - started,
         )

@@ -185,7 +185,7 @@ class Session:
             try:
                 hook.load_state_dict(state)
             except HookStateError as e:  # resumed with --force under another compression
-                log.warning("[%s] %s: the comm hook starts fresh", self.worker, e)
+                log.warning("%s: the comm hook starts fresh", e)
                 hook = build_comm_hook(
                     self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
                 )
@@ -227,7 +227,7 @@ class Session:
             self.generations.join_next(1)
             yield from self._loop(limit)
         except JobEndedError as e:
-            log.warning("[%s] %s; leaving", self.worker, e)
+            log.warning("%s; leaving", e)
             self.close()
             return
         self.finished = True
@@ -284,7 +284,7 @@ class Session:
             self.generations.recover(f"{where} failed: {one_line(error)} ({why})")
             return
         reason = f"{where} raised {type(error).__name__}: {one_line(error)}"
-        log.warning("[%s] %s; the error is the script's own: leaving", self.worker, reason)
+        log.warning("%s; the error is the script's own: leaving", reason)
         self.generations.report(self.generation, reason, planned=False, user_error=True)
         self.heartbeat.stop()
         self.watch.stop()
@@ -335,11 +335,11 @@ class Session:
         try:
             retry_unavailable(
                 lambda: self.fence.put(keys.job_done(self.env.job) + self.worker, done.encode()),
-                f"[{self.worker}] recording the end of training",
+                "recording the end of training",
                 max_wait=SETTINGS.plan_timeout,
             )
         except FencedError as e:
-            log.warning("[%s] not recording the end of training: %s", self.worker, e)
+            log.warning("not recording the end of training: %s", e)
         self.heartbeat.stop()
         for w in self.wrapped:
             w.drop()
@@ -382,10 +382,11 @@ def init(env: WorkerEnv | None = None) -> Session:
             "not started by `ringmaster agent` (RINGMASTER_JOB is not set); "
             "run the script through `ringmaster run job.yaml`"
         )
-    logging.basicConfig(
-        level=SETTINGS.log_level,
-        format=f"%(asctime)s [{env.node}/{env.local_rank}] %(message)s",
-    )
+    # One prefix per line: whoever shows this output already names the node
+    # (`ringmaster run` prints `[node]`, `ringmaster logs` prints `[node/local rank]`),
+    # so the worker adds its local rank only where a node runs several workers.
+    who = f"local rank {env.local_rank}: " if env.local_world_size > 1 else ""
+    logging.basicConfig(level=SETTINGS.log_level, format=f"%(asctime)s {who}%(message)s")
     options = EtcdOptions(
         endpoints=parse_endpoints(env.etcd_endpoints),
         ca_cert=env.etcd_ca,
@@ -397,7 +398,7 @@ def init(env: WorkerEnv | None = None) -> Session:
     # A worker (re)started while etcd is away waits for it rather than failing.
     client = retry_unavailable(
         lambda: connect(options),
-        f"[{env.node}/{env.local_rank}] connecting to etcd",
+        "connecting to etcd",
         max_wait=SETTINGS.plan_timeout,
     )
     from orchestrator.jobs import read_spec

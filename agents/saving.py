@@ -134,7 +134,7 @@ class Saving:
             s.step = int(result.step)
             s.has_state = True
             s.restored_from = result.url
-            log.warning("[%s] resumed from %s at step %d", s.worker, result.url, s.step)
+            log.warning("resumed from %s at step %d", result.url, s.step)
 
     def _saved_hook_state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The comm hook state to load, or None to start the hook fresh (and say why)."""
@@ -145,13 +145,12 @@ class Saving:
             # Residuals belong to a rank's share of the data; at another world size
             # they would not, and ranks would disagree on warm-up counters.
             log.warning(
-                "[%s] checkpoint was saved by %d ranks, now %d: the comm hook starts fresh",
-                s.worker,
+                "checkpoint was saved by %d ranks, now %d: the comm hook starts fresh",
                 int(saved["world_size"]),
                 s.world_size,
             )
             return None
-        log.warning("[%s] comm hook state restored from the checkpoint", s.worker)
+        log.warning("comm hook state restored from the checkpoint")
         return dict(saved["state"])
 
     # -- saving ------------------------------------------------------------------------
@@ -201,7 +200,7 @@ class Saving:
         refused, self._commit_refused = self._commit_refused, None
         if refused is None:
             return False
-        log.warning("[%s] %s (%s)", self._s.worker, refused, one_line(e))
+        log.warning("%s (%s)", refused, one_line(e))
         return True
 
     def _record(self, step: int, reason: str) -> None:
@@ -213,7 +212,7 @@ class Saving:
         try:
             s.fence.put(keys.job_checkpoint(s.env.job), record.encode())
         except (FencedError, EtcdError) as e:
-            log.warning("[%s] checkpoint of step %d not recorded: %s", s.worker, step, e)
+            log.warning("checkpoint of step %d not recorded: %s", step, e)
 
     def close(self) -> None:
         """Wait for the pending save (and record it), then close the checkpointer."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,9 @@ Printer = Callable[[str], None]
 
 #: Once every node agent has exited, how long the controller gets to end the job.
 AGENTS_GONE_GRACE_S = 5.0
+
+#: The time at the start of a log line (``logging``'s default ``%(asctime)s``).
+_LOG_TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
 
 
 @dataclass
@@ -142,10 +146,17 @@ class LocalRun:
         return proc
 
     def _pump(self, name: str, stream: IO[bytes] | None) -> None:
+        """Print a process's output, each line with one ``[name]`` prefix.
+
+        An agent's own log lines already name their node after the time
+        (``12:00:00,123 [node-0] registered ...``): that second name is dropped.
+        """
         if stream is None:
             return
+        again = re.compile(rf"^({_LOG_TIME} )?\[{re.escape(name)}\] ")
         for raw in iter(stream.readline, b""):
-            self.print(f"[{name}] {raw.decode(errors='replace').rstrip()}")
+            line = again.sub(r"\1", raw.decode(errors="replace").rstrip(), count=1)
+            self.print(f"[{name}] {line}")
 
     def node_names(self) -> list[str]:
         count = self.spec.nodes.max + self.spec.nodes.spares

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import datetime
@@ -11,8 +12,19 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import jobs, keys
-from orchestrator.cli.options import connect_client, console, etcd_options, handle_errors
+from orchestrator import jobs
+from orchestrator.cli.options import (
+    column,
+    connect_client,
+    console,
+    etcd_options,
+    handle_errors,
+    json_option,
+    print_table,
+    table,
+    wide_option,
+)
+from orchestrator.observe.recoveries import ordered_phases, phase_label
 
 
 @click.command()
@@ -31,10 +43,16 @@ def submit(job_file: str, **kw: Any) -> None:
 
 @click.command()
 @click.argument("job", required=False)
+@wide_option
+@json_option
 @etcd_options
 @handle_errors
-def status(job: str | None, **kw: Any) -> None:
-    """Show one job, or all jobs, as a table."""
+def status(job: str | None, wide: bool, as_json: bool, **kw: Any) -> None:
+    """Show one job, or all jobs, as a table.
+
+    The table of all jobs fits an 80-column terminal; ``--wide`` adds the
+    world size, throughput in samples, the last recovery and the message.
+    """
     with connect_client(kw) as client:
         found = (
             [s for s in [jobs.read_status(client, job)] if s is not None]
@@ -43,52 +61,79 @@ def status(job: str | None, **kw: Any) -> None:
         )
     if job and not found:
         raise jobs.JobNotFoundError(f"no job named '{job}'")
-    if job:
-        console.print(_one_job(found[0]))
+    if as_json:
+        for s in found:
+            click.echo(json.dumps(status_dict(s)))
         return
-    table = Table(
-        "job",
-        "phase",
-        "step",
-        "rate",
-        "world",
-        "nodes a/s/f",
-        "recoveries",
-        "last checkpoint",
-        "effective",
-    )
+    if job:
+        print_table(_one_job(found[0]), wide)
+        return
+    print_table(_jobs_table(found, wide), wide)
+
+
+def status_dict(s: jobs.JobStatus) -> dict[str, Any]:
+    """A status as JSON: the stored record, recovery phases in their order."""
+    out = s.to_dict()
+    last = s.last_recovery
+    if last and isinstance(last.get("phases"), dict):
+        out["last_recovery"] = {**last, "phases": ordered_phases(last["phases"])}
+    return out
+
+
+def _jobs_table(found: list[jobs.JobStatus], wide: bool) -> Table:
+    """All jobs, one row each.
+
+    Made to fit 80 columns: the rate goes under the step, a header wraps
+    between its words; ``wide`` gives the rate, samples/s and world size
+    columns of their own, and adds the last recovery and the message.
+    """
+    columns = [column("job"), column("phase", wrap=False), column("step", justify="right")]
+    if wide:
+        columns += [
+            column("steps/s", wrap=False, justify="right"),
+            column("samples/s", wrap=False, justify="right"),
+            column("world", wrap=False, justify="right"),
+        ]
+    nodes = "nodes a/s/f" if wide else "nodes\na/s/f"
+    columns += [column(nodes), column("recoveries", wrap=False, justify="right")]
+    if wide:
+        columns.append(column("last recovery"))
+    columns += [column("last checkpoint"), column("effective", wrap=False, justify="right")]
+    if wide:
+        columns.append(column("message"))
+    out = table(*columns)
     for s in found:
-        rate = f"{s.steps_per_s:.1f} steps/s"
-        if s.samples_per_s is not None:
-            rate += f"\n{s.samples_per_s:.0f} samples/s"
-        recoveries = str(s.recoveries)
-        if s.last_recovery:
-            last = s.last_recovery
-            recoveries += f"\nlast: {last['cause']}, {last['total_s']:.2f}s"
-        table.add_row(
-            s.name,
-            s.phase.value,
-            str(s.step),
-            rate,
-            str(s.world_size),
+        cells = [escape(s.name), s.phase.value]
+        if wide:
+            samples = "-" if s.samples_per_s is None else f"{s.samples_per_s:.0f}"
+            cells += [str(s.step), f"{s.steps_per_s:.1f}", samples, str(s.world_size)]
+        else:
+            cells.append(f"{s.step}\n{s.steps_per_s:.1f}/s")
+        cells += [
             f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)}",
-            recoveries,
-            _checkpoint(s),
+            str(s.recoveries),
+        ]
+        if wide:
+            cells.append(escape(_last_recovery(s)))
+        cells += [
+            escape(_checkpoint(s)),
             f"{s.effective_fraction:.0%}" if s.train_started_at else "-",
-        )
-    console.print(table)
+        ]
+        if wide:
+            cells.append(escape(s.message or "-"))
+        out.add_row(*cells)
+    return out
 
 
 def _one_job(s: jobs.JobStatus) -> Table:
     """One job as a two-column table (readable on a narrow terminal)."""
-    table = Table(show_header=False, title=f"job {s.name}", title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    out = table(column("", wrap=False), column(""), title=f"job {s.name}", show_header=False)
+    out.columns[0].style = "bold"
     rate = f"{s.steps_per_s:.2f} steps/s"
     if s.samples_per_s is not None:
         rate += f", {s.samples_per_s:.0f} samples/s"
     nodes = (
-        f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)}  "
+        f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)} "
         f"(active {', '.join(s.active_nodes) or '-'}; spare {', '.join(s.spare_nodes) or '-'}; "
         f"failed {', '.join(s.failed_nodes) or '-'})"
     )
@@ -102,9 +147,7 @@ def _one_job(s: jobs.JobStatus) -> Table:
         ("recoveries", str(s.recoveries)),
     ]
     if s.last_recovery:
-        last = s.last_recovery
-        phases = ", ".join(f"{k} {v:.2f}s" for k, v in last["phases"].items())
-        rows.append(("last recovery", f"{last['cause']}: {last['total_s']:.2f}s ({phases})"))
+        rows.append(("last recovery", _last_recovery(s)))
     rows += [
         ("last checkpoint", _checkpoint(s)),
         (
@@ -116,8 +159,21 @@ def _one_job(s: jobs.JobStatus) -> Table:
         ("message", s.message or "-"),
     ]
     for key, value in rows:
-        table.add_row(key, escape(value))
-    return table
+        out.add_row(key, escape(value))
+    return out
+
+
+def _last_recovery(s: jobs.JobStatus) -> str:
+    """``agent_gone: 2.31s (detect 0.50s, rendezvous 0.80s, restore 0.60s, first step 0.41s)``."""
+    last = s.last_recovery
+    if not last:
+        return "-"
+    text = f"{last.get('cause', '?')}: {float(last.get('total_s', 0.0)):.2f}s"
+    phases = last.get("phases")
+    if isinstance(phases, dict) and phases:
+        timings = ordered_phases(phases).items()
+        text += " (" + ", ".join(f"{phase_label(k)} {v:.2f}s" for k, v in timings) + ")"
+    return text
 
 
 def _checkpoint(s: jobs.JobStatus) -> str:
@@ -151,8 +207,11 @@ def stop(job: str, **kw: Any) -> None:
 def logs(
     job: str, node: str | None, tail: int | None, follow: bool, timestamps: bool, **kw: Any
 ) -> None:
-    """Print the workers' output of a job, from etcd (also of nodes that died)."""
-    from orchestrator.observe.logs import LogLine, follow_logs, read_logs
+    """Print the workers' output of a job, from etcd (also of nodes that died).
+
+    Each line starts with the worker that printed it, ``[node/local rank]``.
+    """
+    from orchestrator.observe.logs import LogLine, check_target, follow_logs, read_logs
 
     def show(line: LogLine) -> None:
         stamp = (
@@ -163,8 +222,7 @@ def logs(
         click.echo(f"{stamp}[{line.worker}] {line.text}")
 
     with connect_client(kw) as client:
-        if jobs.read_status(client, job) is None and client.get(keys.job_spec(job)) is None:
-            raise jobs.JobNotFoundError(f"no job named '{job}'")
+        check_target(client, job, node)
         if not follow:
             for line in read_logs(client, job, node=node, tail=tail):
                 show(line)

@@ -3,6 +3,11 @@
 Options fall back to ``RINGMASTER_*`` environment variables (``--etcd`` ←
 ``RINGMASTER_ETCD`` ...).  Exit codes: 0 success, 1 runtime failure, 2 bad
 input (invalid job file, bad option).
+
+Tables are made to fit an 80-column terminal: short cells never wrap, long
+text wraps between words, and a word longer than its column (a path, a URL)
+is folded, never cut.  ``--wide`` prints every cell on one line however wide
+that makes the table; ``--json`` prints the records themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from functools import wraps
 from typing import Any, TypeVar
 
 import click
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Column, Table
 
 from orchestrator.api import OrchestratorError, SpecError
 from orchestrator.etcd.client import EtcdClient, connect
@@ -25,6 +33,67 @@ console = Console()
 err_console = Console(stderr=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plural(count: int, one: str, many: str | None = None) -> str:
+    """``1 recovery``, ``2 recoveries``: a count with its noun in agreement."""
+    return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def wide_option(fn: F) -> F:
+    """Add ``--wide``: every table cell on one line, however wide the table gets."""
+    return click.option(
+        "--wide", is_flag=True, help="one line per row, nothing wrapped (for a wide terminal)"
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    """Add ``--json``: the records themselves, one JSON object per line."""
+    return click.option("--json", "as_json", is_flag=True, help="one JSON object per line")(fn)
+
+
+def column(header: str, *, wrap: bool = True, justify: str = "left") -> Column:
+    """A table column: ``wrap=False`` for short values that must stay whole on one line.
+
+    A column that wraps breaks between words and folds a single word that is
+    longer than the column (a path, a URL): it is never cut off.
+    """
+    return Column(
+        header,
+        no_wrap=not wrap,
+        overflow="fold",
+        justify=justify,  # type: ignore[arg-type]
+    )
+
+
+def table(*columns: Column | str, title: str | None = None, show_header: bool = True) -> Table:
+    """A table without vertical rules: two spaces between columns, a line under the header."""
+    return Table(
+        *columns,
+        title=title,
+        title_justify="left",
+        show_header=show_header,
+        box=box.MINIMAL,
+        show_edge=False,
+        pad_edge=False,
+    )
+
+
+def print_table(out: Table, wide: bool = False) -> None:
+    """Print ``out`` to fit the terminal, or (``wide``) with every cell on one line."""
+    if not wide:
+        console.print(out)
+        return
+    for col in out.columns:
+        col.no_wrap = True
+    width = Measurement.get(console, console.options.update(width=1_000_000), out).maximum
+    # a console as wide as the table, writing where the shared one writes
+    Console(
+        file=console.file,
+        width=max(width, console.width),
+        force_terminal=console.is_terminal,
+        no_color=console.no_color,
+    ).print(out)
 
 
 def fail(message: str, code: int = 1) -> None:

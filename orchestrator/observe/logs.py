@@ -20,11 +20,16 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orchestrator import keys, records
+from orchestrator import jobs, keys, records
+from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
 
 log = logging.getLogger(__name__)
+
+
+class UnknownNodeError(OrchestratorError):
+    """Logs were asked for a node that the job does not have and never had."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,36 @@ def _decode(kv: KeyValue) -> list[LogLine]:
         log.warning("skipping a log chunk that cannot be read: %s", e)
         return []
     return [LogLine(t, chunk.node, chunk.local_rank, text) for t, text in chunk.lines]
+
+
+def job_nodes(client: EtcdClient, job: str) -> list[str]:
+    """Every node the job has or had, sorted: with stored output, registered, or in its status."""
+    found: set[str] = set()
+    for prefix in (keys.job_logs(job), keys.job_nodes(job)):
+        found.update(kv.key[len(prefix) :].split("/", 1)[0] for kv in client.get_prefix(prefix))
+    status = jobs.read_status(client, job)
+    if status is not None:
+        found.update(status.active_nodes + status.spare_nodes + status.failed_nodes)
+    return sorted(n for n in found if n)
+
+
+def check_target(client: EtcdClient, job: str, node: str | None = None) -> None:
+    """Make sure there is something to read logs of: the job, and ``node`` of it when given.
+
+    Raises:
+        JobNotFoundError: nothing was submitted under ``job``.
+        UnknownNodeError: the job never had ``node``; the message names the
+            nodes it has.
+    """
+    if jobs.read_status(client, job) is None and client.get(keys.job_spec(job)) is None:
+        raise jobs.JobNotFoundError(f"no job named '{job}'")
+    if node is None:
+        return
+    known = job_nodes(client, job)
+    if node in known:
+        return
+    have = f"its nodes: {', '.join(known)}" if known else "it has no nodes yet"
+    raise UnknownNodeError(f"job '{job}' has no node named '{node}' ({have})")
 
 
 def _prefix(job: str, node: str | None) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from orchestrator.records import Event, RecoveryRecord
+from orchestrator.records import PHASES, Event, RecoveryRecord
 
 
 class FailureCause(str, Enum):
@@ -85,6 +85,22 @@ def classify_cause(
         if cause in found:
             return cause
     return FailureCause.UNRESPONSIVE
+
+
+def ordered_phases(phases: dict[str, Any]) -> dict[str, float]:
+    """A recovery's phases in the order they happen.
+
+    A stored record's ``phases`` come back in key order (alphabetical); this
+    puts them in the order of :data:`~orchestrator.records.PHASES` (detect,
+    rendezvous, restore, first step), names unknown to this release last.
+    """
+    names = [n for n in PHASES if n in phases] + [n for n in phases if n not in PHASES]
+    return {name: float(phases[name]) for name in names}
+
+
+def phase_label(name: str) -> str:
+    """A phase's name for people: ``first_step`` is ``first step``."""
+    return name.replace("_", " ")
 
 
 def build_record(

@@ -8,16 +8,31 @@ under it (``.../step-0000000100-1a2b3c4d``).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.table import Table
+from rich.markup import escape
 
-from orchestrator.cli.options import connect_client, console, etcd_options, fail, handle_errors
+from orchestrator.cli.options import (
+    column,
+    connect_client,
+    console,
+    etcd_options,
+    fail,
+    handle_errors,
+    json_option,
+    print_table,
+    table,
+    wide_option,
+)
+
+if TYPE_CHECKING:
+    from checkpoint.api import CheckpointInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,29 +75,59 @@ def checkpoints() -> None:
 
 @checkpoints.command("list")
 @click.argument("url")
+@json_option
+@wide_option
 @handle_checkpoint_errors
-def list_cmd(url: str) -> None:
+def list_cmd(url: str, as_json: bool, wide: bool) -> None:
     """Every checkpoint under URL, oldest first, committed or not."""
-    from checkpoint.catalog import open_root, redact
+    from checkpoint.catalog import open_root, redact, scrub
     from checkpoint.commit import list_checkpoints
 
     root, _ = open_root(_local_url(url))
     infos = list_checkpoints(root)
+    if as_json:
+        for info in infos:
+            click.echo(json.dumps(_info_dict(info)))
+        return
     if not infos:
         console.print(f"no checkpoints under {redact(root.url)}", highlight=False)
         return
-    table = Table("step", "size", "time (UTC)", "world", "committed", "directory")
+    out = table(
+        column("step", wrap=False, justify="right"),
+        column("size", wrap=False, justify="right"),
+        column("time (UTC)"),
+        column("world", wrap=False, justify="right"),
+        column("committed"),
+        column("directory", wrap=False),
+    )
     for info in infos:
         m = info.manifest
-        table.add_row(
+        out.add_row(
             str(info.step),
             _size(m.total_bytes) if m else "-",
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at)) if m else "-",
             str(m.world_size) if m else "-",
-            "yes" if m else f"no: {info.problem}",
-            info.name,
+            "yes" if m else escape(f"no: {scrub(str(info.problem))}"),
+            escape(info.name),
         )
-    console.print(table)
+    print_table(out, wide)
+
+
+def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
+    """One checkpoint as JSON: the table's columns, sizes in bytes, times in UNIX seconds."""
+    from checkpoint.catalog import redact, scrub
+
+    m = info.manifest
+    return {
+        "step": info.step,
+        "size_bytes": m.total_bytes if m else None,
+        "created_at": m.created_at if m else None,
+        "world_size": m.world_size if m else None,
+        "committed": m is not None,
+        "problem": scrub(info.problem) if info.problem else None,
+        "directory": info.name,
+        "url": redact(info.url),
+    }
 
 
 @checkpoints.command("verify")

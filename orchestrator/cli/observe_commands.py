@@ -9,10 +9,20 @@ from typing import Any
 
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from orchestrator import events, jobs, keys
-from orchestrator.cli.options import connect_client, console, etcd_options, handle_errors
+from orchestrator.cli.options import (
+    column,
+    connect_client,
+    console,
+    etcd_options,
+    handle_errors,
+    json_option,
+    plural,
+    print_table,
+    table,
+    wide_option,
+)
 
 
 def _clock(t: float) -> str:
@@ -21,12 +31,17 @@ def _clock(t: float) -> str:
 
 @click.command("events")
 @click.argument("job")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+@json_option
+@wide_option
 @click.option("--type", "types", multiple=True, help="only events of this type (repeatable)")
 @etcd_options
 @handle_errors
-def events_cmd(job: str, as_json: bool, types: tuple[str, ...], **kw: Any) -> None:
-    """List a job's events: membership, failures (with cause), recoveries, checkpoints, phases."""
+def events_cmd(job: str, as_json: bool, wide: bool, types: tuple[str, ...], **kw: Any) -> None:
+    """List a job's events: membership, failures (with cause), recoveries, checkpoints, phases.
+
+    Messages wrap between words to fit the terminal; ``--wide`` prints one
+    line per event.
+    """
     with connect_client(kw) as client:
         if client.get(keys.job_spec(job)) is None:
             raise jobs.JobNotFoundError(f"no job named '{job}'")
@@ -37,17 +52,22 @@ def events_cmd(job: str, as_json: bool, types: tuple[str, ...], **kw: Any) -> No
         for ev in log:
             click.echo(json.dumps(asdict(ev), sort_keys=True))
         return
-    table = Table("time", "type", "source", "message")
     from orchestrator.observe.live_view import FAILURE_EVENTS, RECOVERY_EVENTS
 
+    out = table(
+        column("time", wrap=False),
+        column("type", wrap=False),
+        column("source"),
+        column("message"),
+    )
     for ev in log:
         style = (
             "red" if ev.type in FAILURE_EVENTS else "green" if ev.type in RECOVERY_EVENTS else None
         )
-        table.add_row(
+        out.add_row(
             _clock(ev.time), escape(ev.type), escape(ev.source), escape(ev.message), style=style
         )
-    console.print(table)
+    print_table(out, wide)
 
 
 @click.command()
@@ -71,8 +91,9 @@ def report(job: str, output: str, png_path: str | None, **kw: Any) -> None:
 
     with connect_client(kw) as client:
         html_out, png_out, data = write_report(client, job, output, png_path)
+    recoveries = plural(len(data.recoveries), "recovery", "recoveries")
     console.print(
-        f"wrote {html_out} and {png_out}: {len(data.recoveries)} recoveries, "
+        f"wrote {html_out} and {png_out}: {recoveries}, "
         f"effective training {data.status.effective_fraction:.1%}",
         highlight=False,
         soft_wrap=True,
@@ -107,7 +128,8 @@ def watch(job: str, interval: float, **kw: Any) -> None:
                     break
                 time.sleep(interval)
     console.print(
-        f"{job}: {status.phase.value} at step {status.step}; {status.recoveries} recoveries; "
+        f"{job}: {status.phase.value} at step {status.step}; "
+        f"{plural(status.recoveries, 'recovery', 'recoveries')}; "
         f"effective training {status.effective_fraction:.1%}",
         highlight=False,
         soft_wrap=True,

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+from rich.table import Column
 
 from orchestrator.events import Event
 from orchestrator.records import JobStatus
@@ -51,6 +52,11 @@ def event_line(ev: Event) -> str:
     return text
 
 
+def _whole() -> Column:
+    """A column of the bar's line that is never wrapped nor cut."""
+    return Column(no_wrap=True, overflow="ignore")
+
+
 class LiveView:
     """A job's progress bar plus the lines printed above it.
 
@@ -66,16 +72,18 @@ class LiveView:
         self.job = job
         self.total = total
         self.bar = console.is_terminal if bar is None else bar
+        # The numbers stay whole on one line; the bar takes the width that is left.
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            TextColumn("{task.fields[phase]}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]} steps/s"),
-            TextColumn("ETA {task.fields[eta]}"),
+            TextColumn("[bold]{task.description}", table_column=_whole()),
+            TextColumn("{task.fields[phase]}", table_column=_whole()),
+            BarColumn(bar_width=None, table_column=Column(ratio=1)),
+            MofNCompleteColumn(table_column=_whole()),
+            TextColumn("{task.fields[rate]} steps/s", table_column=_whole()),
+            TextColumn("ETA {task.fields[eta]}", table_column=_whole()),
             console=console,
             disable=not self.bar,
             transient=False,
+            expand=True,
         )
         self._task: TaskID | None = None
 

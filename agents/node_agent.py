@@ -18,6 +18,13 @@ environment of :class:`~agents.api.WorkerEnv`, and then:
   to ``preemption_grace`` to save, then stops them and leaves (revoking the
   lease, so the controller sees the node gone at once).
 
+An agent may start before its job is submitted (a pod scheduled before
+``ringmaster submit``): it says so once and waits, up to ``--wait-for-job``
+(``RINGMASTER_JOB_WAIT``, default forever), writing nothing to etcd meanwhile;
+SIGTERM or SIGINT while it waits just ends it (there is nothing to save).  Its
+own lifecycle is logged one line per change: waiting, registered, active in
+generation N or spare, leaving (and why).
+
 Workers die with their agent (``PR_SET_PDEATHSIG``), so a SIGKILLed agent
 never leaves half a node behind.  A spare agent is simply an agent whose
 workers wait, warm, for a generation that includes them.
@@ -29,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,10 +49,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from agents.api import WorkerEnv
+from agents.api import AgentError, WorkerEnv
 from agents.log_shipper import LogShipper
 from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, JobPhase
+from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
@@ -53,7 +61,7 @@ from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.records import AgentCommand, CheckpointRecord, NodeRecord, RecordError
+from orchestrator.records import AgentCommand, CheckpointRecord, NodeRecord, Plan, RecordError
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec
 
@@ -61,8 +69,16 @@ log = logging.getLogger("ringmaster.agent")
 
 #: Node registration lease; a dead agent's node disappears within this time.
 DEFAULT_NODE_TTL = SETTINGS.node_ttl
+#: How long an agent waits for its job to be submitted (zero: forever).
+DEFAULT_JOB_WAIT = SETTINGS.job_wait
 #: How often workers are polled.
 POLL = 0.05
+#: How often a waiting agent looks for its job's spec.
+SPEC_POLL = 0.5
+
+
+class JobNotSubmittedError(AgentError):
+    """The job was not submitted within the agent's wait limit (a permanent error)."""
 
 
 @dataclass
@@ -101,6 +117,23 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def describe_role(plan: Plan, node: str) -> tuple[str, str]:
+    """``(role, line)``: this node's place in ``plan``, and how the agent logs it.
+
+    The role is ``active <generation>`` or ``spare``: the agent logs a line
+    when it changes, so a spare left out of one generation after another says so once.
+    """
+    member = plan.member(node)
+    if member is None:
+        return "spare", f"spare: generation {plan.generation} trains without this node"
+    last = member.rank_base + member.nproc - 1
+    ranks = f"rank {last}" if member.nproc == 1 else f"ranks {member.rank_base}-{last}"
+    return (
+        f"active {plan.generation}",
+        f"active in generation {plan.generation}: {ranks} of {plan.world_size}",
+    )
 
 
 def read_error_file(path: Path) -> str | None:
@@ -145,39 +178,90 @@ class NodeAgent:
         self._reregister = threading.Event()
         self._stop = threading.Event()
         self._preempted_at: float | None = None
-        self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
+        #: Why the agent stops, when something other than the workers decided it.
+        self._stop_reason = ""
+        self._errors_dir: Path | None = None
         self._liveness: LivenessServer | None = None
+        self._role = ""
+        self._generation = 0
+        #: A normal end is logged at INFO; one that lost work or failed, at WARNING.
+        self._leave_level = logging.INFO
         self.exit_code = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def run(self, spec_timeout: timedelta = timedelta(seconds=60)) -> int:
-        """Register, start workers, supervise.  Returns the process exit code."""
-        self.spec = self._wait_for_spec(spec_timeout)
-        self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
-        self._lease.keep_alive(on_lost=self._on_lease_lost)
-        self._liveness = LivenessServer(self.address, self._liveness_status)
-        for i in range(self.spec.nproc_per_node):
-            self._start_worker(i)
-        self._register()
-        threading.Thread(target=self._keep_registered, name="registration", daemon=True).start()
-        threading.Thread(target=self._follow_commands, name="commands", daemon=True).start()
+    def run(self, wait_for_job: timedelta = DEFAULT_JOB_WAIT) -> int:
+        """Wait for the job, register, start workers, supervise.
+
+        Args:
+            wait_for_job: how long to wait for the job to be submitted (zero: forever).
+
+        Returns:
+            The process exit code: 0 when the workers finished or the agent was
+            stopped (also while it waited), 1 when a worker exhausted its restarts.
+
+        Raises:
+            JobNotSubmittedError: the job was not submitted within ``wait_for_job``.
+            EtcdError: etcd failed otherwise than by being unavailable for a while.
+        """
+        spec = self._wait_for_spec(wait_for_job)
+        if spec is None or self._stop.is_set():
+            log.info("[%s] leaving: %s", self.node, self._stop_reason or "stopped")
+            return 0
+        self.spec = spec
+        self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
+        reason = "stopped"
         try:
-            self._supervise()
+            self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
+            self._lease.keep_alive(on_lost=self._on_lease_lost)
+            self._liveness = LivenessServer(self.address, self._liveness_status)
+            for i in range(spec.nproc_per_node):
+                self._start_worker(i)
+            self._register()
+            log.info(
+                "[%s] registered for job '%s': %d worker(s), liveness port %s",
+                self.node,
+                self.job,
+                spec.nproc_per_node,
+                self._liveness.address,
+            )
+            for target, name in (
+                (self._keep_registered, "registration"),
+                (self._follow_commands, "commands"),
+                (self._follow_plan, "plan"),
+            ):
+                threading.Thread(target=target, name=name, daemon=True).start()
+            reason = self._supervise()
+        except BaseException as e:
+            reason = f"{type(e).__name__}: {e}"
+            self._leave_level = logging.WARNING
+            raise
         finally:
             self._stop.set()
+            level = logging.WARNING if self.exit_code else self._leave_level
+            log.log(level, "[%s] leaving: %s", self.node, self._stop_reason or reason)
             if self._liveness is not None:
                 self._liveness.close()
             self._stop_workers()
             if self._lease is not None:
                 self._lease.revoke()
+            shutil.rmtree(self._errors_dir, ignore_errors=True)
         return self.exit_code
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "interrupted") -> None:
+        """Stop (SIGINT handler, ``stop`` command): workers are stopped, no save is asked."""
+        self._stop_reason = self._stop_reason or reason
         self._stop.set()
 
     def preempt(self) -> None:
-        """SIGTERM handler: save first (within the grace period), then leave."""
+        """SIGTERM handler: save first (within the grace period), then leave.
+
+        While the agent still waits for its job there is nothing to save: it
+        just stops, writing nothing for a job that may never exist.
+        """
+        if self.spec is None:
+            self.request_stop(f"SIGTERM while waiting for job '{self.job}' to be submitted")
+            return
         if self._preempted_at is not None:
             return
         self._preempted_at = time.monotonic()
@@ -193,16 +277,58 @@ class NodeAgent:
             )
             send_command(self.client, self.job, "checkpoint", reason=f"preemption of {self.node}")
 
-    def _wait_for_spec(self, timeout: timedelta) -> JobSpec:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            if self.client.get(keys.job_spec(self.job)) is not None:
-                return read_spec(self.client, self.job)[0]
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job '{self.job}' was not submitted within {timeout.total_seconds():g}s"
+    def _wait_for_spec(self, limit: timedelta) -> JobSpec | None:
+        """The job's spec once it is submitted; None when stopped first.
+
+        Only reads etcd: an agent whose job never comes leaves nothing behind.
+        An etcd outage while waiting is waited out (within ``limit``).
+
+        Raises:
+            JobNotSubmittedError: ``limit`` (non-zero) passed without the job.
+        """
+        seconds = limit.total_seconds()
+        started = time.monotonic()
+        key = keys.job_spec(self.job)
+        announced = False
+        while not self._stop.is_set():
+            left = seconds - (time.monotonic() - started) if seconds > 0 else None
+            try:
+                found = retry_unavailable(
+                    lambda: self.client.get(key),
+                    f"[{self.node}] looking for job '{self.job}'",
+                    stop=self._stop,
+                    max_wait=timedelta(seconds=max(left, 0)) if left is not None else None,
                 )
-            time.sleep(0.2)
+            except EtcdUnavailableError:
+                if self._stop.is_set():
+                    return None
+                raise
+            if found is not None:
+                if announced:
+                    log.info(
+                        "[%s] job '%s' submitted after %.0fs of waiting",
+                        self.node,
+                        self.job,
+                        time.monotonic() - started,
+                    )
+                return read_spec(self.client, self.job)[0]
+            if not announced:
+                announced = True
+                log.info(
+                    "[%s] waiting for job '%s' to be submitted (`ringmaster submit job.yaml`); %s",
+                    self.node,
+                    self.job,
+                    f"giving up after {seconds:g}s" if seconds > 0 else "no time limit",
+                )
+            left = seconds - (time.monotonic() - started) if seconds > 0 else None
+            if left is not None and left <= 0:
+                raise JobNotSubmittedError(
+                    f"job '{self.job}' was not submitted within {seconds:g}s: submit it "
+                    f"(`ringmaster submit job.yaml`) and start the agent again, or let it wait "
+                    f"longer (--wait-for-job SECONDS, 0 = forever; env RINGMASTER_JOB_WAIT)"
+                )
+            self._stop.wait(SPEC_POLL if left is None else min(SPEC_POLL, left))
+        return None
 
     def _on_lease_lost(self, lease: Lease) -> None:
         log.warning("[%s] registration lease %x expired; registering again", self.node, lease.id)
@@ -260,7 +386,7 @@ class NodeAgent:
     # -- workers -----------------------------------------------------------------------
 
     def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
-        assert self.spec is not None
+        assert self.spec is not None and self._errors_dir is not None
         env = {**grpc_environment(), **os.environ}
         env.update(self.spec.entrypoint.env)
         env.update(
@@ -297,14 +423,15 @@ class NodeAgent:
         if self._lease is not None:
             self._safe_register()
 
-    def _supervise(self) -> None:
+    def _supervise(self) -> str:
+        """Watch the workers until the agent should leave; returns why it leaves."""
         assert self.spec is not None
         max_restarts = self.spec.fault_tolerance.max_restarts
         grace = self.spec.fault_tolerance.preemption_grace.total_seconds()
         while not self._stop.is_set():
             if self._preempted_at is not None and time.monotonic() - self._preempted_at > grace:
-                log.warning("[%s] preemption grace over; leaving", self.node)
-                return
+                self._leave_level = logging.WARNING
+                return f"preempted; no checkpoint committed within the {grace:g}s grace"
             finished = 0
             for w in list(self.workers.values()):
                 code = w.proc.poll()
@@ -315,11 +442,12 @@ class NodeAgent:
                     continue
                 self._on_worker_failure(w, code, max_restarts)
             if finished == len(self.workers):
-                return
+                phase = self._job_phase()
+                return "workers finished" + (f" (job {phase.value})" if phase else "")
             if self._preempted_at is not None and self._saved_since_preemption():
-                log.warning("[%s] preemption checkpoint committed; leaving", self.node)
-                return
+                return "preempted; checkpoint committed"
             self._stop.wait(POLL)
+        return "stopped"
 
     def _saved_since_preemption(self) -> bool:
         key = keys.job_checkpoint(self.job)
@@ -361,7 +489,7 @@ class NodeAgent:
         if w.restarts >= max_restarts:
             log.error("[%s] %s exhausted %d restarts", self.node, name, max_restarts)
             self.exit_code = 1
-            self._stop.set()
+            self.request_stop(f"{name} exhausted {max_restarts} restarts")
             return
         self._start_worker(w.local_rank, w.restarts + 1)
 
@@ -409,6 +537,43 @@ class NodeAgent:
                         watch.cancel()
             self._stop.wait(0.5)
 
+    def _follow_plan(self) -> None:
+        """Log this node's role each time it changes; the watch is renewed after outages."""
+        key = keys.job_plan(self.job)
+        while not self._stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(key)
+                current = self.client.get(key)  # the plan published before the watch began
+                if current is not None:
+                    self._note_plan(key, current.value)
+                for ev in watch:
+                    if self._stop.is_set():
+                        break
+                    if ev.value is not None:
+                        self._note_plan(key, ev.value)
+            except Exception as e:  # etcd went away, or the watch was cancelled
+                log.debug("plan watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            self._stop.wait(0.5)
+
+    def _note_plan(self, key: str, value: bytes) -> None:
+        try:
+            plan = records.decode(Plan, value, key)
+        except RecordError as e:
+            log.debug("plan not readable: %s", e)
+            return
+        if plan.generation < self._generation:
+            return  # a watch event older than the plan already read
+        self._generation = plan.generation
+        role, line = describe_role(plan, self.node)
+        if role != self._role and not self._stop.is_set():
+            self._role = role
+            log.info("[%s] %s", self.node, line)
+
     def _take(self, key: str, value: bytes) -> None:
         with contextlib.suppress(Exception):
             if not self.client.delete(key):
@@ -435,11 +600,9 @@ class NodeAgent:
                     w.proc.pid,
                 )
             elif w is not None and w.proc.poll() is None:
-                log.warning(
-                    "[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason
-                )
+                log.warning("[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason)
                 w.proc.kill()
         elif name == "stop":
-            self._stop.set()
+            self.request_stop(f"stopped by the controller ({cmd.reason or 'stop command'})")
         else:
             log.warning("[%s] unknown command %r", self.node, name)

@@ -39,6 +39,8 @@ class Knob:
     kind: type = float
     #: For a ``str`` knob: the values allowed (compared case-insensitively), if limited.
     choices: tuple[str, ...] = ()
+    #: For a number: whether 0 is allowed (it then means "no limit", as the meaning says).
+    zero_allowed: bool = False
 
     @property
     def field(self) -> str:
@@ -110,6 +112,13 @@ KNOBS: tuple[Knob, ...] = (
         "seconds an agent pod waits for its node's topology labels from the operator",
     ),
     Knob(
+        "RINGMASTER_JOB_WAIT",
+        "0",
+        "seconds a node agent waits for its job to be submitted before it exits with code 2"
+        " (0: forever; `ringmaster agent --wait-for-job`)",
+        zero_allowed=True,
+    ),
+    Knob(
         "RINGMASTER_DRAIN_TIMEOUT",
         "30",
         "seconds an agent pod's preStop hook waits for the agent to drain (set by the operator)",
@@ -148,6 +157,7 @@ class Settings:
     checkpoint_save_timeout: timedelta
     operator_sync: timedelta
     topology_wait: timedelta
+    job_wait: timedelta
     drain_timeout: timedelta
     log_level: str
 
@@ -179,9 +189,10 @@ def _parse(knob: Knob, text: str) -> object:
             f"{knob.env}={text!r} is not {'an integer' if knob.kind is int else 'a number'}"
             f" ({knob.meaning}; default {knob.default})"
         ) from None
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number) or number < 0 or (number == 0 and not knob.zero_allowed):
+        least = "0 or a positive" if knob.zero_allowed else "a positive"
         raise SettingsError(
-            f"{knob.env}={text!r} must be a positive, finite number ({knob.meaning};"
+            f"{knob.env}={text!r} must be {least}, finite number ({knob.meaning};"
             f" default {knob.default})"
         )
     return number if knob.kind is int else _seconds(number)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -16,6 +17,7 @@ from orchestrator.cli.options import (
     handle_errors,
 )
 from orchestrator.etcd.client import connect
+from orchestrator.settings import SETTINGS
 
 
 @click.command()
@@ -23,15 +25,33 @@ from orchestrator.etcd.client import connect
 @click.option("--node", required=True, envvar="RINGMASTER_NODE", help="this node's name")
 @click.option("--labels", envvar="RINGMASTER_LABELS", help="topology labels: zone=a,rack=r1")
 @click.option("--address", default="127.0.0.1", envvar="RINGMASTER_ADDRESS", show_default=True)
+@click.option(
+    "--wait-for-job",
+    type=click.FloatRange(min=0),
+    default=SETTINGS.job_wait.total_seconds(),
+    metavar="SECONDS",
+    help="how long to wait for the job to be submitted, then exit with code 2 "
+    "(0: forever; default: RINGMASTER_JOB_WAIT, 0)",
+)
 @etcd_options
 @handle_errors
-def agent(job: str, node: str, labels: str | None, address: str, **kw: Any) -> None:
-    """Run the node agent: register, start workers, supervise (SIGTERM = preemption)."""
+def agent(
+    job: str, node: str, labels: str | None, address: str, wait_for_job: float, **kw: Any
+) -> None:
+    """Run the node agent: wait for the job, register, start workers, supervise.
+
+    SIGTERM is a preemption (save, then leave); before the job is submitted it
+    just ends the agent.
+    """
     import logging
 
-    from agents.node_agent import NodeAgent, parse_labels
+    from agents.node_agent import JobNotSubmittedError, NodeAgent, parse_labels
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    level = logging.getLevelName(SETTINGS.log_level)
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s")
+    # the agent's own lifecycle lines (INFO) show unless the level asks for errors only
+    if level <= logging.WARNING:
+        logging.getLogger("ringmaster.agent").setLevel(min(level, logging.INFO))
     try:
         parsed = parse_labels(labels)
     except ValueError as e:
@@ -45,7 +65,11 @@ def agent(job: str, node: str, labels: str | None, address: str, **kw: Any) -> N
         node_agent = NodeAgent(client, options, job, node, parsed, address)
         signal.signal(signal.SIGTERM, lambda *_: node_agent.preempt())
         signal.signal(signal.SIGINT, lambda *_: node_agent.request_stop())
-        code = node_agent.run()
+        try:
+            code = node_agent.run(timedelta(seconds=wait_for_job))
+        except JobNotSubmittedError as e:
+            fail(str(e), 2)
+            return
     sys.exit(code)
 
 

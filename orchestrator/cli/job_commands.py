@@ -67,13 +67,16 @@ def status(job: str | None, wide: bool, as_json: bool, **kw: Any) -> None:
         return
     if job:
         print_table(_one_job(found[0]), wide)
-        return
-    print_table(_jobs_table(found, wide), wide)
+    elif found:
+        print_table(_jobs_table(found, wide), wide)
+    else:
+        console.print("no jobs (submit one with `ringmaster submit job.yaml`)", highlight=False)
 
 
 def status_dict(s: jobs.JobStatus) -> dict[str, Any]:
-    """A status as JSON: the stored record, recovery phases in their order."""
+    """A status as JSON: the record's fields (as ``events --json``), recovery phases in order."""
     out = s.to_dict()
+    out.pop("v", None)  # the storage format, not part of the status
     last = s.last_recovery
     if last and isinstance(last.get("phases"), dict):
         out["last_recovery"] = {**last, "phases": ordered_phases(last["phases"])}

@@ -224,8 +224,14 @@ def test_status_json_has_the_fields_of_the_table(etcd: MemoryEtcd) -> None:
         assert field in row, field
     assert row["phase"] == "Recovering" and row["message"] == status.message
     assert list(row["last_recovery"]["phases"]) == list(PHASES)
+    assert JobStatus.from_dict({**row, "v": 1}) == status  # nothing left out
     (one,) = [json.loads(line) for line in _cli("status", "tiny", "--json").output.splitlines()]
     assert one["name"] == "tiny" and one["phase"] == "Succeeded"
+
+
+def test_status_without_jobs_says_so(etcd: MemoryEtcd) -> None:
+    assert _cli("status").output.startswith("no jobs")
+    assert _cli("status", "--json").output == ""
 
 
 def test_ordered_phases_follow_the_recovery_and_keep_unknown_names_last() -> None:

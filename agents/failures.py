@@ -134,15 +134,17 @@ def peer_failure(
 _CALLBACK_WRAPPER = "Got the following error when running the callback: "
 
 
-def one_line(e: BaseException, limit: int = 200) -> str:
-    """The first line of ``e``'s message (its type name when it has none), in whole words.
+def one_line(e: BaseException | str, limit: int = 200) -> str:
+    """The first line of an error's message (its type name when it has none), in whole words.
 
     A line longer than ``limit`` characters keeps its whole sentences that
     fit (when they are at least half of it), else the words that fit and an
-    ellipsis: it never ends in the middle of a word.  For display only;
-    nothing is decided from the words.
+    ellipsis: it never ends in the middle of a word.  ``e`` may also be text
+    already taken from an error (a worker's last line, an error file).  For
+    display only; nothing is decided from the words.
     """
-    text = str(e).splitlines()[0].strip() if str(e).strip() else type(e).__name__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ("" if isinstance(e, str) else type(e).__name__)
     while text.startswith(_CALLBACK_WRAPPER):
         text = text.removeprefix(_CALLBACK_WRAPPER).removeprefix("RuntimeError: ")
     if len(text) <= limit:

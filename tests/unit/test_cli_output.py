@@ -346,6 +346,9 @@ def test_a_long_failure_message_ends_with_a_whole_sentence_or_word() -> None:
     assert words[:-1].split()[-1] in ("lorem", "ipsum")
     assert one_line(RuntimeError("short")) == "short"
     assert one_line(RuntimeError("")) == "RuntimeError"
+    assert one_line(RuntimeError("\nsecond line first")) == "second line first"
+    assert one_line(f"RuntimeError: {GLOO}", 300) == f"RuntimeError: {GLOO}"
+    assert one_line(f"RuntimeError: {GLOO}", 100).endswith(" 1800000ms for…")
 
 
 def test_run_prints_one_prefix_per_line() -> None:

@@ -67,7 +67,7 @@ def column(header: str, *, wrap: bool = True, justify: str = "left") -> Column:
 
 
 def table(*columns: Column | str, title: str | None = None, show_header: bool = True) -> Table:
-    """A table without vertical rules: two spaces between columns, a line under the header."""
+    """A table with thin rules between columns and under the header, and no outer border."""
     return Table(
         *columns,
         title=title,

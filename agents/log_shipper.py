@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import IO
 
+from agents.messages import one_line
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import LogChunk
@@ -81,8 +82,8 @@ class LogShipper:
             head = line.split(":", 1)[0]
             named = ":" in line and not line[:1].isspace() and head.replace(".", "").isidentifier()
             if named and head.endswith(("Error", "Exception", "Exit", "Interrupt")):
-                return line[:300]
-        return tail[-1][:300] if tail else None
+                return one_line(line, 300)
+        return one_line(tail[-1], 300) if tail else None
 
     def _read(self, stream: IO[bytes]) -> None:
         try:

@@ -51,6 +51,7 @@ from typing import Any
 
 from agents.api import AgentError, WorkerEnv
 from agents.log_shipper import LogShipper
+from agents.messages import one_line
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -145,7 +146,7 @@ def read_error_file(path: Path) -> str | None:
     message = data.get("message", data)
     if isinstance(message, dict):
         message = message.get("message", json.dumps(message))
-    return str(message).splitlines()[0][:300] if message else None
+    return one_line(str(message), 300) if message else None
 
 
 class NodeAgent:

@@ -62,9 +62,10 @@ from torch import nn
 from agents import boundary
 from agents.api import JobEndedError, RecoveryError, Stateful, WorkerEnv
 from agents.elastic_ddp import ElasticDDP, HookInstaller
-from agents.failures import CollectiveFailures, one_line, peer_failure
+from agents.failures import CollectiveFailures, peer_failure
 from agents.generation import Generations
 from agents.heartbeat import Heartbeat
+from agents.messages import one_line
 from agents.plan_watch import PlanWatcher
 from agents.process_group import teardown_group
 from agents.saving import Saving

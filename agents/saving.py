@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from agents.elastic_ddp import ElasticDDP
-from agents.failures import one_line
+from agents.messages import one_line
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError

@@ -171,7 +171,8 @@ def render_png(data: ReportData) -> bytes:
         effective = data.status.effective_fraction
         ax_loss.set_title(
             f"{data.job}: {data.status.phase.value} at step {data.status.step}, "
-            f"{len(data.recoveries)} recoveries, effective training {effective:.0%}"
+            f"{len(data.recoveries)} recover{'y' if len(data.recoveries) == 1 else 'ies'}, "
+            f"effective training {effective:.0%}"
         )
         for ax in (ax_loss, ax_rate):
             ax.grid(alpha=0.3)

@@ -241,7 +241,7 @@ def test_report_writes_html_and_png_with_failure_and_recovery_marked(
     html_path = tmp_path / "report.html"
     out = observed.cli("report", "observed", "-o", str(html_path))
     png_path = tmp_path / "report.png"
-    assert "1 recoveries" in out
+    assert "1 recovery" in out
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = html_path.read_text()
     assert "data:image/png;base64," in page
@@ -268,4 +268,4 @@ def test_watch_prints_failures_and_recoveries_then_the_outcome(observed: Observe
     assert "[event] NodeFailed:" in out and "(agent_gone)" in out
     assert "[event] Recovered: generation 2 trains again" in out
     assert out.index("NodeFailed") < out.index("Recovered")
-    assert "observed: Succeeded at step 150; 1 recoveries" in out
+    assert "observed: Succeeded at step 150; 1 recovery" in out

@@ -23,7 +23,7 @@ import torch
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-from agents.failures import one_line
+from agents.messages import one_line
 from checkpoint import Checkpointer, TrainState
 from checkpoint.commit import step_dir_name
 from orchestrator import events, keys, records

@@ -29,16 +29,31 @@ from orchestrator.observe.recoveries import ordered_phases, phase_label
 
 @click.command()
 @click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--skip-entrypoint-check",
+    is_flag=True,
+    help="do not look for the entrypoint here (the agents run on machines with other files)",
+)
 @etcd_options
 @handle_errors
-def submit(job_file: str, **kw: Any) -> None:
-    """Submit a job to the cluster's controller through etcd."""
-    from orchestrator.spec_loader import load_job_file
+def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
+    """Submit a job to the cluster's controller through etcd.
+
+    The entrypoint is looked for in this directory, where agents started here
+    run their workers. A finished job's name starts its next run; the earlier
+    runs' events, logs and history stay (``--run N`` on ``events`` and ``logs``).
+    """
+    import os
+
+    from orchestrator.spec_loader import check_entrypoint, load_job_file
 
     spec = load_job_file(job_file)
+    if not skip_entrypoint_check:
+        check_entrypoint(spec, os.getcwd(), job_file)
     with connect_client(kw) as client:
-        jobs.submit(client, spec)
-    console.print(f"submitted job '{spec.name}'", highlight=False)
+        run = jobs.submit(client, spec)
+    what = f"run {run} of job '{spec.name}'" if run > 1 else f"job '{spec.name}'"
+    console.print(f"submitted {what}", highlight=False)
 
 
 @click.command()
@@ -141,6 +156,7 @@ def _one_job(s: jobs.JobStatus) -> Table:
         f"failed {', '.join(s.failed_nodes) or '-'})"
     )
     rows = [
+        ("run", str(s.run)),
         ("phase", s.phase.value),
         ("step", str(s.step)),
         ("rate", rate),
@@ -205,10 +221,17 @@ def stop(job: str, **kw: Any) -> None:
 @click.option("--tail", type=int, help="only the last N lines")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new lines (Ctrl-C to stop)")
 @click.option("--timestamps", "-t", is_flag=True, help="prefix each line with its time")
+@click.option("--run", "run", type=int, help="only this run of the job (default: every run)")
 @etcd_options
 @handle_errors
 def logs(
-    job: str, node: str | None, tail: int | None, follow: bool, timestamps: bool, **kw: Any
+    job: str,
+    node: str | None,
+    tail: int | None,
+    follow: bool,
+    timestamps: bool,
+    run: int | None,
+    **kw: Any,
 ) -> None:
     """Print the workers' output of a job, from etcd (also of nodes that died).
 
@@ -226,8 +249,8 @@ def logs(
 
     with connect_client(kw) as client:
         check_target(client, job, node)
-        if not follow:
-            for line in read_logs(client, job, node=node, tail=tail):
+        if not follow or run is not None:
+            for line in read_logs(client, job, node=node, tail=tail, run=run):
                 show(line)
             return
         stop = threading.Event()

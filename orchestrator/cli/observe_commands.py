@@ -34,9 +34,12 @@ def _clock(t: float) -> str:
 @json_option
 @wide_option
 @click.option("--type", "types", multiple=True, help="only events of this type (repeatable)")
+@click.option("--run", "run", type=int, help="only this run of the job (default: every run)")
 @etcd_options
 @handle_errors
-def events_cmd(job: str, as_json: bool, wide: bool, types: tuple[str, ...], **kw: Any) -> None:
+def events_cmd(
+    job: str, as_json: bool, wide: bool, types: tuple[str, ...], run: int | None, **kw: Any
+) -> None:
     """List a job's events: membership, failures (with cause), recoveries, checkpoints, phases.
 
     Messages wrap between words to fit the terminal; ``--wide`` prints one
@@ -45,7 +48,7 @@ def events_cmd(job: str, as_json: bool, wide: bool, types: tuple[str, ...], **kw
     with connect_client(kw) as client:
         if client.get(keys.job_spec(job)) is None:
             raise jobs.JobNotFoundError(f"no job named '{job}'")
-        log = events.list_events(client, job)
+        log = events.list_events(client, job, run=run)
     if types:
         log = [ev for ev in log if ev.type in types]
     if as_json:

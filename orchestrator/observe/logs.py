@@ -24,6 +24,7 @@ from orchestrator import jobs, keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
+from orchestrator.jobs import list_runs, run_window
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,25 @@ def _prefix(job: str, node: str | None) -> str:
 
 
 def read_logs(
-    client: EtcdClient, job: str, *, node: str | None = None, tail: int | None = None
+    client: EtcdClient,
+    job: str,
+    *,
+    node: str | None = None,
+    tail: int | None = None,
+    run: int | None = None,
 ) -> list[LogLine]:
-    """Every stored line of the job (or of one node), oldest first; the last ``tail`` only."""
+    """Every stored line of the job (or of one node, or of one run), oldest first.
+
+    ``tail`` keeps the last lines only.
+
+    Raises:
+        JobNotFoundError: ``run`` is not a run of the job.
+    """
     lines = [line for kv in client.get_prefix(_prefix(job, node)) for line in _decode(kv)]
     lines.sort(key=lambda line: line.time)
+    if run is not None:
+        start, end = run_window(list_runs(client, job), run)
+        lines = [line for line in lines if start <= line.time < end]
     return lines[-tail:] if tail else lines
 
 

@@ -272,13 +272,17 @@ class _Decider:
         status.generation = plan.generation
         status.world_size = plan.world_size
         status.active_nodes = [m.node for m in plan.members]
-        status.spare_nodes = [n for n in w.nodes if n not in members and self.warm(n)]
+        status.spare_nodes = [
+            n for n in w.nodes if n not in members and n not in w.dead and self.warm(n)
+        ]
         record = w.checkpoint
         if record is not None and record.at != status.last_checkpoint_at:
             status.last_checkpoint = f"step {record.step} ({record.reason})"
             status.last_checkpoint_at = record.at
             self.actions.append(CheckpointCommitted(record))
+        # a done record may be newer than the last heartbeat read (two reads apart)
         steps = [w.progress[x].step for x in workers if x in w.progress]
+        steps += [w.done[x].step for x in workers if x in w.done]
         if steps:
             status.step = max(status.step, max(steps))
         last = self.spec.max_steps
@@ -435,6 +439,8 @@ class _Decider:
             self.m.recovery_step = self.status.step
         self.status.recoveries += 1
         reason = "; ".join(swapped) or f"scaled down to {len(kept)} nodes"
+        # the failed nodes' last heartbeats still look fresh for a moment: not spares
+        self.status.spare_nodes = [n for n in spares if n not in failed]
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
         self.actions.append(PublishPlan(new_plan))
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")

@@ -151,7 +151,7 @@ def node_death_refused_probe_is_replaced_from_its_rack() -> None:
     assert new.generation == 2 and _order(new) == ["a", "d"]
     assert "d replaces b" in new.reason
     assert run.status.phase is JobPhase.RECOVERING and run.status.recoveries == 1
-    assert run.status.failed_nodes == ["b"]
+    assert run.status.failed_nodes == ["b"] and run.status.spare_nodes == ["c"]
 
 
 def silent_node_gets_the_report_grace() -> None:
@@ -349,8 +349,11 @@ def stop_command_reaches_the_workers() -> None:
 def finished_workers_succeed() -> None:
     run = Run(_spec())
     done = DoneRecord(step=300, generation=1, at=NOW)
-    run.tick(_world(["a", "b"], _plan(1, "a", "b"), done={"a-0": done, "b-0": done}))
+    world = _world(["a", "b"], _plan(1, "a", "b"), done={"a-0": done, "b-0": done})
+    world.progress = {w: _beat(1, step=299) for w in ("a-0", "b-0")}  # read just before
+    run.tick(world)
     assert run.status.phase is JobPhase.SUCCEEDED
+    assert run.status.step == 300 and run.status.message == "finished at step 300"
 
 
 def inputs_are_not_modified() -> None:

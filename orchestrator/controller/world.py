@@ -126,6 +126,9 @@ class WorldReader:
         else:
             world.startup_failures = self._startup_failures()
         world.silence = self.client.last_silence
+        # the time of the snapshot is when the reads ended: they may have waited
+        # out an etcd outage, and a grace counted from before it would be over
+        world.now, world.mono = time.time(), time.monotonic()
         return world
 
     def _startup_failures(self) -> dict[str, str]:

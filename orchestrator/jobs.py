@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from orchestrator import keys, records
+from orchestrator import events, keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
@@ -153,6 +153,11 @@ def _start_run(client: EtcdClient, job: str, record: SpecRecord) -> None:
     run = RunRecord(run=record.run, submitted_at=record.submitted_at, resume=record.resume)
     records.write(client, keys.job_run(job, record.run), run)
     records.write(client, keys.job_status(job), JobStatus(job, run=record.run))
+    message = f"run {record.run} submitted"
+    if record.resume is not None:
+        resume = record.resume
+        message += f", resuming from the checkpoint of step {resume.step} ({resume.url})"
+    events.emit(client, job, "Run", message, source="submit", run=record.run)
 
 
 def list_runs(client: EtcdClient, job: str) -> list[RunRecord]:

@@ -63,6 +63,10 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     two = [e.message for e in events.list_events(etcd_client, name, run=2)]
     assert "Stopped: stopped before it started" in " ".join(one)
     assert "Stopped: stopped before it started" in " ".join(two)
+    assert one[0] == "run 1 submitted"
+    assert two[0] == (
+        "run 2 submitted, resuming from the checkpoint of step 10 (file:///tmp/ck/step-0000000010)"
+    )
     assert len(events.list_events(etcd_client, name)) == len(one) + len(two)
     with pytest.raises(jobs.JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
         events.list_events(etcd_client, name, run=3)

@@ -33,11 +33,9 @@ workers wait, warm, for a generation that includes them.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -50,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from agents.api import AgentError, WorkerEnv
+from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
-from agents.messages import one_line
+from agents.node_watches import NodeWatches
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -62,7 +61,7 @@ from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.records import AgentCommand, CheckpointRecord, NodeRecord, Plan, RecordError
+from orchestrator.records import CheckpointRecord, NodeRecord, RecordError
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec
 
@@ -92,64 +91,7 @@ class _Worker:
     started_at: float = field(default_factory=time.time)
 
 
-def parse_labels(text: str | None) -> dict[str, str]:
-    """``zone=a,rack=r1`` → ``{"zone": "a", "rack": "r1"}``.
-
-    Raises:
-        ValueError: an item is not ``key=value``, or a name or value is not safe
-            (see :func:`orchestrator.keys.labels`).
-    """
-    out: dict[str, str] = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"label {item!r} is not key=value (e.g. zone=a,rack=r1)")
-        out[key.strip()] = value.strip()
-    return keys.labels(out)
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def describe_role(plan: Plan, node: str) -> tuple[str, str]:
-    """``(role, line)``: this node's place in ``plan``, and how the agent logs it.
-
-    The role is ``active <generation>`` or ``spare``: the agent logs a line
-    when it changes, so a spare left out of one generation after another says so once.
-    """
-    member = plan.member(node)
-    if member is None:
-        return "spare", f"spare: generation {plan.generation} trains without this node"
-    last = member.rank_base + member.nproc - 1
-    ranks = f"rank {last}" if member.nproc == 1 else f"ranks {member.rank_base}-{last}"
-    return (
-        f"active {plan.generation}",
-        f"active in generation {plan.generation}: {ranks} of {plan.world_size}",
-    )
-
-
-def read_error_file(path: Path) -> str | None:
-    """The root-cause message from a torch elastic error file, if the worker wrote one."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    message = data.get("message", data)
-    if isinstance(message, dict):
-        message = message.get("message", json.dumps(message))
-    return one_line(str(message), 300) if message else None
-
-
-class NodeAgent:
+class NodeAgent(NodeWatches):
     """Runs one node.  Build it, then :meth:`run` until the job ends or it is stopped."""
 
     def __init__(
@@ -514,96 +456,3 @@ class NodeAgent:
         for w in self.workers.values():
             if w.shipper is not None:
                 w.shipper.join(timeout=2.0)  # the last lines reach etcd
-
-    def _follow_commands(self) -> None:
-        """Execute the controller's commands; the watch is renewed after etcd outages."""
-        prefix = keys.agent_commands(self.job, self.node)
-        while not self._stop.is_set():
-            watch: Any = None
-            try:
-                watch = self.client.watch(prefix, prefix=True)
-                # commands written while no watch ran
-                for kv in self.client.get_prefix(prefix):
-                    self._take(kv.key, kv.value)
-                for ev in watch:
-                    if self._stop.is_set():
-                        break
-                    if ev.value is not None:
-                        self._take(ev.key, ev.value)
-            except Exception as e:  # etcd went away, or the watch was cancelled
-                log.debug("command watch ended: %s", e)
-            finally:
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        watch.cancel()
-            self._stop.wait(0.5)
-
-    def _follow_plan(self) -> None:
-        """Log this node's role each time it changes; the watch is renewed after outages."""
-        key = keys.job_plan(self.job)
-        while not self._stop.is_set():
-            watch: Any = None
-            try:
-                watch = self.client.watch(key)
-                current = self.client.get(key)  # the plan published before the watch began
-                if current is not None:
-                    self._note_plan(key, current.value)
-                for ev in watch:
-                    if self._stop.is_set():
-                        break
-                    if ev.value is not None:
-                        self._note_plan(key, ev.value)
-            except Exception as e:  # etcd went away, or the watch was cancelled
-                log.debug("plan watch ended: %s", e)
-            finally:
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        watch.cancel()
-            self._stop.wait(0.5)
-
-    def _note_plan(self, key: str, value: bytes) -> None:
-        try:
-            plan = records.decode(Plan, value, key)
-        except RecordError as e:
-            log.debug("plan not readable: %s", e)
-            return
-        if plan.generation < self._generation:
-            return  # a watch event older than the plan already read
-        self._generation = plan.generation
-        role, line = describe_role(plan, self.node)
-        if role != self._role and not self._stop.is_set():
-            self._role = role
-            log.info("[%s] %s", self.node, line)
-
-    def _take(self, key: str, value: bytes) -> None:
-        with contextlib.suppress(Exception):
-            if not self.client.delete(key):
-                return  # already executed
-        try:
-            cmd = records.decode(AgentCommand, value, key)
-        except RecordError as e:
-            log.warning("[%s] ignoring a command that cannot be read: %s", self.node, e)
-            return
-        self._execute(cmd)
-
-    def _execute(self, cmd: AgentCommand) -> None:
-        name = cmd.command
-        if name == "kill-worker":
-            w = self.workers.get(cmd.local_rank)
-            pid = cmd.pid
-            if w is not None and pid is not None and w.proc.pid != pid:
-                log.warning(
-                    "[%s] not killing worker %d: pid %s named by the command has already "
-                    "been replaced by %d",
-                    self.node,
-                    w.local_rank,
-                    pid,
-                    w.proc.pid,
-                )
-            elif w is not None and w.proc.poll() is None:
-                log.warning("[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason)
-                w.proc.kill()
-        elif name == "stop":
-            self.request_stop(f"stopped by the controller ({cmd.reason or 'stop command'})")
-        else:
-            log.warning("[%s] unknown command %r", self.node, name)

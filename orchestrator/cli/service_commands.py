@@ -45,7 +45,8 @@ def agent(
     """
     import logging
 
-    from agents.node_agent import JobNotSubmittedError, NodeAgent, parse_labels
+    from agents.descriptions import parse_labels
+    from agents.node_agent import JobNotSubmittedError, NodeAgent
 
     level = logging.getLevelName(SETTINGS.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(message)s")

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from agents.node_agent import parse_labels
+from agents.descriptions import parse_labels
 from orchestrator import keys
 from orchestrator.api import SpecError
 from orchestrator.spec_loader import load_job_text

@@ -1,0 +1,133 @@
+"""What a node agent follows in etcd: the controller's commands to it, and the plan.
+
+:class:`NodeWatches` is a part of :class:`~agents.node_agent.NodeAgent`: two
+threads, each a watch renewed after etcd outages.  One executes the
+controller's commands to this node (``kill-worker`` for a hung worker, naming
+its pid, and ``stop``); the other logs this node's role (active in generation
+N, or spare) each time it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from agents.descriptions import describe_role
+from orchestrator import keys, records
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import AgentCommand, Plan, RecordError
+
+if TYPE_CHECKING:
+    from agents.node_agent import _Worker
+
+log = logging.getLogger("ringmaster.agent")
+
+
+class NodeWatches:
+    """The watching half of a node agent (see the module docstring)."""
+
+    client: EtcdClient
+    job: str
+    node: str
+    workers: dict[int, _Worker]
+    _stop: threading.Event
+    _generation: int
+    _role: str | None
+
+    def request_stop(self, reason: str = "interrupted") -> None:
+        raise NotImplementedError
+
+    def _follow_commands(self) -> None:
+        """Execute the controller's commands; the watch is renewed after etcd outages."""
+        prefix = keys.agent_commands(self.job, self.node)
+        while not self._stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(prefix, prefix=True)
+                # commands written while no watch ran
+                for kv in self.client.get_prefix(prefix):
+                    self._take(kv.key, kv.value)
+                for ev in watch:
+                    if self._stop.is_set():
+                        break
+                    if ev.value is not None:
+                        self._take(ev.key, ev.value)
+            except Exception as e:  # etcd went away, or the watch was cancelled
+                log.debug("command watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            self._stop.wait(0.5)
+
+    def _follow_plan(self) -> None:
+        """Log this node's role each time it changes; the watch is renewed after outages."""
+        key = keys.job_plan(self.job)
+        while not self._stop.is_set():
+            watch: Any = None
+            try:
+                watch = self.client.watch(key)
+                current = self.client.get(key)  # the plan published before the watch began
+                if current is not None:
+                    self._note_plan(key, current.value)
+                for ev in watch:
+                    if self._stop.is_set():
+                        break
+                    if ev.value is not None:
+                        self._note_plan(key, ev.value)
+            except Exception as e:  # etcd went away, or the watch was cancelled
+                log.debug("plan watch ended: %s", e)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        watch.cancel()
+            self._stop.wait(0.5)
+
+    def _note_plan(self, key: str, value: bytes) -> None:
+        try:
+            plan = records.decode(Plan, value, key)
+        except RecordError as e:
+            log.debug("plan not readable: %s", e)
+            return
+        if plan.generation < self._generation:
+            return  # a watch event older than the plan already read
+        self._generation = plan.generation
+        role, line = describe_role(plan, self.node)
+        if role != self._role and not self._stop.is_set():
+            self._role = role
+            log.info("[%s] %s", self.node, line)
+
+    def _take(self, key: str, value: bytes) -> None:
+        with contextlib.suppress(Exception):
+            if not self.client.delete(key):
+                return  # already executed
+        try:
+            cmd = records.decode(AgentCommand, value, key)
+        except RecordError as e:
+            log.warning("[%s] ignoring a command that cannot be read: %s", self.node, e)
+            return
+        self._execute(cmd)
+
+    def _execute(self, cmd: AgentCommand) -> None:
+        name = cmd.command
+        if name == "kill-worker":
+            w = self.workers.get(cmd.local_rank)
+            pid = cmd.pid
+            if w is not None and pid is not None and w.proc.pid != pid:
+                log.warning(
+                    "[%s] not killing worker %d: pid %s named by the command has already "
+                    "been replaced by %d",
+                    self.node,
+                    w.local_rank,
+                    pid,
+                    w.proc.pid,
+                )
+            elif w is not None and w.proc.poll() is None:
+                log.warning("[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason)
+                w.proc.kill()
+        elif name == "stop":
+            self.request_stop(f"stopped by the controller ({cmd.reason or 'stop command'})")
+        else:
+            log.warning("[%s] unknown command %r", self.node, name)

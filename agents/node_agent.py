@@ -425,6 +425,7 @@ class NodeAgent(NodeWatches):
                 source=self.node,
                 worker=name,
                 exit_code=code,
+                error=what,
             )
         if phase is not None and phase.terminal:
             self.workers.pop(w.local_rank)

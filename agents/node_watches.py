@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agents.descriptions import describe_role
@@ -40,45 +41,31 @@ class NodeWatches:
         raise NotImplementedError
 
     def _follow_commands(self) -> None:
-        """Execute the controller's commands; the watch is renewed after etcd outages."""
-        prefix = keys.agent_commands(self.job, self.node)
-        while not self._stop.is_set():
-            watch: Any = None
-            try:
-                watch = self.client.watch(prefix, prefix=True)
-                # commands written while no watch ran
-                for kv in self.client.get_prefix(prefix):
-                    self._take(kv.key, kv.value)
-                for ev in watch:
-                    if self._stop.is_set():
-                        break
-                    if ev.value is not None:
-                        self._take(ev.key, ev.value)
-            except Exception as e:  # etcd went away, or the watch was cancelled
-                log.debug("command watch ended: %s", e)
-            finally:
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        watch.cancel()
-            self._stop.wait(0.5)
+        """Execute the controller's commands to this node as they come."""
+        self._follow(keys.agent_commands(self.job, self.node), True, self._take)
 
     def _follow_plan(self) -> None:
-        """Log this node's role each time it changes; the watch is renewed after outages."""
-        key = keys.job_plan(self.job)
+        """Log this node's role each time it changes."""
+        self._follow(keys.job_plan(self.job), False, self._note_plan)
+
+    def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes], None]) -> None:
+        """``handle(key, value)`` for what is stored at ``key`` (or under it) now and
+        for every later write, until stopped; the watch is renewed after etcd outages."""
         while not self._stop.is_set():
             watch: Any = None
             try:
-                watch = self.client.watch(key)
-                current = self.client.get(key)  # the plan published before the watch began
-                if current is not None:
-                    self._note_plan(key, current.value)
+                watch = self.client.watch(key, prefix=prefix)
+                # what was written while no watch ran
+                for kv in self.client.get_prefix(key) if prefix else [self.client.get(key)]:
+                    if kv is not None:
+                        handle(kv.key, kv.value)
                 for ev in watch:
                     if self._stop.is_set():
                         break
                     if ev.value is not None:
-                        self._note_plan(key, ev.value)
+                        handle(ev.key, ev.value)
             except Exception as e:  # etcd went away, or the watch was cancelled
-                log.debug("plan watch ended: %s", e)
+                log.debug("watch of %s ended: %s", key, e)
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):

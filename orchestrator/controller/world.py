@@ -137,9 +137,7 @@ class WorldReader:
         for event in events.list_events(self.client, self.job):
             if event.type != "WorkerExited" or event.time < self.since:
                 continue
-            worker = str(event.data.get("worker", ""))
-            what = event.message.removeprefix(worker).strip()
-            out.setdefault(event.source, what)
+            out.setdefault(event.source, str(event.data.get("error", event.message)))
         return out
 
     def _probe(

@@ -255,6 +255,7 @@ class JobObserver:
         workers = {
             w: dataclasses.asdict(p.telemetry)
             for w, p in self._plan_workers(plan, progress).items()
+            if p.telemetry.generation == plan.generation
         }
         now = time.time()
         record = build_record(
@@ -264,7 +265,7 @@ class JobObserver:
             reason=pending.reason,
             failure_at=pending.failure_at,
             declared_at=pending.declared_at or now,
-            workers={w: t for w, t in workers.items() if t.get("generation") == plan.generation},
+            workers=workers,
             step=pending.step,
             observed_s=now - pending.failure_at,
         )

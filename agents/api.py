@@ -25,6 +25,10 @@ ENV_ETCD_PASSWORD = "RINGMASTER_ETCD_PASSWORD"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 ENV_ADDRESS = "RINGMASTER_ADDRESS"
+#: The job's recovery tier (``fault_tolerance.recovery`` resolved): one of the two below.
+ENV_RECOVERY = "RINGMASTER_RECOVERY"
+RECOVERY_IN_PROCESS = "in_process"
+RECOVERY_RESTART = "restart"
 
 
 class AgentError(Exception):
@@ -49,6 +53,7 @@ class WorkerEnv:
     local_world_size: int
     etcd_endpoints: str
     address: str = "127.0.0.1"
+    recovery: str = RECOVERY_IN_PROCESS
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
@@ -68,6 +73,7 @@ class WorkerEnv:
             local_world_size=int(env.get(ENV_LOCAL_WORLD_SIZE, "1")),
             etcd_endpoints=env[ENV_ETCD],
             address=env.get(ENV_ADDRESS, "127.0.0.1"),
+            recovery=env.get(ENV_RECOVERY, RECOVERY_IN_PROCESS),
             etcd_ca=env.get(ENV_ETCD_CA),
             etcd_cert=env.get(ENV_ETCD_CERT),
             etcd_key=env.get(ENV_ETCD_KEY),
@@ -83,6 +89,7 @@ class WorkerEnv:
             ENV_LOCAL_WORLD_SIZE: str(self.local_world_size),
             ENV_ETCD: self.etcd_endpoints,
             ENV_ADDRESS: self.address,
+            ENV_RECOVERY: self.recovery,
         }
         optional = {
             ENV_ETCD_CA: self.etcd_ca,

@@ -17,6 +17,7 @@ next.  A group that does not form is reported like a broken generation.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +160,7 @@ class Generations:
         s.rank = member.rank_base + s.env.local_rank
         s.world_size = plan.world_size
         s.fence.join(plan.generation, s.watch.revision_of(plan.generation))
-        form_group(
+        host, port = form_group(
             s.client,
             s.env.job,
             plan.generation,
@@ -170,6 +171,7 @@ class Generations:
             fence=s.fence,
         )
         s.telemetry.group_formed(plan.generation)
+        _publish_environment(plan, s.env.node, s.rank, host, port)
         try:
             s.saving.open(first=plan.generation == 1)
             mine = s.step if s.has_state else NO_STATE
@@ -240,3 +242,26 @@ class Generations:
             s.step,
             time.monotonic() - started,
         )
+
+
+def _publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:
+    """Keep torchrun's variables true for this generation, for libraries that read them.
+
+    After a hot-swap a worker's global rank, the world size and the store's
+    address change; code that reads ``RANK`` or ``MASTER_ADDR`` (loggers,
+    data libraries, a second ``init_process_group`` of the script's own) sees
+    the current generation, not the one the worker started in.
+    """
+    member = plan.member(node)
+    assert member is not None
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(plan.world_size),
+            "GROUP_RANK": str(plan.members.index(member)),
+            "GROUP_WORLD_SIZE": str(len(plan.members)),
+            "LOCAL_WORLD_SIZE": str(member.nproc),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(port),
+        }
+    )

@@ -44,8 +44,8 @@ def form_group(
     timeout: timedelta = DEFAULT_FORM_TIMEOUT,
     collective_timeout: timedelta = timedelta(minutes=5),
     fence: GenerationFence | None = None,
-) -> None:
-    """Initialise the default process group for ``generation``.
+) -> tuple[str, int]:
+    """Initialise the default process group for ``generation``; return its store's address.
 
     Args:
         fence: when given, rank 0 publishes the store address only while
@@ -69,10 +69,11 @@ def form_group(
                 wait_for_workers=False,
                 multi_tenant=False,
             )
+            host, port = address, store.port
             if fence is not None:
-                fence.put(key, f"{address}:{store.port}")
+                fence.put(key, f"{host}:{port}")
             else:
-                client.put(key, f"{address}:{store.port}")
+                client.put(key, f"{host}:{port}")
         else:
             host, port = _wait_for_master(client, key, deadline)
             # rank 0 waits at most collective_timeout for the others: connecting
@@ -101,6 +102,7 @@ def form_group(
             )
         finally:
             sys.excepthook = excepthook
+        return host, port
     except (RuntimeError, OSError, EtcdError, FencedError) as e:
         teardown_group()
         raise RecoveryError(

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agents import boundary
-from agents.api import JobEndedError, RecoveryError, Stateful, WorkerEnv
+from agents.api import RECOVERY_RESTART, JobEndedError, RecoveryError, Stateful, WorkerEnv
 from agents.elastic_ddp import ElasticDDP, HookInstaller
 from agents.failures import CollectiveFailures, peer_failure
 from agents.generation import Generations
@@ -69,6 +69,7 @@ from agents.messages import one_line
 from agents.plan_watch import PlanWatcher
 from agents.process_group import teardown_group
 from agents.saving import Saving
+from agents.standalone import StandaloneSession
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError
@@ -76,6 +77,7 @@ from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.fencing import FencedError, GenerationFence
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 from orchestrator.etcd.retry import retry_unavailable
+from orchestrator.own_packages import check_own_packages
 from orchestrator.records import DoneRecord, Plan, ProgressRecord
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec
@@ -370,18 +372,30 @@ class Session:
         self.client.close()
 
 
-def init(env: WorkerEnv | None = None) -> Session:
-    """Start the runtime in a worker launched by ``ringmaster agent``.
+def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
+    """Start the runtime in a worker.
+
+    Launched by ``ringmaster agent`` (``RINGMASTER_JOB`` set), the session
+    recovers in-process; launched by plain ``torchrun`` or ``python``, it is a
+    :class:`agents.standalone.StandaloneSession`: the same calls, the usual
+    process group and DDP, no hot-swap.
 
     Raises:
-        RecoveryError: when not launched by an agent (no ``RINGMASTER_JOB``): run
-            the script through ``ringmaster run job.yaml``.
+        RecoveryError: the job runs with ``fault_tolerance.recovery: restart``,
+            which starts workers as torchrun does and has no use for the runtime.
+        PackageClashError: another distribution's ``agents``, ``checkpoint`` or
+            ``orchestrator`` package shadows ringmaster's.
     """
+    check_own_packages()
     env = env or WorkerEnv.from_environ()
     if env is None:
+        logging.basicConfig(level=SETTINGS.log_level, format="%(asctime)s %(message)s")
+        return StandaloneSession()
+    if env.recovery == RECOVERY_RESTART:
         raise RecoveryError(
-            "not started by `ringmaster agent` (RINGMASTER_JOB is not set); "
-            "run the script through `ringmaster run job.yaml`"
+            f"job {env.job} runs with fault_tolerance.recovery: restart, which restarts "
+            "workers as torchrun does; runtime.init() needs recovery: in_process "
+            "(set it in the job file, or leave recovery: auto)"
         )
     # One prefix per line: whoever shows this output already names the node
     # (`ringmaster run` prints `[node]`, `ringmaster logs` prints `[node/local rank]`),

@@ -52,6 +52,12 @@ class SpecError(OrchestratorError):
         super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
 
 
+class PackageClashError(OrchestratorError):
+    """Another distribution's top-level package shadows one of ringmaster's
+    (``agents``, ``checkpoint`` or ``orchestrator``).  Permanent: the
+    environment must change."""
+
+
 class EtcdError(OrchestratorError):
     """Base of errors talking to etcd."""
 

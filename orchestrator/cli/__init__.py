@@ -17,7 +17,10 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment
 apply_grpc_environment()
 
 try:  # every knob is read once, here; a bad one is one line and exit code 2
+    from orchestrator.own_packages import check_own_packages
     from orchestrator.settings import SETTINGS  # noqa: F401
+
+    check_own_packages()  # another `agents` or `checkpoint` would fail far from here
 except OrchestratorError as _e:
     sys.stderr.write(f"error: {_e}\n")
     sys.exit(2)

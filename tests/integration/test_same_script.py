@@ -1,0 +1,112 @@
+"""One script, three launchers: a runtime script under stock torchrun, the
+restart tier's refusal, and another distribution's package shadowing ours.
+
+Real processes throughout: stock ``torchrun --standalone`` with two gloo
+workers, and fresh interpreters whose ``sys.path`` holds a foreign package.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
+from agents.generation import _publish_environment
+from orchestrator.records import Member, Plan
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+SCRIPT = REPO / "examples" / "train_tiny.py"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGMASTER_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def test_runtime_script_trains_under_stock_torchrun(tmp_path: Path) -> None:
+    """The same file `ringmaster run` hot-swaps trains under `torchrun --standalone`,
+    with DDP over two ranks, to the parameters of a single-rank run."""
+    two = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(SCRIPT), "--steps", "30",
+         "--out", str(tmp_path / "two.pt")],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    said = two.stdout + two.stderr
+    # each rank says once that there is no hot-swap here
+    assert said.count("without hot-swap") == 2, said[-3000:]
+    assert "finished at step 30" in said
+    one = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "30", "--out", str(tmp_path / "one.pt")],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = torch.load(tmp_path / "two.pt")
+    b = torch.load(tmp_path / "one.pt")
+    assert a.keys() == b.keys()
+    for k in a:  # one global batch per step either way: the same training, up to rounding
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_refuses_the_restart_tier_in_one_line() -> None:
+    from agents import runtime
+
+    env = WorkerEnv(
+        job="j", node="n0", local_rank=0, local_world_size=1,
+        etcd_endpoints="127.0.0.1:1", recovery=RECOVERY_RESTART,
+    )  # fmt: skip
+    with pytest.raises(RecoveryError) as e:
+        runtime.init(env)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "recovery: restart" in message and "recovery: in_process" in message
+
+
+def test_torchrun_variables_follow_the_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a hot-swap, RANK, WORLD_SIZE and MASTER_* name the new generation."""
+    for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
+        monkeypatch.setenv(name, "stale")
+    plan = Plan(
+        generation=3,
+        members=[
+            Member(node="a", rank_base=0, nproc=2),
+            Member(node="spare", rank_base=2, nproc=2),
+        ],
+    )
+    _publish_environment(plan, "spare", 3, "10.0.0.7", 29411)
+    assert os.environ["RANK"] == "3"
+    assert os.environ["WORLD_SIZE"] == "4"
+    assert os.environ["GROUP_RANK"] == "1"
+    assert os.environ["GROUP_WORLD_SIZE"] == "2"
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.7", "29411")
+
+
+@pytest.mark.parametrize("name", ["agents", "checkpoint"])
+def test_a_shadowing_package_is_named_in_one_line(tmp_path: Path, name: str) -> None:
+    """Another distribution's top-level package of the same name (openai-agents
+    installs ``agents``) is found before anything fails far from the cause."""
+    foreign = tmp_path / "site" / name
+    foreign.mkdir(parents=True)
+    (foreign / "__init__.py").write_text("")
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path / 'site'}{os.pathsep}{REPO}"
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "--help"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 2
+    lines = cli.stderr.strip().splitlines()
+    assert len(lines) == 1, cli.stderr
+    assert str(foreign / "__init__.py") in lines[0]
+    assert str(REPO / name) in lines[0]

@@ -12,11 +12,19 @@ records its error there: the comm hook (the job's, the script's or, without
 one, torch's plain all-reduce hook) is wrapped on registration, and so is the
 buffer broadcast of the forward pass.  The runtime then knows that a failed
 step failed in a collective (a peer is gone) rather than in the script.
+
+Gradient accumulation works as on DDP: inside :meth:`ElasticDDP.no_sync`
+backward passes only accumulate local gradients, and the first forward and
+backward after it all-reduces the sum.  The setting lives on the wrapper and is
+handed to whichever DDP runs the forward, so it holds across a rebuild for a
+new generation too.  A step that fails part-way through its micro-batches
+loses their gradients (:meth:`ElasticDDP.drop`) and runs again from the first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +54,8 @@ class ElasticDDP(nn.Module):
         self._failures = failures
         self._ddp_kwargs = ddp_kwargs
         self._ddp: DDP | None = None
+        #: False inside :meth:`no_sync`: backward passes do not all-reduce gradients
+        self.require_backward_grad_sync = True
 
     def rebuild(self) -> None:
         """Wrap the module in a DDP on the current default group."""
@@ -81,9 +91,26 @@ class ElasticDDP(nn.Module):
     def ddp(self) -> DDP | None:
         return self._ddp
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside do not all-reduce.
+
+        As ``DistributedDataParallel.no_sync``: run the forward pass inside the
+        context too; the first backward after it exchanges the accumulated
+        gradients.  Unlike DDP's, it may be entered before the first generation
+        and holds across a rebuild of the DDP.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None:
             raise RuntimeError("ElasticDDP used outside a training step (no process group yet)")
+        self._ddp.require_backward_grad_sync = self.require_backward_grad_sync
         return self._ddp(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]

@@ -58,8 +58,12 @@ class Agreement:
         return bool(every_steps and step % every_steps == 0) or self.save_due_by_time
 
 
-def agree(mine: Proposal) -> Agreement:
-    """All-reduce ``mine`` with every rank's (a collective: every rank calls it)."""
+def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
+    """All-reduce ``mine`` with every rank's (a collective: every rank calls it).
+
+    ``group`` is the generation's gloo control group under NCCL, so the
+    boundary never waits on the GPU stream (None: the default group).
+    """
     vec = torch.zeros(_LEN, dtype=torch.int64)
     vec[_GENERATION] = mine.generation
     vec[_CHECKPOINT] = mine.checkpoint_requested
@@ -67,7 +71,7 @@ def agree(mine: Proposal) -> Agreement:
     vec[_STOP] = int(mine.stop)
     vec[_ETCD_LOST] = int(mine.etcd_lost)
     vec[_SAVE_DUE] = int(mine.save_due_by_time)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     return Agreement(
         generation=int(vec[_GENERATION]),
         checkpoint_requested=int(vec[_CHECKPOINT]),

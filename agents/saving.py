@@ -37,6 +37,9 @@ log = logging.getLogger("ringmaster.worker")
 #: Key of the comm hook's state in a checkpoint's per-rank state.
 HOOK_STATE = "comm_hook"
 
+#: Tracked names that fill a ``TrainState`` field of their own (the rest go to ``objects``).
+_OWN_FIELDS = ("model", "optimizer", "scheduler")
+
 
 class Saving:
     """One worker's checkpointer, its pending save and its periodic schedule."""
@@ -94,7 +97,14 @@ class Saving:
             raise CommitFencedError(f"checkpoint not committed: {e}") from e
 
     def train_state(self) -> Any:
-        """The tracked model, optimizer and scheduler as a ``TrainState`` (None without a model)."""
+        """Everything tracked as a ``TrainState`` (None without a tracked ``model``).
+
+        ``model``, ``optimizer`` and ``scheduler`` fill their own fields; every
+        other tracked object (a ``GradScaler``, more LR schedulers, EMA weights,
+        counters, DCP ``Stateful`` objects) goes into ``objects`` under its name,
+        so a resume from a durable checkpoint brings back all that a
+        replacement receives from a live peer.
+        """
         from checkpoint import TrainState
 
         s = self._s
@@ -112,6 +122,7 @@ class Saving:
             scheduler=s.tracked.get("scheduler"),
             samples_seen=s.step,
             rank_state=rank_state,
+            objects={k: v for k, v in s.tracked.items() if k not in _OWN_FIELDS},
         )
 
     def resume(self) -> None:

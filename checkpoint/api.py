@@ -204,9 +204,9 @@ class VerifyReport:
 class TrainState:
     """What a training runtime asks to save and restore.
 
-    Replicated parts (model, optimizer, scheduler, ``extra``) are identical on
-    every rank in data-parallel training and are written once, spread across
-    ranks.  ``rank_state`` differs per rank (gradient compression residuals,
+    Replicated parts (model, optimizer, scheduler, ``extra``, ``objects``) are
+    identical on every rank in data-parallel training and are written once,
+    spread across ranks.  ``rank_state`` differs per rank (gradient compression residuals,
     for example) and is saved per rank; RNG states are added automatically.
 
     Attributes:
@@ -217,6 +217,13 @@ class TrainState:
         extra: further small replicated state (saved as one pickled object).
         rank_state: per-rank state; on restore at a rank the checkpoint did not
             have, it is left as is.
+        objects: further replicated objects by name, anything with
+            ``state_dict()``/``load_state_dict()`` (a ``GradScaler``, more LR
+            schedulers, EMA weights, a counter, a DCP ``Stateful``).  Their state
+            dicts are taken when a save starts and travel with ``extra``'s
+            pickled object, so keep them small next to the model; a restore
+            calls ``load_state_dict`` on each one the checkpoint holds and
+            leaves the others as they are (logged).
     """
 
     model: torch.nn.Module
@@ -225,6 +232,7 @@ class TrainState:
     samples_seen: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     rank_state: dict[str, Any] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
 
 
 class SaveStatus(str, Enum):

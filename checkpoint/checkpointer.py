@@ -23,6 +23,7 @@ the training loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import timedelta
 from typing import Any
@@ -54,6 +55,39 @@ from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
 
 log = logging.getLogger(__name__)
+
+#: Key inside ``TrainState.extra``'s saved object that holds ``TrainState.objects``' states.
+OBJECTS_KEY = "__objects__"
+
+
+def with_objects(state: TrainState) -> TrainState:
+    """``state`` with its ``objects``' state dicts added to (a copy of) ``extra``, to save.
+
+    The state dicts are serialized when the save is captured, so a later
+    training step cannot change what an asynchronous save writes.
+    """
+    if not state.objects:
+        return state
+    extra = dict(state.extra)
+    extra[OBJECTS_KEY] = {name: obj.state_dict() for name, obj in state.objects.items()}
+    return dataclasses.replace(state, extra=extra)
+
+
+def load_objects(state: TrainState, saved: dict[str, Any], where: str) -> None:
+    """Load ``state.objects`` from what a checkpoint's ``extra`` held (see :func:`with_objects`)."""
+    states = saved.pop(OBJECTS_KEY, None) or {}
+    missing = []
+    for name, obj in state.objects.items():
+        if name in states:
+            obj.load_state_dict(states[name])
+        else:
+            missing.append(name)
+    if missing:
+        log.warning(
+            "%s holds no state for %s: left as constructed (saved before they were tracked?)",
+            where,
+            ", ".join(repr(n) for n in missing),
+        )
 
 
 class Checkpointer:
@@ -197,7 +231,7 @@ class Checkpointer:
         Returns:
             The handle, or None when skipped because a save is still uploading.
         """
-        flat, _ = capture(state, self.coord.rank)
+        flat, _ = capture(with_objects(state), self.coord.rank)
         return self.saver.save_async(step, flat, state.samples_seen, wait_if_busy=wait_if_busy)
 
     def save_now(
@@ -222,7 +256,7 @@ class Checkpointer:
         The first save otherwise pays for allocating and faulting in its
         buffers while the training loop waits.
         """
-        flat, _ = capture(state, self.coord.rank)
+        flat, _ = capture(with_objects(state), self.coord.rank)
         self.saver.prepare(flat)
 
     def adopt_staging(self, previous: Checkpointer) -> bool:
@@ -248,7 +282,7 @@ class Checkpointer:
         untouched and the result's source is ``NONE`` (a fresh start).
 
         Args:
-            state: filled in place (model, optimizer, scheduler, extra,
+            state: filled in place (model, optimizer, scheduler, extra, objects,
                 ``samples_seen``, and this rank's ``rank_state`` + RNG when saved).
             url: a specific checkpoint directory (under this root or any
                 other, read with the same storage options); it must verify,
@@ -279,7 +313,13 @@ class Checkpointer:
                 samples_seen=state.samples_seen,
                 skipped=outcome.skipped,
             )
-        restored_rank = apply(state, target, mapping, self.coord.rank)
+        # ``extra`` is loaded into a copy first: its saved object also carries ``objects``.
+        loaded = dataclasses.replace(state, extra={})
+        restored_rank = apply(loaded, target, mapping, self.coord.rank)
+        load_objects(state, loaded.extra, outcome.url or root.url)
+        state.extra.clear()
+        state.extra.update(loaded.extra)
+        state.samples_seen = loaded.samples_seen
         return RestoreResult(
             source=RestoreSource.DURABLE,
             step=outcome.manifest.step,

@@ -47,10 +47,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from agents.api import AgentError, WorkerEnv
+from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
 from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
 from agents.node_watches import NodeWatches
+from agents.restart_tier import RestartTier
+from agents.warm_worker import WarmWorker
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -61,9 +63,10 @@ from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.records import CheckpointRecord, NodeRecord, RecordError
+from orchestrator.records import CheckpointRecord, NodeRecord, Plan, RecordError
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.spec_loader import resolve_recovery
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -89,9 +92,15 @@ class _Worker:
     shipper: LogShipper | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.time)
+    #: restart tier: the generation the worker was launched for
+    generation: int = 0
+    #: restart tier: when it exited (noted by a thread that waits for it)
+    exited_at: float | None = None
+    #: restart tier: its exit was handled (done recorded, or failure reported)
+    exit_seen: bool = False
 
 
-class NodeAgent(NodeWatches):
+class NodeAgent(NodeWatches, RestartTier):
     """Runs one node.  Build it, then :meth:`run` until the job ends or it is stopped."""
 
     def __init__(
@@ -127,6 +136,15 @@ class NodeAgent(NodeWatches):
         self._liveness: LivenessServer | None = None
         self._role = ""
         self._generation = 0
+        #: the job's resolved fault_tolerance.recovery (known once the spec is read)
+        self.recovery = RecoveryMode.IN_PROCESS
+        # the restart tier's state (agents.restart_tier)
+        self._latest_plan: Plan | None = None
+        self._standbys: dict[int, WarmWorker] = {}
+        self._launched_generation = 0
+        self._launched_at: float | None = None
+        self._broken_generation = 0
+        self._refill_at: float | None = None
         #: A normal end is logged at INFO; one that lost work or failed, at WARNING.
         self._leave_level = logging.INFO
         self.exit_code = 0
@@ -151,21 +169,31 @@ class NodeAgent(NodeWatches):
         if spec is None or self._stop.is_set():
             log.info("[%s] leaving: %s", self.node, self._stop_reason or "stopped")
             return 0
+        if spec.fault_tolerance.recovery is RecoveryMode.AUTO:
+            # submitted without the entrypoint check: the script is read here
+            spec, why = resolve_recovery(spec, self.workdir)
+            log.info("[%s] %s", self.node, why)
         self.spec = spec
+        self.recovery = spec.fault_tolerance.recovery
+        restart = self.recovery is RecoveryMode.RESTART
         self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
         reason = "stopped"
         try:
             self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
             self._lease.keep_alive(on_lost=self._on_lease_lost)
             self._liveness = LivenessServer(self.address, self._liveness_status)
-            for i in range(spec.nproc_per_node):
-                self._start_worker(i)
+            if restart:
+                self._refill_standbys()
+            else:
+                for i in range(spec.nproc_per_node):
+                    self._start_worker(i)
             self._register()
             log.info(
-                "[%s] registered for job '%s': %d worker(s), liveness port %s",
+                "[%s] registered for job '%s': %d %s, liveness port %s",
                 self.node,
                 self.job,
                 spec.nproc_per_node,
+                "warm standby(s) (restart tier)" if restart else "worker(s)",
                 self._liveness.address,
             )
             for target, name in (
@@ -174,7 +202,7 @@ class NodeAgent(NodeWatches):
                 (self._follow_plan, "plan"),
             ):
                 threading.Thread(target=target, name=name, daemon=True).start()
-            reason = self._supervise()
+            reason = self._supervise_restart() if restart else self._supervise()
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
             self._leave_level = logging.WARNING
@@ -186,6 +214,7 @@ class NodeAgent(NodeWatches):
             if self._liveness is not None:
                 self._liveness.close()
             self._stop_workers()
+            self._discard_standbys()
             if self._lease is not None:
                 self._lease.revoke()
             shutil.rmtree(self._errors_dir, ignore_errors=True)
@@ -206,6 +235,10 @@ class NodeAgent(NodeWatches):
             self.request_stop(f"SIGTERM while waiting for job '{self.job}' to be submitted")
             return
         if self._preempted_at is not None:
+            return
+        if self.recovery is RecoveryMode.RESTART:
+            # the script saves its own checkpoints: there is no save to ask for
+            self.request_stop("preempted (SIGTERM); a spare takes this node's slot")
             return
         self._preempted_at = time.monotonic()
         grace = self.spec.fault_tolerance.preemption_grace if self.spec else timedelta(0)
@@ -312,10 +345,14 @@ class NodeAgent(NodeWatches):
             address=self.address,
             slots=self.spec.nproc_per_node,
             pid=os.getpid(),
-            worker_pids=[w.proc.pid for w in self.workers.values()],
+            worker_pids=[w.proc.pid for w in self.workers.values()]
+            + [s.pid for s in self._standbys.values()],
             started=time.time(),
             labels=self.labels,
             liveness=self._liveness.address if self._liveness else None,
+            recovery=self.recovery.value,
+            generation=self._launched_generation,
+            launched_at=self._launched_at,
         )
         records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 
@@ -328,8 +365,9 @@ class NodeAgent(NodeWatches):
 
     # -- workers -----------------------------------------------------------------------
 
-    def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
-        assert self.spec is not None and self._errors_dir is not None
+    def _worker_env(self, local_rank: int) -> dict[str, str]:
+        """The environment of worker ``local_rank`` (of either tier), before its error file."""
+        assert self.spec is not None
         env = {**grpc_environment(), **os.environ}
         env.update(self.spec.entrypoint.env)
         env.update(
@@ -347,10 +385,16 @@ class NodeAgent(NodeWatches):
                 etcd_password=self.etcd.password,
             ).to_environ()
         )
-        error_file = self._errors_dir / f"worker-{local_rank}-{restarts}.json"
-        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+        env[ENV_RECOVERY] = self.recovery.value
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
+        assert self.spec is not None and self._errors_dir is not None
+        env = self._worker_env(local_rank)
+        error_file = self._errors_dir / f"worker-{local_rank}-{restarts}.json"
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
         proc = subprocess.Popen(
             [sys.executable, *self.spec.entrypoint.command()],
             cwd=self.workdir,

@@ -36,6 +36,7 @@ class NodeWatches:
     _stop: threading.Event
     _generation: int
     _role: str | None
+    _latest_plan: Plan | None
 
     def request_stop(self, reason: str = "interrupted") -> None:
         raise NotImplementedError
@@ -45,7 +46,7 @@ class NodeWatches:
         self._follow(keys.agent_commands(self.job, self.node), True, self._take)
 
     def _follow_plan(self) -> None:
-        """Log this node's role each time it changes."""
+        """Log this node's role each time it changes (and keep the newest plan)."""
         self._follow(keys.job_plan(self.job), False, self._note_plan)
 
     def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes], None]) -> None:
@@ -81,6 +82,7 @@ class NodeWatches:
         if plan.generation < self._generation:
             return  # a watch event older than the plan already read
         self._generation = plan.generation
+        self._latest_plan = plan  # what the restart tier's supervision acts on
         role, line = describe_role(plan, self.node)
         if role != self._role and not self._stop.is_set():
             self._role = role

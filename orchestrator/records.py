@@ -123,6 +123,13 @@ class NodeRecord(Record):
     labels: dict[str, str] = field(default_factory=dict)
     #: ``host:port`` of the agent's liveness port (None when it has none)
     liveness: str | None = None
+    #: the recovery tier the agent runs its workers in (``in_process``, ``restart``;
+    #: empty from agents older than the restart tier)
+    recovery: str = ""
+    #: restart tier: the generation whose workers the agent has started (0: none yet)
+    generation: int = 0
+    #: restart tier: when it started them (wall-clock seconds)
+    launched_at: float | None = None
 
 
 @dataclass
@@ -138,6 +145,8 @@ class Telemetry(Record):
     checkpoint_upload_s: float | None = None
     wire_bytes: int = 0
     dense_bytes: int = 0
+    #: what ended the worker's last failed generation: error, timeout or abort
+    left_by: str | None = None
 
 
 @dataclass

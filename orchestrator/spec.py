@@ -169,11 +169,29 @@ class CheckpointSpec:
         return out
 
 
+class RecoveryMode(str, Enum):
+    """How the job recovers from a failure (``fault_tolerance.recovery``).
+
+    ``in_process``: the script uses the ringmaster runtime (``runtime.init()``);
+    survivors keep their memory and a replacement gets its state from a live
+    peer.  ``restart``: any torchrun script; on a failure every worker of the
+    new generation is started again (from a pre-imported standby) with
+    torchrun's environment, and the script resumes from its own checkpoint.
+    ``auto`` is resolved when the job is validated or submitted by reading the
+    entrypoint (:func:`orchestrator.spec_loader.resolve_recovery`).
+    """
+
+    AUTO = "auto"
+    IN_PROCESS = "in_process"
+    RESTART = "restart"
+
+
 @dataclass
 class FaultToleranceSpec:
     """How failures are detected and how often the job may recover."""
 
     max_restarts: int = 3
+    recovery: RecoveryMode = RecoveryMode.AUTO
     hang_timeout: timedelta = timedelta(seconds=300)
     heartbeat_interval: timedelta = timedelta(seconds=2)
     preemption_grace: timedelta = timedelta(seconds=30)

@@ -29,6 +29,7 @@ from orchestrator.spec import (
     CompressionSpec,
     EntrypointSpec,
     JobSpec,
+    RecoveryMode,
     RendezvousSpec,
 )
 
@@ -105,6 +106,137 @@ def check_entrypoint(spec: JobSpec, workdir: str | Path, source: str = "<job>") 
             f"(where workers start) nor installed for {sys.executable}"
         )
         raise SpecError([SpecProblem("entrypoint.module", message, None, source)])
+
+
+def entrypoint_file(spec: JobSpec, workdir: str | Path) -> Path | None:
+    """The source file the job's workers run, when it can be found from here.
+
+    A ``script`` is looked up as :func:`check_entrypoint` does; a ``module`` is
+    found on this Python's path with ``workdir`` first (a package runs its
+    ``__main__``).  None when there is no readable Python source.
+    """
+    import importlib.util
+    import sys
+
+    where = Path(workdir).resolve()
+    entry = spec.entrypoint
+    if entry.script is not None:
+        path = Path(entry.script)
+        full = path if path.is_absolute() else where / path
+        return full if full.is_file() else None
+    sys.path.insert(0, str(where))
+    try:
+        found = importlib.util.find_spec(str(entry.module))
+        if found is not None and found.submodule_search_locations:
+            found = importlib.util.find_spec(f"{entry.module}.__main__")
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.remove(str(where))
+    origin = getattr(found, "origin", None) if found is not None else None
+    if origin and origin.endswith(".py") and Path(origin).is_file():
+        return Path(origin)
+    return None
+
+
+#: How a script reaches the runtime: ``from agents import runtime``, ``import agents.runtime``...
+_RUNTIME_MODULE = "agents.runtime"
+
+
+def uses_runtime(source: str) -> bool:
+    """Whether Python ``source`` imports the ringmaster worker runtime (``agents.runtime``).
+
+    Read with :mod:`ast` (comments and strings do not count); a file that does
+    not parse is searched as text for the import or a ``runtime.init(`` call.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return bool(
+            re.search(r"\bfrom\s+agents\s+import\s+[^\n]*\bruntime\b", source)
+            or re.search(r"\bimport\s+agents\.runtime\b|\bfrom\s+agents\.runtime\b", source)
+            or "runtime.init(" in source
+        )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            if any(
+                a.name == _RUNTIME_MODULE or a.name.startswith(_RUNTIME_MODULE + ".")
+                for a in node.names
+            ):
+                return True
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if node.module == "agents" and any(a.name == "runtime" for a in node.names):
+                return True
+            if node.module and (
+                node.module == _RUNTIME_MODULE or node.module.startswith(_RUNTIME_MODULE + ".")
+            ):
+                return True
+    return False
+
+
+def resolve_recovery(
+    spec: JobSpec, workdir: str | Path, source: str = "<job>"
+) -> tuple[JobSpec, str]:
+    """The spec with ``fault_tolerance.recovery`` resolved, and why, in words.
+
+    ``auto`` becomes ``in_process`` when the entrypoint imports the ringmaster
+    runtime and ``restart`` otherwise (also when the source cannot be read
+    here: a script that does use the runtime then refuses to start with one
+    line, where an in-process job for a plain script would hang).
+
+    Raises:
+        SpecError: ``in_process`` was asked for but the entrypoint never uses
+            the runtime (naming the file and what to do).
+    """
+    ft = spec.fault_tolerance
+    path = entrypoint_file(spec, workdir)
+    shown = _shown(spec, path, workdir)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace") if path else None
+    except OSError:
+        text = None
+    calls = text is not None and uses_runtime(text)
+    restart_why = "a peer's failure restarts all workers from the script's own checkpoint"
+    if ft.recovery is RecoveryMode.IN_PROCESS:
+        if text is not None and not calls:
+            message = (
+                f"is 'in_process' but {shown} never calls runtime.init() (it does not import "
+                "agents.runtime), so its workers would wait forever for a process group: set "
+                "'restart' (or 'auto') for a plain torchrun script, or use the runtime "
+                "(see examples/train_tiny.py)"
+            )
+            raise SpecError(
+                [SpecProblem("fault_tolerance.recovery", message, None, source)]
+            )
+        why = "set in the job file" + ("" if text is not None else f"; {shown} not read here")
+        return spec, f"recovery: in_process ({why})"
+    if ft.recovery is RecoveryMode.RESTART:
+        return spec, f"recovery: restart (set in the job file; {restart_why})"
+    if calls:
+        mode = RecoveryMode.IN_PROCESS
+        why = (
+            f"recovery: in_process ({shown} uses the ringmaster runtime; survivors keep their "
+            "memory and a replacement gets its state from a live peer)"
+        )
+    elif text is None:
+        mode = RecoveryMode.RESTART
+        why = f"recovery: restart ({shown} cannot be read here to look for runtime.init(); "
+        why += restart_why + ")"
+    else:
+        mode = RecoveryMode.RESTART
+        why = f"recovery: restart ({shown} never calls runtime.init(); {restart_why})"
+    resolved = dataclasses.replace(spec, fault_tolerance=dataclasses.replace(ft, recovery=mode))
+    return resolved, why
+
+
+def _shown(spec: JobSpec, path: Path | None, workdir: str | Path) -> str:
+    """How a message names the entrypoint: the path as the job file gave it."""
+    entry = spec.entrypoint
+    if entry.script is not None:
+        return str(entry.script)
+    return f"module {entry.module}" + (f" ({path})" if path else "")
 
 
 def load_job_text(text: str, source: str = "<job>") -> JobSpec:

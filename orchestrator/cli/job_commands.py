@@ -40,16 +40,19 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
     """Submit a job to the cluster's controller through etcd.
 
     The entrypoint is looked for in this directory, where agents started here
-    run their workers. A finished job's name starts its next run; the earlier
-    runs' events, logs and history stay (``--run N`` on ``events`` and ``logs``).
+    run their workers, and read to resolve ``fault_tolerance.recovery: auto``.
+    A finished job's name starts its next run; the earlier runs' events, logs
+    and history stay (``--run N`` on ``events`` and ``logs``).
     """
     import os
 
-    from orchestrator.spec_loader import check_entrypoint, load_job_file
+    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
 
     spec = load_job_file(job_file)
     if not skip_entrypoint_check:
         check_entrypoint(spec, os.getcwd(), job_file)
+        # without the check, fault_tolerance.recovery 'auto' is resolved by each agent
+        spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
     with connect_client(kw) as client:
         run = jobs.submit(client, spec)
     what = f"run {run} of job '{spec.name}'" if run > 1 else f"job '{spec.name}'"

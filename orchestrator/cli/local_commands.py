@@ -19,12 +19,17 @@ from orchestrator.cli.options import build_etcd_options, console, etcd_options, 
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
-    """Check a job file and that its entrypoint is here; print OK or every problem (exit 2)."""
-    from orchestrator.spec_loader import check_entrypoint, load_job_file
+    """Check a job file and that its entrypoint is here; print OK or every problem (exit 2).
+
+    Also prints how the job recovers (``fault_tolerance.recovery`` resolved by
+    reading the entrypoint) and why.
+    """
+    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
 
     try:
         spec = load_job_file(job_file)
         check_entrypoint(spec, os.getcwd(), job_file)
+        spec, recovery = resolve_recovery(spec, os.getcwd(), job_file)
     except SpecError as e:
         click.echo(str(e), err=True)
         sys.exit(2)
@@ -32,6 +37,7 @@ def validate(job_file: str) -> None:
         fail(f"cannot read {job_file}: {e.strerror}", 2)
         return
     console.print(f"OK: job '{spec.name}' ({job_file})", highlight=False)
+    console.print(recovery, highlight=False, soft_wrap=True)
 
 
 @click.command("etcd")
@@ -113,10 +119,11 @@ def run(
     from orchestrator.local_run import LocalRun
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
-    from orchestrator.spec_loader import check_entrypoint, load_job_file
+    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)
+    spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
     resume = None
     if from_url and resume_own:
         fail("give either --from URL or --resume (the job's own checkpoints), not both", 2)

@@ -34,7 +34,7 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
-from orchestrator.records import JobStatus, Plan
+from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
 
 log = logging.getLogger("ringmaster.controller")
 
@@ -109,7 +109,10 @@ class JobController:
                     cause=cause,
                 )
         elif isinstance(action, Recovered):
-            record = self.observer.recovered(self.status, action.plan, world.progress)
+            progress = world.progress
+            if policy.restart_tier(self.spec, world.nodes):
+                progress = launched(action.plan, world.nodes)
+            record = self.observer.recovered(self.status, action.plan, progress)
             if record is not None:
                 log.warning(
                     "[%s] recovered: generation %d trains again %.2fs after the failure (%s)",
@@ -158,3 +161,27 @@ class JobController:
         self._last_written = comparable
         self.status.updated_at = time.time()
         records.write(self.client, keys.job_status(self.job), self.status)
+
+
+def launched(plan: Plan, nodes: dict[str, NodeRecord]) -> dict[str, ProgressRecord]:
+    """Restart tier: each worker of ``plan`` as its agent's registration saw it launched.
+
+    The scripts report no steps, so a recovery's end is the moment the last
+    agent started the new generation's workers: that time stands for the
+    group formed, the state restored and the first step (phases the scripts do
+    not tell apart).
+    """
+    out: dict[str, ProgressRecord] = {}
+    for m in plan.members:
+        info = nodes.get(m.node)
+        if info is None or info.generation != plan.generation or info.launched_at is None:
+            continue
+        at = info.launched_at
+        tel = Telemetry(generation=plan.generation, group_formed_at=at, restored_at=at,
+                        first_step_at=at)  # fmt: skip
+        for i in range(m.nproc):
+            out[keys.worker_id(m.node, i)] = ProgressRecord(
+                step=0, generation=plan.generation, rank=m.rank_base + i,
+                world_size=plan.world_size, pid=info.pid, beat=at, step_time=at, telemetry=tel,
+            )  # fmt: skip
+    return out

@@ -30,6 +30,17 @@ Per job it:
 * pauses (phase ``Paused``) after an etcd outage and declares nobody dead
   for ``OUTAGE_GRACE`` after it;
 * relays stop and checkpoint commands to the workers.
+
+A job in the restart tier (``fault_tolerance.recovery: restart``, plain
+torchrun scripts; see :mod:`agents.restart_tier`) is decided the same way,
+with what its agents write in place of the runtime's heartbeats: a node is
+ready once its agent registered (its standbys are started), a break report
+comes from an agent for all its workers when one exits with an error, and a
+recovery ends when every member's agent has launched the new generation's
+workers.  The culprit of a script error is the earliest report, and silent
+members (not known dead) get ``REPORT_GRACE`` to report first, so the job's
+message names the script's own error rather than a peer's broken collective.
+A stop ends such a job at once (the script has no step boundary to stop at).
 """
 
 from __future__ import annotations
@@ -55,9 +66,9 @@ from orchestrator.controller.commands import take_commands
 from orchestrator.controller.hangs import STALE_BEATS, hung_workers
 from orchestrator.controller.placement import nearest_spare, replacement_order
 from orchestrator.controller.world import World, silent_members, workers_of
-from orchestrator.records import JobStatus, Member, Plan
+from orchestrator.records import JobStatus, Member, NodeRecord, Plan
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, RecoveryMode
 from orchestrator.topology import NodeInfo, topology_order
 
 #: After the first failure report, how long to wait for the other survivors' reports.
@@ -86,6 +97,8 @@ class Memory:
     silence_seen: tuple[float, float] | None = None
     #: generations that ended with an error of the training script
     user_errors: list[int] = field(default_factory=list)
+    #: restart tier: the generation whose first break report was seen, and when
+    reported: tuple[int, float] | None = None
 
 
 @dataclass
@@ -93,6 +106,15 @@ class Decision:
     memory: Memory
     status: JobStatus
     actions: list[Action]
+
+
+def restart_tier(spec: JobSpec, nodes: dict[str, NodeRecord]) -> bool:
+    """Whether the job runs in the restart tier: said by the spec, or, for ``auto``
+    (a job submitted without the entrypoint check), by the agents that resolved it."""
+    mode = spec.fault_tolerance.recovery
+    if mode is not RecoveryMode.AUTO:
+        return mode is RecoveryMode.RESTART
+    return any(n.recovery == RecoveryMode.RESTART.value for n in nodes.values())
 
 
 def decide(spec: JobSpec, memory: Memory, status: JobStatus, world: World) -> Decision:
@@ -130,11 +152,21 @@ class _Decider:
     def in_grace(self) -> bool:
         return self.w.mono < self.m.grace_until
 
+    @property
+    def restart_tier(self) -> bool:
+        return restart_tier(self.spec, self.w.nodes)
+
     def warm(self, node: str) -> bool:
-        """A registered node whose every worker is alive and beating (ready for a slot)."""
+        """A registered node whose every worker is alive and beating (ready for a slot).
+
+        In the restart tier, a registered node: its agent registers once its
+        standbys are started, and its workers write no heartbeats.
+        """
         info = self.w.nodes.get(node)
         if info is None:
             return False
+        if self.restart_tier:
+            return True
         stale = STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds()
         for i in range(info.slots):
             p = self.w.progress.get(keys.worker_id(node, i))
@@ -288,6 +320,13 @@ class _Decider:
         last = self.spec.max_steps
         finished_all = last > 0 and any(r.step >= last for r in w.done.values())
         all_done = bool(workers) and all(x in w.done for x in workers)
+        if self.control.stop and self.restart_tier:
+            self.phase(
+                JobPhase.STOPPED,
+                "stopped on request; the workers were stopped (the script resumes from its "
+                "own checkpoint when the job runs again)",
+            )
+            return
         # A stop wins over "all done": the workers end their loops on the stop.
         if self.control.stop and (all_done or all(x in w.done for x in workers if x in w.progress)):
             steps = sorted({r.step for r in w.done.values()})
@@ -302,6 +341,8 @@ class _Decider:
             # A member whose agent is gone did not raise anything: its peers' errors
             # came from the collectives it left (one the runtime could not see).
             node_gone = w.dead & silent_members(plan, w.reports)
+            if self.restart_tier and self.wait_for_reports(plan):
+                return
             if any(r.user_error for r in w.reports.values()) and not node_gone:
                 self.user_error(plan)
             else:
@@ -327,7 +368,26 @@ class _Decider:
                 self.phase(JobPhase.RUNNING, message)
             self.m.recovery_started = None
 
+    def wait_for_reports(self, plan: Plan) -> bool:
+        """Restart tier: give silent members, not known dead, ``REPORT_GRACE`` to report.
+
+        Their reports tell whose failure came first (the script's own error, or
+        the collective it broke on the peers).
+        """
+        w, m = self.w, self.m
+        if m.reported is None or m.reported[0] != plan.generation:
+            m.reported = (plan.generation, w.mono)
+        waiting = silent_members(plan, w.reports) - w.dead
+        return bool(waiting) and w.mono - m.reported[1] < REPORT_GRACE.total_seconds()
+
     def recovered(self, plan: Plan, workers: list[str]) -> bool:
+        if self.restart_tier:
+            # no step heartbeats: recovered once every member launched the generation
+            return all(
+                (info := self.w.nodes.get(m.node)) is not None
+                and info.generation == plan.generation
+                for m in plan.members
+            )
         for x in workers:
             p = self.w.progress.get(x)
             if p is None or p.generation != plan.generation or p.step <= self.m.recovery_step:
@@ -338,7 +398,11 @@ class _Decider:
         """The training script raised in a step: restart up to max_restarts, then fail."""
         if plan.generation not in self.m.user_errors:
             self.m.user_errors.append(plan.generation)
-        worker, report = next((x, r) for x, r in self.w.reports.items() if r.user_error)
+        # the earliest report is the culprit: the peers' collectives broke after it
+        worker, report = min(
+            ((x, r) for x, r in self.w.reports.items() if r.user_error),
+            key=lambda item: (item[1].at, item[0]),
+        )
         limit = self.spec.fault_tolerance.max_restarts
         used = len(self.m.user_errors)
         if used > limit:

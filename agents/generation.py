@@ -67,9 +67,11 @@ class Generations:
         s.recoveries += 0 if planned else 1
         log.warning("generation %d ends: %s", s.generation, reason)
         s.hook = None
+        s.collective_guard.detach()
         for w in s.wrapped:
             w.drop()
         teardown_group()
+        s.groups = None
         self.report(s.generation, reason, planned)
         self.join_next(s.generation + 1)
         s.last_recovery_s = time.monotonic() - started
@@ -160,7 +162,7 @@ class Generations:
         s.rank = member.rank_base + s.env.local_rank
         s.world_size = plan.world_size
         s.fence.join(plan.generation, s.watch.revision_of(plan.generation))
-        host, port = form_group(
+        groups = form_group(
             s.client,
             s.env.job,
             plan.generation,
@@ -169,13 +171,16 @@ class Generations:
             s.env.address,
             collective_timeout=s.spec.fault_tolerance.hang_timeout * 2,
             fence=s.fence,
+            backend=s.backend,
+            device=s.device,
         )
+        s.groups = groups
         s.telemetry.group_formed(plan.generation)
-        _publish_environment(plan, s.env.node, s.rank, host, port)
+        _publish_environment(plan, s.env.node, s.rank, *groups.store)
         try:
             s.saving.open(first=plan.generation == 1)
             mine = s.step if s.has_state else NO_STATE
-            result = sync_state(mine, self._capture, self._restore)
+            result = sync_state(mine, self._capture, self._restore, group=groups.control)
         except RuntimeError as e:  # the new group broke already: a member is gone again
             teardown_group()
             raise RecoveryError(
@@ -191,6 +196,7 @@ class Generations:
             w.rebuild()
         s.heartbeat.start()
         s.heartbeat.poke()
+        s.collective_guard.attach(groups, plan.generation)
 
     def _capture(self) -> dict[str, Any]:
         s = self._s

@@ -11,15 +11,29 @@ Seen on these machines: after a peer is SIGKILLed, the survivors' gloo calls
 raise at once (a plain ``RuntimeError``, see :mod:`agents.failures`),
 ``destroy_process_group`` takes well under a millisecond and a new group
 forms in tens of milliseconds, so recovering in-process is cheap.
+
+The data plane uses the job's backend (``comm.backend``: NCCL when the worker
+sees a CUDA device, gloo otherwise).  Beside an NCCL group, each generation
+also forms a small gloo group, the *control group*: the step boundary's few
+integers and the state sync's bookkeeping travel there, so they never wait
+on the GPU stream.  Under gloo the default group serves both.
+
+NCCL's default error handling tears a process down when a communicator
+fails; hot-swap keeps exactly that process's memory, so the runtime asks for
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (abort the communicators, keep the
+process) before the group forms.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from agents.api import RecoveryError
@@ -33,6 +47,60 @@ log = logging.getLogger(__name__)
 #: How long forming a group may take before the generation is given up.
 DEFAULT_FORM_TIMEOUT = timedelta(seconds=30)
 
+#: NCCL error handling that aborts a failed communicator and keeps the process.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+@dataclass(frozen=True)
+class Groups:
+    """One generation's process groups.
+
+    Attributes:
+        backend: the data plane's backend (``"nccl"`` or ``"gloo"``).
+        control: the gloo group for the step boundary and the state sync's
+            bookkeeping (None: the default group, which is gloo, serves).
+        store: ``(host, port)`` of the generation's bootstrap store.
+    """
+
+    backend: str
+    control: dist.ProcessGroup | None
+    store: tuple[str, int]
+
+    def each(self) -> list[dist.ProcessGroup]:
+        """The data group, then the control group when there is one of its own."""
+        world = dist.group.WORLD
+        groups = [world] if isinstance(world, dist.ProcessGroup) else []
+        return groups + ([self.control] if self.control is not None else [])
+
+
+def choose_device(backend: str, local_rank: int) -> tuple[str, torch.device]:
+    """The data backend and this worker's device, from ``comm.backend``.
+
+    ``auto`` means NCCL when CUDA devices are visible.  A worker binds the
+    device of its local rank, as torchrun scripts do.
+
+    Raises:
+        RecoveryError: NCCL without a CUDA device, or more local workers than
+            visible devices (the message says what to change).
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen = ("nccl" if count else "gloo") if backend == "auto" else backend
+    if count == 0:
+        if chosen == "nccl":
+            raise RecoveryError(
+                "comm.backend is nccl, but this worker sees no CUDA device "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                "use comm.backend: auto or gloo"
+            )
+        return chosen, torch.device("cpu")
+    if local_rank >= count:
+        raise RecoveryError(
+            f"local rank {local_rank} has no CUDA device of its own (this node shows {count}); "
+            f"set nproc_per_node to at most {count}"
+        )
+    torch.cuda.set_device(local_rank)
+    return chosen, torch.device("cuda", local_rank)
+
 
 def form_group(
     client: EtcdClient,
@@ -44,8 +112,10 @@ def form_group(
     timeout: timedelta = DEFAULT_FORM_TIMEOUT,
     collective_timeout: timedelta = timedelta(minutes=5),
     fence: GenerationFence | None = None,
-) -> tuple[str, int]:
-    """Initialise the default process group for ``generation``; return its store's address.
+    backend: str = "gloo",
+    device: torch.device | None = None,
+) -> Groups:
+    """Initialise the default process group for ``generation`` (and its control group).
 
     Args:
         fence: when given, rank 0 publishes the store address only while
@@ -92,17 +162,30 @@ def form_group(
         # behind a pile of prefixes (and its own rank twice).  The agent already
         # prefixes each line with the worker, so the hook is left as it was.
         excepthook = sys.excepthook
+        if backend == "nccl":
+            name, value = NCCL_ERROR_HANDLING
+            if os.environ.get(name, value) != value:
+                log.warning("%s=%s replaced by %s: a peer's failure must not end this process",
+                            name, os.environ[name], value)  # fmt: skip
+            os.environ[name] = value
         try:
             dist.init_process_group(
-                "gloo",
+                backend,
                 store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=collective_timeout,
+                device_id=device if backend == "nccl" else None,
+            )
+            control = (
+                dist.new_group(backend="gloo", timeout=collective_timeout)
+                if backend != "gloo"
+                else None
             )
         finally:
             sys.excepthook = excepthook
-        return host, port
+        assert control is None or isinstance(control, dist.ProcessGroup)
+        return Groups(backend=backend, control=control, store=(host, port))
     except (RuntimeError, OSError, EtcdError, FencedError) as e:
         teardown_group()
         raise RecoveryError(
@@ -123,6 +206,25 @@ def _wait_for_master(client: EtcdClient, key: str, deadline: float) -> tuple[str
         if time.monotonic() >= deadline:
             raise RuntimeError(f"rank 0 did not publish the store address at {key} in time")
         time.sleep(0.01)
+
+
+def abort_groups(groups: Groups) -> None:
+    """Abort ``groups``' communicators from any thread (best effort).
+
+    NCCL's abort ends a collective that waits on a dead or cut-off peer; gloo's
+    does not (its operation timeout does), and is harmless.
+    """
+    for group in groups.each():
+        try:
+            group.abort()
+        except (RuntimeError, ValueError) as e:  # already torn down by the training thread
+            log.debug("abort: %s", e)
+
+
+def set_op_timeout(groups: Groups, timeout: timedelta) -> None:
+    """Give every later collective of ``groups`` at most ``timeout``."""
+    for group in groups.each():
+        group.set_timeout(timeout)
 
 
 def teardown_group() -> None:

@@ -61,13 +61,14 @@ from torch import nn
 
 from agents import boundary
 from agents.api import RECOVERY_RESTART, JobEndedError, RecoveryError, Stateful, WorkerEnv
+from agents.collective_guard import CollectiveGuard, OpTimeout
 from agents.elastic_ddp import ElasticDDP, HookInstaller
 from agents.failures import CollectiveFailures, peer_failure
 from agents.generation import Generations
 from agents.heartbeat import Heartbeat
 from agents.messages import one_line
 from agents.plan_watch import PlanWatcher
-from agents.process_group import teardown_group
+from agents.process_group import Groups, choose_device, teardown_group
 from agents.saving import Saving
 from agents.standalone import StandaloneSession
 from agents.telemetry import WorkerTelemetry
@@ -120,6 +121,8 @@ class Session:
         self.tracked: dict[str, Stateful] = {}
         self.wrapped: list[ElasticDDP] = []
         self.save_fn: SaveFn | None = None
+        self.backend, self.device = choose_device(spec.comm.backend.value, env.local_rank)
+        self.groups: Groups | None = None
         self.telemetry = WorkerTelemetry()
         self.fence = GenerationFence(client, env.job)
         self._metrics: dict[str, float] = {}
@@ -130,6 +133,15 @@ class Session:
         self.saving = Saving(self)
         self.generations = Generations(self)
         self.watch = PlanWatcher(client, env.job)
+        ft, comm = spec.fault_tolerance, spec.comm
+        self.collective_guard = CollectiveGuard(
+            OpTimeout(
+                floor=comm.op_timeout_floor.total_seconds(),
+                multiple=comm.op_timeout_multiple,
+                ceiling=2 * ft.hang_timeout.total_seconds(),
+            ),
+            self.watch.latest_generation,
+        )
         self.heartbeat = Heartbeat(
             client,
             keys.job_progress(env.job) + self.worker,
@@ -241,6 +253,7 @@ class Session:
             self._step_error = None
             self._failures.clear()
             current = self.step
+            started = time.monotonic()
             yield current
             if self._step_error is not None:
                 self._failed(self._step_error, f"step {current}")
@@ -255,6 +268,7 @@ class Session:
                 self.telemetry.step_done(self.hook, self.wrapped)
                 self.generations.failures_at_step = 0
                 self._boundary()
+                self.collective_guard.step_ended(time.monotonic() - started)
             except (RecoveryError, JobEndedError):
                 raise
             except Exception as e:
@@ -284,13 +298,18 @@ class Session:
             error, self._failures.take(), plan.generation if plan is not None else None
         )
         if why is not None:
-            self.generations.recover(f"{where} failed: {one_line(error)} ({why})")
+            ended_by = self.collective_guard.ended_by(error)
+            self.telemetry.left_by = ended_by
+            self.generations.recover(
+                f"{where} failed: {one_line(error)} ({why}; ended by {ended_by})"
+            )
             return
         reason = f"{where} raised {type(error).__name__}: {one_line(error)}"
         log.warning("%s; the error is the script's own: leaving", reason)
         self.generations.report(self.generation, reason, planned=False, user_error=True)
         self.heartbeat.stop()
         self.watch.stop()
+        self.collective_guard.close()
         teardown_group()
         raise error
 
@@ -308,7 +327,8 @@ class Session:
                     stop=control.stop,
                     etcd_lost=self.client.unreachable_for() > contact,
                     save_due_by_time=self.saving.save_due_by_time(),
-                )
+                ),
+                group=self.groups.control if self.groups is not None else None,
             )
         if agreed.etcd_lost:
             self.generations.pause_for_etcd()
@@ -317,12 +337,18 @@ class Session:
         # Every rank decides from the same reduced numbers (a replacement has seen
         # no request yet, its peers have): a request is new only if no rank served it.
         self._control_seen = max(agreed.checkpoint_requested, agreed.checkpoint_served)
+        saves = []
         if agreed.checkpoint_request_new:
-            self.saving.save("requested")
+            saves.append("requested")
         elif agreed.periodic_save_due(self.step, self.spec.checkpoint.every_steps):
-            self.saving.save("periodic")
+            saves.append("periodic")
         if agreed.stop:
-            self.saving.save("stop")
+            saves.append("stop")
+        if saves:  # a save's collectives may wait on rank 0's storage: no learnt timeout
+            with self.collective_guard.relaxed():
+                for reason in saves:
+                    self.saving.save(reason)
+        if agreed.stop:
             self._stop_requested = True
             return
         if agreed.generation > self.generation:
@@ -344,6 +370,7 @@ class Session:
         except FencedError as e:
             log.warning("not recording the end of training: %s", e)
         self.heartbeat.stop()
+        self.collective_guard.close()
         for w in self.wrapped:
             w.drop()
         teardown_group()
@@ -368,6 +395,7 @@ class Session:
     def close(self) -> None:
         self.heartbeat.stop()
         self.watch.stop()
+        self.collective_guard.close()
         teardown_group()
         self.client.close()
 

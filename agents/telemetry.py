@@ -42,6 +42,9 @@ class WorkerTelemetry:
         self.checkpoint_upload_s: float | None = None
         self.wire_bytes = 0
         self.dense_bytes = 0
+        #: what ended this worker's last failed generation: ``error`` (a collective
+        #: raised), ``timeout`` or ``abort`` (see :mod:`agents.collective_guard`)
+        self.left_by: str | None = None
 
     # -- generation timeline -----------------------------------------------------------
 
@@ -90,4 +93,5 @@ class WorkerTelemetry:
             checkpoint_upload_s=self.checkpoint_upload_s,
             wire_bytes=self.wire_bytes,
             dense_bytes=self.dense_bytes,
+            left_by=self.left_by,
         )

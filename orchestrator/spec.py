@@ -278,17 +278,47 @@ class CompressionSpec:
         return out
 
 
+class Backend(str, Enum):
+    """The data plane's collective backend (``comm.backend``).
+
+    ``auto``: NCCL when the worker sees a CUDA device, else gloo.  The step
+    boundary's control vector always travels on a small gloo group beside it.
+    """
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
 @dataclass
 class CommSpec:
-    """How gradients travel: compression, hierarchical all-reduce, topology labels."""
+    """How gradients travel: backend, compression, hierarchical all-reduce, topology
+    labels, and how long a collective may take before a peer counts as gone.
 
+    A collective's timeout is ``op_timeout_multiple`` times the slowest step of the
+    recent past, never under ``op_timeout_floor`` and never over twice
+    ``fault_tolerance.hang_timeout``.
+    """
+
+    backend: Backend = Backend.AUTO
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     hierarchical: bool = False
     topology_labels: list[str] = field(default_factory=lambda: ["zone", "rack", "host"])
     bucket_cap_mb: float = 25.0
+    op_timeout_floor: timedelta = timedelta(seconds=5)
+    op_timeout_multiple: float = 10.0
 
     def problems(self) -> Problems:
         out: Problems = []
+        out += _positive(self.op_timeout_floor, "op_timeout_floor")
+        if self.op_timeout_multiple < 2:
+            out.append(
+                (
+                    "op_timeout_multiple",
+                    f"must be 2 or more (a collective may wait for a peer's whole step), "
+                    f"got {self.op_timeout_multiple:g}",
+                )
+            )
         if len(set(self.topology_labels)) != len(self.topology_labels):
             out.append(("topology_labels", f"labels repeat: {self.topology_labels}"))
         if self.bucket_cap_mb <= 0:

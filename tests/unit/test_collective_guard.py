@@ -1,0 +1,49 @@
+"""The operation timeout learnt from the job's steps, and what ended a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.collective_guard import WARMUP_STEPS, CollectiveGuard, OpTimeout
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_ceiling_holds_until_enough_steps_were_seen() -> None:
+    t = OpTimeout(floor=5, multiple=10, ceiling=600)
+    for _ in range(WARMUP_STEPS - 1):
+        t.observe(0.1)
+        assert t.current() == 600  # the first steps include warm-up: nothing learnt yet
+    t.observe(0.1)
+    assert t.current() == 5  # 10 x 0.1 s is under the floor
+
+
+def test_the_timeout_follows_the_slowest_recent_step_within_bounds() -> None:
+    t = OpTimeout(floor=5, multiple=10, ceiling=600, window=4)
+    for s in (0.2, 2.0, 0.2, 0.2):
+        t.observe(s)
+    assert t.current() == pytest.approx(20.0)
+    for _ in range(4):  # the slow step leaves the window
+        t.observe(0.3)
+    assert t.current() == 5
+    t.observe(100.0)
+    assert t.current() == 600  # never above twice hang_timeout
+
+
+def test_abort_grace_lets_a_planned_step_end_on_its_own() -> None:
+    t = OpTimeout(floor=5, multiple=10, ceiling=600)
+    for _ in range(WARMUP_STEPS):
+        t.observe(0.05)
+    assert t.abort_grace() == 0.5  # a short floor for fast steps
+    t.observe(2.0)
+    assert t.abort_grace() == pytest.approx(4.0)
+
+
+def test_ended_by_names_the_mechanism() -> None:
+    guard = CollectiveGuard(OpTimeout(5, 10, 600), latest_generation=lambda: 0)
+    try:
+        gloo_timeout = RuntimeError("Timed out waiting 1500ms for recv operation to complete")
+        assert guard.ended_by(gloo_timeout) == "timeout"
+        assert guard.ended_by(RuntimeError("Connection reset by peer")) == "error"
+    finally:
+        guard.close()

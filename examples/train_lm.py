@@ -1,0 +1,229 @@
+"""A small causal transformer language model, trained elastically on Python's own source.
+
+The flagship example: what a real training loop looks like under ringmaster.
+
+* data: the bytes of a module that ships with Python (``argparse.py``, about
+  100 KB), cut into fixed windows; :class:`agents.data.ElasticLoader` reads each
+  step's global batch with two worker processes, so a step that runs again
+  reads the same batch and a replacement continues at the exact sample;
+* model: a byte-level causal transformer (pre-norm encoder layers with a causal
+  mask), trained under ``torch.autocast("cpu", dtype=torch.bfloat16)``;
+* optimizer: AdamW with a linear warm-up and a cosine decay (``LambdaLR``);
+* gradient accumulation: the rank's share of the global batch is split into
+  ``--accum`` micro-batches, all but the last under ``model.no_sync()``;
+* tracked state: model, optimizer, scheduler, EMA weights and a token counter,
+  all of which reach a replacement (from a live peer) and durable checkpoints
+  (saved asynchronously every ``checkpoint.every_steps``).
+
+Run it with ``ringmaster run examples/lm.yaml``, with a node killed mid-run with
+``ringmaster run examples/lm.yaml --kill-node-at-step 50``: both end with the
+same loss.  ``--short`` (or ``RINGMASTER_LM_SHORT=1``) trains a smaller model on
+shorter windows, for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import Dataset
+
+from agents import runtime
+from agents.data import ElasticLoader
+
+VOCAB = 256  # bytes
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model and data sizes."""
+
+    context: int = 64
+    width: int = 64
+    layers: int = 2
+    heads: int = 4
+    global_batch: int = 16
+
+
+FULL = Size()
+SHORT = Size(context=32, width=32, layers=1, heads=2, global_batch=8)
+
+
+def corpus() -> bytes:
+    """The text: the source of ``argparse``, as installed with this Python."""
+    return Path(argparse.__file__).read_bytes()
+
+
+class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i``: the bytes at ``[i*c, i*c + c)`` and the same shifted by one."""
+
+    def __init__(self, data: torch.Tensor, context: int) -> None:
+        self.data = data
+        self.context = context
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.context
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.context : (i + 1) * self.context + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class ByteLM(nn.Module):
+    """Embeddings, pre-norm transformer layers under a causal mask, a tied output."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, size.width)
+        self.position = nn.Parameter(torch.zeros(size.context, size.width))
+        layer = nn.TransformerEncoderLayer(
+            size.width,
+            size.heads,
+            dim_feedforward=4 * size.width,
+            dropout=0.0,  # no RNG in the step: every rank's step is a function of its data
+            batch_first=True,
+            norm_first=True,
+        )
+        self.layers = nn.TransformerEncoder(layer, size.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(size.width)
+        nn.init.normal_(self.embed.weight, std=0.02)  # tied output: small logits at the start
+        mask = nn.Transformer.generate_square_subsequent_mask(size.context)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.position[:t]
+        h = self.layers(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.norm(h) @ self.embed.weight.t()
+
+
+class TokenCount:
+    """Tokens trained on by all ranks together: tracked, so it survives recoveries."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens = int(state["tokens"])
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
+    """LR factor: linear warm-up over ``warmup`` steps, then a cosine down to ``floor``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: torch.Tensor, context: int) -> float:
+    """Mean next-byte loss (fp32) on the held-out windows."""
+    windows = Windows(data, context)
+    x = torch.stack([windows[i][0] for i in range(len(windows))])
+    y = torch.stack([windows[i][1] for i in range(len(windows))])
+    return float(F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--short", action="store_true", help="the small form, for tests")
+    parser.add_argument("--out", help="directory: each rank writes its final numbers there")
+    parser.add_argument("--log-every", type=int, default=20)
+    args = parser.parse_args()
+    size = SHORT if args.short or os.environ.get("RINGMASTER_LM_SHORT") == "1" else FULL
+
+    torch.manual_seed(0)
+    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+    split = int(len(text) * 0.95)
+    train_data, held_out = text[:split], text[split:]
+
+    session = runtime.init()
+    total = args.steps or session.spec.max_steps
+    net = ByteLM(size)
+    model = session.wrap(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, total))
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.95))
+    seen = TokenCount()
+    session.track(model=model, optimizer=opt, scheduler=sched, ema=ema, tokens=seen)
+    loader = ElasticLoader(
+        Windows(train_data, size.context), session, size.global_batch, seed=1, num_workers=2
+    )
+
+    loss_sum = torch.zeros(())
+    for step in session.steps(total or None):
+        with session.guard():
+            x, y = loader.batch(step)
+            opt.zero_grad()
+            loss_sum = torch.zeros(())
+            # mean over the step's global batch: per-rank sums, scaled, averaged by DDP
+            scale = loader.loss_scale / size.context
+            micro = list(zip(x.tensor_split(args.accum), y.tensor_split(args.accum), strict=True))
+            for i, (xb, yb) in enumerate(micro):
+                last = i == len(micro) - 1
+                with model.no_sync() if not last else contextlib.nullcontext():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        logits = model(xb)
+                    loss = F.cross_entropy(
+                        logits.float().reshape(-1, VOCAB), yb.reshape(-1), reduction="sum"
+                    )
+                    (loss * scale).backward()
+                loss_sum += loss.detach()
+            opt.step()
+            sched.step()
+            ema.update_parameters(net)
+        if session.step_failed:
+            continue  # the step runs again in the next generation
+        seen.tokens += size.global_batch * size.context
+        mean = float(loss_sum) / (len(y) * size.context)
+        session.report(loss=mean, samples=len(y))
+        if session.rank == 0 and step % args.log_every == 0:
+            lr = sched.get_last_lr()[0]
+            print(f"step {step} loss {mean:.4f} lr {lr:.2e} world {session.world_size}", flush=True)
+    loader.close()
+    if session.finished:
+        final = {
+            "step": session.step,
+            "eval_loss": evaluate(net, held_out, size.context),
+            "ema_eval_loss": evaluate(ema.module, held_out, size.context),
+            "train_loss": float(loss_sum) / (len(y) * size.context),
+            "tokens": seen.tokens,
+            "recoveries": session.recoveries,
+        }
+        if session.rank == 0:
+            print(
+                f"finished at step {session.step}: held-out loss {final['eval_loss']:.6f} "
+                f"(EMA {final['ema_eval_loss']:.6f}), {seen.tokens} tokens",
+                flush=True,
+            )
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"final-rank{session.rank}.json")
+            with open(path, "w") as f:
+                json.dump(final, f)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
+from checkpoint import dcp_calls
 from checkpoint.api import (
     DEFAULT_SAVE_TIMEOUT,
     CheckpointError,
@@ -245,15 +243,7 @@ class AsyncSaver:
 
     def _write(self, directory: Location, staged: dict[str, Any]) -> list[ObjectEntry]:
         writer = ChecksummingWriter(directory, thread_count=self.thread_count)
-        planner = DefaultSavePlanner(flatten_state_dict=False)
-        if self.coord.distributed:
-            dcp.save(
-                staged, storage_writer=writer, planner=planner, process_group=self.coord.upload
-            )
-        else:
-            # The public entry point warns when torch.distributed is not initialised;
-            # a single-process save is a normal case here, not a mistake.
-            _save_state_dict(staged, writer, no_dist=True, planner=planner)
+        dcp_calls.save(staged, writer, self.coord.upload if self.coord.distributed else None)
         return writer.objects()
 
     def _upload(

@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from checkpoint import dcp_calls
 from checkpoint.api import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -74,13 +72,8 @@ def load_into(directory: Location, target: FlatState, coord: Coordination) -> No
     check_fits(target, available, directory.url)
     for key in [k for k in target if is_rank_key(k) and k not in available]:
         del target[key]
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        if coord.distributed:
-            dcp.load(target, storage_reader=reader, planner=planner, process_group=coord.control)
-        else:
-            # The public entry point warns without torch.distributed; one process is normal here.
-            _load_state_dict(target, reader, planner=planner, no_dist=True)
+        dcp_calls.load(target, reader, coord.control if coord.distributed else None)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException

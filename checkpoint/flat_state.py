@@ -10,18 +10,25 @@ The flat form maps dotted keys to tensors or small picklable objects:
 Replicated keys are identical on every data-parallel rank, so each is written
 by one owner rank (:func:`assign_owners` balances bytes across ranks without
 communication); ``rank.<r>`` is written by rank ``r`` only.
+
+Nested state dicts are flattened by :func:`flatten`, whose key scheme is the
+one DCP's own flattening used when checkpoints were first written here (it is
+private to torch, so it is done here): mappings are always entered, a list
+only when it holds a tensor or a container that is entered, and the path is
+joined with dots (``optim.param_groups.0.lr``).  Everything else, tuples
+included, is one entry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import random
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,7 +48,8 @@ _OWN_KEYS = (SAMPLES_KEY, EXTRA_KEY, SCHED_KEY)
 _OBJECT_COST = 1024
 
 FlatState = dict[str, Any]
-KeyPaths = dict[str, tuple[Any, ...]]
+#: Path of each flat key in the nested dict: dict keys (str) and list indexes (int).
+KeyPaths = dict[str, tuple[str | int, ...]]
 
 
 def rank_key(rank: int) -> str:
@@ -51,6 +59,79 @@ def rank_key(rank: int) -> str:
 
 def is_rank_key(key: str) -> bool:
     return key.startswith(RANK_PREFIX)
+
+
+def _enters(value: Any) -> bool:
+    """Whether :func:`flatten` goes inside ``value`` rather than keeping it whole."""
+    if isinstance(value, Mapping):
+        return True
+    if isinstance(value, list):
+        return any(isinstance(v, torch.Tensor) or _enters(v) for v in value)
+    return False
+
+
+def flatten(nested: Mapping[str, Any]) -> tuple[FlatState, KeyPaths]:
+    """A nested state dict as dotted keys, and each key's path for :func:`unflatten`.
+
+    Raises:
+        CheckpointMismatchError: two paths join to the same dotted key
+            (``{"a.b": 1, "a": {"b": 2}}``).
+    """
+    flat: FlatState = {}
+    paths: KeyPaths = {}
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit((*path, str(key)), item)
+        elif _enters(value):
+            for index, item in enumerate(value):
+                visit((*path, index), item)
+        else:
+            key = ".".join(str(p) for p in path)
+            if key in flat:
+                raise CheckpointMismatchError(
+                    f"two entries of the state flatten to the key {key!r}: "
+                    f"{paths[key]} and {path}; rename one of them"
+                )
+            flat[key] = value
+            paths[key] = path
+
+    for key, value in nested.items():
+        visit((str(key),), value)
+    return flat, paths
+
+
+def unflatten(flat: Mapping[str, Any], paths: KeyPaths) -> dict[str, Any]:
+    """The nested dict that :func:`flatten` took apart (lists come back as lists)."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = paths[key]
+        parent: Any = nested
+        for part, child in itertools.pairwise(path):
+            parent = _slot(parent, part, [] if isinstance(child, int) else {})
+        _put(parent, path[-1], value)
+    return nested
+
+
+def _slot(container: Any, part: str | int, empty: dict[str, Any] | list[Any]) -> Any:
+    """The container at ``part`` of ``container``, made ``empty`` when there is none."""
+    if isinstance(container, list):
+        assert isinstance(part, int)
+        while len(container) <= part:
+            container.append(None)
+        if container[part] is None:
+            container[part] = empty
+        return container[part]
+    return container.setdefault(part, empty)
+
+
+def _put(container: Any, part: str | int, value: Any) -> None:
+    if isinstance(container, list):
+        assert isinstance(part, int)
+        while len(container) <= part:
+            container.append(None)
+    container[part] = value
 
 
 def _rng_states() -> dict[str, Any]:
@@ -100,13 +181,13 @@ def capture(state: TrainState, rank: int) -> tuple[FlatState, KeyPaths]:
     nested: dict[str, Any] = {"model": get_model_state_dict(state.model)}
     if state.optimizer is not None:
         nested["optim"] = get_optimizer_state_dict(state.model, state.optimizer)
-    flat, mapping = flatten_state_dict(nested)
+    flat, paths = flatten(nested)
     if state.scheduler is not None:
         flat[SCHED_KEY] = _to_bytes(state.scheduler.state_dict())
     flat[SAMPLES_KEY] = int(state.samples_seen)
     flat[EXTRA_KEY] = _to_bytes(dict(state.extra))
     flat[rank_key(rank)] = encode_rank_blob(state)
-    return flat, dict(mapping)
+    return flat, paths
 
 
 def apply(state: TrainState, flat: FlatState, mapping: KeyPaths, rank: int) -> bool:
@@ -116,7 +197,7 @@ def apply(state: TrainState, flat: FlatState, mapping: KeyPaths, rank: int) -> b
         True when this rank's own blob (RNG, ``rank_state``) was present and applied.
     """
     replicated = {k: v for k, v in flat.items() if not is_rank_key(k) and k not in _OWN_KEYS}
-    nested = unflatten_state_dict(replicated, {k: mapping[k] for k in replicated})
+    nested = unflatten(replicated, mapping)
     set_model_state_dict(state.model, nested["model"])
     if state.optimizer is not None:
         optim = nested["optim"]

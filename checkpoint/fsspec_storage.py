@@ -4,15 +4,21 @@
 ``file:///data/ckpt``, ``memory://x``) to an fsspec filesystem once, or wraps
 a filesystem given by the caller (tests pass deliberately faulty ones).
 
-:class:`ChecksummingWriter` is DCP's fsspec writer that records the size and
-CRC-32C of every object it writes, for the manifest.  On object stores each
+:class:`ChecksummingWriter` is DCP's file-system writer, put on the
+location's fsspec filesystem, that records the size and CRC-32C of every
+object it writes, for the manifest.  On object stores each
 chunk is checksummed as it streams out; on a local disk the file is
 checksummed from the page cache while its fsync runs (the two overlap, so
 the checksum costs no time of its own), see :class:`_ChecksumStream`.
 While it writes, torch's own per-record zip CRC-32 is switched off
 (:func:`torch_zip_crc_off`): it would be a second checksum pass over the
 same bytes, and the manifest's checksum covers every byte of the object.
-:class:`LocationReader` is DCP's fsspec reader on the same filesystem object.
+:class:`LocationReader` is DCP's file-system reader on the same filesystem object.
+
+Both stand on torch's public ``FileSystemWriter``/``FileSystemReader`` with
+:class:`_FsspecObjects` in place of their local ``FileSystem``: DCP lays out
+the files exactly as it does on a local disk, and every byte goes through
+fsspec.  (torch's own fsspec adapter lives in a private module.)
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from typing import Any
 import fsspec
 import torch
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DcpFsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemBase,
+    FileSystemReader,
+    FileSystemWriter,
+)
 
 from checkpoint.api import CheckpointStorageError, ObjectEntry
 from checkpoint.checksums import DEFAULT_ALGORITHM, RunningChecksum, new_checksum
@@ -274,8 +283,11 @@ def torch_zip_crc_off() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_zip_crc_saved)
 
 
-class _RecordingFileSystem(_DcpFsspecFileSystem):
-    """DCP's fsspec adapter on a given filesystem; records what is written.
+class _FsspecObjects(FileSystemBase):
+    """DCP's file-system operations on an fsspec filesystem; records what is written.
+
+    Paths are the filesystem's own (no protocol).  A write that fails leaves
+    no object behind when the filesystem lets it be removed.
 
     Args:
         fs: the filesystem.
@@ -284,43 +296,73 @@ class _RecordingFileSystem(_DcpFsspecFileSystem):
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, *, durable: bool = False) -> None:
-        super().__init__()
         self.fs = fs
         self.durable = durable
         self._lock = threading.Lock()
+        #: (size, checksum hex) of each object written, by path.
         self.written: dict[str, tuple[int, str]] = {}
-
-    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str | os.PathLike[str]:
-        return path
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+        name = os.fspath(path)
+        if not any(c in mode for c in "wa+"):
+            with self.fs.open(name, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
+        with self.fs.open(name, mode) as raw:
             stream = _ChecksumStream(raw, durable=self.durable)
             try:
                 yield stream
             except BaseException:
                 stream.abandon()
+                self._remove_partial(name)
                 raise
             stream.close()  # DCP may have closed it already: then this is a no-op
         assert stream.checksum is not None
         with self._lock:
-            self.written[os.fspath(path)] = (stream.size, stream.checksum)
+            self.written[name] = (stream.size, stream.checksum)
+
+    def _remove_partial(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except Exception:  # the write already failed; that error is the one to report
+            pass
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str:
+        return os.fspath(path)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
+        old, new = os.fspath(path), os.fspath(new_path)
+        self.fs.mv(old, new)
         with self._lock:
-            entry = self.written.pop(os.fspath(path), None)
+            entry = self.written.pop(old, None)
             if entry is not None:
-                self.written[os.fspath(new_path)] = entry
+                self.written[new] = entry
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return bool(self.fs.exists(os.fspath(path)))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.fs.rm_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return [str(p) for p in self.fs.ls(os.fspath(path), detail=False)]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        # Writers and readers here are always built from a Location, never
+        # picked by DCP from a checkpoint id.
+        return False
 
 
-class ChecksummingWriter(FsspecWriter):
-    """DCP's fsspec writer that records (size, checksum) of every object it writes.
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file-system writer on a location's filesystem; records each object's size and checksum.
 
     Args:
         location: the checkpoint directory.
@@ -338,7 +380,7 @@ class ChecksummingWriter(FsspecWriter):
             thread_count=thread_count,
             overwrite=False,
         )
-        self._recorder = _RecordingFileSystem(location.fs, durable=location.is_local)
+        self._recorder = _FsspecObjects(location.fs, durable=location.is_local)
         # DCP annotates ``fs`` as its local FileSystem; any FileSystemBase works.
         self.fs = self._recorder  # type: ignore[assignment]
         self.path = location.root
@@ -365,10 +407,10 @@ class ChecksummingWriter(FsspecWriter):
         return out
 
 
-class LocationReader(FsspecReader):
-    """DCP's fsspec reader over a :class:`Location`'s filesystem object."""
+class LocationReader(FileSystemReader):
+    """DCP's file-system reader over a :class:`Location`'s filesystem object."""
 
     def __init__(self, location: Location) -> None:
         super().__init__(location.root)
-        self.fs = _RecordingFileSystem(location.fs)  # type: ignore[assignment]
+        self.fs = _FsspecObjects(location.fs)  # type: ignore[assignment]
         self.path = location.root

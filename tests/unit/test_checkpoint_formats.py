@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from checkpoint import Checkpointer, RestoreSource, TrainState
-from checkpoint.flat_state import capture
+from checkpoint import Checkpointer, CheckpointMismatchError, RestoreSource, TrainState
+from checkpoint.flat_state import capture, flatten, unflatten
 from tests.checkpoint_golden import GOLDEN_ROOT, SAMPLES_SEEN, STEP, build_state, fresh_state
 
 pytestmark = pytest.mark.unit
@@ -127,3 +128,55 @@ def test_a_save_today_is_laid_out_like_the_golden_one(tmp_path: Path) -> None:
     state = fresh_state()
     assert Checkpointer(f"file://{tmp_path}/now").restore(state).step == STEP
     _assert_restored(state, 0, rank_state=True)
+
+
+def test_flatten_enters_mappings_and_lists_holding_tensors_only() -> None:
+    t = torch.zeros(2)
+    nested = {
+        "m": {"a": t, 1: {"b": 3}, "empty": {}},
+        "tensors": [t, 5],
+        "deep": [[t], "x"],
+        "dicts": [{"lr": 0.1}, {"lr": 0.2}],
+        "names": ["w", "b"],
+        "pair": (t, t),
+    }
+    flat, paths = flatten(nested)
+    assert set(flat) == {
+        "m.a",
+        "m.1.b",
+        "tensors.0",
+        "tensors.1",
+        "deep.0.0",
+        "deep.1",
+        "dicts.0.lr",
+        "dicts.1.lr",
+        "names",
+        "pair",
+    }
+    assert flat["names"] == ["w", "b"] and flat["pair"] == (t, t)
+    assert paths["m.1.b"] == ("m", "1", "b") and paths["deep.0.0"] == ("deep", 0, 0)
+    back = unflatten(flat, paths)
+    # An empty mapping has no entry to carry it; everything else comes back, lists as lists.
+    assert back == {
+        "m": {"a": t, "1": {"b": 3}},
+        "tensors": [t, 5],
+        "deep": [[t], "x"],
+        "dicts": [{"lr": 0.1}, {"lr": 0.2}],
+        "names": ["w", "b"],
+        "pair": (t, t),
+    }
+
+
+def test_flatten_refuses_two_paths_with_one_key() -> None:
+    with pytest.raises(CheckpointMismatchError, match=r"'a\.b'"):
+        flatten({"a.b": 1, "a": {"b": 2}})
+
+
+def test_single_process_saves_hide_only_dcps_single_process_note(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt = Checkpointer(f"file://{tmp_path}/quiet")
+        ckpt.save_now(1, build_state(0))
+        Checkpointer(f"file://{tmp_path}/quiet").restore(fresh_state())
+        with pytest.raises(UserWarning, match="something else"):
+            warnings.warn("something else", UserWarning, stacklevel=1)

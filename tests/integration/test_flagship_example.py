@@ -27,8 +27,8 @@ from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 24
-KILL_AT = 10
+STEPS = 36
+KILL_AT = 8
 
 
 def short_lm_job(name: str, tmp: Path, spares: int) -> JobSpec:

@@ -26,8 +26,6 @@ from torch.utils.data import Dataset
 
 from agents.data import DataLoaderError, ElasticLoader, GlobalOrder, share_bounds
 
-pytestmark = pytest.mark.integration
-
 N = 50  # dataset length: steps straddle epochs with a batch of 12
 BATCH = 12
 
@@ -58,6 +56,7 @@ def stream(positions: int, seed: int) -> list[int]:
     return order.indices(0, positions)
 
 
+@pytest.mark.unit
 def test_shares_cover_each_step_once() -> None:
     for world in range(1, 8):
         bounds = [share_bounds(BATCH, r, world) for r in range(world)]
@@ -67,6 +66,7 @@ def test_shares_cover_each_step_once() -> None:
         assert max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.unit
 def test_global_order_is_a_permutation_per_epoch_and_seeded() -> None:
     s = stream(3 * N, seed=5)
     for e in range(3):
@@ -76,6 +76,7 @@ def test_global_order_is_a_permutation_per_epoch_and_seeded() -> None:
     assert GlobalOrder(N, shuffle=False).indices(45, 55) == [*range(45, 50), *range(5)]
 
 
+@pytest.mark.unit
 def test_world_size_changes_skip_and_repeat_nothing() -> None:
     where = Where(0, 2)
     loader = ElasticLoader(Indexed(N), where, BATCH, seed=3)
@@ -88,6 +89,7 @@ def test_world_size_changes_skip_and_repeat_nothing() -> None:
     assert set(counts.values()) == {3}, "each sample once per epoch"
 
 
+@pytest.mark.unit
 def test_bad_setups_say_what_to_do() -> None:
     with pytest.raises(DataLoaderError, match="global_batch_size must be at least 1"):
         ElasticLoader(Indexed(N), Where(0, 1), 0)
@@ -103,6 +105,7 @@ def test_bad_setups_say_what_to_do() -> None:
         loader.batch(0)
 
 
+@pytest.mark.integration
 def test_worker_processes_serve_the_right_batch_after_reruns_and_new_worlds() -> None:
     where = Where(1, 2)
     loader = ElasticLoader(Indexed(N), where, BATCH, seed=3, num_workers=2, prefetch_factor=2)
@@ -128,6 +131,7 @@ def test_worker_processes_serve_the_right_batch_after_reruns_and_new_worlds() ->
         loader.close()
 
 
+@pytest.mark.integration
 def test_persistent_workers_do_not_serve_stale_batches() -> None:
     where = Where(0, 2)
     loader = ElasticLoader(Indexed(N), where, BATCH, seed=1, num_workers=2, persistent_workers=True)
@@ -171,6 +175,7 @@ def _records(log: Path) -> list[tuple[str, ...]]:
     ]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_durable_resume_at_another_world_size_continues_at_the_exact_sample(

@@ -88,16 +88,16 @@ class GlobalOrder:
         self.seed = seed
         self.shuffle = shuffle
         self._epoch = -1
-        self._perm: list[int] = []
+        self._perm = torch.arange(length)
 
-    def permutation(self, epoch: int) -> list[int]:
-        """The order of ``epoch`` (the last one asked for is kept)."""
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of ``epoch`` as a tensor of indices (the last one asked for is kept)."""
         if epoch != self._epoch:
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed + epoch)
-                self._perm = torch.randperm(self.length, generator=g).tolist()
+                self._perm = torch.randperm(self.length, generator=g)
             else:
-                self._perm = list(range(self.length))
+                self._perm = torch.arange(self.length)
             self._epoch = epoch
         return self._perm
 
@@ -108,7 +108,7 @@ class GlobalOrder:
         while position < stop:
             epoch, within = divmod(position, self.length)
             take = min(stop - position, self.length - within)
-            out += self.permutation(epoch)[within : within + take]
+            out += self.permutation(epoch)[within : within + take].tolist()
             position += take
         return out
 

@@ -165,15 +165,24 @@ class Session:
     # -- what the script registers -----------------------------------------------------
 
     def wrap(self, module: nn.Module, hook_installer: HookInstaller | None = None) -> ElasticDDP:
-        """Wrap ``module`` for data-parallel training across generations."""
+        """Wrap ``module`` for data-parallel training across generations.
+
+        On a GPU worker the module moves to :attr:`device` (the local rank's
+        CUDA device) and DDP gets ``device_ids``, as in a torchrun script.
+        """
         comm = self.spec.comm
         if hook_installer is None and (comm.hierarchical or comm.compression.type.value != "none"):
             hook_installer = self._install_spec_hook
+        placement: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            module = module.to(self.device)
+            placement["device_ids"] = [self.device.index]
         wrapped = ElasticDDP(
             module,
             hook_installer=hook_installer,
             failures=self._failures,
             bucket_cap_mb=self.spec.comm.bucket_cap_mb,
+            **placement,
         )
         self.wrapped.append(wrapped)
         if dist.is_initialized():

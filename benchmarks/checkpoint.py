@@ -60,13 +60,15 @@ from checkpoint import Checkpointer, TrainState
 WIDTH = 4096
 
 
-def build_state(gib: float) -> TrainState:
-    """Linear layers + Adam (params, exp_avg, exp_avg_sq) totalling at least ``gib`` GiB."""
+def build_state(gib: float, device: str = "cpu") -> TrainState:
+    """Linear layers + Adam (params, exp_avg, exp_avg_sq) totalling at least ``gib`` GiB,
+    on ``device`` (``cuda``: staging copies device memory into pinned host buffers)."""
     per_layer = WIDTH * WIDTH * 4 * 3  # weights + two Adam moments, float32
     layers = max(1, int(-(-gib * 2**30 // per_layer)))
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(1, WIDTH)).sum().backward()
+    model(torch.randn(1, WIDTH, device=device)).sum().backward()
     optimizer.step()
     for p in model.parameters():
         p.grad = None
@@ -194,6 +196,8 @@ def bench_raw_write(state: TrainState, workdir: Path, files: int) -> dict[str, f
     tensors = [p.detach().contiguous() for p in state.model.parameters()]
     for s in state.optimizer.state.values():
         tensors += [t.contiguous() for t in s.values() if torch.is_tensor(t)]
+    # the raw write writes host memory: device state is copied out first, untimed
+    tensors = [t.cpu() for t in tensors]
     shares: list[list[torch.Tensor]] = [[] for _ in range(files)]
     for i, t in enumerate(sorted(tensors, key=lambda t: -t.numel())):
         shares[i % files].append(t)
@@ -259,6 +263,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each comparison")
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
+    parser.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     args = parser.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -271,7 +276,7 @@ def main() -> None:
     )
     workdir = Path(tempfile.mkdtemp(prefix="rm-bench-ckpt-", dir=args.dir))
     try:
-        state = build_state(args.gib)
+        state = build_state(args.gib, args.device)
         size = state_bytes(state)
         print(f"state: {size / 2**30:.2f} GiB (model + Adam), writing under {workdir}")
 
@@ -339,6 +344,7 @@ def main() -> None:
         )
         headline = {
             "state_gib": round(size / 2**30, 3),
+            "device": args.device,
             "blocking_s": round(med(blocking, "blocking_s"), 4),
             "first_blocking_s": round(first["blocking_s"], 4),
             "next_generation_first_blocking_s": round(adopted["blocking_s"], 4),

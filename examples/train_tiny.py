@@ -49,8 +49,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    x, y = dataset()
     session = runtime.init()
+    x, y = (t.to(session.device) for t in dataset())  # the worker's GPU, where it has one
     model = session.wrap(nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     session.track(model=model, optimizer=opt)

@@ -1,0 +1,71 @@
+"""One rank of the two-GPU abort test (tests/cuda/test_nccl_groups.py).
+
+Forms an NCCL generation through the runtime's own ``form_group`` and guards
+it with a :class:`CollectiveGuard` whose "latest generation" is 2 once the
+file ``--moved`` exists (the test's stand-in for the controller's new plan).
+Rank 1 signals readiness and is then SIGSTOPped by the test; rank 0 keeps
+all-reducing and writes how its stuck collective ended to ``--out``.
+
+Arguments: RANK ETCD_ENDPOINT JOB --moved FILE --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from agents.collective_guard import CollectiveGuard, OpTimeout
+from agents.process_group import choose_device, form_group, teardown_group
+from orchestrator.etcd.client import connect
+from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("rank", type=int)
+    p.add_argument("endpoint")
+    p.add_argument("job")
+    p.add_argument("--moved", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # a failed work raises in wait()
+    client = connect(EtcdOptions(endpoints=parse_endpoints(a.endpoint)))
+    backend, device = choose_device("nccl", a.rank)
+    groups = form_group(client, a.job, 1, a.rank, 2, "127.0.0.1", backend=backend, device=device)
+    guard = CollectiveGuard(
+        OpTimeout(floor=60, multiple=10, ceiling=120),  # the timeout must not be what ends it
+        latest_generation=lambda: 2 if a.moved.exists() else 1,
+    )
+    guard.attach(groups, 1)
+    t = torch.ones(1 << 20, device=device)
+    for _ in range(5):
+        dist.all_reduce(t, async_op=True).wait()
+    torch.cuda.synchronize()
+    if a.rank == 1:
+        (a.out.parent / "rank1.ready").write_text(str(os.getpid()))
+        time.sleep(600)  # SIGSTOPped here by the test
+        return
+    started = time.monotonic()
+    try:
+        while True:
+            dist.all_reduce(t, async_op=True).wait()
+    except Exception as e:  # the stuck collective's error is the result
+        a.out.write_text(
+            json.dumps(
+                {"ended_by": guard.ended_by(e), "seconds": time.monotonic() - started,
+                 "error": str(e)[:300]}
+            )
+        )  # fmt: skip
+    finally:
+        guard.close()
+        teardown_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -6,11 +6,18 @@ correct) and fail on others.  A replacement has no state at all.  The rule is
 simple: the rank with the highest step (lowest rank among equals) broadcasts
 its state; everybody behind it loads it.  Each step is therefore applied
 exactly once, and no completed step is lost.
+
+The state travels in two parts: its structure (names, small values, each
+tensor's shape and dtype) is pickled on the gloo control group, and the
+tensors themselves are broadcast as one flat buffer per device and dtype, on
+the data backend for device tensors (NCCL on GPUs) and on gloo for host ones.
+Large tensors are never pickled.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +75,110 @@ def sync_state(
     if all(s == best for s in steps):
         # Every rank applied the same updates: DDP keeps replicas identical.
         return SyncResult(src, best, False, steps)
-    payload: list[Any] = [capture() if dist.get_rank() == src else None]
-    dist.broadcast_object_list(payload, src=src, group=group)
+    state = broadcast_state(capture if dist.get_rank() == src else None, src, group)
     behind = steps[dist.get_rank()] != best
     if behind:
-        restore(payload[0])
+        restore(state)
     log.info("state synced from rank %d at step %d (steps seen %s)", src, best, steps)
     return SyncResult(src, best, behind, steps)
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where a tensor was in the state: its place in a flat buffer."""
+
+    device_type: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` with every tensor replaced by a :class:`_TensorSlot`, and the tensors.
+
+    Dicts, lists and tuples are walked; anything else is kept as is.
+    """
+    tensors: list[torch.Tensor] = []
+    offsets: dict[tuple[str, torch.dtype], int] = {}
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = (x.device.type, x.dtype)
+            offset = offsets.get(key, 0)
+            offsets[key] = offset + x.numel()
+            tensors.append(x)
+            return _TensorSlot(x.device.type, x.dtype, tuple(x.shape), offset)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(state), tensors
+
+
+def join_tensors(skeleton: Any, buffers: dict[tuple[str, torch.dtype], torch.Tensor]) -> Any:
+    """The inverse of :func:`split_tensors`: slots become views of ``buffers``."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, _TensorSlot):
+            flat = buffers[(x.device_type, x.dtype)]
+            numel = 1
+            for n in x.shape:
+                numel *= n
+            return flat[x.offset : x.offset + numel].view(x.shape)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(skeleton)
+
+
+def broadcast_state(
+    capture: Callable[[], Any] | None, src: int, group: dist.ProcessGroup | None
+) -> Any:
+    """Broadcast the source's captured state: its structure pickled on ``group`` (gloo),
+    its tensors as one flat buffer per (device type, dtype).
+
+    Device tensors go over the default (data) group, host tensors over ``group``;
+    a receiver allocates device buffers on its own current device.
+    """
+    header: list[Any] = [None]
+    tensors: list[torch.Tensor] = []
+    if capture is not None:
+        skeleton, tensors = split_tensors(capture())
+        sizes: dict[tuple[str, torch.dtype], int] = {}
+        for t in tensors:
+            key = (t.device.type, t.dtype)
+            sizes[key] = sizes.get(key, 0) + t.numel()
+        header = [(skeleton, sizes)]
+    dist.broadcast_object_list(header, src=src, group=group)
+    skeleton, sizes = header[0]
+    buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    for (device_type, dtype), numel in sizes.items():
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+        )
+        if capture is not None:
+            parts = [  # on one device (a model may span several GPUs)
+                t.detach().reshape(-1).to(device or t.device)
+                for t in tensors
+                if (t.device.type, t.dtype) == (device_type, dtype)
+            ]
+            flat = torch.cat(parts)
+        else:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        on = None if device_type == "cuda" else group  # device tensors: the data backend
+        if flat.dtype == torch.bool:  # gloo and NCCL reduce no bools; they broadcast bytes
+            carrier = flat.view(torch.uint8)
+            dist.broadcast(carrier, src=src, group=on)
+        else:
+            dist.broadcast(flat, src=src, group=on)
+        buffers[(device_type, dtype)] = flat
+    return join_tensors(skeleton, buffers)

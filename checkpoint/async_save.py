@@ -252,6 +252,7 @@ class AsyncSaver:
         started = time.perf_counter()
         coord = self.coord
         try:
+            self._stager.wait_copied()  # device-to-host copies run on a side stream
             objects = self._write(directory, staged)
             gathered: list[list[ObjectEntry]] = coord.all_gather(objects, coord.upload)
             outcome: Manifest | str

@@ -5,15 +5,27 @@ for.  Only the keys this rank owns are copied (replicated state is split
 across ranks), and buffers are kept between saves so that steady-state
 staging is a plain memory copy with no allocation or page faults.  Buffers
 are pinned when CUDA is present so device-to-host copies run at full speed.
+
+Device tensors are copied on a side stream: the copy is ordered after the
+work already queued on the training stream (so it sees this step's values)
+and before any work queued after it (so the next optimizer step cannot
+change a tensor the copy still reads), and the training thread does not wait
+for it to finish.  The upload waits for it (:meth:`Stager.wait_copied`)
+before reading the buffers.  When pinned memory runs out, the remaining
+buffers are plain host memory and their copies finish before :meth:`stage`
+returns.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Stager:
@@ -27,6 +39,8 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._pin = torch.cuda.is_available()
+        self._stream: Any = None  # torch.cuda.Stream, made on the first device copy
+        self._copied: Any = None  # torch.cuda.Event of the last stage's device copies
 
     @property
     def staged_bytes(self) -> int:
@@ -36,7 +50,12 @@ class Stager:
     def _buffer_for(self, key: str, value: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-            buf = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self._pin)
+            try:
+                buf = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
+            except RuntimeError as e:  # pinned memory exhausted: plain memory, slower copies
+                log.warning("staging %s in pageable memory: %s", key, e)
+                self._pin = False
+                buf = torch.empty(value.shape, dtype=value.dtype)
             self._buffers[key] = buf
         return buf
 
@@ -53,20 +72,45 @@ class Stager:
         for stale in set(self._buffers) - wanted:
             del self._buffers[stale]
         staged: dict[str, Any] = {}
+        device_copies = False
+        self.wait_copied()  # the buffers are reused: the last save's copies must be done
         with torch.no_grad():
             for key in wanted:
                 value = flat[key]
                 if isinstance(value, torch.Tensor):
                     buf = self._buffer_for(key, value)
-                    buf.copy_(value, non_blocking=self._pin)
+                    if value.is_cuda and buf.is_pinned():
+                        self._copy_on_side_stream(buf, value, first=not device_copies)
+                        device_copies = True
+                    else:
+                        buf.copy_(value)
                     staged[key] = buf
                 elif isinstance(value, bytes | int | float | str):
                     staged[key] = value
                 else:
                     staged[key] = copy.deepcopy(value)
-        if self._pin:
-            torch.cuda.synchronize()
+        if device_copies:
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._stream)
+            # later work on the training stream (the next optimizer step) waits on
+            # the GPU for the copies; the training thread does not
+            torch.cuda.current_stream().wait_event(self._copied)
         return staged
+
+    def _copy_on_side_stream(self, buf: torch.Tensor, value: torch.Tensor, first: bool) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        if first:
+            self._stream.wait_stream(torch.cuda.current_stream())  # after this step's work
+        with torch.cuda.stream(self._stream):
+            buf.copy_(value, non_blocking=True)
+        value.record_stream(self._stream)  # not reused by the allocator before the copy
+
+    def wait_copied(self) -> None:
+        """Block until the last :meth:`stage`'s device copies are in the buffers."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def release(self) -> None:
         """Drop all buffers (memory is returned once uploads holding them finish)."""

@@ -79,6 +79,8 @@ class KillWorker:
     command: AgentCommand
     worker: str
     message: str
+    #: wall-clock time of its last heartbeat: when it froze
+    silent_since: float = 0.0
 
 
 @dataclass(frozen=True)

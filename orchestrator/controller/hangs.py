@@ -1,10 +1,12 @@
 """Which workers hang: a pure rule over heartbeats, used by the controller's policy.
 
-A worker hangs when its heartbeat thread stopped (no beat for ``STALE_BEATS``
-heartbeat intervals) and its step has not moved for ``hang_timeout``.  Its
-agent is told to kill it, which turns the hang into a failure handled like
-any other.  When every heartbeat stopped at once, the workers' way to etcd is
-stuck (they pause for that), so nobody is killed.
+A worker hangs when its heartbeat thread stopped: no beat for ``STALE_BEATS``
+heartbeat intervals.  The heartbeat is a thread of the worker's own, so a
+silent one means the whole process is frozen (SIGSTOP, a stuck interpreter),
+not a slow step.  Its agent is told to kill it, which turns the hang into a
+failure handled like any other: its peers' collectives raise at once, well
+before any collective timeout.  When every heartbeat stopped at once, the
+workers' way to etcd is stuck (they pause for that), so nobody is killed.
 """
 
 from __future__ import annotations
@@ -50,19 +52,19 @@ def hung_workers(
             if p is None:
                 continue
             frozen = now - p.beat > stale_after
-            stalled = now - p.step_time > ft.hang_timeout.total_seconds()
             # the record names the process that stopped beating: a restarted
             # worker (a new pid) is never killed for its predecessor's silence
             victim = f"{worker}/{p.pid}"
-            if frozen and stalled and now - killed.get(victim, 0) > stale_after:
+            if frozen and now - killed.get(victim, 0) > stale_after:
                 killed[victim] = now
                 out.append(
                     KillWorker(
                         member.node,
                         AgentCommand("kill-worker", local_rank=i, pid=p.pid, reason="hang"),
                         worker,
-                        f"{worker}: no step for {now - p.step_time:.1f}s and no heartbeat;"
-                        " killing it",
+                        f"{worker}: no heartbeat for {now - p.beat:.1f}s (last step "
+                        f"{now - p.step_time:.1f}s ago); killing it",
+                        silent_since=p.beat,
                     )
                 )
     return out

@@ -46,7 +46,7 @@ class JobController:
         self.client = client
         self.job = job
         self.spec, self.spec_hash = read_spec(client, job)
-        self.observer = JobObserver(client, job, self.spec.fault_tolerance.hang_timeout, metrics)
+        self.observer = JobObserver(client, job, metrics)
         #: the run of the job this controller runs (a resubmit starts a new one)
         self.run = self.observer.run
         self.status = read_status(client, job) or JobStatus(job, run=self.run)
@@ -137,7 +137,14 @@ class JobController:
                 keys.agent_commands(job, action.node) + f"{time.time_ns():020d}",
                 action.command,
             )
-            events.emit(client, job, "WorkerHung", action.message, worker=action.worker)
+            events.emit(
+                client,
+                job,
+                "WorkerHung",
+                action.message,
+                worker=action.worker,
+                silent_since=action.silent_since,
+            )
         else:  # pragma: no cover - every action kind is handled above
             raise TypeError(f"unknown controller action {action!r}")
 

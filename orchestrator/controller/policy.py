@@ -15,9 +15,9 @@ Per job it:
   for the silent members' reports, unless their agents refused a liveness
   probe, then replaces the silent ones;
 * replaces a member whose registration lease expired;
-* kills a worker whose heartbeat stopped while its step stalled for
-  ``hang_timeout`` (not when every heartbeat stopped at once: then their way
-  to etcd is stuck, and the workers pause for that);
+* kills a worker whose heartbeat stopped for 3 heartbeat intervals (a frozen
+  process; not when every heartbeat stopped at once: then their way to etcd
+  is stuck, and the workers pause for that);
 * puts a warm spare from the failed node's rack (then zone) in its place,
   and orders the new members by topology so the ring crosses the fewest
   boundaries; scales down to ``nodes.min`` when no spare is left and fails

@@ -62,12 +62,9 @@ class _Pending:
 class JobObserver:
     """Observability state of one job (see the module docstring)."""
 
-    def __init__(
-        self, client: EtcdClient, job: str, hang_timeout: timedelta, metrics: JobMetrics | None
-    ) -> None:
+    def __init__(self, client: EtcdClient, job: str, metrics: JobMetrics | None) -> None:
         self.client = client
         self.job = job
-        self.hang_timeout = hang_timeout
         self.metrics = metrics
         self.history = HistoryWriter(client, job)
         self._rates: collections.deque[tuple[float, int]] = collections.deque()
@@ -235,10 +232,14 @@ class JobObserver:
         recent = [e for e in events.list_events(self.client, self.job) if e.time >= since]
         cause = classify_cause(failed, recent, nodes, agent_gone or set())
         if cause is FailureCause.HANG:
-            hung = [e.time for e in recent if e.type == "WorkerHung"]
-            if hung:
-                stalled = min(hung) - self.hang_timeout.total_seconds()
-                pending.failure_at = min(pending.failure_at, stalled)
+            # the hang began with the hung worker's last heartbeat
+            froze = [
+                float(e.data["silent_since"])
+                for e in recent
+                if e.type == "WorkerHung" and e.data.get("silent_since")
+            ]
+            if froze:
+                pending.failure_at = min(pending.failure_at, min(froze))
         if pending.cause is None:
             pending.cause = cause.value
             pending.reason = why

@@ -214,6 +214,17 @@ def hung_worker_is_killed_by_pid() -> None:
     assert run.of(KillWorker) == []
 
 
+def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
+    """A SIGSTOPped worker's heartbeat stops with it: 3 silent intervals are enough."""
+    run = Run(_spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5)))
+    plan = _plan(1, "a", "b")
+    world = _world(["a", "b"], plan)
+    world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)  # 4 beats missed
+    run.tick(world)
+    (kill,) = run.of(KillWorker)
+    assert kill.command.pid == 77 and kill.silent_since == NOW - 2
+
+
 def every_heartbeat_stopped_is_not_a_hang() -> None:
     run = Run(_spec(hang_timeout=timedelta(seconds=60)))
     plan = _plan(1, "a", "b")
@@ -371,6 +382,7 @@ SCENARIOS: list[Callable[[], None]] = [
     a_spare_from_another_rack_keeps_the_slot_when_the_ring_stays_short,
     lease_expiry_preempted_node_is_replaced,
     hung_worker_is_killed_by_pid,
+    frozen_worker_is_killed_without_waiting_for_hang_timeout,
     every_heartbeat_stopped_is_not_a_hang,
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,

@@ -1,0 +1,47 @@
+"""A whole job on NCCL through the runtime, on the one GPU there is.
+
+One training node (world size 1: NCCL refuses two ranks on one device) and
+a warm spare, with the GPU example's comm block (hierarchical all-reduce,
+PowerSGD on the inter-node stage) and periodic checkpoints.  The training
+node is SIGKILLed: with no live peer, the spare forms a new NCCL group on
+the same GPU, restores the newest checkpoint onto it and finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.api import JobPhase
+from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job
+from tests.cuda.conftest import record
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+
+def test_nccl_job_with_the_gpu_examples_comm_survives_losing_its_node(tmp_path: Path) -> None:
+    comm = {
+        "backend": "nccl",
+        "hierarchical": True,
+        "compression": {"type": "powersgd", "rank": 2, "inter_node_only": True},
+    }
+    spec = tiny_job("cuda-nccl", tmp_path, steps=60, spares=1, comm=comm)
+    spec = dataclasses.replace(
+        spec,
+        nodes=dataclasses.replace(spec.nodes, min=1, max=1),
+        checkpoint=dataclasses.replace(spec.checkpoint, every_steps=10),
+    )
+    lines: list[str] = []
+    with quiet_run(spec, lines, kill_node_at_step=25) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.killed_node is not None
+    # the spare started from the newest committed checkpoint (steps 10 and 20 are saved)
+    spare = [s for w, s in step_log(tmp_path).items() if not w.startswith(result.killed_node)]
+    assert spare and spare[0] and spare[0][0] in (10, 20), (spare, summary(result, lines))
+    params = torch.load(tmp_path / "final.pt")
+    assert all(t.device.type == "cuda" for t in params.values())
+    record("nccl_job_node_lost", recoveries=result.recoveries, wall_s=round(result.wall_s, 2))

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck unit bench chaos clean
+.PHONY: venv demo test lint typecheck unit bench chaos clean compat
 
 venv: $(STAMP)
 
@@ -44,3 +44,29 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# The oldest torch that pyproject.toml admits, in a venv of its own (not part of
+# `make test`): the checkpoint unit tests (golden checkpoints included) and two-process
+# recovery tests.  Every other package is pinned to the version tested in $(VENV), and
+# torch to $(COMPAT_TORCH), through one constraint file: pip can neither replace that
+# torch nor backtrack through other releases.  On x86_64 PyPI has only CUDA builds of
+# it: about 3 GB of wheels on the first run (the venv is reused after).  See
+# docs/compatibility.md.
+COMPAT_VENV  ?= .venv-compat
+COMPAT_TORCH ?= 2.7.1
+COMPAT_TESTS ?= tests/unit/test_checkpoint_*.py tests/integration/test_process_group_reform.py \
+	tests/chaos/test_hot_swap.py::test_sigkill_whole_node_spare_takes_over_nothing_lost
+# DCP's own file writer in torch 2.7-2.10 calls the deprecated Tensor.storage()
+# (one UserWarning per process; torch 2.11 fixed it): not ours to turn into an error.
+COMPAT_WARNINGS ?= -W 'ignore:TypedStorage is deprecated:UserWarning'
+
+compat: $(STAMP)
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --upgrade pip
+	$(PY) -m pip freeze --exclude-editable | grep -v '^torch==' > $(COMPAT_VENV)/constraints.txt
+	echo 'torch==$(COMPAT_TORCH)' >> $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_VENV)/bin/python -m pip install -c $(COMPAT_VENV)/constraints.txt torch==$(COMPAT_TORCH)
+	$(COMPAT_VENV)/bin/python -m pip install -c $(COMPAT_VENV)/constraints.txt -e '.[test,local]'
+	$(COMPAT_VENV)/bin/python -c 'import torch; v = torch.__version__.split("+")[0]; \
+		assert v == "$(COMPAT_TORCH)", f"torch {v} in $(COMPAT_VENV), not $(COMPAT_TORCH)"; print("torch", v)'
+	$(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider $(COMPAT_WARNINGS) $(COMPAT_TESTS)

@@ -37,9 +37,7 @@ def _hide_single_process_note() -> None:
     warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTE, category=UserWarning)
 
 
-def save(
-    state: dict[str, Any], writer: StorageWriter, group: dist.ProcessGroup | None
-) -> None:
+def save(state: dict[str, Any], writer: StorageWriter, group: dist.ProcessGroup | None) -> None:
     """Write ``state`` (already flat) through ``writer``.
 
     Args:
@@ -58,9 +56,7 @@ def save(
     dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
 
 
-def load(
-    state: dict[str, Any], reader: StorageReader, group: dist.ProcessGroup | None
-) -> None:
+def load(state: dict[str, Any], reader: StorageReader, group: dist.ProcessGroup | None) -> None:
     """Fill ``state`` (flat) in place from ``reader``; DCP reshards as needed.
 
     Args:

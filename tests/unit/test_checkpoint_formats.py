@@ -66,7 +66,9 @@ def _assert_restored(state: TrainState, rank: int, *, rank_state: bool) -> None:
     assert expected.optimizer is not None and state.optimizer is not None
     _close(state.model.state_dict(), expected.model.state_dict(), "model")
     _close(state.optimizer.state_dict(), expected.optimizer.state_dict(), "optim")
-    _close(state.scheduler.state_dict(), expected.scheduler.state_dict(), "sched")
+    # A scheduler saved by a newer torch may carry fields an older one does not know.
+    sched, expected_sched = state.scheduler.state_dict(), expected.scheduler.state_dict()
+    _close({k: sched.get(k) for k in expected_sched}, expected_sched, "sched")
     assert state.extra == expected.extra
     assert state.objects["counter"].value == 5
     assert state.samples_seen == SAMPLES_SEEN

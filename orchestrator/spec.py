@@ -278,6 +278,10 @@ class CompressionSpec:
         return out
 
 
+#: Compression kinds that are torch's own DDP hooks: no hierarchical form.
+FLAT_ONLY_COMPRESSION = frozenset({"fp16", "bf16", "powersgd", "localsgd"})
+
+
 class Backend(str, Enum):
     """The data plane's collective backend (``comm.backend``).
 
@@ -323,6 +327,16 @@ class CommSpec:
             out.append(("topology_labels", f"labels repeat: {self.topology_labels}"))
         if self.bucket_cap_mb <= 0:
             out.append(("bucket_cap_mb", f"must be positive, got {self.bucket_cap_mb:g}"))
+        kind = self.compression.type
+        if self.hierarchical and kind.value in FLAT_ONLY_COMPRESSION:
+            out.append(
+                (
+                    "compression.type",
+                    f"'{kind.value}' has no hierarchical form (it is one of torch's own "
+                    "hooks); use none, topk or qsgd with 'comm.hierarchical: true', or set "
+                    "hierarchical to false",
+                )
+            )
         if self.compression.inter_node_only and not self.hierarchical:
             out.append(
                 (

@@ -20,14 +20,6 @@ from agents.comm.safety import SafetyPolicy
 from agents.comm.topk import TopKCompressor
 from orchestrator.spec import CommSpec, CompressionKind
 
-#: Kinds that are torch's own hooks and have no hierarchical form here.
-_FLAT_ONLY = {
-    CompressionKind.FP16,
-    CompressionKind.BF16,
-    CompressionKind.POWERSGD,
-    CompressionKind.LOCALSGD,
-}
-
 
 def build_comm_hook(
     comm: CommSpec,
@@ -52,7 +44,8 @@ def build_comm_hook(
 
     Raises:
         CommConfigError: the combination cannot run (e.g. PowerSGD with
-            ``hierarchical``, uneven nodes for the hierarchical all-reduce).
+            ``hierarchical``: :meth:`CommSpec.problems`; uneven nodes for the
+            hierarchical all-reduce).
     """
     problems = comm.problems() + comm.compression.problems()
     if problems:
@@ -60,11 +53,6 @@ def build_comm_hook(
     c = comm.compression
     kind = CompressionKind(c.type)
     world = dist.get_world_size(process_group)
-    if comm.hierarchical and kind in _FLAT_ONLY:
-        raise CommConfigError(
-            f"comm.compression.type '{kind.value}' has no hierarchical form; use none, topk "
-            "or qsgd with 'comm.hierarchical: true', or set hierarchical to false"
-        )
     needs_layout = comm.hierarchical or kind == CompressionKind.LOCALSGD
     groups: HierarchyGroups | None = None
     if needs_layout:

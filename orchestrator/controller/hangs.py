@@ -30,8 +30,8 @@ def hung_workers(
         spec: the job (``fault_tolerance`` timeouts).
         plan: the current generation.
         world: the snapshot (heartbeats, the time).
-        killed: ``<worker>/<pid>`` → when it was last told to die; updated here,
-            so one process is told once per stale period.
+        killed: ``<worker>/<pid>`` → when it was told to die; updated here, so
+            one process is told once.
     """
     ft, now = spec.fault_tolerance, world.now
     stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
@@ -49,13 +49,14 @@ def hung_workers(
         for i in range(member.nproc):
             worker = keys.worker_id(member.node, i)
             p = current.get(worker)
-            if p is None:
+            if p is None or worker in world.done:  # a finished worker beats no more
                 continue
             frozen = now - p.beat > stale_after
             # the record names the process that stopped beating: a restarted
-            # worker (a new pid) is never killed for its predecessor's silence
+            # worker (a new pid) is never killed for its predecessor's silence,
+            # and one process is told once (its agent kills it or is gone itself)
             victim = f"{worker}/{p.pid}"
-            if frozen and now - killed.get(victim, 0) > stale_after:
+            if frozen and victim not in killed:
                 killed[victim] = now
                 out.append(
                     KillWorker(

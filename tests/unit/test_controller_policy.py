@@ -210,7 +210,10 @@ def hung_worker_is_killed_by_pid() -> None:
     run.tick(world)
     (kill,) = run.of(KillWorker)
     assert kill.node == "b" and kill.command.pid == 4242 and kill.command.local_rank == 0
-    run.tick(world)  # told once per stale period, not on every tick
+    run.tick(world)  # told once, not on every tick
+    assert run.of(KillWorker) == []
+    world.now += 30
+    run.tick(world)  # nor again later: its agent kills it, or is gone itself
     assert run.of(KillWorker) == []
 
 

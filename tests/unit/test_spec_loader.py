@@ -54,7 +54,9 @@ def test_full_job_round_trips_through_to_dict() -> None:
             fault_tolerance: {max_restarts: 10, hang_timeout: 2m, heartbeat_interval: 5s}
             comm:
               compression: {type: powersgd, rank: 4, start_iter: 100}
-              hierarchical: true
+              hierarchical: false
+              backend: gloo
+              op_timeout_floor: 30s
             resources: {image: "img:1", cpu: "4", memory: 16Gi, gpus: 1}
             """
         )
@@ -64,6 +66,8 @@ def test_full_job_round_trips_through_to_dict() -> None:
     assert spec.rendezvous.last_call_timeout == timedelta(milliseconds=500)
     assert spec.checkpoint.async_ is False
     assert spec.comm.compression.rank == 4
+    assert spec.comm.backend.value == "gloo"
+    assert spec.comm.op_timeout_floor == timedelta(seconds=30)
     again = load_job_data(spec.to_dict())
     assert again == spec
 
@@ -71,6 +75,13 @@ def test_full_job_round_trips_through_to_dict() -> None:
 @pytest.mark.parametrize(
     ("text", "path", "line", "words"),
     [
+        (
+            "name: a\nentrypoint: t.py\ncomm:\n  hierarchical: true\n"
+            "  compression: {type: powersgd}\n",
+            "comm.compression.type",
+            5,
+            ["'powersgd' has no hierarchical form", "topk or qsgd"],
+        ),
         ("name: a\nentrypoint: t.py\nnodes:\n  min: two\n", "nodes.min", 4, ["integer", "'two'"]),
         (
             "name: a\nentrypoint: t.py\nnodes:\n  min: 4\n  max: 2\n",

@@ -2,7 +2,7 @@
 
 One training node (world size 1: NCCL refuses two ranks on one device) and
 a warm spare, with the GPU example's comm block (hierarchical all-reduce,
-PowerSGD on the inter-node stage) and periodic checkpoints.  The training
+8-bit QSGD on the inter-node stage) and periodic checkpoints.  The training
 node is SIGKILLed: with no live peer, the spare forms a new NCCL group on
 the same GPU, restores the newest checkpoint onto it and finishes.
 """
@@ -26,7 +26,7 @@ def test_nccl_job_with_the_gpu_examples_comm_survives_losing_its_node(tmp_path: 
     comm = {
         "backend": "nccl",
         "hierarchical": True,
-        "compression": {"type": "powersgd", "rank": 2, "inter_node_only": True},
+        "compression": {"type": "qsgd", "bits": 8, "inter_node_only": True},
     }
     spec = tiny_job("cuda-nccl", tmp_path, steps=60, spares=1, comm=comm)
     spec = dataclasses.replace(

@@ -51,7 +51,7 @@ from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
 from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
 from agents.node_watches import NodeWatches
-from agents.restart_tier import RestartTier
+from agents.restart_tier import PendingStore, RestartTier
 from agents.warm_worker import WarmWorker
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
@@ -145,6 +145,7 @@ class NodeAgent(NodeWatches, RestartTier):
         self._launched_at: float | None = None
         self._broken_generation = 0
         self._refill_at: float | None = None
+        self._pending_store: PendingStore | None = None
         #: A normal end is logged at INFO; one that lost work or failed, at WARNING.
         self._leave_level = logging.INFO
         self.exit_code = 0

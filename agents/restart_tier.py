@@ -11,11 +11,15 @@ torchrun script.  :class:`RestartTier` is the part of
   standbys with torchrun's environment for that generation
   (:func:`torchrun_env`), then starts fresh standbys in the background;
 * ``MASTER_ADDR``/``MASTER_PORT``: the agent of the generation's rank-0 node
-  picks a free port on its address and publishes ``host:port`` under the
-  generation's key (``/ringmaster/jobs/<job>/pg/<gen>/master``); the other
-  agents wait for that key (or for a newer generation) before they launch.
-  Rank 0's worker hosts the TCPStore through ``env://``, so no store outlives
-  its generation and no node is special across generations;
+  picks a free port on its address, launches rank 0 (whose worker hosts the
+  TCPStore there through ``env://``) and, once that port listens, publishes
+  ``host:port`` under the generation's key
+  (``/ringmaster/jobs/<job>/pg/<gen>/master``) and launches its other local
+  ranks; the other agents wait for that key (or for a newer generation)
+  before they launch theirs.  A store client that comes before its server
+  retries after a random backoff of up to half a second here, so waiting for
+  the port is faster than racing it.  No store outlives its generation and no
+  node is special across generations;
 * a worker that exits 0 is recorded as done (the job succeeds when every
   worker of the generation is done); a worker that fails while its generation
   is current is reported, for every local worker, as a break of that
@@ -37,10 +41,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agents.api import ENV_RECOVERY
+from agents.api import ENV_RECOVERY, RECOVERY_RESTART
 from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
 from agents.warm_worker import WarmWorker
@@ -68,6 +73,9 @@ REFILL_DELAY = 3.0
 MASTER_POLL = 0.02
 #: How often the agent reads the job's phase (it leaves when the job has ended).
 PHASE_POLL = 0.5
+#: Seconds rank 0's agent waits for the store port to listen before it publishes
+#: the address anyway (a script may do much work before init_process_group).
+PUBLISH_FALLBACK = 2.0
 
 
 def torchrun_env(
@@ -107,7 +115,7 @@ def torchrun_env(
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
-        ENV_RECOVERY: "restart",
+        ENV_RECOVERY: RECOVERY_RESTART,
     }
 
 
@@ -125,6 +133,35 @@ def checkpoint_dir(spec: JobSpec, workdir: str) -> str:
     if not path.is_absolute():
         path = Path(workdir) / path
     return str(path / "script")
+
+
+def listening(port: int) -> bool:
+    """Whether a local TCP socket listens on ``port`` (``/proc/net/tcp*``; no connection
+    is made).  True where that cannot be read (not Linux): then nobody waits for it."""
+    seen = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for row in rows:
+            fields = row.split()  # sl, local address:port (hex), remote, state (0A: LISTEN)
+            local_port = int(fields[1].rsplit(":", 1)[1], 16) if len(fields) > 3 else -1
+            if local_port == port and fields[3] == "0A":
+                return True
+    return not seen
+
+
+@dataclass
+class PendingStore:
+    """Rank 0 is launched; its store address is published once the port listens."""
+
+    plan: Plan
+    member: Member
+    key: str
+    master: tuple[str, int]
+    deadline: float
 
 
 def free_port(address: str) -> int:
@@ -154,6 +191,7 @@ class RestartTier:
     _launched_at: float | None
     _broken_generation: int
     _refill_at: float | None
+    _pending_store: PendingStore | None
 
     def _worker_env(self, local_rank: int) -> dict[str, str]:
         raise NotImplementedError
@@ -192,6 +230,7 @@ class RestartTier:
             if plan is not None and plan.generation > self._launched_generation:
                 self._switch(plan)
                 continue
+            self._publish_store()
             self._check_exits()
             if self._refill_at is not None and time.monotonic() >= self._refill_at:
                 self._refill_standbys()
@@ -209,30 +248,63 @@ class RestartTier:
     def _switch(self, plan: Plan) -> None:
         """Stop this generation's workers; launch the next one's if it includes this node."""
         self._stop_running(STOP_GRACE)
+        self._pending_store = None
         self._launched_generation = plan.generation
         member = plan.member(self.node)
         if member is None:
             self._safe_register()
             return
-        master = self._generation_master(plan, member)
-        if master is None:
-            return  # a newer generation came first (or the agent stops)
         self._clear_done(member)
-        started = time.monotonic()
-        for i in range(member.nproc):
+        key = keys.pg_store(self.job, plan.generation) + "master"
+        if member.rank_base == 0:
+            master = (self.address, free_port(self.address))
+            self._launch(plan, member, 0, master)
+            deadline = time.monotonic() + PUBLISH_FALLBACK
+            self._pending_store = PendingStore(plan, member, key, master, deadline)
+            self._publish_store()
+            return
+        found = self._wait_for_store(plan, key)
+        if found is None:
+            return  # a newer generation came first (or the agent stops)
+        self._launch_rest(plan, member, range(member.nproc), found)
+
+    def _launch_rest(
+        self, plan: Plan, member: Member, slots: range, master: tuple[str, int]
+    ) -> None:
+        for i in slots:
             self._launch(plan, member, i, master)
         self._launched_at = time.time()
         log.info(
-            "[%s] generation %d: started %d worker(s) in %.2fs (restart %d; store at %s:%d)",
+            "[%s] generation %d: started %d worker(s) (restart %d; store at %s:%d)",
             self.node,
             plan.generation,
             member.nproc,
-            time.monotonic() - started,
             max(plan.generation - 1, 0),
             *master,
         )
         self._safe_register()
         self._refill_at = time.monotonic() + REFILL_DELAY
+
+    def _publish_store(self) -> None:
+        """Rank 0's node: publish the store address once rank 0 listens (or the fallback
+        time passed), then launch the other local ranks."""
+        pending = self._pending_store
+        if pending is None:
+            return
+        if self._newer_than(pending.plan):
+            self._pending_store = None
+            return
+        port = pending.master[1]
+        if not listening(port) and time.monotonic() < pending.deadline:
+            return
+        try:
+            self.client.put(pending.key, f"{pending.master[0]}:{port}")
+        except EtcdError as e:
+            log.warning("[%s] publishing the store address (will retry): %s", self.node, e)
+            return
+        self._pending_store = None
+        self._launch_rest(pending.plan, pending.member, range(1, pending.member.nproc),
+                          pending.master)  # fmt: skip
 
     def _stop_running(self, grace: float) -> None:
         """SIGTERM the running workers, SIGKILL those still there after ``grace``."""
@@ -249,22 +321,9 @@ class RestartTier:
                 w.proc.wait()
         self.workers.clear()
 
-    def _generation_master(self, plan: Plan, member: Member) -> tuple[str, int] | None:
-        """``(host, port)`` of the generation's store: picked here on rank 0's node,
-        else waited for; None when a newer generation (or a stop) came first."""
-        key = keys.pg_store(self.job, plan.generation) + "master"
-        if member.rank_base == 0:
-            port = free_port(self.address)
-            while not self._stop.is_set():
-                try:
-                    self.client.put(key, f"{self.address}:{port}")
-                    return self.address, port
-                except EtcdError as e:
-                    log.warning("[%s] publishing the store address: %s", self.node, e)
-                    if self._newer_than(plan):
-                        return None
-                    self._stop.wait(0.2)
-            return None
+    def _wait_for_store(self, plan: Plan, key: str) -> tuple[str, int] | None:
+        """``(host, port)`` of the generation's store once rank 0's agent published it;
+        None when a newer generation (or a stop) came first."""
         while not self._stop.is_set() and not self._newer_than(plan):
             try:
                 kv = self.client.get(key)

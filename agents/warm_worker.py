@@ -17,6 +17,11 @@ script's output to whoever launched it.  A standby whose stdin closes before
 a request (its agent discarded it or died) exits 0 without running anything;
 it also dies with its agent (``PR_SET_PDEATHSIG``).
 
+A standby has imported :data:`PREIMPORTS` before it waits.  When the
+script returns or raises, the process ends at once (:func:`_finish`: atexit
+handlers and file buffers first, then ``os._exit``), without torch's slow
+teardown.
+
 Variables that torch reads while it is imported must already be in the
 standby's own environment: the agent starts it with the job's base
 environment (``entrypoint.env``, ``OMP_NUM_THREADS``...), and only the
@@ -25,6 +30,7 @@ per-generation variables (``RANK``, ``MASTER_PORT``...) come with the request.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -117,11 +123,59 @@ def _run(request: dict[str, object]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def main() -> None:
-    # the point of a standby: torch is imported before the script needs it
-    import torch
-    import torch.distributed  # noqa: F401
+#: What a standby imports before it waits: torch, its distributed package, and
+#: what a torchrun script's first DDP or DataLoader would import lazily
+#: (``torch._dynamo`` alone takes about a second here).
+PREIMPORTS = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "torch._dynamo",
+)
 
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit status Python would give ``sys.exit(e.code)`` (printing a message code)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """End the process now: atexit handlers, open files flushed, then ``os._exit``.
+
+    torch's own teardown (its threads and static objects) takes well over
+    half a second here, and a failed worker's peers are restarted only once
+    it has exited; what a script may rely on at exit (its atexit handlers,
+    ``logging``'s flush, the buffers of files it left open) still runs.
+    """
+    import atexit
+    import gc
+    import io
+
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
+        for obj in gc.get_objects():
+            # type(), not isinstance(): some objects warn when asked for __class__
+            if issubclass(type(obj), io.IOBase) and not obj.closed:
+                with contextlib.suppress(BaseException):
+                    obj.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    import importlib
+
+    for name in PREIMPORTS:
+        importlib.import_module(name)
     line = sys.stdin.readline()
     if not line.strip():
         return  # discarded before it was used
@@ -131,7 +185,22 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
-    _run(request)
+    code = 0
+    try:
+        _run(request)
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException as e:
+        # the traceback as Python prints it for the script (torch may prefix it),
+        # without this module's and runpy's frames
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        if tb is not None:
+            e = e.with_traceback(tb)
+        sys.excepthook(type(e), e, e.__traceback__)
+        code = 1
+    _finish(code)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,14 @@ The same tiny job runs twice in this process's lifetime, on 127.0.0.1:
 
 Measured for each: seconds from the SIGKILL to the next completed training
 step anywhere in the job, and steps lost (steps completed before the kill that
-had to be computed again).  The last line is a JSON object.
+had to be computed again).
+
+Tier 0 (the restart tier) runs ``examples/train_torchrun.py``, an unmodified
+torchrun script with its own checkpoints (every ``TIER0_CHECKPOINT_EVERY``
+steps), twice more: under ringmaster (``recovery: restart``: every worker
+starts again from a pre-imported standby, rank 0's node hosts the store of
+its generation only) and under the same stock torchrun setup as above.  The
+last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
+
+# before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
+apply_grpc_environment()
+
 from orchestrator.etcd.embedded import free_port  # noqa: E402
 
 STEPS = 400
@@ -37,6 +49,10 @@ KILL_AT = 100
 STEP_TIME = 0.02
 #: How long torchrun gets to train again after the kill before it counts as not recovered.
 TORCHRUN_PATIENCE_S = 90.0
+#: Tier 0: epochs of examples/train_torchrun.py (32 steps each at world size 2)
+TIER0_EPOCHS = 6
+TIER0_KILL_AT = 60
+TIER0_CHECKPOINT_EVERY = 10
 
 
 def _entries(log_dir: Path, by_file: bool) -> list[tuple[float, int, str]]:
@@ -109,6 +125,178 @@ def run_ringmaster(tmp: Path) -> dict[str, float]:
     assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
     recovery, lost = _measure(logs, killed_at, by_file=False)
     return {"recovery_s": recovery, "steps_lost": lost}
+
+
+def _tier0_args(logs: Path) -> list[str]:
+    return [
+        "--epochs",
+        str(TIER0_EPOCHS),
+        "--step-time",
+        str(STEP_TIME),
+        "--checkpoint-every",
+        str(TIER0_CHECKPOINT_EVERY),
+        "--step-log",
+        str(logs),
+    ]
+
+
+def _tier0_entries(logs: Path) -> list[tuple[float, int, int]]:
+    """(time, step, pid) of every step examples/train_torchrun.py logged (``step`` counts
+    completed steps, from 1)."""
+    out = []
+    for f in logs.glob("*.log"):
+        for line in f.read_text().splitlines():
+            step, t, _restart, pid = line.split()
+            out.append((float(t), int(step), int(pid)))
+    return sorted(out)
+
+
+def _tier0_measure(logs: Path, killed_at: float) -> tuple[float, int]:
+    """(seconds from the kill to the first step of a worker started after it, steps lost)."""
+    entries = _tier0_entries(logs)
+    old = {p for t, _, p in entries if t <= killed_at}
+    last_before = max((s for t, s, _ in entries if t <= killed_at), default=0)
+    after = [(t, s) for t, s, p in entries if t > killed_at and p not in old]
+    if not after:
+        return float("inf"), -1
+    resumed = min(s for _, s in after)
+    return after[0][0] - killed_at, max(0, last_before + 1 - resumed)
+
+
+def run_tier0_ringmaster(tmp: Path) -> dict[str, float]:
+    from orchestrator.local_run import LocalRun
+    from orchestrator.spec_loader import load_job_data, resolve_recovery
+
+    logs = tmp / "steps"
+    logs.mkdir()
+    spec = load_job_data(
+        {
+            "name": "bench-tier0",
+            "entrypoint": {
+                "script": str(REPO / "examples" / "train_torchrun.py"),
+                "args": _tier0_args(logs),
+            },
+            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "checkpoint": {"url": f"file://{tmp}/ckpt"},
+        }
+    )
+    spec, why = resolve_recovery(spec, REPO)
+    assert spec.fault_tolerance.recovery.value == "restart", why
+    lines: list[str] = []
+    with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
+        from orchestrator import jobs
+
+        killed_at = 0.0
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            done = [s for _, s, _ in _tier0_entries(logs)]
+            status = jobs.read_status(run.client, spec.name)
+            if done and max(done) >= TIER0_KILL_AT and status and status.active_nodes:
+                killed_at = time.time()
+                run.kill_node(status.active_nodes[0])  # rank 0's node: its store goes too
+                break
+            time.sleep(0.01)
+        result = run.wait()
+    assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
+    recovery, lost = _tier0_measure(logs, killed_at)
+    return {"recovery_s": recovery, "steps_lost": lost}
+
+
+def _torchrun_nodes(port: int, script: Path, args: list[str]) -> list[subprocess.Popen[bytes]]:
+    """Three ``torchrun --nnodes=2:3`` agents on the c10d store at ``port``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = {k: v for k, v in env.items() if not k.startswith("RINGMASTER_")}
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2:3",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=bench",
+                "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1,"
+                "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                "--max-restarts=3",
+                "--monitor-interval=0.1",
+                str(script),
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for _ in range(3)
+    ]
+
+
+def _store_process(port: int) -> subprocess.Popen[bytes]:
+    """torchrun's c10d rendezvous store in a process of its own (no node hosts it)."""
+    store = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, datetime, torch.distributed as d;"
+            f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False,"
+            " timeout=datetime.timedelta(seconds=600));"
+            "print('ready', flush=True); time.sleep(3600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert store.stdout is not None
+    store.stdout.readline()
+    return store
+
+
+def run_tier0_torchrun(tmp: Path) -> dict[str, float]:
+    logs = tmp / "steps"
+    logs.mkdir()
+    port = free_port()
+    store = _store_process(port)
+    args = [*_tier0_args(logs), "--checkpoint-dir", str(tmp / "ckpt")]
+    nodes = _torchrun_nodes(port, REPO / "examples" / "train_torchrun.py", args)
+    killed_at = 0.0
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            entries = _tier0_entries(logs)
+            trainers = [
+                (n, pid) for _, _, pid in reversed(entries) for n in nodes if n.pid == _parent(pid)
+            ]
+            if entries and max(s for _, s, _ in entries) >= TIER0_KILL_AT and trainers:
+                victim, worker = trainers[0]  # a node that trains, agent and worker
+                killed_at = time.time()
+                os.killpg(victim.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        until = time.time() + TORCHRUN_PATIENCE_S
+        while time.time() < until and killed_at:
+            if _tier0_measure(logs, killed_at)[0] != float("inf"):
+                break
+            if all(n.poll() is not None for n in nodes):
+                break
+            time.sleep(0.1)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
+        store.kill()
+        store.wait()
+    recovery, lost = _tier0_measure(logs, killed_at)
+    return {"recovery_s": recovery, "steps_lost": lost}
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def run_torchrun(tmp: Path) -> dict[str, float]:
@@ -214,7 +402,38 @@ def _training_node(
     raise RuntimeError("no training torchrun worker found")
 
 
+def _tier0() -> dict[str, object]:
+    """The tier-0 row: the plain torchrun script under ringmaster and under torchrun."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        rm = run_tier0_ringmaster(Path(a))
+        print(
+            f"tier 0, ringmaster (restart): {rm['recovery_s']:.2f}s to the next step, "
+            f"{rm['steps_lost']} lost"
+        )
+        tr = run_tier0_torchrun(Path(b))
+        if tr["recovery_s"] == float("inf"):
+            print(f"tier 0, torchrun: no step within {TORCHRUN_PATIENCE_S:g}s of the kill")
+        else:
+            print(
+                f"tier 0, torchrun: {tr['recovery_s']:.2f}s to the next step, "
+                f"{tr['steps_lost']} lost"
+            )
+    recovered = tr["recovery_s"] != float("inf")
+    speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
+    return {
+        "tier0_recovery_s": round(rm["recovery_s"], 3),
+        "tier0_steps_lost": rm["steps_lost"],
+        "tier0_torchrun_recovery_s": round(tr["recovery_s"], 3) if recovered else None,
+        "tier0_torchrun_steps_lost": tr["steps_lost"] if recovered else None,
+        "tier0_speedup": round(speedup, 2) if recovered else None,
+        "tier0_speedup_at_least": None if recovered else round(speedup, 1),
+    }
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--tier0"]:  # the tier-0 row alone
+        print(json.dumps(_tier0()))
+        return
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         rm = run_ringmaster(Path(a))
         print(f"ringmaster: {rm['recovery_s']:.2f}s to the next step, {rm['steps_lost']} lost")
@@ -232,6 +451,7 @@ def main() -> None:
     recovered = tr["recovery_s"] != float("inf")
     # torchrun that never trained again within its patience: the ratio is at least this
     speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
+    tier0 = _tier0()
     print(
         json.dumps(
             {
@@ -242,6 +462,7 @@ def main() -> None:
                 "torchrun_steps_lost": tr["steps_lost"] if recovered else None,
                 "speedup": round(speedup, 2) if recovered else None,
                 "speedup_at_least": None if recovered else round(speedup, 1),
+                **tier0,
             }
         )
     )

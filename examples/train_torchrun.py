@@ -64,7 +64,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--checkpoint-dir", default="checkpoints/train_torchrun")
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
-    parser.add_argument("--step-log", help="directory: each rank appends 'step time' lines")
+    parser.add_argument(
+        "--step-log", help="directory: each rank appends 'step time restart pid' lines"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -107,7 +109,7 @@ def main() -> None:
             opt.step()
             step += 1
             if log is not None:
-                log.write(f"{step} {time.time():.6f} {restart}\n")
+                log.write(f"{step} {time.time():.6f} {restart} {os.getpid()}\n")
                 log.flush()
             if rank == 0 and step % args.checkpoint_every == 0:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}

@@ -335,7 +335,13 @@ class _Decider:
         if all_done or finished_all:
             # A worker that applied the last step holds the final state: a failure
             # of its peers after that loses nothing, so nobody waits for a new group.
-            self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}")
+            if self.restart_tier:  # the script's steps are not seen
+                self.phase(
+                    JobPhase.SUCCEEDED,
+                    f"finished: every worker of generation {plan.generation} exited 0",
+                )
+            else:
+                self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}")
             return
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors
@@ -361,6 +367,11 @@ class _Decider:
         if recovering and self.recovered(plan, workers):
             self.actions.append(Recovered(plan))  # its event says how long it took
             message = f"generation {plan.generation} trains again"
+            if self.restart_tier:
+                message = (
+                    f"generation {plan.generation}: every worker restarted (restart "
+                    f"{plan.generation - 1}); the script resumes from its own checkpoint"
+                )
             if status.phase is JobPhase.PAUSED:
                 self.m.paused_from = JobPhase.RUNNING  # the pause ends in Running
                 status.message = message

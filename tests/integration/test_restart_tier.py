@@ -71,7 +71,7 @@ def _steps(tmp: Path) -> dict[str, list[tuple[int, float, int]]]:
     out = {}
     for f in sorted((tmp / "steps").glob("*.log")):
         rows = [line.split() for line in f.read_text().splitlines()]
-        out[f.stem] = [(int(s), float(t), int(r)) for s, t, r in rows]
+        out[f.stem] = [(int(s), float(t), int(r)) for s, t, r, _pid in rows]
     return out
 
 

@@ -361,6 +361,7 @@ class Session:
             self._stop_requested = True
             return
         if agreed.generation > self.generation:
+            self.telemetry.left_by = None  # this step ended well: nothing had to end it
             self.generations.recover(f"generation {agreed.generation} published", planned=True)
 
     # -- the end -----------------------------------------------------------------------

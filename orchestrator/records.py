@@ -378,6 +378,10 @@ class RecoveryRecord(Record):
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the run of the job it happened in
     run: int = 1
+    #: what ended the survivors' failed step: ``error`` (a collective raised),
+    #: ``timeout``, ``abort``, joined by ``+`` when workers differ; empty when none
+    #: of them was in a step (a planned change, a replacement only)
+    ended_by: str = ""
 
     @property
     def phases(self) -> dict[str, float]:

@@ -287,9 +287,11 @@ class JobObserver:
             f"generation {plan.generation} trains again {record.total_s:.2f}s after the "
             f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
             f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
-            f"{phases['first_step']:.2f}s",
+            f"{phases['first_step']:.2f}s"
+            + (f"; the failed step ended by {record.ended_by}" if record.ended_by else ""),
             generation=plan.generation,
             cause=record.cause,
+            ended_by=record.ended_by,
             total_s=round(record.total_s, 6),
             phases={k: round(v, 6) for k, v in phases.items()},
         )

@@ -146,6 +146,9 @@ def build_record(
         restored_step=min(restored_steps) if restored_steps else step,
         observed_s=round(observed_s, 6),
         workers={w: dict(t) for w, t in workers.items()},
+        ended_by="+".join(
+            sorted({str(t["left_by"]) for t in workers.values() if t.get("left_by")})
+        ),
     )
 
 

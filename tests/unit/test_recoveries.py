@@ -80,6 +80,17 @@ def test_phases_come_from_the_slowest_worker_and_sum_to_the_total() -> None:
     assert r.steps_rerun == 0
     again = RecoveryRecord.from_dict(r.to_dict())
     assert again.phases == r.phases and again.cause == "signal"
+    assert r.ended_by == ""  # no worker's step had to be ended
+
+
+def test_record_says_what_ended_the_failed_step() -> None:
+    a, b, c = _worker(11.2, 11.5, 11.6), _worker(11.3, 11.4, 11.7), _worker(11.3, 11.4, 11.7)
+    a["left_by"], b["left_by"] = "timeout", "abort"  # c is the replacement: it left nothing
+    r = build_record(
+        generation=2, cause="lease_expired", nodes=["n1"], reason="", failure_at=10.0,
+        declared_at=11.0, workers={"a": a, "b": b, "c": c}, step=7, observed_s=1.9,
+    )  # fmt: skip
+    assert r.ended_by == "abort+timeout"
 
 
 def test_phase_boundaries_are_clamped_never_negative() -> None:

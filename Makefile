@@ -46,15 +46,17 @@ clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
 # The oldest torch that pyproject.toml admits, in a venv of its own (not part of
-# `make test`): the checkpoint unit tests (golden checkpoints included) and two-process
-# recovery tests.  Every other package is pinned to the version tested in $(VENV), and
-# torch to $(COMPAT_TORCH), through one constraint file: pip can neither replace that
-# torch nor backtrack through other releases.  On x86_64 PyPI has only CUDA builds of
-# it: about 3 GB of wheels on the first run (the venv is reused after).  See
-# docs/compatibility.md.
+# `make test`): the checkpoint unit tests (golden checkpoints included), the golden
+# two-rank checkpoint and a two-rank save resumed on one and three ranks, and two
+# two-process recovery tests.  Every other package is pinned to the version tested in
+# $(VENV), and torch to $(COMPAT_TORCH), through one constraint file: pip can neither
+# replace that torch nor backtrack through other releases.  On x86_64 PyPI has only
+# CUDA builds of it: about 3 GB of wheels on the first run (the venv is reused after).
+# See docs/compatibility.md.
 COMPAT_VENV  ?= .venv-compat
 COMPAT_TORCH ?= 2.7.1
-COMPAT_TESTS ?= tests/unit/test_checkpoint_*.py tests/integration/test_process_group_reform.py \
+COMPAT_TESTS ?= tests/unit/test_checkpoint_*.py tests/integration/test_checkpoint_golden.py \
+	tests/integration/test_checkpoint_resume.py tests/integration/test_process_group_reform.py \
 	tests/chaos/test_hot_swap.py::test_sigkill_whole_node_spare_takes_over_nothing_lost
 # DCP's own file writer in torch 2.7-2.10 calls the deprecated Tensor.storage()
 # (one UserWarning per process; torch 2.11 fixed it): not ours to turn into an error.

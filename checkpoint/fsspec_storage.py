@@ -313,11 +313,11 @@ class _FsspecObjects(FileSystemBase):
             stream = _ChecksumStream(raw, durable=self.durable)
             try:
                 yield stream
+                stream.close()  # DCP may have closed it already: then this is a no-op
             except BaseException:
-                stream.abandon()
+                stream.abandon()  # a no-op when the close above is what failed
                 self._remove_partial(name)
                 raise
-            stream.close()  # DCP may have closed it already: then this is a no-op
         assert stream.checksum is not None
         with self._lock:
             self.written[name] = (stream.size, stream.checksum)

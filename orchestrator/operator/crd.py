@@ -68,6 +68,10 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.url": "fsspec URL (s3://, gs://, file://, ...) of the checkpoint directory.",
     "checkpoint.async": "Save in the background while training goes on.",
     "fault_tolerance": "How failures are detected and how often the job may recover.",
+    "fault_tolerance.recovery": (
+        "auto: in_process when the entrypoint uses the ringmaster runtime, else restart "
+        "(any torchrun script: every worker restarts from the script's own checkpoint)."
+    ),
     "fault_tolerance.preemption_grace": (
         "Time a node gets to save before it goes; sets the pods' termination grace period."
     ),

@@ -25,6 +25,7 @@ from orchestrator.controller.actions import (
     KillWorker,
     PhaseChanged,
     PublishPlan,
+    Recovered,
     WriteControl,
 )
 from orchestrator.controller.world import World
@@ -38,7 +39,7 @@ from orchestrator.records import (
     Plan,
     ProgressRecord,
 )
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode
 from orchestrator.topology import min_ring_crossings, ring_crossings
 
 pytestmark = pytest.mark.unit
@@ -377,6 +378,122 @@ def inputs_are_not_modified() -> None:
     assert memory == policy.Memory() and status == JobStatus("job", JobPhase.RUNNING)
 
 
+# -- the restart tier: plain torchrun scripts, no heartbeats, agents speak for workers
+
+
+def _restart_world(nodes: list[str], plan: Plan | None = None, *, launched: int = 0,
+                   **kw: object) -> World:  # fmt: skip
+    """A restart-tier snapshot: registrations (with the generation each agent
+    launched), no heartbeats."""
+    world = _world(nodes, plan, **kw)
+    world.progress = {}
+    for n in nodes:
+        world.nodes[n] = dataclasses.replace(world.nodes[n], recovery="restart",
+                                             generation=launched, launched_at=NOW)  # fmt: skip
+    return world
+
+
+def _restart_spec(**ft: object) -> JobSpec:
+    return _spec(recovery=RecoveryMode.RESTART, **ft)
+
+
+def restart_tier_starts_without_heartbeats() -> None:
+    run = Run(_restart_spec(), status=JobStatus("job"))
+    run.tick(_restart_world(["b", "a", "c"]))
+    (plan,) = run.plans()
+    assert _order(plan) == ["a", "c"] and plan.spares == ["b"]
+    # the in-process tier waits for the workers' heartbeats instead
+    in_process = Run(_spec(recovery=RecoveryMode.IN_PROCESS), status=JobStatus("job"))
+    in_process.tick(_restart_world(["b", "a", "c"]))
+    assert in_process.plans() == []
+
+
+def restart_tier_auto_is_told_by_the_agents() -> None:
+    run = Run(_spec(), status=JobStatus("job"))  # submitted as auto, agents resolved it
+    assert run.spec.fault_tolerance.recovery is RecoveryMode.AUTO
+    run.tick(_restart_world(["a", "b"]))
+    assert len(run.plans()) == 1
+
+
+def restart_tier_dead_node_is_replaced_not_counted_as_a_script_error() -> None:
+    run = Run(_restart_spec(max_restarts=0))
+    plan = _plan(1, "a", "b")
+    # b's agent is gone; a's worker died in the collective b left (exit code 1)
+    broken = _report(step=0, user_error=True, reason="a-0 exit code 1: RuntimeError: reset")
+    run.tick(_restart_world(["a", "b", "c"], plan, launched=1, reports={"a-0": broken},
+                            dead={"b"}))  # fmt: skip
+    (new,) = run.plans()
+    assert _order(new) == ["a", "c"] and "c replaces b" in new.reason
+    assert run.of(Emit) == [] and run.status.phase is JobPhase.RECOVERING
+    assert run.status.recoveries == 1 and run.memory.user_errors == []
+
+
+def restart_tier_recovers_once_every_member_launched() -> None:
+    run = Run(_restart_spec(), status=JobStatus("job", JobPhase.RECOVERING))
+    plan = _plan(2, "a", "c")
+    world = _restart_world(["a", "c"], plan, launched=2)
+    world.nodes["c"] = dataclasses.replace(world.nodes["c"], generation=1)  # not yet
+    run.tick(world)
+    assert run.of(Recovered) == [] and run.status.phase is JobPhase.RECOVERING
+    run.tick(_restart_world(["a", "c"], plan, launched=2))
+    assert run.of(Recovered) == [Recovered(plan)]
+    assert run.status.phase is JobPhase.RUNNING and "every worker restarted" in run.status.message
+
+
+def restart_tier_script_error_names_the_first_report_and_restarts() -> None:
+    run = Run(_restart_spec(max_restarts=1))
+    plan = _plan(1, "a", "b")
+    own = BreakReport(step=0, reason="b-0 exit code 1: ValueError: bad batch", planned=False,
+                      at=NOW, user_error=True)  # fmt: skip
+    peer = BreakReport(step=0, reason="a-0 exit code 1: RuntimeError: reset by peer",
+                       planned=False, at=NOW + 0.05, user_error=True)  # fmt: skip
+    # a reported first; b, not known dead, gets the grace to report
+    run.tick(_restart_world(["a", "b"], plan, launched=1, mono=50.0, reports={"a-0": peer}))
+    assert run.plans() == [] and run.of(Emit) == []
+    reports = {"a-0": peer, "b-0": own}
+    run.tick(_restart_world(["a", "b"], plan, launched=1, mono=50.2, reports=reports))
+    (restart,) = run.plans()
+    assert _order(restart) == ["a", "b"] and restart.generation == 2
+    (emit,) = run.of(Emit)
+    assert emit.type == "Restart" and "ValueError: bad batch" in emit.message
+    run.tick(_restart_world(["a", "b"], _plan(2, "a", "b"), launched=2, reports=reports))
+    assert run.status.phase is JobPhase.FAILED
+    assert "worker b-0 failed" in run.status.message and "ValueError: bad batch" in (
+        run.status.message
+    )
+
+
+def restart_tier_silent_member_after_the_grace_is_a_restart() -> None:
+    run = Run(_restart_spec())
+    plan = _plan(1, "a", "b")
+    error = _report(step=0, user_error=True, reason="a-0 exit code 1: KeyError: 'x'")
+    run.tick(_restart_world(["a", "b"], plan, launched=1, mono=50.0, reports={"a-0": error}))
+    assert run.plans() == []
+    run.tick(_restart_world(["a", "b"], plan, launched=1, mono=51.1, reports={"a-0": error}))
+    (restart,) = run.plans()
+    assert _order(restart) == ["a", "b"] and run.of(DeclareFailed) == []
+
+
+def restart_tier_finishes_when_every_worker_exited_0() -> None:
+    run = Run(_restart_spec())
+    done = DoneRecord(step=0, generation=2, at=NOW)
+    run.tick(_restart_world(["a", "c"], _plan(2, "a", "c"), launched=2, done={"a-0": done}))
+    assert run.status.phase is JobPhase.RUNNING
+    world = _restart_world(["a", "c"], _plan(2, "a", "c"), launched=2,
+                           done={"a-0": done, "c-0": done})  # fmt: skip
+    run.tick(world)
+    assert run.status.phase is JobPhase.SUCCEEDED
+    assert run.status.message == "finished: every worker of generation 2 exited 0"
+
+
+def restart_tier_stop_ends_the_job_at_once() -> None:
+    run = Run(_restart_spec())
+    world = _restart_world(["a", "b"], _plan(1, "a", "b"), launched=1)
+    world.control.stop = True
+    run.tick(world)
+    assert run.status.phase is JobPhase.STOPPED
+
+
 SCENARIOS: list[Callable[[], None]] = [
     start_in_topology_order,
     node_death_refused_probe_is_replaced_from_its_rack,
@@ -400,6 +517,14 @@ SCENARIOS: list[Callable[[], None]] = [
     stop_command_reaches_the_workers,
     finished_workers_succeed,
     inputs_are_not_modified,
+    restart_tier_starts_without_heartbeats,
+    restart_tier_auto_is_told_by_the_agents,
+    restart_tier_dead_node_is_replaced_not_counted_as_a_script_error,
+    restart_tier_recovers_once_every_member_launched,
+    restart_tier_script_error_names_the_first_report_and_restarts,
+    restart_tier_silent_member_after_the_grace_is_a_restart,
+    restart_tier_finishes_when_every_worker_exited_0,
+    restart_tier_stop_ends_the_job_at_once,
 ]
 
 

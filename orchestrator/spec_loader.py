@@ -207,9 +207,8 @@ def resolve_recovery(
                 "'restart' (or 'auto') for a plain torchrun script, or use the runtime "
                 "(see examples/train_tiny.py)"
             )
-            raise SpecError(
-                [SpecProblem("fault_tolerance.recovery", message, None, source)]
-            )
+            line = _line_in_file(source, ("fault_tolerance", "recovery"))
+            raise SpecError([SpecProblem("fault_tolerance.recovery", message, line, source)])
         why = "set in the job file" + ("" if text is not None else f"; {shown} not read here")
         return spec, f"recovery: in_process ({why})"
     if ft.recovery is RecoveryMode.RESTART:
@@ -229,6 +228,23 @@ def resolve_recovery(
         why = f"recovery: restart ({shown} never calls runtime.init(); {restart_why})"
     resolved = dataclasses.replace(spec, fault_tolerance=dataclasses.replace(ft, recovery=mode))
     return resolved, why
+
+
+def _line_in_file(source: str, path: tuple[str, ...]) -> int | None:
+    """The line of the key at ``path`` in the job file ``source``, when it can be read."""
+    try:
+        node = yaml.compose(Path(source).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    line = None
+    for key in path:
+        if not isinstance(node, yaml.MappingNode):
+            return line
+        match = next(((k, v) for k, v in node.value if getattr(k, "value", None) == key), None)
+        if match is None:
+            return line
+        line, node = _line(match[0]), match[1]
+    return line
 
 
 def _shown(spec: JobSpec, path: Path | None, workdir: str | Path) -> str:

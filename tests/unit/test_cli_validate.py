@@ -67,3 +67,33 @@ def test_every_example_job_validates() -> None:
     for f in examples:
         result = CliRunner().invoke(main, ["validate", str(f)])
         assert result.exit_code == 0, f"{f}: {result.output}"
+
+
+def test_validate_prints_the_resolved_recovery_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: train.py\n")
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("recovery:")]
+    assert line == (
+        "recovery: restart (train.py never calls runtime.init(); a peer's failure restarts "
+        "all workers from the script's own checkpoint)"
+    )
+
+
+def test_validate_in_process_for_a_plain_script_is_one_line_with_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("name: demo\nentrypoint: train.py\nfault_tolerance:\n  recovery: in_process\n")
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2
+    (line,) = [x for x in result.output.splitlines() if "fault_tolerance.recovery" in x]
+    assert line.strip().startswith(f"{f}:4: fault_tolerance.recovery: is 'in_process' but train.py")
+    assert "never calls runtime.init()" in line

@@ -202,3 +202,117 @@ def test_programmatic_spec_validate_lists_all() -> None:
 def test_removed_rendezvous_settings_say_what_to_use(key: str) -> None:
     with pytest.raises(SpecError, match=rf"rendezvous\.{key}: is no longer a job setting"):
         load_job_data({"name": "j", "entrypoint": "t.py", "rendezvous": {key: 1}})
+
+
+# -- fault_tolerance.recovery: auto resolved by reading the entrypoint
+
+
+RUNTIME_SCRIPTS = [
+    "from agents import runtime\nsession = runtime.init()\n",
+    "import agents.runtime as rt\nrt.init()\n",
+    "from agents.runtime import init\n",
+    "def main():\n    from agents import boundary, runtime\n    runtime.init()\n",
+]
+PLAIN_SCRIPTS = [
+    "import torch.distributed as dist\ndist.init_process_group()\n",
+    "# unlike scripts that call agents.runtime.init(), this one does not\nprint(1)\n",
+    "doc = 'from agents import runtime'\n",
+    "from agents import boundary\n",
+]
+
+
+@pytest.mark.parametrize("source", RUNTIME_SCRIPTS)
+def test_uses_runtime_finds_the_import(source: str) -> None:
+    from orchestrator.spec_loader import uses_runtime
+
+    assert uses_runtime(source)
+
+
+@pytest.mark.parametrize("source", PLAIN_SCRIPTS)
+def test_uses_runtime_ignores_comments_strings_and_other_modules(source: str) -> None:
+    from orchestrator.spec_loader import uses_runtime
+
+    assert not uses_runtime(source)
+
+
+def test_uses_runtime_reads_a_file_that_does_not_parse_as_text() -> None:
+    from orchestrator.spec_loader import uses_runtime
+
+    assert uses_runtime("from agents import runtime\nsession = runtime.init(\n")
+    assert not uses_runtime("import torch\nx = (\n")
+
+
+def _job(tmp_path, script: str, recovery: str | None = None):  # type: ignore[no-untyped-def]
+    (tmp_path / "train.py").write_text(script)
+    ft = {"recovery": recovery} if recovery else {}
+    return load_job_data({"name": "j", "entrypoint": "train.py", "fault_tolerance": ft})
+
+
+def test_auto_is_restart_for_a_plain_torchrun_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec_loader import resolve_recovery
+
+    spec = _job(tmp_path, PLAIN_SCRIPTS[0])
+    assert spec.fault_tolerance.recovery is RecoveryMode.AUTO  # the default
+    resolved, why = resolve_recovery(spec, tmp_path)
+    assert resolved.fault_tolerance.recovery is RecoveryMode.RESTART
+    assert spec.fault_tolerance.recovery is RecoveryMode.AUTO  # not modified
+    assert why == (
+        "recovery: restart (train.py never calls runtime.init(); a peer's failure restarts "
+        "all workers from the script's own checkpoint)"
+    )
+    assert resolved.to_dict()["fault_tolerance"]["recovery"] == "restart"
+
+
+def test_auto_is_in_process_for_a_runtime_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec_loader import resolve_recovery
+
+    resolved, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0]), tmp_path)
+    assert resolved.fault_tolerance.recovery is RecoveryMode.IN_PROCESS
+    assert why.startswith("recovery: in_process (train.py uses the ringmaster runtime")
+
+
+def test_auto_reads_a_module_entrypoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec_loader import resolve_recovery
+
+    pkg = tmp_path / "rm_restart_pkg_x"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(RUNTIME_SCRIPTS[1])
+    spec = load_job_data({"name": "j", "entrypoint": {"module": "rm_restart_pkg_x"}})
+    resolved, why = resolve_recovery(spec, tmp_path)
+    assert resolved.fault_tolerance.recovery is RecoveryMode.IN_PROCESS, why
+    assert "module rm_restart_pkg_x" in why
+
+
+def test_in_process_for_a_plain_script_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.spec_loader import resolve_recovery
+
+    with pytest.raises(SpecError) as info:
+        resolve_recovery(_job(tmp_path, PLAIN_SCRIPTS[0], "in_process"), tmp_path, "job.yaml")
+    (p,) = info.value.problems
+    assert p.path == "fault_tolerance.recovery"
+    assert "never calls runtime.init()" in p.message and "set 'restart'" in p.message
+    assert "\n" not in p.message
+
+
+def test_explicit_choices_are_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec_loader import resolve_recovery
+
+    spec, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0], "in_process"), tmp_path)
+    assert spec.fault_tolerance.recovery is RecoveryMode.IN_PROCESS
+    assert why == "recovery: in_process (set in the job file)"
+    spec, why = resolve_recovery(_job(tmp_path, PLAIN_SCRIPTS[0], "restart"), tmp_path)
+    assert spec.fault_tolerance.recovery is RecoveryMode.RESTART
+    assert why.startswith("recovery: restart (set in the job file")
+
+
+def test_unknown_recovery_value_says_what_is_valid() -> None:
+    p = only("name: a\nentrypoint: t.py\nfault_tolerance:\n  recovery: restrat\n")
+    assert (p.path, p.line) == ("fault_tolerance.recovery", 4)
+    assert p.message == (
+        "'restrat' is not one of: auto, in_process, restart; did you mean 'restart'?"
+    )

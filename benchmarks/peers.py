@@ -1,0 +1,690 @@
+"""ringmaster beside its peers: the same small DDP job under four systems, one run.
+
+The job (``benchmarks/_peers_common.py``): examples/train_tiny.py's MLP, data
+order and global batch of 64, SGD with momentum, and a sleep of
+``--step-time`` inside each step for the per-step work.  2 nodes train; a
+node is one process group (agent and worker, or torchft's replica group).
+
+Systems (wiring and why in docs/peers.md):
+
+* ``ringmaster``: in-process hot-swap (``benchmarks/_peers_ringmaster.py``),
+  2 active nodes and 1 warm spare, no periodic checkpoints (a replacement gets
+  the state from a live peer).
+* ``tier0``: ringmaster's restart tier running the plain torchrun script
+  ``benchmarks/_peers_ddp.py`` unchanged (``recovery: restart``), 2 active
+  nodes and 1 warm spare; the script checkpoints every ``--ckpt-every`` steps.
+* ``torchft``: a Lighthouse and one replica group (one process) per node,
+  torchft's Manager, DDP and Optimizer wrappers on gloo, as in its DDP example.
+  It has no spares: every live replica group trains.
+* ``torchrun``: stock ``torchrun --nnodes=2`` agents on the c10d rendezvous
+  with its store in a process of its own (as ``benchmarks/recovery.py``), the
+  script checkpointing every ``--ckpt-every`` steps; it has no spares.
+* ``ddp``: the same torchrun script under torchrun with no fault tolerance
+  (no restarts, no checkpoints): the steady-state yardstick.
+
+Measured, all on this machine in this run:
+
+1. steady state: steps/s at ``--step-time`` and at 10 ms, against ``ddp``;
+2. one node SIGKILLed (all of its processes) at step ``--kill-at``, and
+   started again at once as the system expects (ringmaster: a new agent, a
+   spare; torchft: a new replica group that heals from a live one; torchrun:
+   a new agent that joins the next rendezvous): seconds from the kill to the
+   first completed step that started after it, steps lost (completed before
+   the kill, computed again after), and whether the final parameters equal
+   those of the same system's fault-free run;
+3. goodput: for ``--window`` seconds from the first completed step, a node is
+   killed every ``--periods`` seconds (at half a period, then every period)
+   and started again; effective training = steps gained × the system's own
+   fault-free step time / window.
+
+The last line is a JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
+
+# before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
+apply_grpc_environment()
+
+from recovery import _parent, _store_process  # noqa: E402
+
+from orchestrator.etcd.embedded import free_port  # noqa: E402
+
+BENCH = REPO / "benchmarks"
+SYSTEMS = ("ringmaster", "tier0", "torchft", "torchrun")
+#: seconds a run may take to finish (or, after a kill, to train again) before it is given up
+PATIENCE_S = 90.0
+#: steps ignored at the start of a steady-state run (startup, first quorum, warm-up)
+WARM_STEPS = 20
+
+
+# -- step logs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    step: int
+    t_start: float
+    t_end: float
+    world: int
+    pid: int
+
+
+def read_log(directory: Path) -> list[Entry]:
+    out = []
+    for f in directory.glob("*.log"):
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5:
+                s, a, b, w, p = parts
+                out.append(Entry(int(s), float(a), float(b), int(w), int(p)))
+    return sorted(out, key=lambda e: e.t_end)
+
+
+def after_kill(entries: list[Entry], killed_at: float) -> tuple[float, int]:
+    """(seconds from the kill to the first completed step started after it, steps lost)."""
+    later = [e for e in entries if e.t_start >= killed_at]
+    if not later:
+        return float("inf"), -1
+    before = max((e.step for e in entries if e.t_end <= killed_at), default=-1)
+    resumed = min(e.step for e in later)
+    return min(e.t_end for e in later) - killed_at, max(0, before + 1 - resumed)
+
+
+def step_period(entries: list[Entry], warm: int = WARM_STEPS) -> float:
+    """Seconds per step of a fault-free run, from the first completion of each step."""
+    first: dict[int, float] = {}
+    for e in entries:
+        first.setdefault(e.step, e.t_end)
+    steps = sorted(s for s in first if s >= warm)
+    if len(steps) < 2:
+        return float("nan")
+    return (first[steps[-1]] - first[steps[0]]) / (steps[-1] - steps[0])
+
+
+# -- the systems ------------------------------------------------------------------------
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and _parent(int(d.name)) == pid:
+            out.append(int(d.name))
+    return out
+
+
+@dataclass
+class System:
+    """One system running the job in ``tmp``; nodes are named, oldest first."""
+
+    tmp: Path
+    steps: int
+    step_time: float
+    ckpt_every: int
+    logs: Path = field(init=False)
+    started: dict[str, float] = field(init=False, default_factory=dict)
+    lines: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.logs = self.tmp / "steps"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def training(self) -> list[str]:
+        """Nodes that train now, the longest-running first."""
+        raise NotImplementedError
+
+    def kill(self, node: str) -> None:
+        raise NotImplementedError
+
+    def replace(self, node: str) -> None:
+        """Start the killed node again, the way the system expects it back."""
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def finals(self) -> list[Path]:
+        return sorted(self.tmp.glob("final.pt*"))
+
+    def _by_age(self, nodes: list[str]) -> list[str]:
+        return sorted(nodes, key=lambda n: self.started.get(n, 0.0))
+
+
+class Ringmaster(System):
+    """LocalRun: embedded etcd, a controller, 2 active agents and 1 spare."""
+
+    restart_tier = False
+
+    def spec_data(self) -> dict[str, object]:
+        return {
+            "name": "bench-peers",
+            "entrypoint": {
+                "script": str(BENCH / "_peers_ringmaster.py"),
+                "args": [
+                    "--steps", str(self.steps), "--step-time", str(self.step_time),
+                    "--step-log", str(self.logs), "--out", str(self.tmp / "final.pt"),
+                ],
+            },
+            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "max_steps": self.steps,
+            "checkpoint": {"url": f"file://{self.tmp}/ckpt", "every_steps": 0},
+            "fault_tolerance": {"recovery": "in_process", "heartbeat_interval": "500ms"},
+        }  # fmt: skip
+
+    def start(self) -> None:
+        from orchestrator.local_run import LocalRun
+        from orchestrator.spec_loader import load_job_data
+
+        self.run = LocalRun(
+            load_job_data(self.spec_data()),
+            printer=self.lines.append,
+            workdir=str(REPO),
+            metrics_port=None,
+        )
+        self.run.start()
+        now = time.time()
+        self.started = {n: now for n in self.run.node_names()}
+        self._spawned = len(self.started)
+
+    def training(self) -> list[str]:
+        from orchestrator import jobs
+
+        status = jobs.read_status(self.run.client, self.run.spec.name)
+        return self._by_age(list(status.active_nodes)) if status else []
+
+    def kill(self, node: str) -> None:
+        self.run.kill_node(node)
+        self.started.pop(node, None)
+
+    def replace(self, node: str) -> None:
+        name = f"node-{self._spawned}"  # a fresh name: the dead one's lease may still live
+        self._spawned += 1
+        self.run.add_node(name, rack="rack-0")
+        self.started[name] = time.time()
+
+    def finished(self) -> bool:
+        from orchestrator import jobs
+
+        status = jobs.read_status(self.run.client, self.run.spec.name)
+        return bool(status and status.phase.terminal)
+
+    def stop(self) -> None:
+        for proc in self.run.procs.values():
+            _kill_group(proc.popen.pid)
+        self.run.stop(grace=0.1)
+
+
+class Tier0(Ringmaster):
+    """The plain torchrun script under ringmaster's restart tier."""
+
+    restart_tier = True
+
+    def spec_data(self) -> dict[str, object]:
+        return {
+            "name": "bench-peers-tier0",
+            "entrypoint": {
+                "script": str(BENCH / "_peers_ddp.py"),
+                "args": [
+                    "--steps", str(self.steps), "--step-time", str(self.step_time),
+                    "--checkpoint-every", str(self.ckpt_every),
+                    "--step-log", str(self.logs), "--out", str(self.tmp / "final.pt"),
+                ],
+            },
+            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "checkpoint": {"url": f"file://{self.tmp}/ckpt"},
+            "fault_tolerance": {"recovery": "restart", "max_restarts": 1000},
+        }  # fmt: skip
+
+
+class Torchft(System):
+    """A Lighthouse and one replica group (one process) per node; no spares."""
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.lighthouse = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "torchft_lighthouse"),
+                # torchft's README: the lighthouse for DDP
+                "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                "--bind", f"127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for group in range(2):
+            self._launch(f"replica-{group}")
+
+    def _launch(self, node: str) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}")
+        out = open(self.tmp / f"{node}.out", "ab")  # noqa: SIM115
+        self.procs[node] = subprocess.Popen(
+            [
+                sys.executable, str(BENCH / "_peers_torchft.py"),
+                "--replica-group", node.rsplit("-", 1)[1], "--steps", str(self.steps),
+                "--step-time", str(self.step_time), "--step-log", str(self.logs),
+                "--out", str(self.tmp / "final.pt"),
+            ],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        out.close()
+        self.started[node] = time.time()
+
+    def training(self) -> list[str]:
+        return self._by_age([n for n, p in self.procs.items() if p.poll() is None])
+
+    def kill(self, node: str) -> None:
+        _kill_group(self.procs[node].pid)
+        self.procs[node].wait()
+        self.started.pop(node, None)
+
+    def replace(self, node: str) -> None:
+        self._launch(node)
+
+    def finished(self) -> bool:
+        return all(p.poll() is not None for p in self.procs.values())
+
+    def stop(self) -> None:
+        for p in [*self.procs.values(), self.lighthouse]:
+            _kill_group(p.pid)
+            p.wait()
+
+
+class Torchrun(System):
+    """Stock torchrun: 2 agents (``--nnodes=2``), c10d store in a process of its own.
+
+    With ``fault_tolerant=False`` it is plain DDP: no restarts, no checkpoints.
+    """
+
+    fault_tolerant = True
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.store = _store_process(self.port)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._spawned = 0
+        for _ in range(2):
+            self._launch()
+
+    def _launch(self) -> None:
+        node = f"agent-{self._spawned}"
+        self._spawned += 1
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = {k: v for k, v in env.items() if not k.startswith("RINGMASTER_")}
+        args = ["--steps", str(self.steps), "--step-time", str(self.step_time)]
+        args += ["--step-log", str(self.logs), "--out", str(self.tmp / "final.pt")]
+        if self.fault_tolerant:
+            args += ["--checkpoint-every", str(self.ckpt_every)]
+            args += ["--checkpoint-dir", str(self.tmp / "ckpt")]
+        out = open(self.tmp / f"{node}.out", "ab")  # noqa: SIM115
+        self.procs[node] = subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+                "--rdzv-id=peers",
+                # the short timeouts of benchmarks/recovery.py: torchrun at its quickest
+                "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1,"
+                "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                f"--max-restarts={1000 if self.fault_tolerant else 0}",
+                "--monitor-interval=0.1",
+                str(BENCH / "_peers_ddp.py"), *args,
+            ],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        out.close()
+        self.started[node] = time.time()
+
+    def training(self) -> list[str]:
+        return self._by_age([n for n, p in self.procs.items() if p.poll() is None])
+
+    def kill(self, node: str) -> None:
+        agent = self.procs[node]
+        workers = _children(agent.pid)
+        _kill_group(agent.pid)  # the agent and, in its group, its workers
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+        agent.wait()
+        self.started.pop(node, None)
+        del self.procs[node]
+
+    def replace(self, node: str) -> None:
+        self._launch()
+
+    def finished(self) -> bool:
+        return all(p.poll() is not None for p in self.procs.values())
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            for w in _children(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w, signal.SIGKILL)
+            _kill_group(p.pid)
+            p.wait()
+        self.store.kill()
+        self.store.wait()
+
+
+class PlainDDP(Torchrun):
+    fault_tolerant = False
+
+
+FACTORIES: dict[str, Callable[..., System]] = {
+    "ringmaster": Ringmaster,
+    "tier0": Tier0,
+    "torchft": Torchft,
+    "torchrun": Torchrun,
+    "ddp": PlainDDP,
+}
+
+
+# -- measurements -----------------------------------------------------------------------
+
+
+def _wait_first_step(system: System, timeout: float = PATIENCE_S) -> float:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        entries = read_log(system.logs)
+        if entries:
+            return entries[0].t_end
+        time.sleep(0.05)
+    raise RuntimeError(f"no step within {timeout:g}s:\n" + "\n".join(system.lines[-30:]))
+
+
+def _wait_finished(system: System, timeout: float = PATIENCE_S) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if system.finished():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def steady(name: str, tmp: Path, steps: int, step_time: float, ckpt_every: int) -> dict[str, object]:
+    """A fault-free run: its step time and its final parameters."""
+    system = FACTORIES[name](tmp, steps, step_time, ckpt_every)
+    t0 = time.time()
+    system.start()
+    try:
+        finished = _wait_finished(system, PATIENCE_S + steps * step_time * 3)
+    finally:
+        system.stop()
+    entries = read_log(system.logs)
+    period = step_period(entries)
+    done = len({e.step for e in entries})
+    return {
+        "period_s": period,
+        "steps_per_s": 1 / period if period == period else None,
+        "finished": finished and done == steps,
+        "startup_s": (entries[0].t_end - t0) if entries else None,
+        "finals": system.finals(),
+    }
+
+
+def compare(finals: list[Path], reference: list[Path]) -> tuple[bool | None, float | None]:
+    """(bitwise equal, largest absolute difference) of every final file against the first
+    reference; (None, None) when either side wrote none."""
+    import torch
+
+    if not finals or not reference:
+        return None, None
+    ref = torch.load(reference[0], weights_only=True)
+    equal, worst = True, 0.0
+    for f in finals:
+        got = torch.load(f, weights_only=True)
+        for k, v in ref.items():
+            equal = equal and torch.equal(v, got[k])
+            worst = max(worst, (v - got[k]).abs().max().item())
+    return equal, worst
+
+
+def single_failure(name: str, tmp: Path, steps: int, step_time: float, ckpt_every: int,
+                   kill_at: int, reference: list[Path]) -> dict[str, object]:  # fmt: skip
+    system = FACTORIES[name](tmp, steps, step_time, ckpt_every)
+    system.start()
+    killed_at, victim = 0.0, ""
+    try:
+        deadline = time.time() + PATIENCE_S
+        while time.time() < deadline and not killed_at:
+            entries = read_log(system.logs)
+            nodes = system.training()
+            if entries and max(e.step for e in entries) >= kill_at and len(nodes) >= 2:
+                victim = nodes[0]
+                killed_at = time.time()
+                system.kill(victim)
+                system.replace(victim)
+            time.sleep(0.01)
+        finished = _wait_finished(system, PATIENCE_S + steps * step_time * 3)
+    finally:
+        system.stop()
+    entries = read_log(system.logs)
+    recovery, lost = after_kill(entries, killed_at) if killed_at else (float("inf"), -1)
+    equal, diff = compare(system.finals(), reference) if finished else (None, None)
+    return {
+        "victim": victim,
+        "next_step_s": recovery,
+        "steps_lost": lost,
+        "finished": finished,
+        "final_equal": equal,
+        "final_max_abs_diff": diff,
+    }
+
+
+def goodput(name: str, tmp: Path, step_time: float, ckpt_every: int, window: float,
+            period: float, own_period: float) -> dict[str, object]:  # fmt: skip
+    system = FACTORIES[name](tmp, 10**6, step_time, ckpt_every)
+    system.start()
+    kills: list[float] = []
+    try:
+        t0 = _wait_first_step(system)
+        end = t0 + window
+        due = t0 + period / 2
+        while time.time() < end:
+            if time.time() >= due:
+                nodes = system.training()
+                if nodes:
+                    kills.append(time.time())
+                    system.kill(nodes[0])
+                    system.replace(nodes[0])
+                due += period
+            time.sleep(0.02)
+    finally:
+        system.stop()
+    entries = [e for e in read_log(system.logs) if e.t_end <= end]
+    gained = max((e.step for e in entries), default=-1) + 1
+    per_kill = [after_kill(entries, k) for k in kills]
+    lost = sum(max(lost, 0) for _, lost in per_kill)
+    return {
+        "kills": len(kills),
+        "steps": gained,
+        "steps_lost": lost,
+        "mean_next_step_s": statistics.fmean(r for r, _ in per_kill if r != float("inf"))
+        if any(r != float("inf") for r, _ in per_kill)
+        else None,
+        "effective": gained * own_period / window,
+    }
+
+
+# -- the report -------------------------------------------------------------------------
+
+CANNOT = {
+    ("torchrun", "spare"): "no warm spares",
+    ("torchft", "spare"): "no spares (every replica trains)",
+    ("torchft", "durable"): "no durable checkpoints",
+    ("ringmaster", "durable"): "off here (live-peer recovery)",
+}
+
+
+def _fmt(v: object, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "never" if v == float("inf") else format(v, spec)
+    return str(v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--step-time", type=float, default=0.05, help="seconds of work per step")
+    p.add_argument("--fast-step-time", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=240, help="steps of the fault-free and single-failure runs")
+    p.add_argument("--fast-steps", type=int, default=400)
+    p.add_argument("--kill-at", type=int, default=100)
+    p.add_argument("--ckpt-every", type=int, default=10, help="the torchrun script's checkpoints")
+    p.add_argument("--window", type=float, default=120.0, help="goodput window, seconds")
+    p.add_argument("--periods", default="60,15", help="seconds between kills, one goodput run each")
+    p.add_argument("--skip", default="", help="comma-separated: steady, fast, single, goodput")
+    args = p.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    skip = set(args.skip.split(","))
+    periods = [float(x) for x in args.periods.split(",") if x]
+    if args.window < 300:
+        print(f"goodput window shortened to {args.window:g}s (--window 300 for the full 5 minutes)")
+    load = os.getloadavg()
+    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    out: dict[str, object] = {"step_time_s": args.step_time, "load_avg_start": round(load[0], 2)}
+    started = time.time()
+
+    def tmp() -> Path:
+        return Path(tempfile.mkdtemp(prefix="peers-"))
+
+    ref: dict[str, dict[str, object]] = {}
+    for name in ["ddp", *systems]:
+        r = steady(name, tmp(), args.steps, args.step_time, args.ckpt_every)
+        ref[name] = r
+        print(f"steady {name:10s} {args.step_time * 1000:.0f} ms: {_fmt(r['steps_per_s'])} steps/s"
+              f" (startup {_fmt(r['startup_s'])} s)", flush=True)  # fmt: skip
+    base = ref["ddp"]["period_s"]
+    assert isinstance(base, float)
+    fast: dict[str, dict[str, object]] = {}
+    if "fast" not in skip:
+        for name in ["ddp", *systems]:
+            fast[name] = steady(name, tmp(), args.fast_steps, args.fast_step_time, args.ckpt_every)
+            print(f"steady {name:10s} {args.fast_step_time * 1000:.0f} ms: "
+                  f"{_fmt(fast[name]['steps_per_s'])} steps/s", flush=True)  # fmt: skip
+    single: dict[str, dict[str, object]] = {}
+    if "single" not in skip:
+        for name in systems:
+            reference = ref[name]["finals"]
+            assert isinstance(reference, list)
+            single[name] = r = single_failure(
+                name, tmp(), args.steps, args.step_time, args.ckpt_every, args.kill_at, reference
+            )
+            print(f"single failure {name:10s}: next step {_fmt(r['next_step_s'])} s, "
+                  f"{r['steps_lost']} lost, final equal {r['final_equal']} "
+                  f"(max diff {_fmt(r['final_max_abs_diff'], '.2g')})", flush=True)  # fmt: skip
+    good: dict[str, dict[str, dict[str, object]]] = {}
+    if "goodput" not in skip:
+        for period in periods:
+            for name in systems:
+                own = ref[name]["period_s"]
+                assert isinstance(own, float)
+                g = goodput(name, tmp(), args.step_time, args.ckpt_every, args.window, period, own)
+                good.setdefault(name, {})[f"{period:g}"] = g
+                print(f"goodput {name:10s} kill every {period:g}s: {g['effective']:.1%} effective, "
+                      f"{g['steps']} steps, {g['kills']} kills, {g['steps_lost']} lost", flush=True)  # fmt: skip
+    load = os.getloadavg()
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{time.time() - started:.0f}s in all")  # fmt: skip
+
+    # the table
+    cols = ["system", "next step after kill", "steps lost", "final = fault-free",
+            *[f"goodput, kill/{p:g}s" for p in periods],
+            f"steps/s @{args.step_time * 1000:.0f}ms (vs ddp)",
+            f"cost/step @{args.fast_step_time * 1000:.0f}ms", "warm spare", "durable ckpt"]  # fmt: skip
+    rows = []
+    for name in ["ddp", *systems]:
+        s = single.get(name, {})
+        period = ref[name]["period_s"]
+        assert isinstance(period, float)
+        cells = [name]
+        if name == "ddp":
+            cells += ["no fault tolerance", "-", "-", *["-" for _ in periods]]
+        else:
+            eq = s.get("final_equal")
+            diff = s.get("final_max_abs_diff")
+            cells += [
+                f"{_fmt(s.get('next_step_s'))} s" if s else "not measured",
+                _fmt(s.get("steps_lost")),
+                "bitwise" if eq else (f"no (max diff {diff:.1e})" if isinstance(diff, float) else "-"),
+                *[
+                    f"{g['effective']:.1%} ({g['steps']} steps)"
+                    if (g := good.get(name, {}).get(f"{p:g}")) else "not measured"
+                    for p in periods
+                ],
+            ]  # fmt: skip
+        cells.append(f"{1 / period:.2f} ({base / period:.1%})")
+        if name in fast and "ddp" in fast:
+            fp, fb = fast[name]["period_s"], fast["ddp"]["period_s"]
+            assert isinstance(fp, float) and isinstance(fb, float)
+            cells.append(f"{(fp - fb) * 1000:+.2f} ms" if name != "ddp" else f"{fb * 1000:.1f} ms/step")
+        else:
+            cells.append("-")
+        cells.append(CANNOT.get((name, "spare"), "1" if name in ("ringmaster", "tier0") else "-"))
+        cells.append(CANNOT.get((name, "durable"), f"every {args.ckpt_every} steps"
+                                if name in ("tier0", "torchrun") else "-"))  # fmt: skip
+        rows.append(cells)
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+    def num(v: object) -> object:
+        if isinstance(v, float):
+            return None if v != v or v == float("inf") else round(v, 4)
+        return v
+
+    for name in ["ddp", *systems]:
+        out[f"{name}_steps_per_s"] = num(ref[name]["steps_per_s"])
+        out[f"{name}_vs_ddp"] = num(base / ref[name]["period_s"])  # type: ignore[operator]
+        if name in fast:
+            out[f"{name}_fast_steps_per_s"] = num(fast[name]["steps_per_s"])
+            if name != "ddp":
+                extra = fast[name]["period_s"] - fast["ddp"]["period_s"]  # type: ignore[operator]
+                out[f"{name}_fast_cost_per_step_ms"] = num(extra * 1000)
+        for k, v in single.get(name, {}).items():
+            out[f"{name}_single_{k}"] = num(v)
+        for period_key, g in good.get(name, {}).items():
+            for k, v in g.items():
+                out[f"{name}_goodput{period_key}_{k}"] = num(v)
+    out["load_avg_end"] = round(load[0], 2)
+    out["window_s"] = args.window
+    out["total_s"] = round(time.time() - started, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -411,7 +411,7 @@ class RestartTier:
                 )
             if self._broken_generation != w.generation:
                 self._broken_generation = w.generation
-                self._report_break(w.generation, f"{name} {what}", w.exited_at)
+                self._report_break(w.generation, what, w.exited_at)
 
     def _newer_than_generation(self, generation: int) -> bool:
         latest = self._latest_plan

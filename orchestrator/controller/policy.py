@@ -416,10 +416,14 @@ class _Decider:
         )
         limit = self.spec.fault_tolerance.max_restarts
         used = len(self.m.user_errors)
+        # the restart tier sees no steps: it names the generation instead
+        where = (
+            f"in generation {plan.generation}" if self.restart_tier else f"at step {report.step}"
+        )
         if used > limit:
             self.phase(
                 JobPhase.FAILED,
-                f"worker {worker} failed at step {report.step}: {report.reason} (an error in "
+                f"worker {worker} failed {where}: {report.reason} (an error in "
                 f"the training script, {used} time(s), fault_tolerance.max_restarts is "
                 f"{limit}); see `ringmaster logs {self.status.name}`",
                 worker=worker,
@@ -427,8 +431,8 @@ class _Decider:
             return
         order = [m.node for m in plan.members]
         why = (
-            f"restart {used} of {limit} after an error in the training script on {worker} at "
-            f"step {report.step}: {report.reason}"
+            f"restart {used} of {limit} after an error in the training script on {worker} "
+            f"{where}: {report.reason}"
         )
         spares = [n for n in self.w.nodes if n not in order and self.warm(n)]
         self.actions.append(Emit("Restart", why, {"worker": worker, "step": report.step}))

@@ -16,11 +16,13 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun
 from orchestrator.spec import JobSpec, RecoveryMode
@@ -109,8 +111,6 @@ def _kill_when(run: LocalRun, tmp: Path, step: int, killed: list[tuple[str, floa
     while time.monotonic() < deadline:
         lines = log.read_text().splitlines() if log.exists() else []
         if lines and int(lines[-1].split()[0]) >= step:
-            from orchestrator import jobs
-
             status = jobs.read_status(run.client, run.spec.name)
             if status is not None and status.active_nodes:
                 node = status.active_nodes[0]
@@ -127,7 +127,7 @@ def test_sigkill_node_spare_restarts_script_from_its_checkpoint(
     assert spec.fault_tolerance.recovery is RecoveryMode.RESTART
     lines: list[str] = []
     killed: list[tuple[str, float]] = []
-    with quiet_run(spec, lines, timeout=__import__("datetime").timedelta(seconds=150)) as run:
+    with quiet_run(spec, lines, timeout=timedelta(seconds=150)) as run:
         killer = threading.Thread(target=_kill_when, args=(run, tmp_path, 20, killed))
         killer.start()
         result = run.wait()
@@ -167,12 +167,15 @@ def test_script_error_restarts_then_fails_with_its_message(tmp_path: Path) -> No
     )
     spec = _job("restart-error", tmp_path, script=script, args=[], max_restarts=1)
     lines: list[str] = []
-    with quiet_run(spec, lines, timeout=__import__("datetime").timedelta(seconds=90)) as run:
+    with quiet_run(spec, lines, timeout=timedelta(seconds=90)) as run:
         result = run.wait()
     assert result.phase is JobPhase.FAILED, summary(result, lines)
     restarts = [e for e in result.events if e.type == "Restart"]
     assert len(restarts) == 1, [e.message for e in result.events]
     failed = [e for e in result.events if e.type == "Phase" and e.message.startswith("Failed")]
-    assert failed and "ValueError: boom in restart 1" in failed[-1].message, failed
+    # the culprit is named (rank 1's error), not rank 0's broken barrier
+    assert failed and "failed in generation 2: exit code 1: ValueError: boom in restart 1" in (
+        failed[-1].message
+    ), failed
     assert "NodeFailed" not in [e.type for e in result.events]
     assert result.recoveries == 0

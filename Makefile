@@ -37,7 +37,14 @@ unit: $(STAMP)
 chaos: $(STAMP)  # the long soak: 12 faults of every kind in one run
 	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m chaos $(PYTEST_ARGS)
 
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+# the `bench` extra (torchft for benchmarks/peers.py), installed once beside the pinned torch
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	@set -e; for b in benchmarks/[a-z]*.py; do \
 		echo "== $$b"; $(PY) $$b; \
 	done

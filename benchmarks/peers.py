@@ -1,17 +1,17 @@
 """ringmaster beside its peers: the same small DDP job under four systems, one run.
 
-The job (``benchmarks/_peers_common.py``): examples/train_tiny.py's MLP, data
+The job (``benchmarks/_peers/common.py``): examples/train_tiny.py's MLP, data
 order and global batch of 64, SGD with momentum, and a sleep of
 ``--step-time`` inside each step for the per-step work.  2 nodes train; a
 node is one process group (agent and worker, or torchft's replica group).
 
 Systems (wiring and why in docs/peers.md):
 
-* ``ringmaster``: in-process hot-swap (``benchmarks/_peers_ringmaster.py``),
+* ``ringmaster``: in-process hot-swap (``benchmarks/_peers/ringmaster_job.py``),
   2 active nodes and 1 warm spare, no periodic checkpoints (a replacement gets
   the state from a live peer).
 * ``tier0``: ringmaster's restart tier running the plain torchrun script
-  ``benchmarks/_peers_ddp.py`` unchanged (``recovery: restart``), 2 active
+  ``benchmarks/_peers/ddp_job.py`` unchanged (``recovery: restart``), 2 active
   nodes and 1 warm spare; the script checkpoints every ``--ckpt-every`` steps.
 * ``torchft``: a Lighthouse and one replica group (one process) per node,
   torchft's Manager, DDP and Optimizer wrappers on gloo, as in its DDP example.
@@ -58,18 +58,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
 apply_grpc_environment()
 
-from recovery import _parent, _store_process  # noqa: E402
-
+from benchmarks.recovery import _parent, _store_process  # noqa: E402
 from orchestrator.etcd.embedded import free_port  # noqa: E402
 
-BENCH = REPO / "benchmarks"
+#: the workers' scripts: a directory of their own, since a script's directory comes first
+#: on its sys.path and benchmarks/checkpoint.py would shadow ringmaster's checkpoint package
+JOBS = REPO / "benchmarks" / "_peers"
 SYSTEMS = ("ringmaster", "tier0", "torchft", "torchrun")
 #: seconds a run may take to finish (or, after a kill, to train again) before it is given up
 PATIENCE_S = 90.0
@@ -108,6 +108,25 @@ def after_kill(entries: list[Entry], killed_at: float) -> tuple[float, int]:
     before = max((e.step for e in entries if e.t_end <= killed_at), default=-1)
     resumed = min(e.step for e in later)
     return min(e.t_end for e in later) - killed_at, max(0, before + 1 - resumed)
+
+
+def step_intervals(entries: list[Entry], warm: int = WARM_STEPS) -> list[float]:
+    """Seconds between the first completions of consecutive steps (after ``warm``)."""
+    first: dict[int, float] = {}
+    for e in entries:
+        first.setdefault(e.step, e.t_end)
+    return [first[s + 1] - first[s] for s in sorted(first) if s >= warm and s + 1 in first]
+
+
+def between_steps(entries: list[Entry], warm: int = WARM_STEPS) -> float:
+    """Median seconds a worker spends between the end of one step and the start of the next
+    (ringmaster's step boundary; ~0 for the others, whose per-step control is in the step)."""
+    by_pid: dict[int, list[Entry]] = {}
+    for e in entries:
+        if e.step >= warm:
+            by_pid.setdefault(e.pid, []).append(e)
+    gaps = [b.t_start - a.t_end for xs in by_pid.values() for a, b in zip(xs, xs[1:])]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def step_period(entries: list[Entry], warm: int = WARM_STEPS) -> float:
@@ -189,7 +208,7 @@ class Ringmaster(System):
         return {
             "name": "bench-peers",
             "entrypoint": {
-                "script": str(BENCH / "_peers_ringmaster.py"),
+                "script": str(JOBS / "ringmaster_job.py"),
                 "args": [
                     "--steps", str(self.steps), "--step-time", str(self.step_time),
                     "--step-log", str(self.logs), "--out", str(self.tmp / "final.pt"),
@@ -236,7 +255,11 @@ class Ringmaster(System):
         from orchestrator import jobs
 
         status = jobs.read_status(self.run.client, self.run.spec.name)
-        return bool(status and status.phase.terminal)
+        if not (status and status.phase.terminal):
+            return False
+        # the phase ends before rank 0 has written its final parameters and exited
+        agents = [p for n, p in self.run.procs.items() if not n.startswith("controller")]
+        return all(p.popen.poll() is not None for p in agents)
 
     def stop(self) -> None:
         for proc in self.run.procs.values():
@@ -253,7 +276,7 @@ class Tier0(Ringmaster):
         return {
             "name": "bench-peers-tier0",
             "entrypoint": {
-                "script": str(BENCH / "_peers_ddp.py"),
+                "script": str(JOBS / "ddp_job.py"),
                 "args": [
                     "--steps", str(self.steps), "--step-time", str(self.step_time),
                     "--checkpoint-every", str(self.ckpt_every),
@@ -287,11 +310,13 @@ class Torchft(System):
             self._launch(f"replica-{group}")
 
     def _launch(self, node: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}")
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}"
+        )
         out = open(self.tmp / f"{node}.out", "ab")  # noqa: SIM115
         self.procs[node] = subprocess.Popen(
             [
-                sys.executable, str(BENCH / "_peers_torchft.py"),
+                sys.executable, str(JOBS / "torchft_job.py"),
                 "--replica-group", node.rsplit("-", 1)[1], "--steps", str(self.steps),
                 "--step-time", str(self.step_time), "--step-log", str(self.logs),
                 "--out", str(self.tmp / "final.pt"),
@@ -359,7 +384,7 @@ class Torchrun(System):
                 "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
                 f"--max-restarts={1000 if self.fault_tolerant else 0}",
                 "--monitor-interval=0.1",
-                str(BENCH / "_peers_ddp.py"), *args,
+                str(JOBS / "ddp_job.py"), *args,
             ],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -432,7 +457,9 @@ def _wait_finished(system: System, timeout: float = PATIENCE_S) -> bool:
     return False
 
 
-def steady(name: str, tmp: Path, steps: int, step_time: float, ckpt_every: int) -> dict[str, object]:
+def steady(
+    name: str, tmp: Path, steps: int, step_time: float, ckpt_every: int
+) -> dict[str, object]:
     """A fault-free run: its step time and its final parameters."""
     system = FACTORIES[name](tmp, steps, step_time, ckpt_every)
     t0 = time.time()
@@ -444,8 +471,11 @@ def steady(name: str, tmp: Path, steps: int, step_time: float, ckpt_every: int) 
     entries = read_log(system.logs)
     period = step_period(entries)
     done = len({e.step for e in entries})
+    intervals = step_intervals(entries)
     return {
         "period_s": period,
+        "median_step_s": statistics.median(intervals) if intervals else float("nan"),
+        "between_steps_s": between_steps(entries),
         "steps_per_s": 1 / period if period == period else None,
         "finished": finished and done == steps,
         "startup_s": (entries[0].t_end - t0) if entries else None,
@@ -560,7 +590,9 @@ def main() -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--step-time", type=float, default=0.05, help="seconds of work per step")
     p.add_argument("--fast-step-time", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=240, help="steps of the fault-free and single-failure runs")
+    p.add_argument(
+        "--steps", type=int, default=240, help="steps of the fault-free and single-failure runs"
+    )
     p.add_argument("--fast-steps", type=int, default=400)
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=10, help="the torchrun script's checkpoints")
@@ -574,7 +606,9 @@ def main() -> None:
     if args.window < 300:
         print(f"goodput window shortened to {args.window:g}s (--window 300 for the full 5 minutes)")
     load = os.getloadavg()
-    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    print(
+        f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores"
+    )
     out: dict[str, object] = {"step_time_s": args.step_time, "load_avg_start": round(load[0], 2)}
     started = time.time()
 
@@ -624,6 +658,7 @@ def main() -> None:
     cols = ["system", "next step after kill", "steps lost", "final = fault-free",
             *[f"goodput, kill/{p:g}s" for p in periods],
             f"steps/s @{args.step_time * 1000:.0f}ms (vs ddp)",
+            f"cost/step @{args.step_time * 1000:.0f}ms",
             f"cost/step @{args.fast_step_time * 1000:.0f}ms", "warm spare", "durable ckpt"]  # fmt: skip
     rows = []
     for name in ["ddp", *systems]:
@@ -647,10 +682,15 @@ def main() -> None:
                 ],
             ]  # fmt: skip
         cells.append(f"{1 / period:.2f} ({base / period:.1%})")
+        mp, mb = ref[name]["median_step_s"], ref["ddp"]["median_step_s"]
+        assert isinstance(mp, float) and isinstance(mb, float)
+        cells.append(f"{(mp - mb) * 1000:+.2f} ms" if name != "ddp" else f"{mb * 1000:.1f} ms/step")
         if name in fast and "ddp" in fast:
-            fp, fb = fast[name]["period_s"], fast["ddp"]["period_s"]
+            fp, fb = fast[name]["median_step_s"], fast["ddp"]["median_step_s"]
             assert isinstance(fp, float) and isinstance(fb, float)
-            cells.append(f"{(fp - fb) * 1000:+.2f} ms" if name != "ddp" else f"{fb * 1000:.1f} ms/step")
+            cells.append(
+                f"{(fp - fb) * 1000:+.2f} ms" if name != "ddp" else f"{fb * 1000:.1f} ms/step"
+            )
         else:
             cells.append("-")
         cells.append(CANNOT.get((name, "spare"), "1" if name in ("ringmaster", "tier0") else "-"))
@@ -673,8 +713,13 @@ def main() -> None:
         if name in fast:
             out[f"{name}_fast_steps_per_s"] = num(fast[name]["steps_per_s"])
             if name != "ddp":
-                extra = fast[name]["period_s"] - fast["ddp"]["period_s"]  # type: ignore[operator]
+                extra = fast[name]["median_step_s"] - fast["ddp"]["median_step_s"]  # type: ignore[operator]
                 out[f"{name}_fast_cost_per_step_ms"] = num(extra * 1000)
+                out[f"{name}_fast_between_steps_ms"] = num(fast[name]["between_steps_s"] * 1000)  # type: ignore[operator]
+        if name != "ddp":
+            extra = ref[name]["median_step_s"] - ref["ddp"]["median_step_s"]  # type: ignore[operator]
+            out[f"{name}_cost_per_step_ms"] = num(extra * 1000)
+            out[f"{name}_between_steps_ms"] = num(ref[name]["between_steps_s"] * 1000)  # type: ignore[operator]
         for k, v in single.get(name, {}).items():
             out[f"{name}_single_{k}"] = num(v)
         for period_key, g in good.get(name, {}).items():

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
 
 __all__ = ["GLOBAL_BATCH", "StepLog", "batch", "dataset", "loss_of", "make_model", "make_opt"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _peers_common import StepLog, batch, dataset, loss_of, make_model, make_opt
+from common import StepLog, batch, dataset, loss_of, make_model, make_opt
 from torch.nn.parallel import DistributedDataParallel
 
 

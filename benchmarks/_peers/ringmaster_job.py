@@ -6,7 +6,7 @@ import argparse
 import time
 
 import torch
-from _peers_common import StepLog, batch, dataset, loss_of, make_model, make_opt
+from common import StepLog, batch, dataset, loss_of, make_model, make_opt
 
 from agents import runtime
 

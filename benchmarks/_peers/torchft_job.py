@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _peers_common import StepLog, batch, dataset, loss_of, make_model, make_opt
+from common import StepLog, batch, dataset, loss_of, make_model, make_opt
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
 

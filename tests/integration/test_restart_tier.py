@@ -173,9 +173,10 @@ def test_script_error_restarts_then_fails_with_its_message(tmp_path: Path) -> No
     restarts = [e for e in result.events if e.type == "Restart"]
     assert len(restarts) == 1, [e.message for e in result.events]
     failed = [e for e in result.events if e.type == "Phase" and e.message.startswith("Failed")]
-    # the culprit is named (rank 1's error), not rank 0's broken barrier
-    assert failed and "failed in generation 2: exit code 1: ValueError: boom in restart 1" in (
-        failed[-1].message
+    # the culprit is named (rank 1's error, as torch prefixes it), not rank 0's broken barrier
+    message = failed[-1].message if failed else ""
+    assert "failed in generation 2: exit code 1: [rank1]: ValueError: boom in restart 1" in (
+        message
     ), failed
     assert "NodeFailed" not in [e.type for e in result.events]
     assert result.recoveries == 0

@@ -35,8 +35,11 @@ from agents.process_group import Groups, abort_groups, set_op_timeout
 
 log = logging.getLogger("ringmaster.worker")
 
-#: Steps seen before the timeout adapts (the first steps include warm-up).
+#: Steps of a generation before the timeout adapts: the first steps of every
+#: generation include warm-up (a replacement's first forward, DDP's buckets).
 WARMUP_STEPS = 3
+#: How long a warm-up step may go on after a newer generation appeared.
+WARMUP_ABORT_GRACE = 5.0
 #: A new timeout is applied when it differs from the one in force by this fraction.
 _REAPPLY = 0.25
 
@@ -49,10 +52,15 @@ class OpTimeout:
         self.multiple = multiple
         self.ceiling = max(ceiling, floor)
         self._recent: deque[float] = deque(maxlen=window)
+        self._seen = 0  # steps of the current generation
+
+    def new_generation(self) -> None:
+        """A generation starts: the ceiling applies again until it has warmed up."""
         self._seen = 0
 
     def observe(self, step_seconds: float) -> None:
-        self._recent.append(step_seconds)
+        if self._seen >= WARMUP_STEPS:  # warm-up steps say nothing of steady state
+            self._recent.append(step_seconds)
         self._seen += 1
 
     @property
@@ -61,13 +69,15 @@ class OpTimeout:
 
     def current(self) -> float:
         """Seconds a collective may take now."""
-        if self._seen < WARMUP_STEPS:
+        if self._seen < WARMUP_STEPS or not self._recent:
             return self.ceiling
         return min(self.ceiling, max(self.floor, self.multiple * self.slowest_recent))
 
     def abort_grace(self) -> float:
         """How long a step may go on after a newer generation appeared: long enough
         for a planned change's step to reach its boundary on its own."""
+        if self._seen < WARMUP_STEPS:  # warm-up steps are slow: their length is unknown
+            return min(self.ceiling, max(WARMUP_ABORT_GRACE, 2 * self.slowest_recent))
         return min(self.current(), max(0.5, 2 * self.slowest_recent))
 
 
@@ -102,6 +112,7 @@ class CollectiveGuard:
         with self._lock:
             self._groups, self._generation = groups, generation
             self._newer_seen_at = None
+            self.timeout.new_generation()
             self._apply(self.timeout.current(), force=True)
 
     def detach(self) -> None:

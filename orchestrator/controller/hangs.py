@@ -1,12 +1,15 @@
 """Which workers hang: a pure rule over heartbeats, used by the controller's policy.
 
-A worker hangs when its heartbeat thread stopped: no beat for ``STALE_BEATS``
-heartbeat intervals.  The heartbeat is a thread of the worker's own, so a
-silent one means the whole process is frozen (SIGSTOP, a stuck interpreter),
-not a slow step.  Its agent is told to kill it, which turns the hang into a
+A worker hangs when its heartbeat thread stopped (no beat for ``STALE_BEATS``
+heartbeat intervals) while its node's agent answers its liveness probe.  The
+heartbeat is a thread of the worker's own, so a silent one beside a live
+agent means the whole process is frozen (SIGSTOP, a stuck interpreter), not
+a slow step.  Its agent is told to kill it, which turns the hang into a
 failure handled like any other: its peers' collectives raise at once, well
-before any collective timeout.  When every heartbeat stopped at once, the
-workers' way to etcd is stuck (they pause for that), so nobody is killed.
+before any collective timeout.  A node whose agent does not answer either is
+cut off or gone: that is for its lease and its peers' reports to settle, not
+for a kill.  When every heartbeat stopped at once, the workers' way to etcd
+is stuck (they pause for that), so nobody is killed.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def hung_workers(
             p = current.get(worker)
             if p is None or worker in world.done:  # a finished worker beats no more
                 continue
-            frozen = now - p.beat > stale_after
+            frozen = now - p.beat > stale_after and member.node in world.answering
             # the record names the process that stopped beating: a restarted
             # worker (a new pid) is never killed for its predecessor's silence,
             # and one process is told once (its agent kills it or is gone itself)

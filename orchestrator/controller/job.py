@@ -29,6 +29,7 @@ from orchestrator.controller.actions import (
     Recovered,
     WriteControl,
 )
+from orchestrator.controller.hangs import STALE_BEATS
 from orchestrator.controller.world import World, WorldReader
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
@@ -50,7 +51,12 @@ class JobController:
         #: the run of the job this controller runs (a resubmit starts a new one)
         self.run = self.observer.run
         self.status = read_status(client, job) or JobStatus(job, run=self.run)
-        self.reader = WorldReader(client, job, since=self.observer.submitted_at)
+        self.reader = WorldReader(
+            client,
+            job,
+            since=self.observer.submitted_at,
+            quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
+        )
         self.memory = policy.Memory(silence_seen=client.last_silence)
         self._last_written: dict[str, Any] = {}
 

@@ -51,6 +51,9 @@ class World:
         done: workers that finished their training loop.
         reports: break reports of the current generation, by worker id.
         dead: member nodes whose agent refused a liveness probe during this break.
+        answering: member nodes with a worker whose heartbeat went quiet (older
+            than ``quiet_after``) and whose agent answered a liveness probe: the
+            silence is that worker's own, not the node's (a partition, a crash).
         silence: the last etcd silence the client recorded (end, seconds), if any.
         startup_failures: before the job started: node → how one of its workers
             exited (the agents' ``WorkerExited`` events of this run).
@@ -67,6 +70,7 @@ class World:
     done: dict[str, DoneRecord] = field(default_factory=dict)
     reports: dict[str, BreakReport] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    answering: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
 
@@ -88,9 +92,14 @@ def silent_members(plan: Plan, reports: dict[str, BreakReport]) -> set[str]:
 class WorldReader:
     """Reads snapshots of one job; remembers which nodes it probed in which break."""
 
-    def __init__(self, client: EtcdClient, job: str, since: float = 0.0) -> None:
+    def __init__(
+        self, client: EtcdClient, job: str, since: float = 0.0, quiet_after: float = 6.0
+    ) -> None:
         self.client = client
         self.job = job
+        #: seconds without a heartbeat after which a worker's agent is probed
+        self.quiet_after = quiet_after
+        self._quiet_probes: dict[str, tuple[float, bool]] = {}
         #: when this run was submitted: older events belong to earlier runs
         self.since = since
         self._probed_generation = -1
@@ -123,6 +132,7 @@ class WorldReader:
                 self.client, keys.job_reports(job, world.plan.generation), BreakReport
             )
             world.dead = self._probe(world.plan, world.reports, world.nodes)
+            world.answering = self._probe_quiet(world.plan, world.progress, world.nodes)
         else:
             world.startup_failures = self._startup_failures()
         world.silence = self.client.last_silence
@@ -139,6 +149,31 @@ class WorldReader:
                 continue
             out.setdefault(event.source, str(event.data.get("error", event.message)))
         return out
+
+    def _probe_quiet(
+        self, plan: Plan, progress: dict[str, ProgressRecord], nodes: dict[str, NodeRecord]
+    ) -> set[str]:
+        """Probe the agents of members with a quiet worker (at most every second)."""
+        now, mono = time.time(), time.monotonic()
+        quiet = {
+            m.node
+            for m in plan.members
+            for i in range(m.nproc)
+            if (p := progress.get(keys.worker_id(m.node, i))) is not None
+            and p.generation == plan.generation
+            and now - p.beat > self.quiet_after
+        }
+        answering: set[str] = set()
+        for node in sorted(quiet):
+            probed_at, answered = self._quiet_probes.get(node, (-1e9, False))
+            registration = nodes.get(node)
+            if mono - probed_at >= 1.0 and registration is not None and registration.liveness:
+                verdict, _ = probe(registration.liveness)
+                answered = verdict is Liveness.ALIVE
+                self._quiet_probes[node] = (mono, answered)
+            if answered:
+                answering.add(node)
+        return answering
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]

@@ -3,9 +3,11 @@
 One active node runs (agent and workers) in its own network namespace
 (:mod:`tests.faults.netns`), reaching etcd and its peers only through a veth
 link; the other active node and the spare run on the host.  Cutting the link
-drops every packet both ways: the node's lease expires, the controller puts
-the spare in its slot, the survivor's stuck collective times out and it
-joins the new generation.  When the link comes back the old node learns from
+drops every packet both ways: the survivor's stuck collective times out
+(the operation timeout learnt from the job's steps, here its 1 s floor), it
+reports, the cut node's lease expires or its report does not come within the
+grace, the controller puts the spare in its slot, and the survivor joins the
+new generation.  When the link comes back the old node learns from
 etcd that a newer generation left it out: it drops its stale state, writes
 nothing for the current generation and commits no checkpoint (every write
 and commit is fenced by the plan revision it joined).  The job ends with the
@@ -38,13 +40,22 @@ from tests.faults.processes import Services
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 100
-#: Collectives time out after twice this: how long the survivor waits on the cut peer.
+#: Collectives never wait longer than twice this.
 HANG_TIMEOUT = "4s"
+#: How long the survivor's collective waits on the cut peer: 10 x the slowest
+#: recent step (about 0.1 s here) is under this floor, so the floor applies.
+OP_TIMEOUT_FLOOR = "1s"
 
 
 def partition_job(name: str, tmp: Path, spares: int) -> JobSpec:
     spec = tiny_job(
-        name, tmp, steps=STEPS, step_time=0.05, spares=spares, hang_timeout=HANG_TIMEOUT
+        name,
+        tmp,
+        steps=STEPS,
+        step_time=0.05,
+        spares=spares,
+        hang_timeout=HANG_TIMEOUT,
+        comm={"op_timeout_floor": OP_TIMEOUT_FLOOR},
     )
     # periodic asynchronous checkpoints, so commits happen around the partition
     return dataclasses.replace(
@@ -162,7 +173,9 @@ def test_partitioned_node_is_replaced_and_fenced(
     assert [m.node for m in second.members] == ["node-c", "node-b"], f"{second}\n{text}"
     failed = [e for e in log if e.type == "NodeFailed"]
     assert [e.data.get("node") for e in failed] == ["node-a"], f"{failed}\n{text}"
-    assert "lease expired" in failed[0].message
+    # declared when its lease expired, or sooner: the survivor's collective timed out
+    # (1 s), it reported, and node-a, unreachable, sent no report within the grace
+    assert failed[0].data.get("cause") in ("lease_expiry", "unresponsive"), failed[0]
     assert_exactly_once(tmp_path, STEPS)
     # node-a applied no step of generation 2, before or after the link came back
     for worker, seq in step_log(tmp_path).items():
@@ -179,6 +192,9 @@ def test_partitioned_node_is_replaced_and_fenced(
     assert all(c.manifest is not None and c.manifest.world_size == 2 for c in committed)
     assert record is not None and record.step in steps, f"{record} {steps}\n{text}"
     assert record.at > cut_at, f"{record} written before the cut at {cut_at}"
+    # the survivor's collective waited on the cut peer until its operation timeout
+    (recovered,) = [e for e in log if e.type == "Recovered"]
+    assert recovered.data.get("ended_by") == "timeout", f"{recovered}\n{text}"
 
 
 def _generations(tmp: Path) -> dict[str, set[int]]:

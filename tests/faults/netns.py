@@ -100,11 +100,19 @@ class IsolatedNode:
         return ["ip", "netns", "exec", self.namespace, *argv]
 
     def cut(self) -> None:
-        """Partition: take the host end of the link down (packets dropped both ways)."""
+        """Partition: take the host end of the link down (packets dropped both ways).
+
+        With the link's route gone, the host would send packets for the node's
+        address out of its default route, where this sandbox answers with a
+        reset, which reads as "nothing listens" rather than "cut off".  A
+        blackhole route keeps them on the host: a cut link, not a dead node.
+        """
         _ip("link", "set", self.host_if, "down")
+        _ip("route", "add", "blackhole", f"{self.node_ip}/32")
 
     def heal(self) -> None:
         """End the partition."""
+        _ip("route", "del", "blackhole", f"{self.node_ip}/32", check=False)
         _ip("link", "set", self.host_if, "up")
 
     def destroy(self) -> None:

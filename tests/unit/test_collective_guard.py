@@ -9,17 +9,27 @@ from agents.collective_guard import WARMUP_STEPS, CollectiveGuard, OpTimeout
 pytestmark = pytest.mark.unit
 
 
-def test_the_ceiling_holds_until_enough_steps_were_seen() -> None:
+def _warm(t: OpTimeout) -> None:
+    for _ in range(WARMUP_STEPS):
+        t.observe(30.0)  # warm-up steps are slow and not learnt from
+        assert t.current() == t.ceiling
+
+
+def test_the_ceiling_holds_until_a_generation_has_warmed_up() -> None:
     t = OpTimeout(floor=5, multiple=10, ceiling=600)
-    for _ in range(WARMUP_STEPS - 1):
-        t.observe(0.1)
-        assert t.current() == 600  # the first steps include warm-up: nothing learnt yet
+    _warm(t)
     t.observe(0.1)
     assert t.current() == 5  # 10 x 0.1 s is under the floor
+    t.new_generation()  # a replacement joins: its first steps include its warm-up
+    assert t.current() == 600
+    for _ in range(WARMUP_STEPS):
+        t.observe(2.0)
+    assert t.current() == 5  # the history of the earlier generation is kept
 
 
 def test_the_timeout_follows_the_slowest_recent_step_within_bounds() -> None:
     t = OpTimeout(floor=5, multiple=10, ceiling=600, window=4)
+    _warm(t)
     for s in (0.2, 2.0, 0.2, 0.2):
         t.observe(s)
     assert t.current() == pytest.approx(20.0)
@@ -32,8 +42,8 @@ def test_the_timeout_follows_the_slowest_recent_step_within_bounds() -> None:
 
 def test_abort_grace_lets_a_planned_step_end_on_its_own() -> None:
     t = OpTimeout(floor=5, multiple=10, ceiling=600)
-    for _ in range(WARMUP_STEPS):
-        t.observe(0.05)
+    _warm(t)
+    t.observe(0.05)
     assert t.abort_grace() == 0.5  # a short floor for fast steps
     t.observe(2.0)
     assert t.abort_grace() == pytest.approx(4.0)

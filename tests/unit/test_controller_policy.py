@@ -208,6 +208,7 @@ def hung_worker_is_killed_by_pid() -> None:
     plan = _plan(1, "a", "b")
     world = _world(["a", "b"], plan)
     world.progress["b-0"] = _beat(1, beat=NOW - 30, step_time=NOW - 120, pid=4242)
+    world.answering = {"b"}  # its agent answers: the silence is the worker's own
     run.tick(world)
     (kill,) = run.of(KillWorker)
     assert kill.node == "b" and kill.command.pid == 4242 and kill.command.local_rank == 0
@@ -224,9 +225,21 @@ def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
     plan = _plan(1, "a", "b")
     world = _world(["a", "b"], plan)
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)  # 4 beats missed
+    world.answering = {"b"}
     run.tick(world)
     (kill,) = run.of(KillWorker)
     assert kill.command.pid == 77 and kill.silent_since == NOW - 2
+
+
+def quiet_worker_of_an_unreachable_node_is_not_killed() -> None:
+    """Cut off by a partition, the node's agent does not answer either: its lease and
+    its peers' reports settle it; a kill would only reach it when the link is back."""
+    run = Run(_spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5)))
+    plan = _plan(1, "a", "b")
+    world = _world(["a", "b"], plan)
+    world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
+    run.tick(world)  # world.answering is empty: b's agent did not answer
+    assert run.of(KillWorker) == []
 
 
 def every_heartbeat_stopped_is_not_a_hang() -> None:
@@ -503,6 +516,7 @@ SCENARIOS: list[Callable[[], None]] = [
     lease_expiry_preempted_node_is_replaced,
     hung_worker_is_killed_by_pid,
     frozen_worker_is_killed_without_waiting_for_hang_timeout,
+    quiet_worker_of_an_unreachable_node_is_not_killed,
     every_heartbeat_stopped_is_not_a_hang,
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,

@@ -90,8 +90,11 @@ class Memory:
     recovery_step: int = 0
     #: fewer than nodes.min nodes left since then
     short_since: float | None = None
-    #: ``<worker>/<pid>`` → wall time it was last told to die
+    #: ``<worker>/<pid>`` → wall time it was told to die
     killed: dict[str, float] = field(default_factory=dict)
+    #: the generation, and its members one of whose workers was killed for a hang:
+    #: they will not report the break, so nobody waits for them
+    hung: tuple[int, set[str]] = (0, set())
     grace_until: float = 0.0
     paused_from: JobPhase | None = None
     silence_seen: tuple[float, float] | None = None
@@ -360,7 +363,11 @@ class _Decider:
         if gone:
             self.replace(plan, gone, f"lease expired: {', '.join(sorted(gone))}")
             return
-        self.actions += hung_workers(self.spec, plan, self.w, self.m.killed)
+        kills = hung_workers(self.spec, plan, self.w, self.m.killed)
+        if kills:
+            before = self.m.hung[1] if self.m.hung[0] == plan.generation else set()
+            self.m.hung = (plan.generation, before | {k.node for k in kills})
+        self.actions += kills
         recovering = status.phase is JobPhase.RECOVERING or (
             status.phase is JobPhase.PAUSED and self.m.paused_from is JobPhase.RECOVERING
         )
@@ -455,8 +462,10 @@ class _Decider:
                     JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
                 )
         silent = silent_members(plan, w.reports)
-        # a refused liveness probe is first-hand: it needs no grace, not even after an outage
-        waiting = silent - w.dead
+        hung = m.hung[1] if m.hung[0] == plan.generation else set()
+        # a refused liveness probe is first-hand: it needs no grace, not even after an
+        # outage; nor does a node whose worker was killed for a hang (it cannot report)
+        waiting = silent - w.dead - hung
         if waiting and (
             w.mono - m.break_seen_at < REPORT_GRACE.total_seconds() or self.in_grace()
         ):
@@ -464,11 +473,12 @@ class _Decider:
         if all(r.planned for r in w.reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
         dead = w.dead & silent
-        why = (
-            f"agent of {', '.join(sorted(dead))} gone (liveness port refused)"
-            if dead == silent
-            else f"no report from {', '.join(sorted(silent))}"
-        )
+        if dead == silent:
+            why = f"agent of {', '.join(sorted(dead))} gone (liveness port refused)"
+        elif hung and silent <= hung | dead:
+            why = f"a worker of {', '.join(sorted(silent))} hung and was killed"
+        else:
+            why = f"no report from {', '.join(sorted(silent))}"
         self.replace(plan, silent, why, agent_gone=dead)
 
     def replace(

@@ -231,6 +231,21 @@ def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
     assert kill.command.pid == 77 and kill.silent_since == NOW - 2
 
 
+def node_of_a_killed_hung_worker_is_replaced_without_the_report_grace() -> None:
+    """The killed worker cannot report: its survivors' report is enough."""
+    run = Run(_spec(heartbeat_interval=timedelta(seconds=0.5)))
+    plan = _plan(1, "a", "b")
+    world = _world(["a", "b", "c"], plan, mono=50.0)
+    world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
+    world.answering = {"b"}
+    run.tick(world)
+    assert len(run.of(KillWorker)) == 1
+    run.tick(_world(["a", "b", "c"], plan, mono=50.2, reports={"a-0": _report()}))
+    (new,) = run.plans()  # at once, not after REPORT_GRACE
+    assert _order(new) == ["a", "c"]
+    assert "a worker of b hung and was killed" in run.of(DeclareFailed)[0].why
+
+
 def quiet_worker_of_an_unreachable_node_is_not_killed() -> None:
     """Cut off by a partition, the node's agent does not answer either: its lease and
     its peers' reports settle it; a kill would only reach it when the link is back."""
@@ -517,6 +532,7 @@ SCENARIOS: list[Callable[[], None]] = [
     hung_worker_is_killed_by_pid,
     frozen_worker_is_killed_without_waiting_for_hang_timeout,
     quiet_worker_of_an_unreachable_node_is_not_killed,
+    node_of_a_killed_hung_worker_is_replaced_without_the_report_grace,
     every_heartbeat_stopped_is_not_a_hang,
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,

@@ -1,0 +1,177 @@
+"""Recovery rows for peers that hang instead of dying (used by ``recovery.py``).
+
+* SIGSTOP: one active node's worker is stopped mid-run.  Its heartbeat thread
+  stops with it; its agent still answers, so the controller has it killed
+  after ``3 x heartbeat_interval`` and its peers' collectives raise at once.
+  Target: the next step within ``3 x heartbeat_interval + 2 s``.
+* partition: one active node (agent and worker) runs in a network namespace
+  whose link is cut (packets dropped both ways).  The survivor's collective
+  waits until its operation timeout, learnt from the job's steps
+  (``comm.op_timeout_floor`` 1 s here), the cut node is declared failed (its
+  lease, ``RINGMASTER_NODE_TTL`` 3 s, or no report within the grace) and the
+  spare takes its slot.  Target: the next step within the node lease TTL + 2 s.
+  Needs root (network namespaces); the row says so where they cannot be made.
+
+Both measure seconds from the fault to the first step of the new generation
+and the steps lost, from the workers' step logs (``examples/train_tiny.py
+--step-log``), and read from the ``Recovered`` event what ended the
+survivors' failed step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_TIME = 0.02
+HEARTBEAT_S = 0.5
+NODE_TTL_S = 3.0
+FAULT_AT = 100
+STEPS = 300
+
+Measure = Callable[[Path, float, bool], tuple[float, int]]
+
+
+def _job(name: str, logs: Path, **extra: Any) -> Any:
+    from orchestrator.spec_loader import load_job_data
+
+    return load_job_data(
+        {
+            "name": name,
+            "entrypoint": {
+                "script": str(REPO / "examples" / "train_tiny.py"),
+                "args": ["--step-time", str(STEP_TIME), "--step-log", str(logs)],
+                "env": {"RINGMASTER_LOG_EVERY": "100000"},
+            },
+            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "max_steps": STEPS,
+            "fault_tolerance": {"heartbeat_interval": f"{HEARTBEAT_S * 1000:g}ms"},
+            **extra,
+        }
+    )
+
+
+def _ended_by(client: Any, job: str) -> str:
+    from orchestrator import events
+
+    found = [e for e in events.list_events(client, job) if e.type == "Recovered"]
+    return str(found[0].data.get("ended_by", "")) if found else ""
+
+
+def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
+    from orchestrator import jobs, keys, records
+    from orchestrator.local_run import LocalRun
+    from orchestrator.records import ProgressRecord
+
+    logs = tmp / "steps"
+    logs.mkdir()
+    spec = _job("bench-sigstop", logs)
+    lines: list[str] = []
+    with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
+        client = run._client
+        while True:
+            status = jobs.read_status(client, spec.name)
+            if status and status.step >= FAULT_AT and status.active_nodes:
+                worker = keys.worker_id(status.active_nodes[0], 0)
+                p = records.read(client, keys.job_progress(spec.name) + worker, ProgressRecord)
+                if p is not None:
+                    stopped_at = time.time()
+                    os.kill(p.pid, signal.SIGSTOP)
+                    break
+            time.sleep(0.01)
+        result = run.wait()
+        ended_by = _ended_by(client, spec.name)
+    assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
+    recovery, lost = measure(logs, stopped_at, False)
+    return {
+        "recovery_s": recovery,
+        "steps_lost": lost,
+        "ended_by": ended_by,
+        "target_s": 3 * HEARTBEAT_S + 2,
+    }
+
+
+def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
+    """The partition row, or ``{"skipped": why}`` where namespaces cannot be made."""
+    from orchestrator import jobs, keys, records
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
+    from orchestrator.records import Plan
+    from tests.faults.etcd_cluster import EtcdCluster
+    from tests.faults.netns import IsolatedNode, unavailable_reason
+    from tests.faults.processes import Services
+
+    reason = unavailable_reason()
+    if reason is not None:
+        return {"skipped": f"needs network namespaces: {reason}"}
+    logs = tmp / "steps"
+    logs.mkdir()
+    spec = _job("bench-partition", logs, comm={"op_timeout_floor": "1s"})
+    job = spec.name
+    lines: list[str] = []
+    with (
+        IsolatedNode("bench") as isolated,
+        EtcdCluster(1, extra_hosts=(isolated.host_ip,)) as etcd,
+        Services(lines) as services,
+        connect(EtcdOptions(etcd.endpoints)) as client,
+    ):
+        jobs.submit(client, spec)
+        host_etcd = ["--etcd", ",".join(etcd.endpoints)]
+        services.start("controller", ["controller", "--job", job, *host_etcd])
+
+        def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
+            return ["agent", "--job", job, "--node", node,
+                    "--labels", f"zone=z,rack=r,host={node}",
+                    "--address", address, *etcd_args]  # fmt: skip
+
+        services.start(
+            "node-a",
+            agent(
+                "node-a",
+                ["--etcd", ",".join(etcd.endpoints_on(isolated.host_ip))],
+                isolated.node_ip,
+            ),
+            env={"GLOO_SOCKET_IFNAME": isolated.node_if},
+            prefix=isolated.command([]),
+        )
+        services.start("node-b", agent("node-b", host_etcd, "127.0.0.1"))
+        _until(lambda: records.read(client, keys.job_plan(job), Plan), 120)
+        services.start("node-c", agent("node-c", host_etcd, "127.0.0.1"))
+        _until(
+            lambda: (s := jobs.read_status(client, job)) and s.step >= FAULT_AT,
+            120,
+        )
+        isolated.cut()
+        cut_at = time.time()
+        _until(
+            lambda: (p := records.read(client, keys.job_plan(job), Plan)) and p.generation >= 2,
+            60,
+        )
+        isolated.heal()
+        status = _until(
+            lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s, 150
+        )
+        ended_by = _ended_by(client, job)
+    assert status.phase.value == "Succeeded", "\n".join(lines[-40:])
+    recovery, lost = measure(logs, cut_at, False)
+    return {
+        "recovery_s": recovery,
+        "steps_lost": lost,
+        "ended_by": ended_by,
+        "target_s": NODE_TTL_S + 2,
+    }
+
+
+def _until(check: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise RuntimeError("the benchmark job did not get there in time")

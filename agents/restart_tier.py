@@ -68,7 +68,7 @@ ROLE_NAME = "default"
 STOP_GRACE = 1.0
 #: Seconds after a launch before the used standbys are replaced (so importing
 #: torch for the next standby does not slow the new workers' start).
-REFILL_DELAY = 3.0
+REFILL_DELAY = 1.0
 #: How often a waiting agent looks for the generation's store address.
 MASTER_POLL = 0.02
 #: How often the agent reads the job's phase (it leaves when the job has ended).

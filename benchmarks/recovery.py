@@ -51,7 +51,7 @@ STEP_TIME = 0.02
 TORCHRUN_PATIENCE_S = 90.0
 #: Tier 0: epochs of examples/train_torchrun.py (32 steps each at world size 2)
 TIER0_EPOCHS = 6
-TIER0_KILL_AT = 65
+TIER0_KILL_AT = 105
 TIER0_CHECKPOINT_EVERY = 10
 
 

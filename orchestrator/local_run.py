@@ -7,7 +7,8 @@ together, as on a real machine), streams their output with a prefix, follows
 the job's events and status, and stops everything when the job ends.
 
 ``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
-to show a warm spare taking over.
+to show a warm spare taking over (a restart-tier job reports no steps: the
+run says so and kills nothing).
 
 The controller serves Prometheus metrics (on a free port unless
 ``metrics_port`` says otherwise); the run prints their URL.  With a
@@ -38,7 +39,7 @@ from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, RecoveryMode
 
 Printer = Callable[[str], None]
 
@@ -170,6 +171,14 @@ class LocalRun:
         self._client = connect(self.etcd_options)
         jobs.submit(self._client, self.spec, resume=self.resume)
         self.print(f"[run] submitted job '{self.spec.name}'")
+        if (
+            self.kill_node_at_step is not None
+            and self.spec.fault_tolerance.recovery is RecoveryMode.RESTART
+        ):
+            self.print(
+                "[run] --kill-node-at-step has no effect on this job: its script reports no "
+                "steps (fault_tolerance.recovery is restart); kill a node with `kill -9` instead"
+            )
         previous = self._client.get(keys.controller_metrics())
         self._metrics_revision = previous.mod_revision if previous is not None else 0
         for i in range(self.controllers):

@@ -296,6 +296,9 @@ class JobStatus(Record):
     productive_s: float = 0.0
     effective_fraction: float = 0.0
     last_recovery: dict[str, Any] | None = None
+    #: how the job recovers (``in_process`` or ``restart``; empty until known): in
+    #: the restart tier the script reports no steps, so ``step`` stays 0
+    recovery: str = ""
 
 
 @dataclass

@@ -302,6 +302,9 @@ class _Decider:
 
     def watch_running(self, plan: Plan) -> None:
         w, status = self.w, self.status
+        status.recovery = (
+            RecoveryMode.RESTART.value if self.restart_tier else RecoveryMode.IN_PROCESS.value
+        )
         members = {m.node for m in plan.members}
         workers = workers_of(plan)
         status.generation = plan.generation

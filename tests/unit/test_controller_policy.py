@@ -512,6 +512,7 @@ def restart_tier_finishes_when_every_worker_exited_0() -> None:
     run.tick(world)
     assert run.status.phase is JobPhase.SUCCEEDED
     assert run.status.message == "finished: every worker of generation 2 exited 0"
+    assert run.status.recovery == "restart" and run.status.step == 0
 
 
 def restart_tier_stop_ends_the_job_at_once() -> None:

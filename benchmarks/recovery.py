@@ -18,8 +18,12 @@ Tier 0 (the restart tier) runs ``examples/train_torchrun.py``, an unmodified
 torchrun script with its own checkpoints (every ``TIER0_CHECKPOINT_EVERY``
 steps), twice more: under ringmaster (``recovery: restart``: every worker
 starts again from a pre-imported standby, rank 0's node hosts the store of
-its generation only) and under the same stock torchrun setup as above.  The
-last line is a JSON object.
+its generation only) and under the same stock torchrun setup as above.
+
+Two more rows measure peers that hang instead of dying (:mod:`_stuck_peers`):
+a SIGSTOPped worker and a node cut off by a network partition (needs root).
+``--tier0`` and ``--stuck`` run those rows alone.  The last line is a JSON
+object.
 """
 
 from __future__ import annotations
@@ -430,9 +434,38 @@ def _tier0() -> dict[str, object]:
     }
 
 
+def _stuck_peer_rows() -> dict[str, object]:
+    """The SIGSTOP and partition rows (:mod:`_stuck_peers`): a peer that hangs."""
+    import _stuck_peers
+
+    out: dict[str, object] = {}
+    for name, run in (
+        ("sigstop", _stuck_peers.run_sigstop),
+        ("partition", _stuck_peers.run_partition),
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            row = run(Path(tmp), _measure)
+        if "skipped" in row:
+            print(f"{name}: not measured: {row['skipped']}")
+            out[f"{name}_recovery_s"] = None
+            continue
+        print(
+            f"{name}: {row['recovery_s']:.2f}s to the next step (target {row['target_s']:g}s), "
+            f"{row['steps_lost']} lost, the survivors' stuck step ended by {row['ended_by']}"
+        )
+        out[f"{name}_recovery_s"] = round(row["recovery_s"], 3)
+        out[f"{name}_steps_lost"] = row["steps_lost"]
+        out[f"{name}_ended_by"] = row["ended_by"]
+        out[f"{name}_target_s"] = row["target_s"]
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["--tier0"]:  # the tier-0 row alone
         print(json.dumps(_tier0()))
+        return
+    if sys.argv[1:] == ["--stuck"]:  # the SIGSTOP and partition rows alone
+        print(json.dumps(_stuck_peer_rows()))
         return
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         rm = run_ringmaster(Path(a))
@@ -452,6 +485,7 @@ def main() -> None:
     # torchrun that never trained again within its patience: the ratio is at least this
     speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
     tier0 = _tier0()
+    stuck = _stuck_peer_rows()
     print(
         json.dumps(
             {
@@ -463,6 +497,7 @@ def main() -> None:
                 "speedup": round(speedup, 2) if recovered else None,
                 "speedup_at_least": None if recovered else round(speedup, 1),
                 **tier0,
+                **stuck,
             }
         )
     )

@@ -38,7 +38,7 @@ from tests.cuda.conftest import ONE_GPU, gpus, record
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("nccl_pair_worker.py")
+WORKER = REPO / "tests" / "faults" / "stuck_pair_worker.py"
 
 
 def test_nccl_group_of_one_forms_aborts_and_forms_again(etcd_client: EtcdClient) -> None:

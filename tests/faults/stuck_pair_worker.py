@@ -1,12 +1,14 @@
-"""One rank of the two-GPU abort test (tests/cuda/test_nccl_groups.py).
+"""One rank of the stuck-collective tests (tests/cuda/test_nccl_groups.py on
+two GPUs with NCCL, tests/integration/test_stuck_collective.py on gloo).
 
-Forms an NCCL generation through the runtime's own ``form_group`` and guards
-it with a :class:`CollectiveGuard` whose "latest generation" is 2 once the
-file ``--moved`` exists (the test's stand-in for the controller's new plan).
-Rank 1 signals readiness and is then SIGSTOPped by the test; rank 0 keeps
+Forms a generation through the runtime's own ``form_group`` and guards it
+with a :class:`CollectiveGuard` whose "latest generation" is 2 once the file
+``--moved`` exists (the test's stand-in for the controller's new plan).  Rank
+1 signals readiness and is then SIGSTOPped by the test; rank 0 keeps
 all-reducing and writes how its stuck collective ended to ``--out``.
 
-Arguments: RANK ETCD_ENDPOINT JOB --moved FILE --out FILE
+Arguments: RANK ETCD_ENDPOINT JOB --moved FILE --out FILE [--backend nccl|gloo]
+[--op-timeout SECONDS] (the guard's ceiling, what applies before any step is learnt)
 """
 
 from __future__ import annotations
@@ -33,20 +35,23 @@ def main() -> None:
     p.add_argument("job")
     p.add_argument("--moved", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--backend", default="nccl")
+    p.add_argument("--op-timeout", type=float, default=120.0)
     a = p.parse_args()
     os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # a failed work raises in wait()
     client = connect(EtcdOptions(endpoints=parse_endpoints(a.endpoint)))
-    backend, device = choose_device("nccl", a.rank)
+    backend, device = choose_device(a.backend, a.rank if a.backend == "nccl" else 0)
     groups = form_group(client, a.job, 1, a.rank, 2, "127.0.0.1", backend=backend, device=device)
     guard = CollectiveGuard(
-        OpTimeout(floor=60, multiple=10, ceiling=120),  # the timeout must not be what ends it
+        OpTimeout(floor=a.op_timeout, multiple=10, ceiling=a.op_timeout),
         latest_generation=lambda: 2 if a.moved.exists() else 1,
     )
     guard.attach(groups, 1)
-    t = torch.ones(1 << 20, device=device)
+    t = torch.ones(1 << 16, device=device)
     for _ in range(5):
         dist.all_reduce(t, async_op=True).wait()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     if a.rank == 1:
         (a.out.parent / "rank1.ready").write_text(str(os.getpid()))
         time.sleep(600)  # SIGSTOPped here by the test

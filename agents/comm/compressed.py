@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agents.comm import collectives
 from agents.comm.api import CommMetrics, Compressor
 from agents.comm.safety import NormTracker, SafetyPolicy, Verdict
 
@@ -122,7 +123,7 @@ class CompressedExchange:
         status = _status_word(norm, self.compressor.payload_dtype)
         payload = torch.cat([encoded.payload, status])
         flat = torch.empty(world * payload.numel(), dtype=payload.dtype)
-        dist.all_gather_single(flat, payload, group=self.group)
+        collectives.all_gather_single(flat, payload, group=self.group)
         gathered = flat.view(world, payload.numel())
         width = status.numel()
         norms = gathered[:, -width:].clone().view(torch.float32).reshape(-1).tolist()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from agents.comm import collectives
 from agents.comm.api import CommConfigError, NodeLayout
 
 #: Buckets at least this large are averaged in overlapping segments.
@@ -113,7 +114,7 @@ def hierarchical_average(
         padded = torch.zeros(chunk * local, dtype=flat.dtype)
         padded[:n] = flat
         shard = torch.empty(chunk, dtype=flat.dtype)
-        dist.reduce_scatter_single(shard, padded, group=groups.intra)
+        collectives.reduce_scatter_single(shard, padded, group=groups.intra)
     else:
         shard = flat.clone()
     if inter_stage is not None and groups.inter is not None:
@@ -122,7 +123,7 @@ def hierarchical_average(
         dist.all_reduce(shard, group=groups.inter)
     if groups.intra is not None:
         gathered = torch.empty(chunk * local, dtype=flat.dtype)
-        dist.all_gather_single(gathered, shard, group=groups.intra)
+        collectives.all_gather_single(gathered, shard, group=groups.intra)
         result = gathered[:n]
     else:
         result = shard
@@ -141,7 +142,7 @@ def _pipelined_average(flat: torch.Tensor, groups: HierarchyGroups, segments: in
         padded = torch.zeros(chunk * local, dtype=flat.dtype)
         padded[:n] = seg
         shard = torch.empty(chunk, dtype=flat.dtype)
-        work = dist.reduce_scatter_single(shard, padded, group=groups.intra, async_op=True)
+        work = collectives.reduce_scatter_single(shard, padded, group=groups.intra, async_op=True)
         staged.append((n, shard, work))
     reduced = []
     for n, shard, work in staged:
@@ -152,7 +153,7 @@ def _pipelined_average(flat: torch.Tensor, groups: HierarchyGroups, segments: in
         work.wait()
         out = torch.empty(shard.numel() * local, dtype=flat.dtype)
         gathered.append(
-            (n, out, dist.all_gather_single(out, shard, group=groups.intra, async_op=True))
+            (n, out, collectives.all_gather_single(out, shard, group=groups.intra, async_op=True))
         )
     parts = []
     for n, out, work in gathered:

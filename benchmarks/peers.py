@@ -658,7 +658,14 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=10, help="the torchrun script's checkpoints")
     p.add_argument("--window", type=float, default=100.0, help="goodput window, seconds")
     p.add_argument("--periods", default="60,15", help="seconds between kills, one goodput run each")
+    p.add_argument(
+        "--max-kills",
+        type=int,
+        default=4,
+        help="a goodput run lasts at most this many kill periods (the 15 s run: 60 s)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="steady-state runs per system")
+    p.add_argument("--fast-rounds", type=int, default=1, help="the same at --fast-step-time")
     p.add_argument(
         "--torchft-heartbeat-timeout-ms",
         type=int,
@@ -673,8 +680,13 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     skip = set(args.skip.split(","))
     periods = [float(x) for x in args.periods.split(",") if x]
-    if args.window < 300:
-        print(f"goodput window shortened to {args.window:g}s (--window 300 for the full 5 minutes)")
+    windows = {p: min(args.window, args.max_kills * p) for p in periods}
+    if "goodput" not in skip:
+        shown = ", ".join(f"{w:g} s with a kill every {p:g} s" for p, w in windows.items())
+        print(
+            f"goodput windows shortened to {shown} so that the whole run fits make bench "
+            "(--window 300 --max-kills 20 for 5 minutes each)"
+        )
     load = os.getloadavg()
     cores = os.cpu_count()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {cores} cores")
@@ -684,11 +696,11 @@ def main() -> None:
     def tmp() -> Path:
         return Path(tempfile.mkdtemp(prefix="peers-"))
 
-    def steady_rounds(steps: int, step_time: float) -> dict[str, dict[str, object]]:
+    def steady_rounds(steps: int, step_time: float, rounds: int) -> dict[str, dict[str, object]]:
         """Every system ``--rounds`` times, interleaved; each keeps its fastest round (the
         machine is shared: a slow round says more about the neighbours than the system)."""
         best: dict[str, dict[str, object]] = {}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name in ["ddp", *systems]:
                 r = steady(name, tmp(), steps, step_time, args.ckpt_every)
                 earlier = best.get(name, {}).get("rounds", [])
@@ -706,12 +718,12 @@ def main() -> None:
                 )
         return best
 
-    ref = steady_rounds(args.steps, args.step_time)
+    ref = steady_rounds(args.steps, args.step_time, args.rounds)
     base = ref["ddp"]["period_s"]
     assert isinstance(base, float)
     fast: dict[str, dict[str, object]] = {}
     if "fast" not in skip:
-        fast = steady_rounds(args.fast_steps, args.fast_step_time)
+        fast = steady_rounds(args.fast_steps, args.fast_step_time, args.fast_rounds)
     single: dict[str, dict[str, object]] = {}
     if "single" not in skip:
         for name in systems:
@@ -732,7 +744,8 @@ def main() -> None:
             for name in systems:
                 own = ref[name]["period_s"]
                 assert isinstance(own, float)
-                g = goodput(name, tmp(), args.step_time, args.ckpt_every, args.window, period, own)
+                w = windows[period]
+                g = goodput(name, tmp(), args.step_time, args.ckpt_every, w, period, own)
                 good.setdefault(name, {})[f"{period:g}"] = g
                 print(
                     f"goodput {name:10s} kill every {period:g}s: {g['effective']:.1%} effective, "
@@ -808,6 +821,9 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
 
     def num(v: object) -> object:
+        """JSON-safe: NaN and infinity (no step within the window) become null."""
+        if isinstance(v, list):
+            return [num(x) for x in v]
         if isinstance(v, float):
             return None if v != v or v == float("inf") else round(v, 4)
         return v
@@ -833,7 +849,7 @@ def main() -> None:
             for k, v in g.items():
                 out[f"{name}_goodput{period_key}_{k}"] = num(v)
     out["load_avg_end"] = round(load[0], 2)
-    out["window_s"] = args.window
+    out["windows_s"] = {f"{p:g}": w for p, w in windows.items()}
     out["total_s"] = round(time.time() - started, 1)
     print(json.dumps(out))
 

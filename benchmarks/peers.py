@@ -47,6 +47,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -673,7 +674,8 @@ def main() -> None:
         help="the Lighthouse's --heartbeat_timeout_ms (5000: its default, which torchft's "
         "README keeps)",
     )
-    p.add_argument("--skip", default="", help="comma-separated: steady, fast, single, goodput")
+    p.add_argument("--keep", action="store_true", help="keep the runs' step logs and outputs")
+    p.add_argument("--skip", default="", help="comma-separated: fast, single, goodput")
     args = p.parse_args()
     global TORCHFT_HEARTBEAT_TIMEOUT_MS
     TORCHFT_HEARTBEAT_TIMEOUT_MS = args.torchft_heartbeat_timeout_ms
@@ -693,8 +695,10 @@ def main() -> None:
     out: dict[str, object] = {"step_time_s": args.step_time, "load_avg_start": round(load[0], 2)}
     started = time.time()
 
+    scratch = Path(tempfile.mkdtemp(prefix="peers-"))
+
     def tmp() -> Path:
-        return Path(tempfile.mkdtemp(prefix="peers-"))
+        return Path(tempfile.mkdtemp(dir=scratch))
 
     def steady_rounds(steps: int, step_time: float, rounds: int) -> dict[str, dict[str, object]]:
         """Every system ``--rounds`` times, interleaved; each keeps its fastest round (the
@@ -851,6 +855,10 @@ def main() -> None:
     out["load_avg_end"] = round(load[0], 2)
     out["windows_s"] = {f"{p:g}": w for p, w in windows.items()}
     out["total_s"] = round(time.time() - started, 1)
+    if args.keep:
+        print(f"step logs and outputs kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(out))
 
 

@@ -431,9 +431,9 @@ def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
         return StandaloneSession()
     if env.recovery == RECOVERY_RESTART:
         raise RecoveryError(
-            f"job {env.job} runs with fault_tolerance.recovery: restart, which restarts "
-            "workers as torchrun does; runtime.init() needs recovery: in_process "
-            "(set it in the job file, or leave recovery: auto)"
+            f"job {env.job} runs in the restart tier (fault_tolerance.recovery: restart, or "
+            "auto with an entrypoint that does not import agents.runtime itself, such as a "
+            "wrapper); runtime.init() needs fault_tolerance.recovery: in_process in the job file"
         )
     # One prefix per line: whoever shows this output already names the node
     # (`ringmaster run` prints `[node]`, `ringmaster logs` prints `[node/local rank]`),

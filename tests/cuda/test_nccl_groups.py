@@ -122,7 +122,10 @@ def test_abort_ends_an_nccl_collective_stuck_on_a_stopped_peer(
     guard's abort once the generation moves on, long before its timeout."""
     job = f"pair-{uuid.uuid4().hex[:8]}"
     moved, out = tmp_path / "moved", tmp_path / "rank0.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     args = [etcd.endpoint, job, "--moved", str(moved), "--out", str(out)]
     command = [sys.executable, str(WORKER)]
     procs = [subprocess.Popen([*command, str(r), *args], env=env) for r in (0, 1)]

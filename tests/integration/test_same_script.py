@@ -28,7 +28,7 @@ SCRIPT = REPO / "examples" / "train_tiny.py"
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGMASTER_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return env
 
 
@@ -100,7 +100,7 @@ def test_a_shadowing_package_is_named_in_one_line(tmp_path: Path, name: str) -> 
     foreign.mkdir(parents=True)
     (foreign / "__init__.py").write_text("")
     env = _env()
-    env["PYTHONPATH"] = f"{tmp_path / 'site'}{os.pathsep}{REPO}"
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
     cli = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "--help"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,

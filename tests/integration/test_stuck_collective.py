@@ -38,7 +38,10 @@ def test_gloo_wait_on_a_stopped_peer_ends_at_the_operation_timeout(
     moved, out = tmp_path / "moved", tmp_path / "rank0.json"
     args = [etcd.endpoint, f"stuck-{uuid.uuid4().hex[:8]}", "--moved", str(moved),
             "--out", str(out), "--backend", "gloo", "--op-timeout", str(OP_TIMEOUT_S)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(r), *args], env=env) for r in (0, 1)
     ]

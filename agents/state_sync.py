@@ -17,6 +17,7 @@ Large tensors are never pickled.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,19 @@ class _TensorSlot:
     offset: int
 
 
+def _map_tensors(x: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
+    """``x`` with ``fn`` applied to every ``leaf`` inside its dicts, lists and tuples."""
+    if isinstance(x, leaf):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn, leaf) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_map_tensors(v, fn, leaf) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_map_tensors(v, fn, leaf) for v in x)
+    return x
+
+
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """``state`` with every tensor replaced by a :class:`_TensorSlot`, and the tensors.
 
@@ -101,43 +115,24 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     offsets: dict[tuple[str, torch.dtype], int] = {}
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            key = (x.device.type, x.dtype)
-            offset = offsets.get(key, 0)
-            offsets[key] = offset + x.numel()
-            tensors.append(x)
-            return _TensorSlot(x.device.type, x.dtype, tuple(x.shape), offset)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
+    def slot(t: torch.Tensor) -> _TensorSlot:
+        key = (t.device.type, t.dtype)
+        offset = offsets.get(key, 0)
+        offsets[key] = offset + t.numel()
+        tensors.append(t)
+        return _TensorSlot(t.device.type, t.dtype, tuple(t.shape), offset)
 
-    return walk(state), tensors
+    return _map_tensors(state, slot, torch.Tensor), tensors
 
 
 def join_tensors(skeleton: Any, buffers: dict[tuple[str, torch.dtype], torch.Tensor]) -> Any:
     """The inverse of :func:`split_tensors`: slots become views of ``buffers``."""
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, _TensorSlot):
-            flat = buffers[(x.device_type, x.dtype)]
-            numel = 1
-            for n in x.shape:
-                numel *= n
-            return flat[x.offset : x.offset + numel].view(x.shape)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
+    def view(x: _TensorSlot) -> torch.Tensor:
+        flat = buffers[(x.device_type, x.dtype)]
+        return flat[x.offset : x.offset + math.prod(x.shape)].view(x.shape)
 
-    return walk(skeleton)
+    return _map_tensors(skeleton, view, _TensorSlot)
 
 
 def broadcast_state(

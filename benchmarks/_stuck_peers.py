@@ -99,12 +99,9 @@ def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
 def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
     """The partition row, or ``{"skipped": why}`` where namespaces cannot be made."""
     from orchestrator import jobs, keys, records
-    from orchestrator.etcd.client import connect
-    from orchestrator.etcd.options import EtcdOptions
     from orchestrator.records import Plan
-    from tests.faults.etcd_cluster import EtcdCluster
     from tests.faults.netns import IsolatedNode, unavailable_reason
-    from tests.faults.processes import Services
+    from tests.faults.partitioned_job import partitioned_job, wait_for
 
     reason = unavailable_reason()
     if reason is not None:
@@ -114,47 +111,25 @@ def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
     spec = _job("bench-partition", logs, comm={"op_timeout_floor": "1s"})
     job = spec.name
     lines: list[str] = []
-    with (
-        IsolatedNode("bench") as isolated,
-        EtcdCluster(1, extra_hosts=(isolated.host_ip,)) as etcd,
-        Services(lines) as services,
-        connect(EtcdOptions(etcd.endpoints)) as client,
-    ):
-        jobs.submit(client, spec)
-        host_etcd = ["--etcd", ",".join(etcd.endpoints)]
-        services.start("controller", ["controller", "--job", job, *host_etcd])
-
-        def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
-            return ["agent", "--job", job, "--node", node,
-                    "--labels", f"zone=z,rack=r,host={node}",
-                    "--address", address, *etcd_args]  # fmt: skip
-
-        services.start(
-            "node-a",
-            agent(
-                "node-a",
-                ["--etcd", ",".join(etcd.endpoints_on(isolated.host_ip))],
-                isolated.node_ip,
-            ),
-            env={"GLOO_SOCKET_IFNAME": isolated.node_if},
-            prefix=isolated.command([]),
-        )
-        services.start("node-b", agent("node-b", host_etcd, "127.0.0.1"))
-        _until(lambda: records.read(client, keys.job_plan(job), Plan), 120)
-        services.start("node-c", agent("node-c", host_etcd, "127.0.0.1"))
-        _until(
+    with IsolatedNode("bench") as isolated, partitioned_job(spec, isolated, lines) as running:
+        client = running.client
+        wait_for(
+            f"step {FAULT_AT}",
             lambda: (s := jobs.read_status(client, job)) and s.step >= FAULT_AT,
             120,
         )
         isolated.cut()
         cut_at = time.time()
-        _until(
+        wait_for(
+            "generation 2",
             lambda: (p := records.read(client, keys.job_plan(job), Plan)) and p.generation >= 2,
             60,
         )
         isolated.heal()
-        status = _until(
-            lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s, 150
+        status = wait_for(
+            "the end of the job",
+            lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
+            150,
         )
         ended_by = _ended_by(client, job)
     assert status.phase.value == "Succeeded", "\n".join(lines[-40:])
@@ -165,13 +140,3 @@ def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
         "ended_by": ended_by,
         "target_s": NODE_TTL_S + 2,
     }
-
-
-def _until(check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise RuntimeError("the benchmark job did not get there in time")

@@ -28,14 +28,12 @@ from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
-from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CheckpointRecord, Plan, ProgressRecord
 from orchestrator.spec import JobSpec
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
-from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.netns import IsolatedNode, unavailable_reason
-from tests.faults.processes import Services
+from tests.faults.partitioned_job import partitioned_job, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -83,16 +81,6 @@ def isolated() -> Iterator[IsolatedNode]:
         yield node
 
 
-def _wait(what: str, check, timeout: float = 90):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _plan(client: EtcdClient, job: str) -> Plan | None:
     return records.read(client, keys.job_plan(job), Plan)
 
@@ -103,37 +91,11 @@ def test_partitioned_node_is_replaced_and_fenced(
     lines: list[str] = []
     spec = partition_job("partition", tmp_path, spares=1)
     job = spec.name
-    with (
-        EtcdCluster(1, extra_hosts=(isolated.host_ip,)) as etcd,
-        Services(lines) as services,
-        connect(EtcdOptions(etcd.endpoints)) as client,
-    ):
-        jobs.submit(client, spec)
-        host_etcd = ["--etcd", ",".join(etcd.endpoints)]
-        services.start("controller", ["controller", "--job", job, *host_etcd])
-
-        def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
-            labels = f"zone=z,rack=r,host={node}"
-            return ["agent", "--job", job, "--node", node, "--labels", labels,
-                    "--address", address, *etcd_args]  # fmt: skip
-
-        # node-a sorts first, so it is active; the spare joins once generation 1 runs
-        services.start(
-            "node-a",
-            agent(
-                "node-a",
-                ["--etcd", ",".join(etcd.endpoints_on(isolated.host_ip))],
-                isolated.node_ip,
-            ),
-            env={"GLOO_SOCKET_IFNAME": isolated.node_if},
-            prefix=isolated.command([]),
-        )
-        host_env = {"GLOO_SOCKET_IFNAME": isolated.host_if}
-        services.start("node-b", agent("node-b", host_etcd, isolated.host_ip), env=host_env)
-        first = _wait("generation 1", lambda: _plan(client, job))
+    with partitioned_job(spec, isolated, lines) as running:
+        client = running.client
+        first = running.first_plan
         assert [m.node for m in first.members] == ["node-a", "node-b"], first
-        services.start("node-c", agent("node-c", host_etcd, isolated.host_ip), env=host_env)
-        _wait(
+        wait_for(
             "step 20 with a warm spare",
             lambda: (
                 (s := jobs.read_status(client, job)) and s.step >= 20 and "node-c" in s.spare_nodes
@@ -142,10 +104,10 @@ def test_partitioned_node_is_replaced_and_fenced(
 
         isolated.cut()
         cut_at = time.time()
-        second = _wait(
+        second = wait_for(
             "generation 2", lambda: (p := _plan(client, job)) and p.generation >= 2 and p
         )
-        first_step_gen2 = _wait(
+        first_step_gen2 = wait_for(
             "training in generation 2",
             lambda: (
                 (p := records.read(client, keys.job_progress(job) + "node-c-0", ProgressRecord))
@@ -155,13 +117,13 @@ def test_partitioned_node_is_replaced_and_fenced(
             ),
         )
         isolated.heal()
-        status = _wait(
+        status = wait_for(
             "the end of the job",
             lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
             timeout=150,
         )
         # the fenced node reads the new plan after the link is back, then leaves
-        _wait(
+        wait_for(
             "node-a to learn it was fenced",
             lambda: any("[node-a]" in line and "fenced out" in line for line in lines),
             timeout=30,

@@ -7,12 +7,7 @@ ranks are written too and skip where fewer than two GPUs are visible.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from datetime import timedelta
@@ -34,11 +29,9 @@ from agents.process_group import (
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from tests.cuda.conftest import ONE_GPU, gpus, record
+from tests.faults.stuck_pair import run_stuck_pair
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "faults" / "stuck_pair_worker.py"
 
 
 def test_nccl_group_of_one_forms_aborts_and_forms_again(etcd_client: EtcdClient) -> None:
@@ -120,31 +113,8 @@ def test_abort_ends_an_nccl_collective_stuck_on_a_stopped_peer(
 ) -> None:
     """Two NCCL ranks; one is SIGSTOPped; the other's all-reduce ends by the
     guard's abort once the generation moves on, long before its timeout."""
-    job = f"pair-{uuid.uuid4().hex[:8]}"
-    moved, out = tmp_path / "moved", tmp_path / "rank0.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    args = [etcd.endpoint, job, "--moved", str(moved), "--out", str(out)]
-    command = [sys.executable, str(WORKER)]
-    procs = [subprocess.Popen([*command, str(r), *args], env=env) for r in (0, 1)]
-    try:
-        ready = tmp_path / "rank1.ready"
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert time.monotonic() < deadline, "rank 1 never became ready"
-            time.sleep(0.1)
-        os.kill(int(ready.read_text()), signal.SIGSTOP)
-        time.sleep(2)  # rank 0 is now stuck in an all-reduce
-        moved.touch()
-        procs[0].wait(timeout=30)
-        result = json.loads(out.read_text())
-        record("nccl_abort_stuck_collective", **result)
-        assert result["ended_by"] == "abort", result
-        assert result["seconds"] < 2 + 5, result  # far below the 60 s floor
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+    # the guard's operation timeout is 120 s: only the abort can end it this soon
+    result = run_stuck_pair(etcd.endpoint, tmp_path, backend="nccl", op_timeout=120, pause=2)
+    record("nccl_abort_stuck_collective", **result)
+    assert result["ended_by"] == "abort", result
+    assert result["seconds"] < 2 + 5, result

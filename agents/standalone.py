@@ -54,7 +54,8 @@ class StandaloneSession:
         self.finished = False
         self.tracked: dict[str, Stateful] = {}
         self.metrics: dict[str, float] = {}
-        self.device = _device(self.local_rank)
+        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        self.device = _device(self.local_rank, local_world)
         self._owns_group = False
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -125,8 +126,17 @@ class StandaloneSession:
             dist.destroy_process_group()
 
 
-def _device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+def _device(local_rank: int, local_world: int) -> torch.device:
+    """The local rank's GPU when every local rank has one (then NCCL), else the CPU
+    (then gloo): every rank must choose the same backend."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and count >= local_world:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    if count:
+        log.warning(
+            "%d local ranks but %d CUDA device(s): training on the CPU with gloo",
+            local_world,
+            count,
+        )
     return torch.device("cpu")

@@ -54,7 +54,7 @@ def test_runtime_script_trains_under_stock_torchrun(tmp_path: Path) -> None:
     b = torch.load(tmp_path / "one.pt")
     assert a.keys() == b.keys()
     for k in a:  # one global batch per step either way: the same training, up to rounding
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=1e-5, atol=1e-5)
 
 
 def test_runtime_refuses_the_restart_tier_in_one_line() -> None:

@@ -4,6 +4,7 @@ script's checkpoint directory, and the listening check on a real socket."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -51,14 +52,17 @@ def test_ranks_follow_the_plan_and_the_restart_count_is_the_generations() -> Non
     ("url", "expected"),
     [
         ("file:///data/ckpt", "/data/ckpt/script"),
-        ("file://./ckpt/demo", "/work/ckpt/demo/script"),
-        ("ckpt", "/work/ckpt/script"),
+        ("file://./ckpt/demo", "{work}/ckpt/demo/script"),
+        ("ckpt", "{work}/ckpt/script"),
         ("s3://bucket/jobs/x/", "s3://bucket/jobs/x/script"),
     ],
 )
-def test_checkpoint_dir_is_under_the_jobs_checkpoint_url(url: str, expected: str) -> None:
+def test_checkpoint_dir_is_under_the_jobs_checkpoint_url(
+    url: str, expected: str, tmp_path: Path
+) -> None:
     spec = JobSpec("j", EntrypointSpec(script="t.py"), checkpoint=CheckpointSpec(url=url))
-    assert checkpoint_dir(spec, "/work") == expected
+    work = str(tmp_path)  # relative URLs are taken from the job's working directory
+    assert checkpoint_dir(spec, work) == expected.format(work=work)
 
 
 def test_listening_sees_a_listening_port_only() -> None:

@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
-from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
 from agents.node_watches import NodeWatches
 from agents.restart_tier import PendingStore, RestartTier
 from agents.warm_worker import WarmWorker
+from agents.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -456,22 +456,11 @@ class NodeAgent(NodeWatches, RestartTier):
         return time.time() - (time.monotonic() - self._preempted_at)
 
     def _on_worker_failure(self, w: _Worker, code: int, max_restarts: int) -> None:
-        cause = read_error_file(w.error_file) or (w.shipper.last_error() if w.shipper else None)
-        what = describe_exit(code) + (f": {cause}" if cause else "")
+        what = describe_failure(code, w.error_file, w.shipper)
         name = keys.worker_id(self.node, w.local_rank)
         log.warning("[%s] worker %s failed (%s)", self.node, name, what)
         phase = self._job_phase()
-        with contextlib.suppress(Exception):
-            events.emit(
-                self.client,
-                self.job,
-                "WorkerExited",
-                f"{name} {what}",
-                source=self.node,
-                worker=name,
-                exit_code=code,
-                error=what,
-            )
+        emit_worker_exited(self.client, self.job, self.node, name, code, what)
         if phase is not None and phase.terminal:
             self.workers.pop(w.local_rank)
             return

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
-from agents.descriptions import describe_exit, read_error_file
 from agents.log_shipper import LogShipper
 from agents.warm_worker import WarmWorker
-from orchestrator import events, keys, records
+from agents.worker_exits import describe_failure, emit_worker_exited
+from orchestrator import keys, records
 from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
@@ -393,22 +393,12 @@ class RestartTier:
                 continue
             if self._newer_than_generation(w.generation):
                 continue  # the generation moved on: not this worker's failure to report
-            cause = read_error_file(w.error_file) or (w.shipper.last_error() if w.shipper else None)
-            what = describe_exit(code) + (f": {cause}" if cause else "")
+            what = describe_failure(code, w.error_file, w.shipper)
             log.warning("[%s] worker %s failed in generation %d (%s)", self.node, name,
                         w.generation, what)  # fmt: skip
-            with contextlib.suppress(Exception):
-                events.emit(
-                    self.client,
-                    self.job,
-                    "WorkerExited",
-                    f"{name} {what}",
-                    source=self.node,
-                    worker=name,
-                    exit_code=code,
-                    error=what,
-                    generation=w.generation,
-                )
+            emit_worker_exited(
+                self.client, self.job, self.node, name, code, what, generation=w.generation
+            )
             if self._broken_generation != w.generation:
                 self._broken_generation = w.generation
                 self._report_break(w.generation, what, w.exited_at)

@@ -25,7 +25,7 @@ STALE_BEATS = 3
 
 
 def hung_workers(
-    spec: JobSpec, plan: Plan, world: World, killed: dict[str, float]
+    spec: JobSpec, plan: Plan, world: World, killed: set[str]
 ) -> list[KillWorker]:
     """Kill commands for the hung workers of ``plan``.
 
@@ -33,8 +33,8 @@ def hung_workers(
         spec: the job (``fault_tolerance`` timeouts).
         plan: the current generation.
         world: the snapshot (heartbeats, the time).
-        killed: ``<worker>/<pid>`` → when it was told to die; updated here, so
-            one process is told once.
+        killed: ``<worker>/<pid>`` of the processes already told to die; updated
+            here, so one process is told once.
     """
     ft, now = spec.fault_tolerance, world.now
     stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
@@ -60,7 +60,7 @@ def hung_workers(
             # and one process is told once (its agent kills it or is gone itself)
             victim = f"{worker}/{p.pid}"
             if frozen and victim not in killed:
-                killed[victim] = now
+                killed.add(victim)
                 out.append(
                     KillWorker(
                         member.node,

@@ -90,11 +90,11 @@ class Memory:
     recovery_step: int = 0
     #: fewer than nodes.min nodes left since then
     short_since: float | None = None
-    #: ``<worker>/<pid>`` → wall time it was told to die
-    killed: dict[str, float] = field(default_factory=dict)
+    #: ``<worker>/<pid>`` of every process told to die for a hang (told once)
+    killed: set[str] = field(default_factory=set)
     #: the generation, and its members one of whose workers was killed for a hang:
     #: they will not report the break, so nobody waits for them
-    hung: tuple[int, set[str]] = (0, set())
+    hung: tuple[int, frozenset[str]] = (0, frozenset())
     grace_until: float = 0.0
     paused_from: JobPhase | None = None
     silence_seen: tuple[float, float] | None = None
@@ -368,7 +368,7 @@ class _Decider:
             return
         kills = hung_workers(self.spec, plan, self.w, self.m.killed)
         if kills:
-            before = self.m.hung[1] if self.m.hung[0] == plan.generation else set()
+            before = self.m.hung[1] if self.m.hung[0] == plan.generation else frozenset()
             self.m.hung = (plan.generation, before | {k.node for k in kills})
         self.actions += kills
         recovering = status.phase is JobPhase.RECOVERING or (
@@ -465,7 +465,7 @@ class _Decider:
                     JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
                 )
         silent = silent_members(plan, w.reports)
-        hung = m.hung[1] if m.hung[0] == plan.generation else set()
+        hung = m.hung[1] if m.hung[0] == plan.generation else frozenset()
         # a refused liveness probe is first-hand: it needs no grace, not even after an
         # outage; nor does a node whose worker was killed for a hang (it cannot report)
         waiting = silent - w.dead - hung

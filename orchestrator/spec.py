@@ -37,6 +37,15 @@ def _key(name: str) -> dict[str, Any]:
     return {"key": name}
 
 
+def camel_key(key: str) -> str:
+    """The camelCase spelling of a YAML key (``nproc_per_node`` → ``nprocPerNode``).
+
+    A job file may use either spelling; a Kubernetes ``TrainingJob`` uses this one.
+    """
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
 def _positive(value: timedelta, path: str) -> Problems:
     if value.total_seconds() <= 0:
         return [(path, f"must be a positive duration, got {value.total_seconds():g}s")]

@@ -5,6 +5,11 @@ the line it comes from.  It is driven by the dataclass tree in
 :mod:`orchestrator.api`: field names, types and defaults come from there, so a
 new field needs no loader change.  It collects every problem before raising,
 so a person fixes a file in one pass, and unknown keys get a did-you-mean.
+
+Every key may be written in snake_case (the job file's own spelling) or in
+camelCase (``nprocPerNode``, ``faultTolerance.hangTimeout``: the Kubernetes
+``TrainingJob`` spelling); a problem names the field the way the file spells
+it, and one field given in both spellings is an error.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from orchestrator.spec import (
     JobSpec,
     RecoveryMode,
     RendezvousSpec,
+    camel_key,
 )
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*\Z", re.ASCII)
@@ -312,6 +318,8 @@ class _Builder:
         self.source = source
         self.problems: list[SpecProblem] = []
         self.lines: dict[str, int] = {}
+        #: True once a camelCase key was read: problems are then named in camelCase.
+        self.camel = False
 
     def add(self, path: str, message: str, line: int | None) -> None:
         self.problems.append(SpecProblem(path, message, line, self.source))
@@ -337,8 +345,10 @@ class _Builder:
         nested_failed: set[str] = set()
         hints = typing.get_type_hints(cls)
         fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
+        # Every key may also be written in camelCase (the TrainingJob form).
+        aliases = {camel_key(k): k for k in fields if camel_key(k) != k}
         given: dict[str, Any] = {}
-        seen: set[str] = set()
+        written: dict[str, str] = {}  # canonical key -> the key as written
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if not isinstance(key, str):
@@ -346,14 +356,18 @@ class _Builder:
                 continue
             sub = f"{path}.{key}" if path else key
             self.lines[sub] = _line(key_node)
-            if key in seen:
-                self.add(sub, "is given twice; keep one", _line(key_node))
+            canonical = aliases.get(key, key)
+            self.camel = self.camel or canonical != key
+            if canonical in written:
+                twice = "" if written[canonical] == key else f" (also as '{written[canonical]}')"
+                self.add(sub, f"is given twice{twice}; keep one", _line(key_node))
                 continue
-            seen.add(key)
-            f = fields.get(key)
+            written[canonical] = key
+            f = fields.get(canonical)
             if f is None:
-                removed = _REMOVED_KEYS.get((cls, key))
-                message = removed or _unknown_key_message(key, list(fields))
+                removed = _REMOVED_KEYS.get((cls, _snake_key(key)))
+                shown = [camel_key(k) for k in fields] if key != key.lower() else list(fields)
+                message = removed or _unknown_key_message(key, shown)
                 self.add(sub, message, _line(key_node))
                 continue
             tp = hints[f.name]
@@ -361,44 +375,47 @@ class _Builder:
             if value is not _MISSING:
                 given[f.name] = value
             elif dataclasses.is_dataclass(tp):
-                nested_failed.add(f.name)
+                nested_failed.add(canonical)
             else:
-                direct_failed.add(key)
+                direct_failed.add(canonical)
+        seen = set(written)
         for key, f in fields.items():
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required and f.name not in given:
                 if key not in seen:
                     sub = f"{path}.{key}" if path else key
                     self.add(sub, "is required", _line(node))
-                if f.name in nested_failed:
+                if key in nested_failed:
                     given[f.name] = hints[f.name]()  # placeholder; its problems are reported
                 else:
                     return _MISSING  # a required scalar is missing: nothing to check
         if cls is CompressionSpec:
-            self._check_compression_params(node, path, given, seen)
+            self._check_compression_params(node, path, given, written)
         obj = cls(**given)
         failed = direct_failed | nested_failed
         # Defaults stand in for bad values: skip checks that involve a bad field
         # (by path, or by naming it in the message: "nodes.min (4) ... nodes.max").
         for sub, msg in obj.problems():
-            full = ".".join(p for p in (path, sub) if p)
             if failed and (
                 sub.split(".")[0] in failed
                 or any(re.search(rf"\b{re.escape(k)}\b", msg) for k in failed)
             ):
                 continue
+            if self.camel:  # name the field the way the file spells its keys
+                sub = ".".join(camel_key(part) for part in sub.split("."))
+            full = ".".join(p for p in (path, sub) if p)
             self.add(full, msg, self.line_of(full))
         return _MISSING if failed else obj
 
     def _check_compression_params(
-        self, node: yaml.Node, path: str, given: dict[str, Any], seen: set[str]
+        self, node: yaml.Node, path: str, given: dict[str, Any], written: dict[str, str]
     ) -> None:
         kind = given.get("type", CompressionKind.NONE)
         if not isinstance(kind, CompressionKind):
             return
         allowed = set(COMPRESSION_PARAMS[kind]) | {"type", "inter_node_only"}
-        for key in sorted(seen - allowed):
-            sub = f"{path}.{key}" if path else key
+        for key in sorted(set(written) - allowed):
+            sub = f"{path}.{written[key]}" if path else written[key]
             params = ", ".join(COMPRESSION_PARAMS[kind]) or "none"
             self.add(
                 sub,
@@ -545,6 +562,11 @@ def _type_name(tp: Any) -> str:
         timedelta: "a duration",
     }
     return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _snake_key(key: str) -> str:
+    """``closeTimeout`` → ``close_timeout`` (the inverse of :func:`camel_key`)."""
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", lambda m: "_" + m.group(1).lower(), key)
 
 
 def _unknown_key_message(key: str, known: list[str]) -> str:

@@ -3,6 +3,9 @@
 Pure functions over :class:`~orchestrator.topology.NodeInfo`, used by the
 controller's policy when it replaces failed members:
 
+* :func:`spread_spares`: which nodes wait as warm spares when a job starts:
+  one per rack (then zone) before a second in any, so a failed node usually
+  finds a spare in its own rack and one lost rack does not take every spare;
 * :func:`nearest_spare`: the spare that shares the most topology labels with
   the failed node, coarse to fine (its rack, then its zone), ties going to the
   first in topology order;
@@ -18,6 +21,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchestrator.topology import NodeInfo, TopologyOrder, topology_order
+
+
+def spread_spares(order: Sequence[NodeInfo], count: int, labels: Sequence[str]) -> list[str]:
+    """``count`` node ids of ``order`` (a topology order) to keep as spares, spread over racks.
+
+    Nodes are grouped by every label but the finest (the host): by zone and
+    rack.  Each round takes the last node of each group, the groups from the
+    end of the order back, so no rack holds a second spare while another has
+    none, and the nodes that train stay contiguous within their racks.  One
+    spare, or no rack and zone labels, gives what the order's tail would: the
+    spares are its last nodes.
+    """
+    groups: dict[tuple[str, ...], list[NodeInfo]] = {}
+    for node in order:
+        groups.setdefault(node.path(list(labels[:-1])), []).append(node)
+    taken: list[str] = []
+    while len(taken) < count and any(groups.values()):
+        for nodes in reversed(list(groups.values())):
+            if nodes and len(taken) < count:
+                taken.append(nodes.pop().node_id)
+    return taken
 
 
 def nearest_spare(failed: NodeInfo, spares: Sequence[NodeInfo], labels: Sequence[str]) -> NodeInfo:

@@ -64,7 +64,7 @@ from orchestrator.controller.actions import (
 )
 from orchestrator.controller.commands import take_commands
 from orchestrator.controller.hangs import STALE_BEATS, hung_workers
-from orchestrator.controller.placement import nearest_spare, replacement_order
+from orchestrator.controller.placement import nearest_spare, replacement_order, spread_spares
 from orchestrator.controller.world import World, silent_members, workers_of
 from orchestrator.records import JobStatus, Member, NodeRecord, Plan
 from orchestrator.settings import SETTINGS
@@ -249,8 +249,13 @@ class _Decider:
             return
         self.m.short_since = None
         ordered = self.ordered(warm)
-        active = self.ordered(ordered[:need_max])
-        self.actions.append(PublishPlan(self.make_plan(1, active, ordered[need_max:], "start")))
+        infos = [self.node_info(n) for n in ordered]
+        waiting = set(
+            spread_spares(infos, len(ordered) - need_max, self.spec.comm.topology_labels)
+        )
+        active = self.ordered([n for n in ordered if n not in waiting])
+        spares = [n for n in ordered if n in waiting]
+        self.actions.append(PublishPlan(self.make_plan(1, active, spares, "start")))
         self.phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
 
     def failed_to_start(self, warm: list[str]) -> bool:

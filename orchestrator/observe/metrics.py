@@ -2,17 +2,27 @@
 
 The controller already reads everything worth exporting (job status, worker
 progress and telemetry, recoveries), so it is the one exporter: workers do
-not open ports.  Every series carries a ``job`` label.
+not open ports.  Every series carries a ``ringmaster_job`` label (the job's
+name).  It is not called ``job``: Prometheus gives every scraped series a
+``job`` label of its own (the scrape job), which would overwrite ours or be
+renamed to ``exported_job``.  Counters are exported with the ``_total`` suffix;
+rates are ``rate(..._total[5m])`` of them, never of a gauge.
 
-* ``ringmaster_job_phase`` (gauge; job, phase): 1 for the current phase
+* ``ringmaster_job_phase`` (gauge; ringmaster_job, phase): 1 for the current phase
 * ``ringmaster_job_step``, ``ringmaster_job_run``, ``ringmaster_job_world_size`` (gauges)
-* ``ringmaster_job_steps_per_second``, ``ringmaster_job_samples_per_second`` (gauges)
-* ``ringmaster_job_nodes`` (gauge; job, state = active/spare/failed) and
+* ``ringmaster_job_steps_per_second``, ``ringmaster_job_samples_per_second`` (gauges, the
+  controller's own recent estimate)
+* ``ringmaster_job_steps_total`` (counter): steps completed while this controller led
+  (a step taken again after a restore from a checkpoint counts again);
+  ``rate(ringmaster_job_steps_total[5m])`` is the step rate
+* ``ringmaster_job_productive_wall_seconds_total`` (counter): wall time spent making progress;
+  ``rate(...)`` of it is the effective-training share over the window
+* ``ringmaster_job_nodes`` (gauge; ringmaster_job, state = active/spare/failed) and
   ``ringmaster_job_spare_nodes`` (warm spares left)
-* ``ringmaster_job_recoveries_total`` (counter; job, cause)
+* ``ringmaster_job_recoveries_total`` (counter; ringmaster_job, cause)
 * ``ringmaster_job_recovery_seconds`` (histogram): failure → first step
-* ``ringmaster_job_recovery_phase_seconds`` (histogram; job, phase) and
-  ``ringmaster_job_last_recovery_phase_seconds`` (gauge; job, phase), for
+* ``ringmaster_job_recovery_phase_seconds`` (histogram; ringmaster_job, phase) and
+  ``ringmaster_job_last_recovery_phase_seconds`` (gauge; ringmaster_job, phase), for
   detect / rendezvous / restore / first_step
 * ``ringmaster_job_checkpoint_blocking_seconds``,
   ``ringmaster_job_checkpoint_upload_seconds`` (gauges, last save) and
@@ -36,6 +46,10 @@ from orchestrator.records import PHASES, RecoveryRecord, Telemetry
 log = logging.getLogger("ringmaster.metrics")
 
 
+#: The label that names the job on every series (not ``job``: Prometheus' own target label).
+JOB_LABEL = "ringmaster_job"
+
+
 class MetricsServerError(OrchestratorError):
     """The metrics endpoint could not be served (port taken, address not local)."""
 
@@ -50,94 +64,117 @@ class JobMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.phase = Gauge(
-            "ringmaster_job_phase", "1 for the job's current phase", ["job", "phase"], registry=r
+            "ringmaster_job_phase",
+            "1 for the job's current phase",
+            [JOB_LABEL, "phase"],
+            registry=r,
         )
-        self.step = Gauge("ringmaster_job_step", "Highest completed step", ["job"], registry=r)
+        self.step = Gauge("ringmaster_job_step", "Highest completed step", [JOB_LABEL], registry=r)
         self.run = Gauge(
             "ringmaster_job_run", "The job's current run (1, then one more per resubmit)",
-            ["job"], registry=r,
+            [JOB_LABEL], registry=r,
+        )  # fmt: skip
+        self.steps_total = Counter(
+            "ringmaster_job_steps", "Steps completed while this controller led", [JOB_LABEL],
+            registry=r,
+        )  # fmt: skip
+        self.productive_total = Counter(
+            "ringmaster_job_productive_wall_seconds",
+            "Wall time spent making progress (counter)", [JOB_LABEL], registry=r,
         )  # fmt: skip
         self.steps_per_second = Gauge(
-            "ringmaster_job_steps_per_second", "Recent training rate", ["job"], registry=r
+            "ringmaster_job_steps_per_second", "Recent training rate", [JOB_LABEL], registry=r
         )
         self.samples_per_second = Gauge(
             "ringmaster_job_samples_per_second",
             "Recent throughput (samples the workers report per step)",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
-        self.world_size = Gauge("ringmaster_job_world_size", "Ranks training", ["job"], registry=r)
-        self.nodes = Gauge("ringmaster_job_nodes", "Nodes by state", ["job", "state"], registry=r)
-        self.spares = Gauge("ringmaster_job_spare_nodes", "Warm spares left", ["job"], registry=r)
+        self.world_size = Gauge(
+            "ringmaster_job_world_size", "Ranks training", [JOB_LABEL], registry=r
+        )
+        self.nodes = Gauge(
+            "ringmaster_job_nodes", "Nodes by state", [JOB_LABEL, "state"], registry=r
+        )
+        self.spares = Gauge(
+            "ringmaster_job_spare_nodes", "Warm spares left", [JOB_LABEL], registry=r
+        )
         self.recoveries = Counter(
-            "ringmaster_job_recoveries", "Recoveries by failure cause", ["job", "cause"], registry=r
+            "ringmaster_job_recoveries",
+            "Recoveries by failure cause",
+            [JOB_LABEL, "cause"],
+            registry=r,
         )
         self.recovery_seconds = Histogram(
             "ringmaster_job_recovery_seconds",
             "Failure to the first completed step of the new generation",
-            ["job"],
+            [JOB_LABEL],
             buckets=_BUCKETS,
             registry=r,
         )
         self.recovery_phase_seconds = Histogram(
             "ringmaster_job_recovery_phase_seconds",
             "Recovery time by phase (detect, rendezvous, restore, first_step)",
-            ["job", "phase"],
+            [JOB_LABEL, "phase"],
             buckets=_BUCKETS,
             registry=r,
         )
         self.last_recovery_phase = Gauge(
             "ringmaster_job_last_recovery_phase_seconds",
             "The last recovery's time by phase",
-            ["job", "phase"],
+            [JOB_LABEL, "phase"],
             registry=r,
         )
         self.checkpoint_blocking = Gauge(
             "ringmaster_job_checkpoint_blocking_seconds",
             "How long the last durable save blocked training",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.checkpoint_upload = Gauge(
             "ringmaster_job_checkpoint_upload_seconds",
             "How long the last durable save took to upload and commit",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.checkpoints = Counter(
-            "ringmaster_job_checkpoints", "Committed durable checkpoints", ["job"], registry=r
+            "ringmaster_job_checkpoints", "Committed durable checkpoints", [JOB_LABEL], registry=r
         )
         self.wire_bytes = Counter(
             "ringmaster_job_comm_wire_bytes",
             "Gradient bytes the workers sent",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.dense_bytes = Counter(
             "ringmaster_job_comm_dense_bytes",
             "Dense fp32 bytes the sent gradients stand for",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.compression_ratio = Gauge(
             "ringmaster_job_comm_compression_ratio",
             "Dense fp32 bytes over bytes sent (1 = uncompressed)",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.effective_ratio = Gauge(
             "ringmaster_job_effective_training_ratio",
             "Share of wall time spent making progress",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self.productive_seconds = Gauge(
             "ringmaster_job_productive_seconds",
             "Wall time spent making progress",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self._worker_bytes: dict[tuple[str, str], tuple[int, int]] = {}
+        #: Last step and productive seconds seen per job (the counters add increases only).
+        self._last_step: dict[str, int] = {}
+        self._last_productive: dict[str, float] = {}
         self._wire: dict[str, float] = {}
         self._dense: dict[str, float] = {}
 
@@ -170,6 +207,22 @@ class JobMetrics:
         self.spares.labels(job).set(spares)
         self.effective_ratio.labels(job).set(effective_ratio)
         self.productive_seconds.labels(job).set(productive_s)
+        self._count_increase(self.steps_total, self._last_step, job, step)
+        self._count_increase(self.productive_total, self._last_productive, job, productive_s)
+
+    @staticmethod
+    def _count_increase(counter: Counter, last: dict[str, Any], job: str, value: float) -> None:
+        """Add what ``value`` grew by since the last call; the first call only sets the base.
+
+        A value that goes down (a restore from a checkpoint, a resubmitted run)
+        becomes the new base: a counter never decreases.
+        """
+        before = last.get(job)
+        if before is not None and value > before:
+            counter.labels(job).inc(value - before)
+        else:
+            counter.labels(job)  # the series exists from the first call, at 0
+        last[job] = value
 
     def worker_telemetry(self, job: str, worker: str, pid: int, telemetry: Telemetry) -> None:
         """Fold a worker's running byte totals into the job's counters.

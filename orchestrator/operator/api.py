@@ -72,6 +72,17 @@ SYNC_INTERVAL = SETTINGS.operator_sync
 #: The GPU extended resource requested for ``resources.gpus``.
 GPU_RESOURCE = "nvidia.com/gpu"
 
+#: Port (and its name) of a job controller's Prometheus endpoint and of its metrics Service.
+METRICS_PORT = 9400
+METRICS_PORT_NAME = "metrics"
+
+#: Pod labels with the node's topology, written by the operator once the pod is scheduled.
+LABEL_ZONE = f"{GROUP}/zone"
+LABEL_RACK = f"{GROUP}/rack"
+LABEL_HOST = f"{GROUP}/host"
+#: The node label that names the machine (its value is a valid label value, the name may not be).
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -89,6 +100,15 @@ class RetryableOperatorError(OperatorError):
 
 class PermanentOperatorError(OperatorError):
     """Retrying will not help until the TrainingJob (or the cluster setup) is changed."""
+
+
+class RejectedObjectError(PermanentOperatorError):
+    """The API server found an object the operator rendered invalid (400, 422).
+
+    A pod template's free-form parts (volumes, affinity, ``valueFrom``) are
+    checked by the API server only when the pod is created; the handlers show
+    this in the TrainingJob's status.
+    """
 
 
 # --------------------------------------------------------------------------- settings
@@ -169,6 +189,22 @@ class Observed:
     service: dict[str, Any] | None = None
     controller: dict[str, Any] | None = None
     pdb: dict[str, Any] | None = None
+    metrics_service: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """A Kubernetes Event to post on the TrainingJob (``kubectl describe`` shows it).
+
+    Attributes:
+        type: ``Normal`` or ``Warning``.
+        reason: one CamelCase word (``NodeFailed``, ``Recovered``, ``Checkpoint``...).
+        message: what happened, for a person.
+    """
+
+    type: str
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -187,14 +223,17 @@ class ReconcilePlan:
     Attributes:
         create: objects to create.
         apply: existing objects whose desired form differs; replaced as a whole.
-        delete: children to delete.
+        delete: children to delete (a ``TrainingJob`` deletion is the job itself:
+            its ``ttlSecondsAfterFinished`` passed).
         status: the full ``status`` to write on the TrainingJob.
+        events: Kubernetes Events to post on the TrainingJob.
     """
 
     create: list[dict[str, Any]] = field(default_factory=list)
     apply: list[dict[str, Any]] = field(default_factory=list)
     delete: list[Deletion] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
+    events: list[JobEvent] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -217,11 +256,21 @@ class KubeApi(Protocol):
 
     def node_labels(self, node: str) -> dict[str, str]: ...
 
-    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None: ...
+    def annotate_pod(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str],
+        labels: dict[str, str] | None = None,
+    ) -> None: ...
 
     def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+    def post_event(self, job: dict[str, Any], event: JobEvent) -> None:
+        """Post ``event`` about the TrainingJob ``job``; never raises (events are advisory)."""
+        ...
 
 
 class JobRecords(Protocol):

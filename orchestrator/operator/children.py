@@ -9,6 +9,10 @@
   moment during a rollout are harmless because controllers elect a leader
   through an etcd lease.  Once the job is finished it is scaled to zero, so
   the exiting controller is not restarted forever.
+* **Service** ``<job>-metrics``: the controller's Prometheus endpoint (port
+  ``metrics``, 9400), labelled like the controller
+  (``app.kubernetes.io/component: controller``) so one ServiceMonitor
+  (``k8s/monitoring/``) finds every job's.
 * **PodDisruptionBudget** ``<job>-agents``: ``minAvailable: nodes.min``, so a
   voluntary disruption (node drain, cluster upgrade) never takes the job
   below the size it can train at; pods that are not ready may always be
@@ -23,6 +27,8 @@ from typing import Any
 from orchestrator.operator.api import (
     LABEL_JOB,
     LABEL_ROLE,
+    METRICS_PORT,
+    METRICS_PORT_NAME,
     ROLE_AGENT,
     ROLE_CONTROLLER,
     OperatorSettings,
@@ -33,6 +39,7 @@ from orchestrator.operator.meta import (
     child_meta,
     controller_name,
     labels,
+    metrics_service_name,
     pdb_name,
     service_name,
 )
@@ -41,8 +48,42 @@ from orchestrator.spec import JobSpec
 
 
 def controller_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:
-    """The controller's command line; every option is one ``ringmaster controller`` accepts."""
-    return ["ringmaster", "controller", "--job", spec.name, "--etcd", ",".join(endpoints)]
+    """The controller's command line; every option is one ``ringmaster controller`` accepts.
+
+    Metrics are served on every interface of the pod, for the metrics Service.
+    """
+    return [
+        "ringmaster",
+        "controller",
+        "--job",
+        spec.name,
+        "--etcd",
+        ",".join(endpoints),
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--metrics-host",
+        "0.0.0.0",
+    ]
+
+
+def metrics_service(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """The Service in front of the controller's Prometheus endpoint."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_meta(body, metrics_service_name(spec.name), ROLE_CONTROLLER),
+        "spec": {
+            "selector": {LABEL_JOB: spec.name, LABEL_ROLE: ROLE_CONTROLLER},
+            "ports": [
+                {
+                    "name": METRICS_PORT_NAME,
+                    "port": METRICS_PORT,
+                    "targetPort": METRICS_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
 
 
 def headless_service(body: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
@@ -69,11 +110,14 @@ def controller_deployment(
     running: bool = True,
     service_account: str = "",
     settings: OperatorSettings | None = None,
+    image_pull_secrets: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The job's controller, one replica while the job runs, zero once it is finished.
+    """The job's controller, one replica while the job runs, zero once it is finished
+    (or suspended).
 
     ``settings`` adds the operator's etcd TLS Secret, user and password Secret
-    (:mod:`orchestrator.operator.etcd_access`).
+    (:mod:`orchestrator.operator.etcd_access`); ``image_pull_secrets`` are the
+    template's (the controller runs the agents' image).
     """
     pod_labels = labels(spec.name, ROLE_CONTROLLER)
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *etcd_env(spec, settings)]
@@ -94,6 +138,9 @@ def controller_deployment(
                 "imagePullPolicy": "IfNotPresent",
                 "command": controller_command(spec, endpoints),
                 "env": env,
+                "ports": [
+                    {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}
+                ],
                 "resources": {
                     "requests": {"cpu": cpu, "memory": memory},
                     "limits": {"memory": memory},
@@ -113,6 +160,8 @@ def controller_deployment(
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
+    if image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -37,7 +37,9 @@ import yaml
 
 from orchestrator.api import JobPhase
 from orchestrator.operator.api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from orchestrator.spec import JobSpec
+from orchestrator.operator.status import INVALID_PHASE, SUSPENDED_PHASE
+from orchestrator.operator.trainingjob import FREE_FORM, TrainingJobFields
+from orchestrator.spec import JobSpec, camel_key
 
 #: Durations: integer seconds, or a number with a unit (what the spec loader accepts).
 DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"
@@ -67,6 +69,36 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint": "Durable checkpoints: where, how often, how many to keep.",
     "checkpoint.url": "fsspec URL (s3://, gs://, file://, ...) of the checkpoint directory.",
     "checkpoint.async": "Save in the background while training goes on.",
+    "checkpoint.every_steps": "Save every this many steps (0: not by steps).",
+    "checkpoint.every_seconds": "Save every this many seconds (0: not by time).",
+    "checkpoint.keep": "How many committed checkpoints to keep; older ones are deleted.",
+    "rendezvous.tls": "TLS for the job's own etcd (file paths inside the image or a mount).",
+    "rendezvous.tls.ca_cert": "CA certificate that signed etcd's server certificate.",
+    "rendezvous.tls.cert": "Client certificate (with key).",
+    "rendezvous.tls.key": "Client private key (with cert).",
+    "rendezvous.user": "etcd user name (the operator's RINGMASTER_ETCD_USER when unset).",
+    "rendezvous.password_env": "Environment variable that holds the etcd password.",
+    "fault_tolerance.max_restarts": "How many recoveries the job may make before it fails.",
+    "fault_tolerance.hang_timeout": "A worker with no progress for this long counts as hung.",
+    "fault_tolerance.heartbeat_interval": "How often workers report progress.",
+    "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",
+    "comm.hierarchical": "All-reduce within each node first, then across nodes.",
+    "comm.topology_labels": "Topology labels, outermost first; ranks follow this order.",
+    "comm.bucket_cap_mb": "DDP gradient bucket size in MB.",
+    "comm.op_timeout_floor": "A collective never times out sooner than this.",
+    "comm.op_timeout_multiple": "A collective times out after this many slowest recent steps.",
+    "comm.compression.type": "none, fp16, bf16, powersgd, topk, qsgd or localsgd.",
+    "comm.compression.inter_node_only": "Compress only the inter-node stage (hierarchical).",
+    "comm.compression.rank": "PowerSGD: matrix approximation rank.",
+    "comm.compression.start_iter": "PowerSGD / local SGD: plain all-reduce before this step.",
+    "comm.compression.min_compression_rate": "PowerSGD: compress only tensors that gain this.",
+    "comm.compression.warm_start": "PowerSGD: reuse last step's factors.",
+    "comm.compression.ratio": "top-k: share of gradient entries sent.",
+    "comm.compression.momentum": "top-k: momentum correction factor.",
+    "comm.compression.warmup_steps": "top-k / QSGD: dense steps before compressing.",
+    "comm.compression.dense_sync_every": "top-k / QSGD: a dense step every N (0: never).",
+    "comm.compression.bits": "QSGD: bits per value (4 or 8).",
+    "comm.compression.period": "local SGD: average parameters every this many steps.",
     "fault_tolerance": "How failures are detected and how often the job may recover.",
     "fault_tolerance.recovery": (
         "auto: in_process when the entrypoint uses the ringmaster runtime, else restart "
@@ -131,11 +163,40 @@ _COMPRESSION_DEFAULTS_KEPT = {"comm.compression.type", "comm.compression.inter_n
 
 
 def spec_schema() -> dict[str, Any]:
-    """The openAPIV3Schema of ``TrainingJob.spec``, derived from :class:`JobSpec`."""
+    """The openAPIV3Schema of ``TrainingJob.spec``: :class:`JobSpec` and
+    :class:`~orchestrator.operator.trainingjob.TrainingJobFields`, keys in camelCase."""
     schema = _object_schema(JobSpec, "")
     schema["required"] = ["entrypoint"]
     schema["properties"]["name"]["pattern"] = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+    extra = _object_schema(TrainingJobFields, "")
+    clash = set(schema["properties"]) & set(extra["properties"])
+    assert not clash, f"TrainingJob fields clash with job spec fields: {clash}"
+    schema["properties"].update(extra["properties"])
     return schema
+
+
+#: Descriptions of the status fields (``kubectl explain trainingjob.status.<field>``).
+STATUS_DESCRIPTIONS: dict[str, str] = {
+    "step": "Highest step completed by every rank.",
+    "worldSize": "Ranks training now (nodes times nprocPerNode).",
+    "generation": "The controller's plan number; one more per membership change.",
+    "activePods": "Agent pods that train now, in rank order.",
+    "sparePods": "Agent pods registered as warm spares.",
+    "failedPods": "Agent pods the controller declared failed.",
+    "activeCount": "Number of activePods.",
+    "spareCount": "Number of sparePods.",
+    "desiredPods": "Agent pods the job wants: nodes.max plus nodes.spares (0 when suspended "
+    "or finished).",
+    "readyPods": "Agent pods whose agent is registered (Ready).",
+    "replacedPods": "Failed agent pods the operator replaced so far.",
+    "nextPodIndex": "Index the next new agent pod gets (names are never reused).",
+    "recoveries": "Failures the job recovered from.",
+    "lastCheckpoint": "The newest committed durable checkpoint.",
+    "message": "The controller's last message, or why the spec was rejected.",
+    "observedGeneration": "metadata.generation of the spec this status is for.",
+    "updatedAt": "When the controller last wrote its record.",
+    "conditions": "Ready, Recovering, SparesAvailable, Finished, SpecValid, Suspended.",
+}
 
 
 def status_schema() -> dict[str, Any]:
@@ -147,47 +208,69 @@ def status_schema() -> dict[str, Any]:
         "type": "object",
         "required": ["type", "status"],
         "properties": {
-            "type": string,
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": string,
-            "message": string,
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": integer,
+            "type": {**string, "description": "Condition type."},
+            "status": {
+                "type": "string",
+                "enum": ["True", "False", "Unknown"],
+                "description": "True, False or Unknown.",
+            },
+            "reason": {**string, "description": "One word: why."},
+            "message": {**string, "description": "Details for a person."},
+            "lastTransitionTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the status last changed.",
+            },
+            "observedGeneration": {**integer, "description": "Spec generation it is for."},
         },
+    }
+    kinds: dict[str, dict[str, Any]] = {
+        "step": integer,
+        "worldSize": integer,
+        "generation": integer,
+        "activePods": names,
+        "sparePods": names,
+        "failedPods": names,
+        "activeCount": integer,
+        "spareCount": integer,
+        "desiredPods": integer,
+        "readyPods": integer,
+        "replacedPods": integer,
+        "nextPodIndex": integer,
+        "recoveries": integer,
+        "lastCheckpoint": string,
+        "message": string,
+        "observedGeneration": integer,
+        "updatedAt": {"type": "string", "format": "date-time"},
+        "conditions": {
+            "type": "array",
+            "items": condition,
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    }
+    properties: dict[str, Any] = {
+        "phase": {
+            "type": "string",
+            "enum": [p.value for p in JobPhase] + [INVALID_PHASE, SUSPENDED_PHASE],
+            "description": (
+                "Job phase as the controller reports it (Invalid: bad spec; "
+                "Suspended: spec.suspend is true)."
+            ),
+        }
+    }
+    for key, schema in kinds.items():
+        properties[key] = {**schema, "description": STATUS_DESCRIPTIONS[key]}
+    properties["completionTime"] = {
+        "type": "string",
+        "format": "date-time",
+        "description": "When the job Succeeded or Failed (ttlSecondsAfterFinished counts from "
+        "here).",
     }
     return {
         "type": "object",
         "description": "Observed state, copied from the controller's record in etcd.",
-        "properties": {
-            "phase": {
-                "type": "string",
-                "enum": [p.value for p in JobPhase] + ["Invalid"],
-                "description": "Job phase as the controller reports it (Invalid: bad spec).",
-            },
-            "step": integer,
-            "worldSize": integer,
-            "generation": integer,
-            "activePods": names,
-            "sparePods": names,
-            "failedPods": names,
-            "activeCount": integer,
-            "spareCount": integer,
-            "desiredPods": integer,
-            "readyPods": integer,
-            "replacedPods": integer,
-            "nextPodIndex": integer,
-            "recoveries": integer,
-            "lastCheckpoint": string,
-            "message": string,
-            "observedGeneration": integer,
-            "updatedAt": {"type": "string", "format": "date-time"},
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-        },
+        "properties": properties,
     }
 
 
@@ -281,12 +364,20 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 
 def _object_schema(cls: type, path: str) -> dict[str, Any]:
+    """Keys are camelCase; ``path`` (for the tables above) keeps the job file's keys."""
     hints = typing.get_type_hints(cls)
     props: dict[str, Any] = {}
+    required: list[str] = []
     for f in dataclasses.fields(cls):
         key = f.metadata.get("key", f.name)
         sub = f"{path}.{key}" if path else key
-        props[key] = _field_schema(hints[f.name], f, sub)
+        props[camel_key(key)] = _field_schema(hints[f.name], f, sub)
+        if (
+            "doc" in f.metadata
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            required.append(camel_key(key))
     out: dict[str, Any] = {"type": "object"}
     doc = DESCRIPTIONS.get(path) if path else "A ringmaster job spec (the job file format)."
     if doc is None and cls.__doc__:
@@ -294,13 +385,24 @@ def _object_schema(cls: type, path: str) -> dict[str, Any]:
     if doc:
         out["description"] = doc
     out["properties"] = props
+    if required:
+        out["required"] = required
     if path in RULES:
         out["x-kubernetes-validations"] = RULES[path]
     return out
 
 
 def _field_schema(tp: Any, f: dataclasses.Field[Any], path: str) -> dict[str, Any]:
-    schema = _type_schema(_strip_optional(tp), path)
+    if "schema" in f.metadata:  # a Kubernetes type kept as Kubernetes defines it
+        schema = dict(f.metadata["schema"])
+    else:
+        schema = _type_schema(_strip_optional(tp), path)
+    if "enum" in f.metadata:
+        schema["enum"] = list(f.metadata["enum"])
+    if "minimum" in f.metadata:
+        schema["minimum"] = f.metadata["minimum"]
+    if "doc" in f.metadata:
+        schema["description"] = f.metadata["doc"]
     if path in DESCRIPTIONS and DESCRIPTIONS[path] not in schema.get("description", ""):
         schema["description"] = " ".join(
             d for d in (DESCRIPTIONS[path], schema.get("description")) if d
@@ -330,6 +432,8 @@ def _type_schema(tp: Any, path: str) -> dict[str, Any]:
     if origin is list:
         return {"type": "array", "items": _type_schema(args[0], path + "[]")}
     if origin is dict:
+        if args[1] is Any:
+            return dict(FREE_FORM)
         return {"type": "object", "additionalProperties": _type_schema(args[1], path + ".*")}
     if tp is timedelta:
         return {

@@ -14,6 +14,10 @@ fake of it, or an in-memory fake.
   the replacement does not wait for the timer;
 * delete: remove the job's keys from etcd (children go by garbage collection).
 
+Each sync also posts the plan's Kubernetes Events on the TrainingJob
+(:mod:`.events`) and, once ``ttlSecondsAfterFinished`` has passed, deletes
+the TrainingJob itself.
+
 Errors: :class:`RetryableOperatorError` becomes ``kopf.TemporaryError`` (kopf
 retries after its delay), :class:`PermanentOperatorError` and an invalid spec
 become ``kopf.PermanentError`` (no retry until the resource changes).  An
@@ -45,11 +49,22 @@ from orchestrator.operator.api import (
     KubeApi,
     OperatorSettings,
     PermanentOperatorError,
+    RejectedObjectError,
     RetryableOperatorError,
 )
-from orchestrator.operator.reconcile import etcd_endpoints, job_spec_from_body, reconcile
+from orchestrator.operator.events import invalid_event
+from orchestrator.operator.reconcile import (
+    etcd_endpoints,
+    job_spec_from_body,
+    load_training_job,
+    reconcile,
+)
 from orchestrator.operator.status import invalid_status
-from orchestrator.operator.topology import needs_topology, topology_annotations
+from orchestrator.operator.topology import (
+    needs_topology,
+    topology_annotations,
+    topology_labels,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +118,18 @@ def sync_job(
     meta = body["metadata"]
     namespace, name = meta.get("namespace", "default"), meta["name"]
     now = runtime.clock()
+    old = dict(body.get("status") or {})
     try:
-        spec = job_spec_from_body(body)
+        spec, fields = load_training_job(body, runtime.settings)
     except SpecError as e:
         status = invalid_status(
-            dict(body.get("status") or {}),
+            old,
             str(e),
             generation=int(meta.get("generation", 0)),
             now=now,
         )
+        for event in invalid_event(old, str(e)):
+            runtime.kube.post_event(body, event)
         raise InvalidSpecError(str(e), status) from e
     endpoints = etcd_endpoints(spec, runtime.settings)
     with runtime.job_lock(namespace, name):
@@ -119,16 +137,34 @@ def sync_job(
             logger.info("wrote the spec of job '%s' to etcd for its controller", name)
         controller = runtime.records.read_status(endpoints, name)
         observed = runtime.kube.list_children(namespace, name)
-        plan = reconcile(body, observed, controller, runtime.settings, now, spec=spec)
+        plan = reconcile(
+            body, observed, controller, runtime.settings, now, spec=spec, fields=fields
+        )
         for gone in plan.delete:
             logger.info("%s %s: deleting (%s)", gone.kind, gone.name, gone.reason)
             runtime.kube.delete(namespace, gone.kind, gone.name)
-        for obj in plan.create:
-            logger.info("%s %s: creating", obj["kind"], obj["metadata"]["name"])
-            runtime.kube.create(obj)
-        for obj in plan.apply:
-            logger.info("%s %s: updating to the spec", obj["kind"], obj["metadata"]["name"])
-            runtime.kube.replace(obj)
+        obj: dict[str, Any] = {}
+        try:
+            for obj in plan.create:
+                logger.info("%s %s: creating", obj["kind"], obj["metadata"]["name"])
+                runtime.kube.create(obj)
+            for obj in plan.apply:
+                logger.info("%s %s: updating to the spec", obj["kind"], obj["metadata"]["name"])
+                runtime.kube.replace(obj)
+        except RejectedObjectError as e:
+            message = (
+                f"{obj['kind']} {obj['metadata']['name']}: {e}. The API server checks the "
+                "free-form parts of spec.template (volumes, affinity, env valueFrom, envFrom) "
+                "only when it creates the pod: fix them there"
+            )
+            status = invalid_status(
+                old, message, generation=int(meta.get("generation", 0)), now=now
+            )
+            for event in invalid_event(old, message):
+                runtime.kube.post_event(body, event)
+            raise InvalidSpecError(message, status) from e
+        for event in plan.events:
+            runtime.kube.post_event(body, event)
     return plan.status
 
 
@@ -209,7 +245,10 @@ def on_agent_pod(event: Any, body: Any, memo: Any, logger: Any = log, **_: Any) 
         node = pod["spec"]["nodeName"]
         labels = _as_kopf(lambda: runtime.kube.node_labels(node))
         annotations = topology_annotations(node, labels, runtime.settings)
-        _as_kopf(lambda: runtime.kube.annotate_pod(namespace, meta["name"], annotations))
+        pod_labels = topology_labels(node, labels, runtime.settings)
+        _as_kopf(
+            lambda: runtime.kube.annotate_pod(namespace, meta["name"], annotations, pod_labels)
+        )
     phase = (pod.get("status") or {}).get("phase")
     lost = event.get("type") == "DELETED" or phase == "Failed" or meta.get("deletionTimestamp")
     if not lost:

@@ -15,7 +15,10 @@ exists and deleting one that is gone are not errors (another sync did it).
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 import kubernetes
@@ -23,14 +26,28 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from orchestrator.operator.api import (
+    API_VERSION,
     GROUP,
+    KIND,
+    MANAGED_BY,
     PLURAL,
     VERSION,
+    JobEvent,
     Observed,
+    OperatorError,
     PermanentOperatorError,
+    RejectedObjectError,
     RetryableOperatorError,
 )
-from orchestrator.operator.meta import agent_selector, controller_name, pdb_name, service_name
+from orchestrator.operator.meta import (
+    agent_selector,
+    controller_name,
+    metrics_service_name,
+    pdb_name,
+    service_name,
+)
+
+log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 #: Seconds before an API call gives up (connect, read).
@@ -86,6 +103,11 @@ class KubeClient:
             pods=list(pods.get("items") or []),
             service=_maybe(
                 lambda: self.core.read_namespaced_service(service_name(job), namespace, **_raw())
+            ),
+            metrics_service=_maybe(
+                lambda: self.core.read_namespaced_service(
+                    metrics_service_name(job), namespace, **_raw()
+                )
             ),
             controller=_maybe(
                 lambda: self.apps.read_namespaced_deployment(
@@ -170,14 +192,55 @@ class KubeClient:
             "PodDisruptionBudget": lambda: self.policy.delete_namespaced_pod_disruption_budget(
                 name, namespace, **_raw()
             ),
+            KIND: lambda: self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, **_raw()
+            ),
         }
         try:
             _call(deleters[kind])
         except _NotFoundError:
             pass
 
-    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
-        body = {"metadata": {"annotations": annotations}}
+    def post_event(self, job: dict[str, Any], event: JobEvent) -> None:
+        """A core/v1 Event about the TrainingJob ``job``; a failure is logged, not raised."""
+        meta = job.get("metadata") or {}
+        ns = meta.get("namespace", "default")
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": ns},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": meta.get("name"),
+                "namespace": ns,
+                "uid": meta.get("uid"),
+            },
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message[:1024],
+            "source": {"component": MANAGED_BY},
+            "reportingComponent": MANAGED_BY,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            _call(lambda: self.core.create_namespaced_event(ns, body, **_raw()))
+        except OperatorError as e:
+            log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), e)
+
+    def annotate_pod(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str],
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        body: dict[str, Any] = {"metadata": {"annotations": annotations}}
+        if labels:
+            body["metadata"]["labels"] = labels
         try:
             _call(
                 lambda: self.core.patch_namespaced_pod(
@@ -231,7 +294,9 @@ def _api_error(e: ApiException) -> Exception:
         return _NotFoundError(f"not found: {reason}")
     if status == 409 and "AlreadyExists" in reason:
         return _AlreadyExistsError(reason)
-    if status in (400, 403, 422):
+    if status in (400, 422):
+        return RejectedObjectError(f"the Kubernetes API refused it ({status}): {reason}")
+    if status == 403:
         return PermanentOperatorError(f"the Kubernetes API refused it ({status}): {reason}")
     return RetryableOperatorError(f"Kubernetes API error {status}: {reason}")
 

@@ -33,6 +33,11 @@ def controller_name(job: str) -> str:
     return f"{job}-controller"
 
 
+def metrics_service_name(job: str) -> str:
+    """The Service in front of the controller's metrics endpoint."""
+    return f"{job}-metrics"
+
+
 def pdb_name(job: str) -> str:
     return f"{job}-agents"
 
@@ -52,6 +57,21 @@ def labels(job: str, role: str) -> dict[str, str]:
 def agent_selector(job: str) -> dict[str, str]:
     """Labels that select exactly the agent pods of ``job``."""
     return {LABEL_JOB: job, LABEL_ROLE: ROLE_AGENT}
+
+
+#: Labels of a TrainingJob copied to its pods: Kueue's queue and priority class.
+PASSED_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
+
+
+def passed_labels(body: dict[str, Any]) -> dict[str, str]:
+    """The TrainingJob's labels that its pods carry too (:data:`PASSED_LABELS`).
+
+    Kueue admits a job by the ``kueue.x-k8s.io/queue-name`` label: on the
+    TrainingJob it names the queue, and on the pods it lets Kueue's pod
+    integration account for (and gate) them in the same queue.
+    """
+    job_labels = (body.get("metadata") or {}).get("labels") or {}
+    return {k: str(job_labels[k]) for k in PASSED_LABELS if k in job_labels}
 
 
 def owner_reference(body: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,9 @@ from orchestrator.operator.api import (
     OperatorSettings,
 )
 from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volumes
-from orchestrator.operator.meta import agent_selector, child_meta, service_name
+from orchestrator.operator.meta import agent_selector, child_meta, passed_labels, service_name
+from orchestrator.operator.template import apply_template, template_metadata
+from orchestrator.operator.trainingjob import PodTemplate
 from orchestrator.spec import JobSpec
 
 #: Non-root user of the image (k8s/Dockerfile creates it).
@@ -123,11 +125,40 @@ def _ceil(duration: timedelta) -> int:
     return int(seconds) + (0 if seconds == int(seconds) else 1)
 
 
-def agent_pod_spec(
-    spec: JobSpec, endpoints: tuple[str, ...], settings: OperatorSettings
-) -> dict[str, Any]:
-    """The pod ``spec`` shared by every agent pod of the job."""
+def spread_constraints(spec: JobSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Spread the agent pods over machines, then racks, then zones (as the cluster allows).
+
+    One agent per machine: a machine failure then costs one node of the job,
+    which a spare replaces.  Across racks and zones: the pods the controller
+    keeps as spares are then in different racks, so a rack that fails does not
+    take the job's spares with it, and the controller can take a replacement
+    from the failed node's own rack where one waits.  ``ScheduleAnyway``:
+    these are preferences, never a reason to leave a pod pending.
+    """
     selector = {"matchLabels": agent_selector(spec.name)}
+    keys = ["kubernetes.io/hostname", *settings.rack_labels, *settings.zone_labels]
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": selector,
+        }
+        for key in dict.fromkeys(keys)
+    ]
+
+
+def agent_pod_spec(
+    spec: JobSpec,
+    endpoints: tuple[str, ...],
+    settings: OperatorSettings,
+    template: PodTemplate | None = None,
+) -> dict[str, Any]:
+    """The pod ``spec`` shared by every agent pod of the job, with ``template`` merged in.
+
+    Raises:
+        SpecError: the template sets something the operator owns (see :mod:`.template`).
+    """
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.resources.image,
@@ -168,16 +199,7 @@ def agent_pod_spec(
             "fsGroup": RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "topologySpreadConstraints": [
-            {
-                # One agent per machine where the cluster allows it: a machine
-                # failure then costs one node of the job, which a spare replaces.
-                "maxSkew": 1,
-                "topologyKey": "kubernetes.io/hostname",
-                "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": selector,
-            }
-        ],
+        "topologySpreadConstraints": spread_constraints(spec, settings),
         "containers": [container],
         "volumes": [
             {
@@ -201,16 +223,49 @@ def agent_pod_spec(
         pod_spec["tolerations"] = [
             {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
         ]
+    if template is not None:
+        pod_spec = apply_template(pod_spec, template, spec.resources.image, f"job '{spec.name}'")
     return pod_spec
 
 
-def template_hash(pod_spec: dict[str, Any]) -> str:
-    """A short hash of the shared pod spec; pods with another hash are out of date."""
-    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:12]
+def template_hash(pod_spec: dict[str, Any], metadata: dict[str, Any] | None = None) -> str:
+    """A short hash of the shared pod spec and template metadata; pods with another are out
+    of date."""
+    data = {"spec": pod_spec, "metadata": metadata} if metadata else pod_spec
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pod_metadata_extras(
+    body: dict[str, Any], template: PodTemplate | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Labels and annotations an agent pod gets besides the operator's own.
+
+    The TrainingJob's Kueue labels (:func:`.meta.passed_labels`) and the
+    template's metadata (:func:`.template.template_metadata`).
+    """
+    labels = passed_labels(body)
+    annotations: dict[str, str] = {}
+    if template is not None:
+        extra_labels, annotations = template_metadata(template, "TrainingJob")
+        labels = {**extra_labels, **labels}
+    return labels, annotations
 
 
 def pod_name(job: str, index: int) -> str:
     return f"{job}-agent-{index}"
+
+
+def agent_pod_hash(
+    body: dict[str, Any],
+    spec: JobSpec,
+    endpoints: tuple[str, ...],
+    settings: OperatorSettings,
+    template: PodTemplate | None = None,
+) -> str:
+    """The template hash every up-to-date agent pod of the job carries."""
+    labels, annotations = pod_metadata_extras(body, template)
+    extras = {"labels": labels, "annotations": annotations} if labels or annotations else None
+    return template_hash(agent_pod_spec(spec, endpoints, settings, template), extras)
 
 
 def agent_pod(
@@ -219,9 +274,16 @@ def agent_pod(
     index: int,
     endpoints: tuple[str, ...],
     settings: OperatorSettings,
+    template: PodTemplate | None = None,
 ) -> dict[str, Any]:
     """Agent pod number ``index`` of the TrainingJob ``body``."""
-    pod_spec = agent_pod_spec(spec, endpoints, settings)
+    pod_spec = agent_pod_spec(spec, endpoints, settings, template)
     meta = child_meta(body, pod_name(spec.name, index), ROLE_AGENT)
-    meta["annotations"] = {ANN_INDEX: str(index), ANN_TEMPLATE_HASH: template_hash(pod_spec)}
+    labels, annotations = pod_metadata_extras(body, template)
+    meta["labels"] = {**labels, **meta["labels"]}
+    meta["annotations"] = {
+        **annotations,
+        ANN_INDEX: str(index),
+        ANN_TEMPLATE_HASH: agent_pod_hash(body, spec, endpoints, settings, template),
+    }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

@@ -22,12 +22,20 @@ Agent pods (see :mod:`.pods` for why they are managed directly):
 * once an agent exits with success or the controller reports a terminal
   phase the job is over: no pod is created any more, the remaining live pods
   are deleted once the phase is terminal (finished pods stay for their
-  logs), and the controller Deployment is scaled to zero.
+  logs), and the controller Deployment is scaled to zero;
+* ``spec.suspend: true``: every live agent pod is deleted (each saves a
+  checkpoint in its preStop hook, as on a preemption) and the controller is
+  scaled to zero; the Services, the budget and the job's etcd records stay,
+  so clearing the flag brings the pods back and the job resumes;
+* ``spec.ttlSecondsAfterFinished``: that long after the phase became
+  terminal (``status.completionTime``) the plan deletes the TrainingJob itself;
+* Events for what changed (:mod:`.events`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -45,9 +53,17 @@ from orchestrator.operator.children import (
     controller_deployment,
     disruption_budget,
     headless_service,
+    metrics_service,
 )
-from orchestrator.operator.pods import agent_pod, agent_pod_spec, template_hash
-from orchestrator.operator.status import build_status, controller_phase, pod_ready
+from orchestrator.operator.events import sync_events
+from orchestrator.operator.pods import agent_pod, agent_pod_hash, agent_pod_spec
+from orchestrator.operator.status import build_status, controller_phase, parse_time, pod_ready
+from orchestrator.operator.template import template_metadata
+from orchestrator.operator.trainingjob import (
+    TrainingJobFields,
+    load_trainingjob_fields,
+    split_spec,
+)
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 
@@ -67,8 +83,8 @@ def job_spec_from_body(body: dict[str, Any]) -> JobSpec:
     """
     meta = body.get("metadata") or {}
     name = meta.get("name", "")
-    data = dict(body.get("spec") or {})
-    source = f"TrainingJob {meta.get('namespace', 'default')}/{name}"
+    data, _ = split_spec(dict(body.get("spec") or {}))
+    source = _source(body)
     given = data.get("name")
     data["name"] = given if given is not None else name
     spec = load_job_data(data, source=source)
@@ -77,6 +93,62 @@ def job_spec_from_body(body: dict[str, Any]) -> JobSpec:
             [SpecProblem("name", f"'{spec.name}' must equal metadata.name '{name}'", None, source)]
         )
     return spec
+
+
+def _source(body: dict[str, Any]) -> str:
+    meta = body.get("metadata") or {}
+    return f"TrainingJob {meta.get('namespace', 'default')}/{meta.get('name', '')}"
+
+
+def fields_from_body(body: dict[str, Any]) -> TrainingJobFields:
+    """The TrainingJob-only fields of ``spec`` (suspend, TTL, template).
+
+    Raises:
+        SpecError: a field is mistyped or unknown (each problem with its path).
+    """
+    _, extra = split_spec(dict(body.get("spec") or {}))
+    return load_trainingjob_fields(extra, _source(body))
+
+
+def load_training_job(
+    body: dict[str, Any], settings: OperatorSettings
+) -> tuple[JobSpec, TrainingJobFields]:
+    """Everything about a TrainingJob that can be wrong, checked before anything is written.
+
+    The job spec (the loader), the TrainingJob-only fields, and the pod template
+    merged into an agent pod once, so that a template conflict is a spec problem.
+
+    Raises:
+        SpecError: every problem found, with field paths.
+        PermanentOperatorError: no etcd is configured for the job.
+    """
+    problems: list[SpecProblem] = []
+    spec: JobSpec | None = None
+    fields: TrainingJobFields | None = None
+    try:
+        spec = job_spec_from_body(body)
+    except SpecError as e:
+        problems += e.problems
+    try:
+        fields = fields_from_body(body)
+    except SpecError as e:
+        problems += e.problems
+    checks: list[Callable[[], object]] = []
+    if fields is not None:
+        template = fields.template
+        checks.append(lambda: template_metadata(template, _source(body)))
+        if spec is not None:
+            job, endpoints = spec, etcd_endpoints(spec, settings)
+            checks.append(lambda: agent_pod_spec(job, endpoints, settings, template))
+    for check in checks:
+        try:
+            check()
+        except SpecError as e:
+            problems += [SpecProblem(p.path, p.message, p.line, _source(body)) for p in e.problems]
+    if problems:
+        raise SpecError(problems)
+    assert spec is not None and fields is not None
+    return spec, fields
 
 
 def etcd_endpoints(spec: JobSpec, settings: OperatorSettings) -> tuple[str, ...]:
@@ -116,8 +188,9 @@ def reconcile(
     settings: OperatorSettings,
     now: datetime,
     spec: JobSpec | None = None,
+    fields: TrainingJobFields | None = None,
 ) -> ReconcilePlan:
-    """Decide what to create, change and delete, and the new status.
+    """Decide what to create, change and delete, the new status and the events.
 
     Args:
         body: the TrainingJob as the API server returns it.
@@ -126,12 +199,15 @@ def reconcile(
         settings: operator settings (default etcd, label keys...).
         now: current time, stamped on changed conditions.
         spec: the validated spec, when the caller has it already.
+        fields: the TrainingJob-only fields, when the caller has them already.
 
     Raises:
-        SpecError: the spec is invalid.
+        SpecError: the spec is invalid (or the template conflicts with the operator's fields).
         PermanentOperatorError: no etcd is configured for the job.
     """
     spec = spec or job_spec_from_body(body)
+    fields = fields or fields_from_body(body)
+    template = fields.template
     endpoints = etcd_endpoints(spec, settings)
     meta = body["metadata"]
     uid = meta.get("uid")
@@ -140,33 +216,42 @@ def reconcile(
 
     phase = controller_phase(controller)
     terminal = bool(phase and phase.terminal)
+    suspended = fields.suspend and not terminal
+    pull_secrets = [s.name for s in template.spec.image_pull_secrets]
 
     for desired in (
         headless_service(body, spec),
+        metrics_service(body, spec),
         controller_deployment(
             body,
             spec,
             endpoints,
             cpu=settings.controller_cpu,
             memory=settings.controller_memory,
-            running=not terminal,
+            running=not (terminal or suspended),
             service_account=settings.service_account,
             settings=settings,
+            image_pull_secrets=pull_secrets,
         ),
         disruption_budget(body, spec),
     ):
-        current = {
-            "Service": observed.service,
-            "Deployment": observed.controller,
-            "PodDisruptionBudget": observed.pdb,
-        }[desired["kind"]]
+        if desired["kind"] == "Service":
+            is_metrics = (
+                desired["metadata"]["name"] == metrics_service(body, spec)["metadata"]["name"]
+            )
+            current = observed.metrics_service if is_metrics else observed.service
+        else:
+            current = {
+                "Deployment": observed.controller,
+                "PodDisruptionBudget": observed.pdb,
+            }[desired["kind"]]
         if current is None or not _owned_by(current, uid):
             plan.create.append(desired)
         elif not contains(current, desired):
             plan.apply.append(desired)
 
     pods = [p for p in observed.pods if _owned_by(p, uid)]
-    current_hash = template_hash(agent_pod_spec(spec, endpoints, settings))
+    current_hash = agent_pod_hash(body, spec, endpoints, settings, template)
     spares = set((controller or {}).get("spare_nodes") or [])
 
     live: list[dict[str, Any]] = []
@@ -186,16 +271,16 @@ def reconcile(
         elif pod_phase in _LIVE_PHASES:
             live.append(pod)
 
-    want = 0 if (terminal or finished) else desired_pod_count(spec)
+    want = 0 if (terminal or finished or suspended) else desired_pod_count(spec)
     victims: list[dict[str, Any]] = []
-    if terminal:
+    if terminal or suspended:
         victims = list(live)
     elif finished:
         pass  # the job is ending: the controller's phase will follow; keep the rest
     elif len(live) > want:
         victims = sorted(live, key=lambda p: _victim_rank(p, spares))[: len(live) - want]
     for pod in victims:
-        why = "job finished" if terminal else "scaled down"
+        why = "job finished" if terminal else "job suspended" if suspended else "scaled down"
         plan.delete.append(Deletion("Pod", pod["metadata"]["name"], why))
     kept = [p for p in live if p not in victims]
 
@@ -210,7 +295,7 @@ def reconcile(
 
     next_index = max([int(old_status.get("nextPodIndex", 0))] + [pod_index(p) + 1 for p in pods])
     for _ in range(creations):
-        plan.create.append(agent_pod(body, spec, next_index, endpoints, settings))
+        plan.create.append(agent_pod(body, spec, next_index, endpoints, settings, template))
         next_index += 1
 
     plan.status = build_status(
@@ -223,7 +308,20 @@ def reconcile(
         desired_pods=want,
         replaced=replaced,
         next_index=next_index,
+        suspended=suspended,
     )
+    ttl = fields.ttl_seconds_after_finished
+    done_at = parse_time(plan.status.get("completionTime"))
+    if ttl is not None and done_at is not None and (now - done_at).total_seconds() >= ttl:
+        plan.delete.append(
+            Deletion(
+                "TrainingJob",
+                meta["name"],
+                f"the job finished at {plan.status['completionTime']} and "
+                f"ttlSecondsAfterFinished ({ttl}s) has passed: deleting the TrainingJob",
+            )
+        )
+    plan.events = sync_events(old_status, plan.status, plan.delete)
     return plan
 
 

@@ -15,6 +15,10 @@ Conditions (``type``: meaning when ``True``):
 * ``SparesAvailable``: at least ``nodes.spares`` warm spares are registered.
 * ``Finished``: the job reached a terminal phase (reason = the phase).
 * ``SpecValid``: the spec passed the job spec loader (``False`` = phase Invalid).
+* ``Suspended``: ``spec.suspend`` is true; no pods run (phase Suspended).
+
+``completionTime`` is when the phase first became terminal (what
+``ttlSecondsAfterFinished`` counts from).
 
 A condition keeps its ``lastTransitionTime`` until its status changes.
 """
@@ -28,11 +32,22 @@ from orchestrator.api import JobPhase
 from orchestrator.spec import JobSpec
 
 INVALID_PHASE = "Invalid"
+SUSPENDED_PHASE = "Suspended"
 
 
 def rfc3339(when: datetime) -> str:
     """``2026-01-02T03:04:05Z`` (what Kubernetes expects in date-time fields)."""
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An RFC 3339 time as :func:`rfc3339` writes it, or None."""
+    if not value:
+        return None
+    try:
+        return datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
@@ -92,6 +107,7 @@ def build_status(
     desired_pods: int,
     replaced: int,
     next_index: int,
+    suspended: bool = False,
 ) -> dict[str, Any]:
     """The full status of a valid TrainingJob.
 
@@ -105,6 +121,7 @@ def build_status(
         desired_pods: how many agent pods the job should have.
         replaced: pods replaced in this round (added to the running total).
         next_index: the index the next new agent pod gets.
+        suspended: ``spec.suspend`` holds (and the job is not finished): phase Suspended.
     """
     rec = controller or {}
     phase = controller_phase(controller) or JobPhase.PENDING
@@ -145,9 +162,15 @@ def build_status(
             phase.value,
             str(rec.get("message", "")) if phase.terminal else "",
         ),
+        cond(
+            "Suspended",
+            suspended,
+            "Suspended" if suspended else "NotSuspended",
+            "spec.suspend is true: no pods run; the job's state is kept" if suspended else "",
+        ),
     ]
     status: dict[str, Any] = {
-        "phase": phase.value,
+        "phase": SUSPENDED_PHASE if suspended else phase.value,
         "step": int(rec.get("step", 0)),
         "worldSize": int(rec.get("world_size", 0)),
         "generation": int(rec.get("generation", 0)),
@@ -165,6 +188,10 @@ def build_status(
         "observedGeneration": generation,
         "conditions": conditions,
     }
+    if phase.terminal:
+        status["completionTime"] = old.get("completionTime") or rfc3339(now)
+    elif old.get("completionTime"):
+        status["completionTime"] = None  # run again: a merge patch with null removes it
     if rec.get("last_checkpoint"):
         status["lastCheckpoint"] = str(rec["last_checkpoint"])
     if rec.get("updated_at"):

@@ -9,6 +9,11 @@ annotations change.  The operator writes ``ringmaster.dev/topology-ready:
 "true"`` last, even for a Node without zone or rack labels, so the agent
 knows when to stop waiting.
 
+The same values become pod *labels* (``ringmaster.dev/zone``, ``/rack``,
+``/host``; :func:`topology_labels`), so ``kubectl get pods -L
+ringmaster.dev/rack`` shows where each agent runs.  The host is the Node's
+well-known ``kubernetes.io/hostname`` label (its name when it has none).
+
 The agent side is :func:`read_topology`; it needs no Kubernetes client.
 ``python -m orchestrator.operator.topology`` prints the labels in the form
 ``ringmaster agent --labels`` takes (``host=...,zone=...,rack=...``); the agent
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -30,6 +36,10 @@ from orchestrator.operator.api import (
     ANN_RACK,
     ANN_TOPOLOGY_READY,
     ANN_ZONE,
+    HOSTNAME_LABEL,
+    LABEL_HOST,
+    LABEL_RACK,
+    LABEL_ZONE,
     OperatorSettings,
 )
 from orchestrator.settings import SETTINGS
@@ -62,6 +72,19 @@ def topology_annotations(
         out[ANN_RACK] = rack
     out[ANN_TOPOLOGY_READY] = "true"
     return out
+
+
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?\Z")
+
+
+def topology_labels(
+    node: str, node_labels: dict[str, str], settings: OperatorSettings
+) -> dict[str, str]:
+    """Pod labels with the node's zone, rack and host (values that are not valid labels skipped)."""
+    found = topology_annotations(node, node_labels, settings)
+    host = node_labels.get(HOSTNAME_LABEL) or node
+    values = {LABEL_ZONE: found.get(ANN_ZONE), LABEL_RACK: found.get(ANN_RACK), LABEL_HOST: host}
+    return {k: v for k, v in values.items() if v and len(v) <= 63 and _LABEL_VALUE.match(v)}
 
 
 def parse_downward_file(text: str) -> dict[str, str]:

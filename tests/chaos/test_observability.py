@@ -54,6 +54,8 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
 def value(
     metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
 ) -> float:
+    if "job" in labels:  # the job's label is `ringmaster_job` (Prometheus owns `job`)
+        labels["ringmaster_job"] = labels.pop("job")
     want = frozenset(labels.items())
     found = [v for (n, ls), v in metrics.items() if n == name and want <= ls]
     assert found, f"no sample {name}{labels}; have {sorted({n for n, _ in metrics})}"

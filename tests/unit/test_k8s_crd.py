@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from orchestrator.operator.crd import crd_manifest, render_crd_yaml, spec_schema
-from orchestrator.spec import JobSpec
+from orchestrator.operator.trainingjob import FIELD_KEYS
+from orchestrator.spec import JobSpec, camel_key
 
 pytestmark = pytest.mark.unit
 
@@ -38,11 +39,11 @@ def test_crd_validates_against_kubernetes_schema() -> None:
 
 
 def _walk_spec(cls: type, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Every YAML key path of the dataclass tree, asserting it has a schema node."""
+    """Every key path of the dataclass tree (camelCase), asserting it has a schema node."""
     seen = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f.metadata.get("key", f.name)
+        key = camel_key(f.metadata.get("key", f.name))
         sub = f"{path}.{key}" if path else key
         assert key in schema["properties"], f"{sub} missing from the CRD"
         seen.append(sub)
@@ -52,15 +53,47 @@ def _walk_spec(cls: type, schema: dict[str, Any], path: str = "") -> list[str]:
     return seen
 
 
-def test_spec_schema_has_every_field_under_its_yaml_key() -> None:
+def test_spec_schema_has_every_field_under_its_camel_case_key() -> None:
     schema = spec_schema()
     paths = _walk_spec(JobSpec, schema)
     assert "checkpoint.async" in paths and "checkpoint.async_" not in paths
-    assert "comm.compression.inter_node_only" in paths
-    # and nothing that the dataclasses do not have
+    assert "comm.compression.interNodeOnly" in paths
+    assert "faultTolerance.preemptionGrace" in paths and "nprocPerNode" in paths
+    # and nothing that the dataclasses do not have, besides the TrainingJob's own fields
     assert set(schema["properties"]) == {
-        f.metadata.get("key", f.name) for f in dataclasses.fields(JobSpec)
-    }
+        camel_key(f.metadata.get("key", f.name)) for f in dataclasses.fields(JobSpec)
+    } | set(FIELD_KEYS)
+    assert set(FIELD_KEYS) == {"suspend", "ttlSecondsAfterFinished", "template"}
+
+
+def _snake_keys_in(node: dict[str, Any], path: str = "") -> list[str]:
+    out = []
+    for key, sub in (node.get("properties") or {}).items():
+        if "_" in key:
+            out.append(f"{path}.{key}")
+        out += _snake_keys_in(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        out += _snake_keys_in(node["items"], path + "[]")
+    return out
+
+
+def _undescribed(node: dict[str, Any], path: str = "") -> list[str]:
+    out = []
+    for key, sub in (node.get("properties") or {}).items():
+        if not sub.get("description"):
+            out.append(f"{path}.{key}")
+        out += _undescribed(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        out += _undescribed(node["items"], path + "[]")
+    return out
+
+
+def test_every_field_is_camel_case_and_described_for_kubectl_explain() -> None:
+    schema = spec_schema()
+    assert _snake_keys_in(schema) == []
+    assert _undescribed(schema) == []
+    status = _version()["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert _undescribed(status) == []
 
 
 def test_spec_schema_defaults_equal_the_dataclass_defaults() -> None:
@@ -70,12 +103,12 @@ def test_spec_schema_defaults_equal_the_dataclass_defaults() -> None:
     assert schema["checkpoint"]["properties"]["async"]["default"] is True
     assert schema["checkpoint"]["properties"]["keep"]["default"] == defaults["checkpoint"]["keep"]
     assert (
-        schema["rendezvous"]["properties"]["join_timeout"]["default"]
+        schema["rendezvous"]["properties"]["joinTimeout"]["default"]
         == defaults["rendezvous"]["join_timeout"]
     )
-    ft = schema["fault_tolerance"]["properties"]
-    assert ft["preemption_grace"]["default"] == defaults["fault_tolerance"]["preemption_grace"]
-    assert schema["comm"]["properties"]["topology_labels"]["default"] == ["zone", "rack", "host"]
+    ft = schema["faultTolerance"]["properties"]
+    assert ft["preemptionGrace"]["default"] == defaults["fault_tolerance"]["preemption_grace"]
+    assert schema["comm"]["properties"]["topologyLabels"]["default"] == ["zone", "rack", "host"]
     res = schema["resources"]["properties"]
     assert {k: res[k]["default"] for k in res} == defaults["resources"]
     # compression parameters carry no schema default (the loader rejects foreign ones)
@@ -102,7 +135,7 @@ def test_cel_rules_cover_what_openapi_cannot() -> None:
 
 
 def test_durations_accept_seconds_or_unit_strings() -> None:
-    hang = spec_schema()["properties"]["fault_tolerance"]["properties"]["hang_timeout"]
+    hang = spec_schema()["properties"]["faultTolerance"]["properties"]["hangTimeout"]
     assert hang["x-kubernetes-int-or-string"] is True
     assert hang["default"] == 300
 
@@ -114,7 +147,9 @@ def test_status_subresource_and_printer_columns() -> None:
     assert columns["Phase"] == ".status.phase"
     assert columns["Step"] == ".status.step"
     assert columns["World"] == ".status.worldSize"
+    assert columns["Spares"] == ".status.spareCount"
     assert columns["Recoveries"] == ".status.recoveries"
+    assert columns["Age"] == ".metadata.creationTimestamp"
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for key in (
         "phase",
@@ -125,8 +160,10 @@ def test_status_subresource_and_printer_columns() -> None:
         "lastCheckpoint",
         "recoveries",
         "conditions",
+        "completionTime",
     ):
         assert key in status
+    assert {"Invalid", "Suspended"} <= set(status["phase"]["enum"])
 
 
 def test_names() -> None:

@@ -4,26 +4,35 @@ There is no API server here, so the CRD's openAPIV3Schema is checked with
 ``jsonschema`` after a small conversion (``x-kubernetes-int-or-string`` → an
 integer-or-string type; unknown fields rejected, as ``kubectl``'s strict field
 validation does), and the API server's defaulting is imitated from the schema's
-``default`` values.  CEL rules (``x-kubernetes-validations``) cannot be
-evaluated without an API server: the cross-field checks they express
-(``nodes.min <= nodes.max``, one of script/module) are also made by the spec
-loader, which the operator runs on every spec, and those are tested here
-through :func:`orchestrator.operator.reconcile.job_spec_from_body`.
+``default`` values.  The CRD's CEL rules (``x-kubernetes-validations``:
+``nodes.min <= nodes.max``, one of script/module...) are evaluated with
+``cel-python`` on the defaulted object, where the API server would evaluate
+them; the spec loader, which the operator runs on every spec, makes the same
+checks, tested here through
+:func:`orchestrator.operator.reconcile.job_spec_from_body`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
+import typing
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
 from orchestrator.api import SpecError
+from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.crd import crd_manifest
-from orchestrator.operator.reconcile import job_spec_from_body
+from orchestrator.operator.reconcile import job_spec_from_body, reconcile
+from orchestrator.spec import JobSpec, camel_key
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +48,12 @@ def to_json_schema(node: Any) -> Any:
     out = {k: to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
     if node.get("x-kubernetes-int-or-string"):
         out["type"] = ["integer", "string"]
-    if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node:
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")  # a free-form k8s object
+    ):
         out["additionalProperties"] = False
     if "properties" in out:
         out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
@@ -64,11 +78,33 @@ ROOT_SCHEMA = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 VALIDATOR = jsonschema.Draft7Validator(to_json_schema(ROOT_SCHEMA))
 
 
+CEL = celpy.Environment()
+
+
+def cel_errors(schema: dict[str, Any], obj: Any, path: str = "") -> list[str]:
+    """The messages of the CEL rules ``obj`` breaks, at every level of ``schema``."""
+    out: list[str] = []
+    if not isinstance(obj, dict):
+        return out
+    for rule in schema.get("x-kubernetes-validations") or []:
+        program = CEL.program(CEL.compile(rule["rule"]))
+        result = program.evaluate({"self": celpy.json_to_cel(obj)})
+        if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+            out.append(f"{path or '<root>'}: {rule['message']}")
+    for key, sub in (schema.get("properties") or {}).items():
+        if key in obj:
+            out += cel_errors(sub, obj[key], f"{path}.{key}" if path else key)
+    return out
+
+
 def schema_errors(obj: dict[str, Any]) -> list[str]:
-    return [
+    """What the API server would refuse: the openAPI schema, then the CEL rules after defaulting."""
+    found = [
         f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
         for e in VALIDATOR.iter_errors(obj)
     ]
+    defaulted = apply_defaults(ROOT_SCHEMA, obj)
+    return found or cel_errors(ROOT_SCHEMA, defaulted)
 
 
 def as_created(obj: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +141,26 @@ def test_defaulted_example_passes_the_spec_loader(path: Path) -> None:
     assert spec.nodes.min <= spec.nodes.max
 
 
+def camel_case(cls: type, data: Any) -> Any:
+    """A job file's data with every field key in camelCase (user keys like env names kept)."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return data
+    hints = typing.get_type_hints(cls)
+    fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in data.items():
+        f = fields[key]
+        inner = hints[f.name]
+        args = [a for a in typing.get_args(inner) if a is not type(None)]
+        inner = args[0] if typing.get_origin(inner) in (typing.Union, types.UnionType) else inner
+        out[camel_key(key)] = camel_case(inner, value)
+    return out
+
+
 def test_demo_job_file_is_a_valid_trainingjob_spec() -> None:
-    """One file format: a job file's content is a TrainingJob spec (entrypoint as a mapping)."""
+    """One file format: a job file's content, in camelCase, is a TrainingJob spec."""
     job_file = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
-    spec = load(job_file)
+    spec = camel_case(JobSpec, load(job_file))
     name = spec.pop("name")
     obj = {"apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob"}
     obj.update(metadata={"name": name}, spec=spec)
@@ -132,10 +184,20 @@ def test_missing_entrypoint_is_rejected_by_the_schema_and_the_loader() -> None:
     ("path", "value", "where"),
     [
         (("nodes", "max"), "four", "spec.nodes.max"),
-        (("nproc_per_node",), 1.5, "spec.nproc_per_node"),
+        (("nprocPerNode",), 1.5, "spec.nprocPerNode"),
         (("checkpoint", "async"), "yes", "spec.checkpoint.async"),
-        (("fault_tolerance", "hang_timeout"), True, "spec.fault_tolerance.hang_timeout"),
-        (("fault_tolerance", "hang_timeout"), "soon", "spec.fault_tolerance.hang_timeout"),
+        (("faultTolerance", "hangTimeout"), True, "spec.faultTolerance.hangTimeout"),
+        (("faultTolerance", "hangTimeout"), "soon", "spec.faultTolerance.hangTimeout"),
+        (("nproc_per_node",), 2, "spec"),  # snake_case is the job file's; not a TrainingJob's
+        (("suspend",), "yes", "spec.suspend"),
+        (("ttlSecondsAfterFinished",), -1, "spec.ttlSecondsAfterFinished"),
+        (("template", "spec", "nodeSelector"), ["gpu"], "spec.template.spec.nodeSelector"),
+        (
+            ("template", "spec", "tolerations"),
+            [{"effect": "Never"}],
+            "spec.template.spec.tolerations.0.effect",
+        ),
+        (("template", "spec", "volumes"), [{"emptyDir": {}}], "spec.template.spec.volumes.0"),
         (("resources", "memory"), "lots", "spec.resources.memory"),
         (("comm", "compression", "type"), "zip", "spec.comm.compression.type"),
         (("entrypoint", "args"), "--lr 1", "spec.entrypoint.args"),
@@ -167,15 +229,85 @@ def test_unknown_fields_are_rejected() -> None:
     assert any("maximum" in e for e in schema_errors(obj))
 
 
-def test_min_larger_than_max_is_rejected_by_the_loader() -> None:
-    """openAPI cannot compare two fields: the CRD has a CEL rule, the loader checks too."""
+def test_min_larger_than_max_is_rejected_by_the_schema_and_the_loader() -> None:
+    """openAPI cannot compare two fields: the CRD's CEL rule does, and the loader too."""
     obj = _cpu()
     obj["spec"]["nodes"] = {"min": 4, "max": 2}
-    assert schema_errors(obj) == []  # structurally fine; the CEL rule is the API server's
-    rule = ROOT_SCHEMA["properties"]["spec"]["properties"]["nodes"]["x-kubernetes-validations"]
-    assert rule[0]["rule"] == "self.min <= self.max"
+    assert schema_errors(obj) == ["spec.nodes: nodes.min must not be larger than nodes.max"]
+    obj["spec"]["nodes"] = {"min": 4}  # max defaults to 1: still refused
+    assert schema_errors(obj) == ["spec.nodes: nodes.min must not be larger than nodes.max"]
+    obj["spec"]["nodes"] = {"min": 4, "max": 2}
     with pytest.raises(SpecError, match=r"nodes\.min \(4\) is larger than nodes\.max \(2\)"):
         job_spec_from_body(as_created(obj))
+
+
+def test_cel_rules_catch_script_and_module_and_a_foreign_name() -> None:
+    obj = _cpu()
+    obj["spec"]["entrypoint"]["module"] = "pkg.train"
+    assert schema_errors(obj) == [
+        "spec.entrypoint: give exactly one of 'script' (a path) or 'module' (python -m name)"
+    ]
+    obj = _cpu()
+    obj["spec"]["name"] = "other"
+    assert schema_errors(obj) == ["<root>: spec.name must equal metadata.name (or be left out)"]
+
+
+def test_unknown_template_fields_are_rejected_by_the_schema() -> None:
+    obj = _cpu()
+    obj["spec"]["template"] = {"spec": {"hostNetwork": True}}
+    assert any("hostNetwork" in e for e in schema_errors(obj))
+    obj["spec"]["template"] = {
+        "spec": {"containers": [{"name": "agent", "ports": [{"containerPort": 80}]}]}
+    }
+    assert any("ports" in e for e in schema_errors(obj))
+    obj["spec"]["template"] = {"metadata": {"name": "x"}}
+    assert any("'name' was unexpected" in e for e in schema_errors(obj))
+    # a Kubernetes Volume is kept whole (the API server checks it when the pod is created)
+    obj["spec"]["template"] = {
+        "spec": {"volumes": [{"name": "data", "nfs": {"server": "fs", "path": "/x"}}]}
+    }
+    assert schema_errors(obj) == []
+
+
+def test_every_example_renders_pods_and_children_kubernetes_accepts() -> None:
+    """The operator's output for each example validates against the Kubernetes schemas."""
+    for path in EXAMPLES:
+        obj = as_created(load(path))
+        plan = reconcile(
+            obj,
+            Observed(),
+            None,
+            OperatorSettings(etcd_endpoints=("etcd:2379",)),
+            datetime(2026, 1, 1, tzinfo=timezone.utc),
+        )
+        assert {o["kind"] for o in plan.create} == {
+            "Pod",
+            "Service",
+            "Deployment",
+            "PodDisruptionBudget",
+        }
+        for child in plan.create:
+            assert kubernetes_validate.validate(child, "1.37.0", strict=True) == "1.37", path
+
+
+def test_gpu_example_mounts_its_data_and_shared_memory_on_gpu_nodes() -> None:
+    obj = as_created(load(next(p for p in EXAMPLES if p.name == "trainingjob-gpu.yaml")))
+    plan = reconcile(
+        obj,
+        Observed(),
+        None,
+        OperatorSettings(etcd_endpoints=("etcd:2379",)),
+        datetime(2026, 1, 1, tzinfo=timezone.utc),
+    )
+    pod = next(o for o in plan.create if o["kind"] == "Pod")
+    agent = pod["spec"]["containers"][0]
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[mounts["/data"]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+    assert "nvidia.com/gpu.product" in pod["spec"]["nodeSelector"]
+    assert agent["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
 
 
 def test_script_and_module_together_are_rejected_by_the_loader() -> None:

@@ -140,6 +140,9 @@ def test_rbac_is_least_privilege() -> None:
     # what the operator does, and no more than that on the sensitive ones
     assert grants[("", "nodes")] == {"get"}
     assert grants[("ringmaster.dev", "trainingjobs/status")] == {"get", "patch"}
+    # ttlSecondsAfterFinished: the operator deletes finished TrainingJobs, and posts Events
+    assert "delete" in grants[("ringmaster.dev", "trainingjobs")]
+    assert grants[("", "events")] == {"create"}
     assert {"create", "delete", "list", "watch"} <= grants[("", "pods")]
     assert ("", "secrets") not in grants
     (binding,) = by_kind("ClusterRoleBinding")

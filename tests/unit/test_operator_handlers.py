@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.operator import handlers
 from orchestrator.operator.api import (
+    JobEvent,
     Observed,
     OperatorSettings,
     PermanentOperatorError,
@@ -42,6 +43,7 @@ class FakeKube:
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, str]] = {}
         self.status_patches: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, str, str, str]] = []  # (job, type, reason, message)
         self.fail_with: Exception | None = None
 
     def _check(self) -> None:
@@ -56,6 +58,8 @@ class FakeKube:
                 continue
             if kind == "Pod":
                 out.pods.append(copy.deepcopy(obj))
+            elif kind == "Service" and obj["metadata"]["name"].endswith("-metrics"):
+                out.metrics_service = copy.deepcopy(obj)
             else:
                 setattr(out, KINDS[kind], copy.deepcopy(obj))
         return out
@@ -73,15 +77,27 @@ class FakeKube:
     def delete(self, namespace: str, kind: str, name: str) -> None:
         self._check()
         self.objects.pop((namespace, kind, name), None)
+        if kind == "TrainingJob":
+            self.jobs.pop((namespace, name), None)
 
     def node_labels(self, node: str) -> dict[str, str]:
         self._check()
         return dict(self.nodes.get(node, {}))
 
-    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+    def annotate_pod(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str],
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self._check()
         pod = self.objects[(namespace, "Pod", name)]
         pod["metadata"].setdefault("annotations", {}).update(annotations)
+        pod["metadata"].setdefault("labels", {}).update(labels or {})
+
+    def post_event(self, job: dict[str, Any], event: JobEvent) -> None:
+        self.events.append((job["metadata"]["name"], event.type, event.reason, event.message))
 
     def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.jobs.get((namespace, name)))

@@ -333,7 +333,7 @@ def test_handlers_end_to_end_against_the_http_fake(api: FakeApiServer, kube: Kub
     patch = kopf.Patch()
     handlers.on_spec(body=job, memo=memo, patch=patch, logger=logging.getLogger("t"))
     assert api.names("pods") == ["demo-agent-0", "demo-agent-1"]
-    assert api.names("services") == ["demo-agents"]
+    assert api.names("services") == ["demo-agents", "demo-metrics"]
     assert api.names("deployments") == ["demo-controller"]
     kube.patch_status("ml", "demo", patch["status"])
 

@@ -69,14 +69,15 @@ def running(pod: dict[str, Any], *, ready: bool = True, node: str = "n1") -> dic
 def world(body: dict[str, Any]) -> Observed:
     """Everything the first reconcile creates, now running and ready."""
     plan = run(body)
-    objs = {o["kind"]: o for o in plan.create if o["kind"] != "Pod"}
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in plan.create if o["kind"] != "Pod"}
     pods = [running(p, node=f"n{i}") for i, p in enumerate(created(plan, "Pod"))]
     body["status"] = plan.status
     return Observed(
         pods=pods,
-        service=objs["Service"],
-        controller=objs["Deployment"],
-        pdb=objs["PodDisruptionBudget"],
+        service=objs["Service", "demo-agents"],
+        controller=objs["Deployment", "demo-controller"],
+        pdb=objs["PodDisruptionBudget", "demo-agents"],
+        metrics_service=objs["Service", "demo-metrics"],
     )
 
 
@@ -90,7 +91,16 @@ def names(pods: list[dict[str, Any]]) -> list[str]:
 def test_create_makes_every_child_with_an_owner_reference() -> None:
     plan = run(job())
     kinds = sorted(o["kind"] for o in plan.create)
-    assert kinds == ["Deployment", "Pod", "Pod", "Pod", "Pod", "PodDisruptionBudget", "Service"]
+    assert kinds == [
+        "Deployment",
+        "Pod",
+        "Pod",
+        "Pod",
+        "Pod",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+    ]
     for obj in plan.create:
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref == {
@@ -154,6 +164,10 @@ def test_job_endpoints_win_over_the_operator_etcd() -> None:
         "demo",
         "--etcd",
         "my-etcd:2379",
+        "--metrics-port",
+        "9400",
+        "--metrics-host",
+        "0.0.0.0",
     ]
 
 
@@ -247,13 +261,20 @@ def test_security_context_is_non_root() -> None:
 def test_topology_spread_and_headless_service() -> None:
     plan = run(job())
     pod = created(plan, "Pod")[0]
-    (spread,) = pod["spec"]["topologySpreadConstraints"]
-    assert spread["topologyKey"] == "kubernetes.io/hostname"
-    assert spread["labelSelector"]["matchLabels"] == {
-        "ringmaster.dev/job": "demo",
-        "ringmaster.dev/role": "agent",
-    }
-    (svc,) = created(plan, "Service")
+    spread = pod["spec"]["topologySpreadConstraints"]
+    # machines first, then every configured rack label, then zones: spares land in other racks
+    assert [c["topologyKey"] for c in spread] == [
+        "kubernetes.io/hostname",
+        *SETTINGS.rack_labels,
+        *SETTINGS.zone_labels,
+    ]
+    for c in spread:
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway" and c["maxSkew"] == 1
+        assert c["labelSelector"]["matchLabels"] == {
+            "ringmaster.dev/job": "demo",
+            "ringmaster.dev/role": "agent",
+        }
+    (svc,) = [s for s in created(plan, "Service") if s["metadata"]["name"] == "demo-agents"]
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert pod["spec"]["subdomain"] == svc["metadata"]["name"]

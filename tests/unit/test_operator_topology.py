@@ -17,6 +17,7 @@ from orchestrator.operator.topology import (
     parse_downward_file,
     read_topology,
     topology_annotations,
+    topology_labels,
 )
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,24 @@ def test_main_prints_what_the_agent_parses(
 
 def test_labels_argument_skips_empty_values() -> None:
     assert labels_argument({"rack": "", "host": "n1"}) == "host=n1"
+
+
+def test_pod_labels_from_the_nodes_well_known_labels() -> None:
+    labels = {
+        "topology.kubernetes.io/zone": "eu-west-1a",
+        "topology.ringmaster.dev/rack": "r12",
+        "kubernetes.io/hostname": "gpu-7",
+    }
+    # the host is the node's hostname label, not its (possibly longer) name
+    out = topology_labels("gpu-7.eu-west-1.compute.internal", labels, OperatorSettings())
+    assert out == {
+        "ringmaster.dev/zone": "eu-west-1a",
+        "ringmaster.dev/rack": "r12",
+        "ringmaster.dev/host": "gpu-7",
+    }
+
+
+def test_values_that_cannot_be_labels_are_left_out() -> None:
+    long_name = "n" * 70
+    out = topology_labels(long_name, {"topology.ringmaster.dev/rack": "rack 1"}, OperatorSettings())
+    assert out == {}

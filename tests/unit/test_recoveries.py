@@ -150,9 +150,9 @@ def test_byte_counters_add_only_increases_and_survive_worker_restarts() -> None:
     m.worker_telemetry("j", "n1-0", 100, Telemetry(wire_bytes=1500, dense_bytes=6000))
     m.worker_telemetry("j", "n1-0", 200, Telemetry(wire_bytes=300, dense_bytes=1200))  # restarted
     text = generate_latest(m.registry).decode()
-    assert 'ringmaster_job_comm_wire_bytes_total{job="j"} 1800.0' in text
-    assert 'ringmaster_job_comm_dense_bytes_total{job="j"} 7200.0' in text
-    assert 'ringmaster_job_comm_compression_ratio{job="j"} 4.0' in text
+    assert 'ringmaster_job_comm_wire_bytes_total{ringmaster_job="j"} 1800.0' in text
+    assert 'ringmaster_job_comm_dense_bytes_total{ringmaster_job="j"} 7200.0' in text
+    assert 'ringmaster_job_comm_compression_ratio{ringmaster_job="j"} 4.0' in text
 
 
 def test_phase_gauge_marks_only_the_current_phase() -> None:
@@ -172,10 +172,10 @@ def test_phase_gauge_marks_only_the_current_phase() -> None:
         productive_s=1.0,
     )
     text = generate_latest(m.registry).decode()
-    assert 'ringmaster_job_phase{job="j",phase="Recovering"} 1.0' in text
-    assert 'ringmaster_job_phase{job="j",phase="Running"} 0.0' in text
-    assert 'ringmaster_job_nodes{job="j",state="failed"} 1.0' in text
-    assert 'ringmaster_job_run{job="j"} 2.0' in text
+    assert 'ringmaster_job_phase{phase="Recovering",ringmaster_job="j"} 1.0' in text
+    assert 'ringmaster_job_phase{phase="Running",ringmaster_job="j"} 0.0' in text
+    assert 'ringmaster_job_nodes{ringmaster_job="j",state="failed"} 1.0' in text
+    assert 'ringmaster_job_run{ringmaster_job="j"} 2.0' in text
 
 
 def test_a_refused_liveness_probe_is_agent_gone_unless_a_worker_said_more() -> None:

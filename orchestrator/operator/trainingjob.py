@@ -1,0 +1,422 @@
+"""The fields a ``TrainingJob`` has beside the job spec: lifecycle and the pod template.
+
+A TrainingJob's ``spec`` is a job spec (:class:`orchestrator.spec.JobSpec`, in
+camelCase) plus the fields below, which only mean something on Kubernetes and
+so are not part of the job file:
+
+* ``suspend``: no pods at all (agents nor controller) while true; the job's
+  records in etcd and its checkpoints stay, so setting it back to false
+  resumes the job.  This is Kueue's admission model: Kueue creates a job
+  suspended and clears the flag when it admits it.
+* ``ttlSecondsAfterFinished``: once the job has finished (Succeeded or
+  Failed) for this long, the operator deletes the TrainingJob; its children
+  go with it by garbage collection and its etcd records are removed.
+* ``template``: a pod template (``metadata`` with labels and annotations,
+  ``spec`` with a subset of a PodSpec) merged into every agent pod; see
+  :mod:`orchestrator.operator.template` for how it is merged and what conflicts.
+
+The dataclasses are the single description: :mod:`orchestrator.operator.crd`
+derives the CRD's schema from them (keys in camelCase, a description on every
+field) and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with
+them, naming the field path of every problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.api import SpecError, SpecProblem
+from orchestrator.spec import camel_key
+
+#: Kubernetes quantities (the API's own pattern): ``500m``, ``2``, ``4Gi``, ``1e3``.
+K8S_QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: its description (shown by ``kubectl explain``) and schema extras."""
+    return {"doc": text, **extra}
+
+
+#: Schema of a free-form Kubernetes object kept as given (the API server checks it
+#: when the pod is created; the operator reports a refusal in the TrainingJob's status).
+FREE_FORM: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+_QUANTITIES: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": {"x-kubernetes-int-or-string": True, "pattern": K8S_QUANTITY_PATTERN},
+}
+
+
+@dataclass
+class EnvVar:
+    """An environment variable: a literal ``value`` or a ``valueFrom`` reference."""
+
+    name: str = field(metadata=_doc("Variable name."))
+    value: str | None = field(default=None, metadata=_doc("Literal value."))
+    value_from: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc(
+            "A Kubernetes EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef.",
+            schema=FREE_FORM,
+        ),
+    )
+
+
+@dataclass
+class VolumeMount:
+    """Where a volume of the template appears in the container."""
+
+    name: str = field(metadata=_doc("Name of a volume in template.spec.volumes."))
+    mount_path: str = field(metadata=_doc("Path in the container."))
+    sub_path: str | None = field(default=None, metadata=_doc("Mount only this path of it."))
+    read_only: bool = field(default=False, metadata=_doc("Mount read-only."))
+
+
+@dataclass
+class ResourceRequirements:
+    """Requests and limits of any resource (``amd.com/gpu``, ``rdma/hca``, hugepages...)."""
+
+    requests: dict[str, str] = field(
+        default_factory=dict,
+        metadata=_doc("Resource name to quantity requested.", schema=_QUANTITIES, quantity=True),
+    )
+    limits: dict[str, str] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "Resource name to quantity allowed; extended resources need only a limit.",
+            schema=_QUANTITIES,
+            quantity=True,
+        ),
+    )
+
+
+@dataclass
+class ContainerTemplate:
+    """A container: named ``agent`` it adds to ringmaster's agent container, else a sidecar."""
+
+    name: str = field(metadata=_doc("'agent' for ringmaster's container, else a sidecar's name."))
+    image: str | None = field(
+        default=None, metadata=_doc("Image of a sidecar (the agent's is resources.image).")
+    )
+    command: list[str] = field(
+        default_factory=list, metadata=_doc("Command of a sidecar (the agent's is ringmaster's).")
+    )
+    args: list[str] = field(default_factory=list, metadata=_doc("Arguments of a sidecar."))
+    env: list[EnvVar] = field(
+        default_factory=list,
+        metadata=_doc("Environment variables; the RINGMASTER_* ones the operator sets win."),
+    )
+    env_from: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Kubernetes EnvFromSources (all keys of a ConfigMap or Secret).",
+            schema={"type": "array", "items": FREE_FORM},
+        ),
+    )
+    volume_mounts: list[VolumeMount] = field(
+        default_factory=list, metadata=_doc("Volumes of the template mounted in this container.")
+    )
+    resources: ResourceRequirements = field(
+        default_factory=ResourceRequirements,
+        metadata=_doc(
+            "Resources beyond resources.cpu/memory/gpus: other devices (amd.com/gpu, RDMA), "
+            "hugepages, ephemeral-storage."
+        ),
+    )
+
+
+@dataclass
+class Toleration:
+    """A Kubernetes toleration (lets pods run on nodes with a matching taint)."""
+
+    key: str | None = field(default=None, metadata=_doc("Taint key; empty matches every key."))
+    operator: str | None = field(
+        default=None, metadata=_doc("Equal (default) or Exists.", enum=["Equal", "Exists"])
+    )
+    value: str | None = field(default=None, metadata=_doc("Taint value (with Equal)."))
+    effect: str | None = field(
+        default=None,
+        metadata=_doc(
+            "NoSchedule, PreferNoSchedule or NoExecute; empty matches all.",
+            enum=["NoSchedule", "PreferNoSchedule", "NoExecute"],
+        ),
+    )
+    toleration_seconds: int | None = field(
+        default=None, metadata=_doc("With NoExecute: how long the pod stays after the taint.")
+    )
+
+
+@dataclass
+class ObjectReference:
+    """A reference to an object in the job's namespace, by name."""
+
+    name: str = field(metadata=_doc("Object name."))
+
+
+@dataclass
+class PodSpecTemplate:
+    """The parts of a PodSpec a TrainingJob may set for its agent pods."""
+
+    volumes: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Kubernetes Volumes (persistentVolumeClaim, emptyDir with medium Memory for "
+            "/dev/shm, configMap, secret, csi...); mount them with containers[].volumeMounts.",
+            schema={
+                "type": "array",
+                "items": {
+                    **FREE_FORM,
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string", "description": "Volume name."}},
+                },
+            },
+        ),
+    )
+    containers: list[ContainerTemplate] = field(
+        default_factory=list,
+        metadata=_doc("'agent' adds env, mounts and resources to ringmaster's container."),
+    )
+    node_selector: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("Node labels the pods must run on.")
+    )
+    affinity: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc("Kubernetes Affinity (node, pod and pod anti-affinity).", schema=FREE_FORM),
+    )
+    tolerations: list[Toleration] = field(
+        default_factory=list, metadata=_doc("Tolerations, added to the GPU toleration.")
+    )
+    image_pull_secrets: list[ObjectReference] = field(
+        default_factory=list,
+        metadata=_doc("Secrets for a private registry (agent and controller pods)."),
+    )
+    priority_class_name: str | None = field(
+        default=None, metadata=_doc("PriorityClass of the agent pods.")
+    )
+    service_account_name: str | None = field(
+        default=None,
+        metadata=_doc(
+            "ServiceAccount of the agent pods (e.g. one bound to a cloud role for the "
+            "checkpoint store); wins over the operator's RINGMASTER_JOB_SERVICE_ACCOUNT."
+        ),
+    )
+    automount_service_account_token: bool | None = field(
+        default=None,
+        metadata=_doc("Mount the ServiceAccount's API token (default: false)."),
+    )
+    scheduler_name: str | None = field(
+        default=None, metadata=_doc("Scheduler of the agent pods (default: the cluster's).")
+    )
+    runtime_class_name: str | None = field(
+        default=None, metadata=_doc("RuntimeClass of the agent pods (e.g. nvidia).")
+    )
+
+
+@dataclass
+class TemplateMetadata:
+    """Labels and annotations added to every agent pod."""
+
+    labels: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("Labels; ringmaster's own keys cannot be set.")
+    )
+    annotations: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("Annotations; ringmaster.dev/ keys cannot be set.")
+    )
+
+
+@dataclass
+class PodTemplate:
+    """A pod template merged into every agent pod (the way Kubeflow and JobSet take one)."""
+
+    metadata: TemplateMetadata = field(
+        default_factory=TemplateMetadata, metadata=_doc("Labels and annotations of the pods.")
+    )
+    spec: PodSpecTemplate = field(
+        default_factory=PodSpecTemplate,
+        metadata=_doc("Volumes, node selection, tolerations, secrets, devices of the pods."),
+    )
+
+
+@dataclass
+class TrainingJobFields:
+    """The fields of a TrainingJob's spec that a job file does not have."""
+
+    suspend: bool = field(
+        default=False,
+        metadata=_doc(
+            "True: no pods run (agents and controller are removed after a checkpoint); the "
+            "job's state and checkpoints stay and it resumes when set back to false. "
+            "Kueue sets it."
+        ),
+    )
+    ttl_seconds_after_finished: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Delete the TrainingJob this many seconds after it Succeeded or Failed "
+            "(unset: keep it).",
+            minimum=0,
+        ),
+    )
+    template: PodTemplate = field(
+        default_factory=PodTemplate,
+        metadata=_doc("Pod template merged into every agent pod."),
+    )
+
+
+#: The TrainingJob-only keys of ``spec`` (camelCase), taken out before the job spec loader.
+FIELD_KEYS = tuple(camel_key(f.name) for f in dataclasses.fields(TrainingJobFields))
+
+
+def split_spec(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A TrainingJob's ``spec`` → (the job spec part, the TrainingJob-only part)."""
+    job = {k: v for k, v in data.items() if k not in FIELD_KEYS}
+    extra = {k: v for k, v in data.items() if k in FIELD_KEYS}
+    return job, extra
+
+
+def load_trainingjob_fields(
+    data: dict[str, Any], source: str = "<TrainingJob>"
+) -> TrainingJobFields:
+    """Read the TrainingJob-only part of a spec (see :func:`split_spec`).
+
+    Raises:
+        SpecError: every problem, each with its field path (``template.spec.tolerations[0]``).
+    """
+    problems: list[SpecProblem] = []
+    out = _build(TrainingJobFields, data, "", problems, source)
+    if problems:
+        raise SpecError(problems)
+    assert isinstance(out, TrainingJobFields)
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+
+_BAD = object()
+
+
+def _build(cls: type, data: Any, path: str, problems: list[SpecProblem], source: str) -> Any:
+    if not isinstance(data, dict):
+        problems.append(SpecProblem(path, f"must be a mapping, got {_kind(data)}", None, source))
+        return _BAD
+    hints = typing.get_type_hints(cls)
+    fields = {camel_key(f.name): f for f in dataclasses.fields(cls)}
+    given: dict[str, Any] = {}
+    bad = False
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        f = fields.get(str(key))
+        if f is None:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            message = f"unknown field '{key}'; {hint}known fields here: {', '.join(fields)}"
+            problems.append(SpecProblem(sub, message, None, source))
+            bad = True
+            continue
+        got = _value(hints[f.name], f, value, sub, problems, source)
+        if got is _BAD:
+            bad = True
+        else:
+            given[f.name] = got
+    for key, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in given and key not in data:
+            problems.append(
+                SpecProblem(f"{path}.{key}" if path else key, "is required", None, source)
+            )
+            bad = True
+    return _BAD if bad else cls(**given)
+
+
+def _value(
+    tp: Any,
+    f: dataclasses.Field[Any],
+    value: Any,
+    path: str,
+    problems: list[SpecProblem],
+    source: str,
+) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+
+    def fail(what: str) -> Any:
+        problems.append(SpecProblem(path, f"must be {what}, got {_kind(value)}", None, source))
+        return _BAD
+
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems, source)  # type: ignore[arg-type]
+    if origin is list:
+        if not isinstance(value, list):
+            return fail("a list")
+        (item,) = typing.get_args(tp)
+        items = [_value(item, f, v, f"{path}[{i}]", problems, source) for i, v in enumerate(value)]
+        return _BAD if _BAD in items else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            return fail("a mapping")
+        inner = typing.get_args(tp)[1]
+        if inner is Any:  # a free-form Kubernetes object (a Volume, an Affinity...)
+            item = (f.metadata.get("schema") or {}).get("items") or {}
+            if "name" in item.get("required", ()) and not isinstance(value.get("name"), str):
+                problems.append(SpecProblem(path, "needs a 'name' (a string)", None, source))
+                return _BAD
+            return dict(value)
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            ok = isinstance(v, str) or (
+                f.metadata.get("quantity")
+                and isinstance(v, int | float)
+                and not isinstance(v, bool)
+            )
+            if not ok:
+                what = "a quantity (2, 500m, 4Gi)" if f.metadata.get("quantity") else "a string"
+                problems.append(
+                    SpecProblem(f"{path}.{k}", f"must be {what}, got {_kind(v)}", None, source)
+                )
+                return _BAD
+            out[str(k)] = str(v)
+        return out
+    if tp is bool:
+        return value if isinstance(value, bool) else fail("true or false")
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return fail("an integer")
+        low = f.metadata.get("minimum")
+        if low is not None and value < low:
+            problems.append(SpecProblem(path, f"must be {low} or more, got {value}", None, source))
+            return _BAD
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            return fail("a string")
+        allowed = f.metadata.get("enum")
+        if allowed and value not in allowed:
+            problems.append(
+                SpecProblem(path, f"'{value}' is not one of: {', '.join(allowed)}", None, source)
+            )
+            return _BAD
+        return value
+    raise TypeError(f"no reader for field type {tp!r} at {path}")  # pragma: no cover
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "nothing (null)"
+    names = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    return f"{names.get(type(value), type(value).__name__)} {value!r}"

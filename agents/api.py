@@ -39,6 +39,10 @@ class RecoveryError(AgentError):
     """The job could not be recovered in-process (e.g. too many failures of one step)."""
 
 
+class StateLostError(AgentError):
+    """Training state is gone from every live copy and no durable checkpoint holds it."""
+
+
 class JobEndedError(AgentError):
     """The job reached a terminal phase while this worker waited for work."""
 

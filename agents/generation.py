@@ -6,6 +6,7 @@ includes its node, forms that generation's process group
 (:mod:`agents.process_group`), opens its checkpointer and brings every rank
 to the freshest live state (:mod:`agents.state_sync`), or to the newest
 durable checkpoint when no rank holds live state (a fresh or resumed job).
+A sharded model gets its slices instead (:mod:`agents.shard_recovery`).
 
 When a generation breaks (a peer is gone, or the controller switched to a
 new plan), the worker drops its DDP and group, reports the break under the
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agents import shard_recovery
 from agents.api import JobEndedError, RecoveryError
 from agents.process_group import form_group, teardown_group
 from agents.state_sync import NO_STATE, sync_state
@@ -70,6 +72,10 @@ class Generations:
         s.collective_guard.detach()
         for w in s.wrapped:
             w.drop()
+        if s.sharded is not None:
+            s.sharded.drop()
+        if s.buddies is not None:
+            s.buddies.stop()  # before the group goes: its exchange may wait on the dead peer
         teardown_group()
         s.groups = None
         self.report(s.generation, reason, planned)
@@ -179,18 +185,30 @@ class Generations:
         _publish_environment(plan, s.env.node, s.rank, *groups.store)
         try:
             s.saving.open(first=plan.generation == 1)
-            mine = s.step if s.has_state else NO_STATE
-            result = sync_state(mine, self._capture, self._restore, group=groups.control)
+            if s.sharded is not None:
+                shard_recovery.join(s, s.sharded, groups.control)
+                if s.buddies is not None:
+                    s.buddies.start(
+                        s.rank,
+                        s.world_size,
+                        member.nproc,
+                        shard_recovery.layouts(s, s.sharded),
+                        s.sharded.rows,
+                        s.spec.fault_tolerance.hang_timeout,
+                    )
+            else:
+                mine = s.step if s.has_state else NO_STATE
+                result = sync_state(mine, self._capture, self._restore, group=groups.control)
+                if result.step != NO_STATE:
+                    s.step = result.step
+                    s.has_state = True
+                elif s.saving.train_state() is not None:
+                    s.saving.resume()
         except RuntimeError as e:  # the new group broke already: a member is gone again
             teardown_group()
             raise RecoveryError(
                 f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
             ) from e
-        if result.step != NO_STATE:
-            s.step = result.step
-            s.has_state = True
-        elif s.saving.train_state() is not None:
-            s.saving.resume()
         s.telemetry.state_restored(s.step)
         for w in s.wrapped:
             w.rebuild()

@@ -61,6 +61,7 @@ from torch import nn
 
 from agents import boundary
 from agents.api import RECOVERY_RESTART, JobEndedError, RecoveryError, Stateful, WorkerEnv
+from agents.buddy_copies import DEFAULT_EVERY_STEPS, BuddyCopies
 from agents.collective_guard import CollectiveGuard, OpTimeout
 from agents.elastic_ddp import ElasticDDP, HookInstaller
 from agents.failures import CollectiveFailures, peer_failure
@@ -70,6 +71,14 @@ from agents.messages import one_line
 from agents.plan_watch import PlanWatcher
 from agents.process_group import Groups, choose_device, teardown_group
 from agents.saving import Saving
+from agents.shard_recovery import RecoveryTelemetry
+from agents.sharding import (
+    ShardedModel,
+    check_mode,
+    optimizers_of,
+    others_of,
+    raised_in_collective,
+)
 from agents.standalone import StandaloneSession
 from agents.telemetry import WorkerTelemetry
 from orchestrator import keys
@@ -123,7 +132,11 @@ class Session:
         self.save_fn: SaveFn | None = None
         self.backend, self.device = choose_device(spec.comm.backend.value, env.local_rank)
         self.groups: Groups | None = None
-        self.telemetry = WorkerTelemetry()
+        self.telemetry: WorkerTelemetry = RecoveryTelemetry()
+        #: the sharded model (``wrap(..., sharding="fsdp"|"hsdp")``), if any
+        self.sharded: ShardedModel | None = None
+        #: ``fsdp`` with redundancy: this rank's snapshots and its ward's copy
+        self.buddies: BuddyCopies | None = None
         self.fence = GenerationFence(client, env.job)
         self._metrics: dict[str, float] = {}
         self._step_error: BaseException | None = None
@@ -164,12 +177,54 @@ class Session:
 
     # -- what the script registers -----------------------------------------------------
 
-    def wrap(self, module: nn.Module, hook_installer: HookInstaller | None = None) -> ElasticDDP:
+    def wrap(
+        self,
+        module: nn.Module,
+        hook_installer: HookInstaller | None = None,
+        *,
+        sharding: str = "ddp",
+        shard_size: int | None = None,
+        redundancy_every_steps: int | None = None,
+    ) -> Any:
         """Wrap ``module`` for data-parallel training across generations.
+
+        Args:
+            module: the model, built the same way (same seed) on every rank.
+            hook_installer: a DDP comm hook of the script's own (``ddp`` only).
+            sharding: ``ddp`` (every rank holds the whole model; DDP), ``fsdp``
+                (FSDP2's ``fully_shard`` over every rank: a lost slice comes from
+                a buddy's copy, see ``redundancy_every_steps``, else from the
+                newest durable checkpoint) or ``hsdp`` (shard within groups of
+                ``shard_size`` neighbouring ranks, replicate across the groups:
+                a lost slice comes from its twin in another group).
+            shard_size: ``hsdp`` only: ranks per shard group (default: one
+                node's workers, ``nproc_per_node``).
+            redundancy_every_steps: ``fsdp`` only: every this many steps each
+                rank's slice is copied to a buddy on the next node
+                (:mod:`agents.buddy_copies`); 0 turns copies off (a lost slice
+                then comes from the durable checkpoint).  Default:
+                :data:`~agents.buddy_copies.DEFAULT_EVERY_STEPS`.
+
+        Returns:
+            An :class:`ElasticDDP` for ``ddp``, a
+            :class:`~agents.sharding.ShardedModel` otherwise; build optimizers
+            on its ``parameters()`` after this call.
+
+        Raises:
+            ValueError: an unknown mode, options of another mode, or a second
+                sharded model in one session.
 
         On a GPU worker the module moves to :attr:`device` (the local rank's
         CUDA device) and DDP gets ``device_ids``, as in a torchrun script.
         """
+        if check_mode(sharding) != "ddp":
+            return self._wrap_sharded(
+                module, sharding, shard_size, redundancy_every_steps, hook_installer
+            )
+        if shard_size is not None:
+            raise ValueError("shard_size is an option of sharding='hsdp'")
+        if redundancy_every_steps is not None:
+            raise ValueError("redundancy_every_steps is an option of sharding='fsdp'")
         comm = self.spec.comm
         if hook_installer is None and (comm.hierarchical or comm.compression.type.value != "none"):
             hook_installer = self._install_spec_hook
@@ -187,6 +242,44 @@ class Session:
         self.wrapped.append(wrapped)
         if dist.is_initialized():
             wrapped.rebuild()
+        return wrapped
+
+    def _wrap_sharded(
+        self,
+        module: nn.Module,
+        sharding: str,
+        shard_size: int | None,
+        every_steps: int | None,
+        hook_installer: HookInstaller | None,
+    ) -> ShardedModel:
+        if every_steps is not None and sharding != "fsdp":
+            raise ValueError(
+                f"redundancy_every_steps is an option of sharding='fsdp'; {sharding!r} keeps "
+                "each slice in its twin of another replica group"
+            )
+        if every_steps is not None and every_steps < 0:
+            raise ValueError(f"redundancy_every_steps must be 0 (off) or more, got {every_steps}")
+        if hook_installer is not None:
+            raise ValueError(f"a DDP comm hook cannot be installed with sharding={sharding!r}")
+        if shard_size is not None and sharding != "hsdp":
+            raise ValueError(f"shard_size is an option of sharding='hsdp', not {sharding!r}")
+        if self.sharded is not None:
+            raise ValueError("this session already has a sharded model; wrap one model per job")
+        if dist.is_initialized():
+            raise ValueError(f"wrap(sharding={sharding!r}) before the first session.steps()")
+        comm = self.spec.comm
+        if comm.hierarchical or comm.compression.type.value != "none":
+            raise ValueError(
+                f"comm.compression and comm.hierarchical are DDP comm hooks; sharding={sharding!r} "
+                "reduce-scatters gradients itself: remove them from the job file"
+            )
+        if self.device.type == "cuda":
+            module = module.to(self.device)
+        wrapped = ShardedModel(module, sharding, shard_size)
+        self.sharded = wrapped
+        if sharding == "fsdp":
+            every = DEFAULT_EVERY_STEPS if every_steps is None else every_steps
+            self.buddies = BuddyCopies(every) if every > 0 else None
         return wrapped
 
     def _install_spec_hook(self, ddp: Any) -> None:
@@ -274,6 +367,8 @@ class Session:
                             self.hook.after_optimizer_step(w.module)  # local SGD averages here
                 self.step = current + 1
                 self.has_state = True
+                if self.buddies is not None and self.sharded is not None:
+                    self.buddies.after_step(self.step, self._capture_slice)
                 self.telemetry.step_done(self.hook, self.wrapped)
                 self.generations.failures_at_step = 0
                 self._boundary()
@@ -282,6 +377,13 @@ class Session:
                 raise
             except Exception as e:
                 self._failed(e, f"step boundary {self.step}")
+
+    def _capture_slice(self) -> Any:
+        assert self.sharded is not None
+        tracked = self.tracked
+        return self.sharded.capture(
+            self.step, optimizers_of(tracked), others_of(tracked, self.sharded)
+        )
 
     @property
     def step_failed(self) -> bool:
@@ -303,9 +405,10 @@ class Session:
     def _failed(self, error: BaseException, where: str) -> None:
         """Record, then vote: recover when a peer is gone, else raise the script's error."""
         plan = self.watch.wait_newer(self.generation, timeout=PEER_SETTLE_S)
-        why = peer_failure(
-            error, self._failures.take(), plan.generation if plan is not None else None
-        )
+        recorded = self._failures.take()
+        if recorded is None and self.sharded is not None and raised_in_collective(error):
+            recorded = error  # FSDP's collectives run in its hooks, where none is wrapped
+        why = peer_failure(error, recorded, plan.generation if plan is not None else None)
         if why is not None:
             ended_by = self.collective_guard.ended_by(error)
             self.telemetry.left_by = ended_by
@@ -319,6 +422,8 @@ class Session:
         self.heartbeat.stop()
         self.watch.stop()
         self.collective_guard.close()
+        if self.buddies is not None:
+            self.buddies.stop()
         teardown_group()
         raise error
 
@@ -383,6 +488,8 @@ class Session:
         self.collective_guard.close()
         for w in self.wrapped:
             w.drop()
+        if self.buddies is not None:
+            self.buddies.stop()
         teardown_group()
 
     def progress(self, beat: float, step_time: float) -> ProgressRecord:
@@ -406,6 +513,8 @@ class Session:
         self.heartbeat.stop()
         self.watch.stop()
         self.collective_guard.close()
+        if self.buddies is not None:
+            self.buddies.stop()
         teardown_group()
         self.client.close()
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from agents.elastic_ddp import ElasticDDP
 from agents.messages import one_line
+from agents.sharding import ShardedModel
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError
@@ -109,8 +110,9 @@ class Saving:
 
         s = self._s
         model = s.tracked.get("model")
-        if isinstance(model, ElasticDDP):
-            model = model.module  # the plain module: checkpoints load without ringmaster
+        if isinstance(model, ElasticDDP | ShardedModel):
+            # the plain (or the fully_shard-ed) module: checkpoints load without ringmaster
+            model = model.module
         if not isinstance(model, nn.Module):
             return None
         rank_state = {}
@@ -125,8 +127,12 @@ class Saving:
             objects={k: v for k, v in s.tracked.items() if k not in _OWN_FIELDS},
         )
 
-    def resume(self) -> None:
-        """Restore the newest durable state, if there is one (every rank, collectively)."""
+    def resume(self) -> bool:
+        """Restore the newest durable state, if there is one (every rank, collectively).
+
+        Returns:
+            True when a checkpoint was loaded.
+        """
         from orchestrator.jobs import read_resume
 
         s = self._s
@@ -146,6 +152,8 @@ class Saving:
             s.has_state = True
             s.restored_from = result.url
             log.warning("resumed from %s at step %d", result.url, s.step)
+            return True
+        return False
 
     def _saved_hook_state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The comm hook state to load, or None to start the hook fresh (and say why)."""

@@ -22,8 +22,18 @@ its generation only) and under the same stock torchrun setup as above.
 
 Two more rows measure peers that hang instead of dying (:mod:`_stuck_peers`):
 a SIGSTOPped worker and a node cut off by a network partition (needs root).
-``--tier0`` and ``--stuck`` run those rows alone.  The last line is a JSON
-object.
+
+The sharded rows (``examples/train_sharded.py``, FSDP2) kill a node the same
+way: ``hsdp`` (2 nodes x 2 ranks, one spare node: the slices come from their
+twins) and ``fsdp`` with redundancy every step (3 nodes, one spare: from the
+buddy's copy); the ``ddp`` row beside them is the same job unsharded.  The
+redundancy overhead rows train ``fsdp`` on 3 nodes without a failure, with
+copies every step, every ``DEFAULT_EVERY_STEPS`` steps (the default) and
+without, on a wider model (``SHARDED_WIDTH`` hidden units) and no sleep in the
+step, and compare the mean step times.
+
+``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone.  The last line
+is a JSON object.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
 apply_grpc_environment()
 
+from agents.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
 from orchestrator.etcd.embedded import free_port  # noqa: E402
 
 STEPS = 400
@@ -129,6 +140,141 @@ def run_ringmaster(tmp: Path) -> dict[str, float]:
     assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
     recovery, lost = _measure(logs, killed_at, by_file=False)
     return {"recovery_s": recovery, "steps_lost": lost}
+
+
+#: Sharded rows: steps, the kill, and the model of the redundancy overhead row.
+SHARDED_STEPS = 200
+SHARDED_KILL_AT = 60
+SHARDED_WIDTH = 512
+OVERHEAD_STEPS = 300
+
+
+def _sharded_run(
+    tmp: Path,
+    name: str,
+    args: list[str],
+    *,
+    nodes: int,
+    nproc: int,
+    steps: int,
+    kill_at: int | None,
+) -> tuple[Path, float, list[str]]:
+    """One ``train_sharded.py`` job; returns its step logs, the kill time and its output."""
+    from orchestrator import jobs
+    from orchestrator.local_run import LocalRun
+    from orchestrator.spec_loader import load_job_data
+
+    logs = tmp / name
+    logs.mkdir()
+    spec = load_job_data(
+        {
+            "name": name,
+            "entrypoint": {
+                "script": str(REPO / "examples" / "train_sharded.py"),
+                "args": [*args, "--step-log", str(logs)],
+                "env": {"OMP_NUM_THREADS": "1"},
+            },
+            "nodes": {"min": nodes, "max": nodes, "spares": 1 if kill_at is not None else 0},
+            "nproc_per_node": nproc,
+            "max_steps": steps,
+            "checkpoint": {"url": f"file://{tmp}/{name}-ckpt"},
+            "fault_tolerance": {"heartbeat_interval": "500ms"},
+        }
+    )
+    lines: list[str] = []
+    killed_at = 0.0
+    with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
+        while kill_at is not None:
+            status = jobs.read_status(run._client, spec.name)
+            if status and status.step >= kill_at and status.active_nodes:
+                killed_at = time.time()
+                run.kill_node(status.active_nodes[0])
+                break
+            time.sleep(0.01)
+        result = run.wait()
+    assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
+    return logs, killed_at, lines
+
+
+def _mean_step_s(logs: Path) -> float:
+    """Mean seconds per step of rank 0 over the middle half of the run (periodic costs
+    included, start-up and the end left out)."""
+    times = sorted(
+        float(t)
+        for f in logs.glob("*.log")
+        for _step, _gen, rank, t in (line.split() for line in f.read_text().splitlines())
+        if rank == "0"
+    )
+    a, b = len(times) // 4, 3 * len(times) // 4
+    return (times[b] - times[a]) / (b - a)
+
+
+def sharded_rows() -> dict[str, object]:
+    """The ddp / hsdp / fsdp+redundancy recovery rows and the redundancy overhead."""
+    common = ["--step-time", str(STEP_TIME)]
+    rows: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name, args, nodes, nproc in (
+            ("ddp", ["--sharding", "ddp"], 2, 2),
+            ("hsdp", ["--sharding", "hsdp"], 2, 2),
+            ("fsdp_redundancy", ["--sharding", "fsdp", "--redundancy-every-steps", "1"], 3, 1),
+        ):
+            logs, killed_at, _ = _sharded_run(
+                tmp,
+                f"bench-{name.replace('_', '-')}",
+                [*args, *common],
+                nodes=nodes,
+                nproc=nproc,
+                steps=SHARDED_STEPS,
+                kill_at=SHARDED_KILL_AT,
+            )
+            recovery, lost = _measure(logs, killed_at, by_file=False)
+            rows[f"{name}_recovery_s"] = round(recovery, 3)
+            rows[f"{name}_steps_lost"] = lost
+        steps = {}
+        for every in (1, DEFAULT_EVERY_STEPS, 0):
+            logs, _, _ = _sharded_run(
+                tmp,
+                f"bench-overhead-{every}",
+                [
+                    *("--sharding", "fsdp", "--redundancy-every-steps", str(every)),
+                    *("--width", str(SHARDED_WIDTH)),
+                ],
+                nodes=3,
+                nproc=1,
+                steps=OVERHEAD_STEPS,
+                kill_at=None,
+            )
+            steps[every] = _mean_step_s(logs)
+    rows["fsdp_step_s"] = round(steps[0], 5)
+    rows["fsdp_redundancy_step_s"] = round(steps[1], 5)
+    rows["redundancy_overhead"] = round(steps[1] / steps[0] - 1, 3)
+    rows["redundancy_default_every_steps"] = DEFAULT_EVERY_STEPS
+    rows["fsdp_redundancy_default_step_s"] = round(steps[DEFAULT_EVERY_STEPS], 5)
+    rows["redundancy_default_overhead"] = round(steps[DEFAULT_EVERY_STEPS] / steps[0] - 1, 3)
+    rows["hsdp_vs_ddp"] = round(
+        float(rows["hsdp_recovery_s"]) / float(rows["ddp_recovery_s"]),
+        2,  # type: ignore[arg-type]
+    )
+    return rows
+
+
+def _print_sharded(rows: dict[str, object]) -> None:
+    for name in ("ddp", "hsdp", "fsdp_redundancy"):
+        print(
+            f"{name:16s} {rows[f'{name}_recovery_s']:.2f}s to the next step, "
+            f"{rows[f'{name}_steps_lost']} lost"
+        )
+    print(
+        f"redundancy every step: {rows['fsdp_redundancy_step_s']:.4f}s per step against "
+        f"{rows['fsdp_step_s']:.4f}s without ({float(str(rows['redundancy_overhead'])):+.1%})"
+    )
+    print(
+        f"redundancy every {DEFAULT_EVERY_STEPS} steps (the default): "
+        f"{rows['fsdp_redundancy_default_step_s']:.4f}s per step "
+        f"({float(str(rows['redundancy_default_overhead'])):+.1%})"
+    )
 
 
 def _tier0_args(logs: Path) -> list[str]:
@@ -467,6 +613,11 @@ def main() -> None:
     if sys.argv[1:] == ["--stuck"]:  # the SIGSTOP and partition rows alone
         print(json.dumps(_stuck_peer_rows()))
         return
+    if sys.argv[1:] == ["--sharded"]:  # the hsdp and fsdp rows alone
+        sharded = sharded_rows()
+        _print_sharded(sharded)
+        print(json.dumps(sharded))
+        return
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         rm = run_ringmaster(Path(a))
         print(f"ringmaster: {rm['recovery_s']:.2f}s to the next step, {rm['steps_lost']} lost")
@@ -486,6 +637,8 @@ def main() -> None:
     speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
     tier0 = _tier0()
     stuck = _stuck_peer_rows()
+    sharded = sharded_rows()
+    _print_sharded(sharded)
     print(
         json.dumps(
             {
@@ -498,6 +651,7 @@ def main() -> None:
                 "speedup_at_least": None if recovered else round(speedup, 1),
                 **tier0,
                 **stuck,
+                **sharded,
             }
         )
     )

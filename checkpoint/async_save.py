@@ -43,7 +43,7 @@ from checkpoint.api import (
 )
 from checkpoint.commit import step_dir_name, write_manifest
 from checkpoint.dcp_errors import describe
-from checkpoint.flat_state import FlatState, assign_owners, layout_digest
+from checkpoint.flat_state import FlatState, assign_owners, layout_digest, owned_keys
 from checkpoint.fsspec_storage import ChecksummingWriter, Location
 from checkpoint.groups import Coordination
 from checkpoint.retention import apply_retention
@@ -170,7 +170,7 @@ class AsyncSaver:
     def prepare(self, flat: FlatState) -> None:
         """Allocate staging buffers for this rank's share now, so the first save is fast too."""
         owners = assign_owners(flat, self.coord.world_size)
-        self._stager.allocate(flat, [k for k, r in owners.items() if r == self.coord.rank])
+        self._stager.allocate(flat, owned_keys(owners, self.coord.rank))
 
     def save_async(
         self, step: int, flat: FlatState, samples_seen: int, *, wait_if_busy: bool = False
@@ -229,7 +229,7 @@ class AsyncSaver:
             )
         directory = self.root.child(step_dir_name(step, everyone[0].token))
         owners = assign_owners(flat, self.coord.world_size)
-        staged = self._stager.stage(flat, [k for k, r in owners.items() if r == self.coord.rank])
+        staged = self._stager.stage(flat, owned_keys(owners, self.coord.rank))
         job = SaveJob(step, directory.url, time.perf_counter() - started)
         self._inflight = job
         self._thread = threading.Thread(

@@ -299,6 +299,10 @@ class Checkpointer:
             if parent != self.root.url:
                 # A checkpoint of another root (another job, another bucket).
                 root = Location.from_url(parent, self._storage_options)
+        # Capturing an optimizer that has not stepped yet gives it state (torch runs a
+        # step with zero gradients and lr 0); a fresh start must not keep it: Adam's
+        # step count would start at 1 and change every update after it.
+        unstepped = state.optimizer is not None and not state.optimizer.state
         target, mapping = capture(state, self.coord.rank)
         outcome = restore_durable(root, target, self.coord, url=url)
         if outcome.manifest is None and url is not None:
@@ -306,6 +310,8 @@ class Checkpointer:
                 f"the checkpoint asked for, {url}, cannot be used: {'; '.join(outcome.skipped)}"
             )
         if outcome.manifest is None:
+            if unstepped and state.optimizer is not None:
+                state.optimizer.state.clear()
             log.info("no usable checkpoint under %s; starting fresh", root.url)
             return RestoreResult(
                 source=RestoreSource.NONE,

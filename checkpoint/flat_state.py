@@ -9,7 +9,11 @@ The flat form maps dotted keys to tensors or small picklable objects:
 
 Replicated keys are identical on every data-parallel rank, so each is written
 by one owner rank (:func:`assign_owners` balances bytes across ranks without
-communication); ``rank.<r>`` is written by rank ``r`` only.
+communication); ``rank.<r>`` is written by rank ``r`` only.  Sharded keys
+(``DTensor`` values of an FSDP2 model and its optimizer) are written by every
+rank, each its own slice: DCP records where each slice sits in the whole
+tensor (and writes a slice that replicas of an HSDP mesh share once), so a
+restore reshards to any world size, and into a model that is not sharded.
 
 Nested state dicts are flattened by :func:`flatten`, whose key scheme is the
 one DCP's own flattening used when checkpoints were first written here (it is
@@ -35,10 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from checkpoint.api import CheckpointMismatchError, TrainState
 
 RANK_PREFIX = "rank."
+#: Owner of a sharded key: every rank writes its own slice.
+EVERY_RANK = -1
 SAMPLES_KEY = "data.samples_seen"
 EXTRA_KEY = "extra"
 SCHED_KEY = "sched"
@@ -217,6 +224,16 @@ def apply(state: TrainState, flat: FlatState, mapping: KeyPaths, rank: int) -> b
     return False
 
 
+def is_sharded(value: Any) -> bool:
+    """True for a ``DTensor``: every rank holds (and writes) its own slice of it."""
+    return isinstance(value, DTensor)
+
+
+def owned_keys(owners: Mapping[str, int], rank: int) -> list[str]:
+    """Keys ``rank`` writes: those it owns and every sharded key."""
+    return [k for k, r in owners.items() if r in (rank, EVERY_RANK)]
+
+
 def nbytes(value: Any) -> int:
     """Bytes a value occupies when written (tensors exactly, objects a flat charge)."""
     if isinstance(value, torch.Tensor):
@@ -225,7 +242,8 @@ def nbytes(value: Any) -> int:
 
 
 def assign_owners(flat: Mapping[str, Any], world_size: int) -> dict[str, int]:
-    """Which rank writes each key: replicated keys balanced by bytes, rank keys to their rank.
+    """Which rank writes each key: replicated keys balanced by bytes, rank keys to their rank,
+    sharded keys to :data:`EVERY_RANK`.
 
     Deterministic from keys and sizes alone, so every rank computes the same
     answer without talking to the others (the layout digest is compared first).
@@ -233,7 +251,8 @@ def assign_owners(flat: Mapping[str, Any], world_size: int) -> dict[str, int]:
     owners: dict[str, int] = {}
     loads = [0] * world_size
     replicated = sorted(
-        (k for k in flat if not is_rank_key(k)), key=lambda k: (-nbytes(flat[k]), k)
+        (k for k in flat if not is_rank_key(k) and not is_sharded(flat[k])),
+        key=lambda k: (-nbytes(flat[k]), k),
     )
     for key in replicated:
         target = min(range(world_size), key=lambda r: (loads[r], r))
@@ -242,6 +261,8 @@ def assign_owners(flat: Mapping[str, Any], world_size: int) -> dict[str, int]:
     for key in flat:
         if is_rank_key(key):
             owners[key] = int(key[len(RANK_PREFIX) :])
+        elif is_sharded(flat[key]):
+            owners[key] = EVERY_RANK
     return owners
 
 

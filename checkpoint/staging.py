@@ -6,6 +6,10 @@ across ranks), and buffers are kept between saves so that steady-state
 staging is a plain memory copy with no allocation or page faults.  Buffers
 are pinned when CUDA is present so device-to-host copies run at full speed.
 
+A sharded tensor (a ``DTensor`` of an FSDP2 model) is staged as its local
+slice and handed to DCP as a ``DTensor`` of the same mesh and placements
+around the staging buffer, so the checkpoint records where the slice sits.
+
 Device tensors are copied on a side stream: the copy is ordered after the
 work already queued on the training stream (so it sees this step's values)
 and before any work queued after it (so the next optimizer step cannot
@@ -24,8 +28,21 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
+
+
+def _around(buf: torch.Tensor, like: DTensor) -> DTensor:
+    """``buf`` (a copy of ``like``'s local slice) as a DTensor placed as ``like`` is."""
+    return DTensor.from_local(
+        buf,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 class Stager:
@@ -63,6 +80,8 @@ class Stager:
         """Create (and touch) the buffers :meth:`stage` will need, without copying."""
         for key in keys:
             value = flat[key]
+            if isinstance(value, DTensor):
+                value = value.to_local()
             if isinstance(value, torch.Tensor):
                 self._buffer_for(key, value).zero_()
 
@@ -77,6 +96,9 @@ class Stager:
         with torch.no_grad():
             for key in wanted:
                 value = flat[key]
+                sharded = value if isinstance(value, DTensor) else None
+                if sharded is not None:
+                    value = sharded.to_local()
                 if isinstance(value, torch.Tensor):
                     buf = self._buffer_for(key, value)
                     if value.is_cuda and buf.is_pinned():
@@ -84,7 +106,7 @@ class Stager:
                         device_copies = True
                     else:
                         buf.copy_(value)
-                    staged[key] = buf
+                    staged[key] = buf if sharded is None else _around(buf, sharded)
                 elif isinstance(value, bytes | int | float | str):
                     staged[key] = value
                 else:

@@ -147,6 +147,10 @@ class Telemetry(Record):
     dense_bytes: int = 0
     #: what ended the worker's last failed generation: error, timeout or abort
     left_by: str | None = None
+    #: a sharded model's state came from: twin, peer, buddy, snapshot, live, durable, initial
+    restored_from: str | None = None
+    #: completed steps the generation had to train again (state restored from an older step)
+    steps_lost: int = 0
 
 
 @dataclass
@@ -403,6 +407,18 @@ class RecoveryRecord(Record):
         return self.first_step_at - self.failure_at
 
     @property
+    def source(self) -> str:
+        """Where the sharded state of the generation came from (``+``-joined where workers
+        differ; empty for a model that is not sharded)."""
+        found = {str(t["restored_from"]) for t in self.workers.values() if t.get("restored_from")}
+        return "+".join(sorted(found))
+
+    @property
+    def steps_lost(self) -> int:
+        """Completed steps lost, as the workers of a sharded model counted them."""
+        return max([int(t.get("steps_lost") or 0) for t in self.workers.values()] or [0])
+
+    @property
     def steps_rerun(self) -> int:
         """Completed steps that had to be trained again (restored from an older state)."""
         return max(0, self.step - self.restored_step)
@@ -411,4 +427,7 @@ class RecoveryRecord(Record):
         out = super().to_dict()
         out["phases"] = {k: round(v, 6) for k, v in self.phases.items()}
         out["total_s"] = round(self.total_s, 6)
+        if self.source:
+            out["source"] = self.source
+            out["steps_lost"] = self.steps_lost
         return out

@@ -1,0 +1,329 @@
+"""Joining a generation with a sharded model: every rank gets its slice, best source first.
+
+Called by :mod:`agents.generation` once the generation's process group has
+formed.  Each rank lists the slices it holds (its live one; with redundancy,
+its own snapshots and its ward's copy, :mod:`agents.buddy_copies`), the ranks
+agree on the newest step at which some layout is complete
+(:func:`agents.shard_transfer.plan`), the new sharded module is built on the
+generation's mesh and the rows move rank to rank.  Where no complete set is
+held in memory, the newest durable checkpoint is loaded and resharded by DCP
+(each rank reads its own slice); a fresh job takes the script's initial
+values.  What served, and how many completed steps were lost, goes into the
+worker's telemetry and from there into the recovery record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from agents import shard_transfer
+from agents.api import StateLostError
+from agents.sharding import (
+    PARAM,
+    Layout,
+    ShardedModel,
+    Slice,
+    SliceKey,
+    build_mesh,
+    chunk_rows,
+    layout_of,
+    optimizers_of,
+    others_of,
+)
+from agents.state_sync import NO_STATE, broadcast_state
+from agents.telemetry import WorkerTelemetry
+from orchestrator.records import Telemetry
+
+if TYPE_CHECKING:
+    from agents.runtime import Session
+
+log = logging.getLogger("ringmaster.worker")
+
+#: Names of where a generation's state came from (``Telemetry.restored_from``).
+SOURCE_TWIN = "twin"  # a live rank of another replica group (hsdp)
+SOURCE_PEER = "peer"  # a live rank's memory, redistributed (fsdp, world-size change)
+SOURCE_BUDDY = "buddy"  # a buddy's host-memory copy
+SOURCE_SNAPSHOT = "snapshot"  # a rank's own last snapshot (rolled back to the copies' step)
+SOURCE_LIVE = "live"  # every rank kept its own slice
+SOURCE_DURABLE = "durable"
+SOURCE_INITIAL = "initial"
+
+
+@dataclass(frozen=True)
+class _Holding:
+    """One slice this rank can serve, and what kind it is."""
+
+    kind: str  # live, snapshot, buddy
+    slice: Slice
+
+
+def shard_size(s: Session, model: ShardedModel) -> int:
+    assert s.plan is not None
+    return model.shard_size or s.plan.members[0].nproc
+
+
+def layouts(s: Session, model: ShardedModel) -> list[Layout]:
+    """Every rank's layout in the current generation."""
+    size = shard_size(s, model)
+    return [layout_of(model.mode, r, s.world_size, size) for r in range(s.world_size)]
+
+
+def join(s: Session, model: ShardedModel, control: dist.ProcessGroup | None) -> None:
+    """Bring this rank's slice of ``model`` (and the optimizers) to the newest state.
+
+    Raises:
+        StateLostError: state was lost in memory and no durable checkpoint exists.
+    """
+    size = shard_size(s, model)
+    new = layouts(s, model)
+    mesh = build_mesh(model.mode, s.world_size, size, s.device.type)
+    holdings = _holdings(s, model)
+    mine = [
+        (h.slice.step, h.slice.layout.shards, h.slice.layout.index, h.slice.replicated is not None)
+        for h in holdings
+    ]
+    kinds = {(h.slice.step, h.slice.layout.shards, h.slice.layout.index): h.kind for h in holdings}
+    structures = {
+        (h.slice.step, h.slice.layout.shards): h.slice.structure()
+        for h in holdings
+        if h.slice.replicated is not None
+    }
+    live_step = s.step if s.has_state else NO_STATE
+    gathered: list[Any] = [None] * s.world_size
+    dist.all_gather_object(gathered, (mine, kinds, structures, live_step), group=control)
+    held = [g[0] for g in gathered]
+    best_live = max(g[3] for g in gathered)
+    tp = shard_transfer.plan(held, new)
+    optimizers = optimizers_of(s.tracked)
+    fresh = model.build(mesh, new[s.rank], s.device)
+    if tp is None:
+        _from_storage(s, model, fresh, optimizers, best_live)
+        return
+    structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
+    targets, states = _targets(model, fresh, structure, optimizers)
+
+    def serve(chunk: int) -> dict[SliceKey, torch.Tensor] | None:
+        for h in holdings:  # live first
+            lay = h.slice.layout
+            if (h.slice.step, lay.shards, lay.index) == (tp.step, tp.old, chunk):
+                return h.slice.tensors
+        return None
+
+    with torch.no_grad():
+        received = shard_transfer.execute(
+            tp, s.rank, new, model.rows, structure, serve, targets, group=control
+        )
+    source_of_rest = s.rank == tp.replicated_from
+    replicated = broadcast_state(
+        (lambda: _replicated_of(holdings, tp.step, tp.old)) if source_of_rest else None,
+        tp.replicated_from,
+        control,
+    )
+    _apply_replicated(fresh, optimizers, others_of(s.tracked, model), states, replicated)
+    model.adopt(optimizers, states)
+    source = _source(model.mode, tp, gathered, new, model.rows)
+    lost = max(0, best_live - tp.step)
+    s.step = tp.step
+    s.has_state = True
+    _record(s, source, lost)
+    log.warning(
+        "slices of step %d restored from %s (%d bytes received here, %d steps lost)",
+        tp.step,
+        source,
+        received,
+        lost,
+    )
+
+
+def _holdings(s: Session, model: ShardedModel) -> list[_Holding]:
+    out = []
+    if s.has_state and model.layout is not None:
+        others = others_of(s.tracked, model)
+        live = model.capture(s.step, optimizers_of(s.tracked), others)
+        out.append(_Holding("live", live))
+    copies = s.buddies
+    if copies is not None:
+        for sl in copies.own_snapshots():
+            out.append(_Holding("snapshot", sl))
+        ward = copies.held_copy()
+        if ward is not None:
+            out.append(_Holding("buddy", ward))
+    return out
+
+
+def _replicated_of(holdings: list[_Holding], step: int, shards: int) -> dict[str, Any]:
+    for h in holdings:
+        if h.slice.step == step and h.slice.layout.shards == shards and h.slice.replicated:
+            return h.slice.replicated
+    raise AssertionError("planned as the source of replicated state without holding it")
+
+
+def _targets(
+    model: ShardedModel,
+    fresh: torch.nn.Module,
+    structure: dict[SliceKey, tuple[torch.dtype, tuple[int, ...]]],
+    optimizers: dict[str, torch.optim.Optimizer],
+) -> tuple[dict[SliceKey, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
+    """Tensors to fill for the new slice, and the optimizers' new state around them."""
+    layout = model.building.layout
+    params = model.building.params
+    targets: dict[SliceKey, torch.Tensor] = {}
+    states: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in optimizers}
+    for key, (dtype, trailing) in structure.items():
+        fqn, sub = key
+        if sub == PARAM:
+            targets[key] = model.local_rows(fqn, fresh)
+            continue
+        oname, skey = sub.split(".", 1)
+        start, stop = chunk_rows(model.rows[fqn], layout)
+        local = torch.empty((stop - start, *trailing), dtype=dtype, device=params[fqn].device)
+        targets[key] = local
+        p = params[fqn]
+        assert isinstance(p, DTensor)
+        states.setdefault(oname, {}).setdefault(fqn, {})[skey] = DTensor.from_local(
+            local,
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=torch.Size((model.rows[fqn], *trailing)),
+            stride=_contiguous_stride((model.rows[fqn], *trailing)),
+        )
+    return targets, states
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def _apply_replicated(
+    fresh: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    others: dict[str, Any],
+    states: dict[str, dict[str, dict[str, Any]]],
+    replicated: dict[str, Any],
+) -> None:
+    with torch.no_grad():
+        buffers = dict(fresh.named_buffers())
+        for name, value in replicated["buffers"].items():
+            buffers[name].copy_(value)
+    for oname, opt in optimizers.items():
+        for group, saved in zip(opt.param_groups, replicated["groups"].get(oname, []), strict=True):
+            group.update(saved)
+        for fqn, scalars in replicated["scalars"].get(oname, {}).items():
+            states.setdefault(oname, {}).setdefault(fqn, {}).update(
+                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            )
+    for name, st in replicated["objects"].items():
+        if name in others:
+            others[name].load_state_dict(st)
+    torch.set_rng_state(replicated["rng"])
+
+
+def _source(
+    mode: str,
+    tp: shard_transfer.TransferPlan,
+    gathered: list[Any],
+    new: list[Layout],
+    rows: dict[str, int],
+) -> str:
+    """What served the slices: a buddy's copy, a twin or peer, own snapshots, or each its own."""
+    keys = [(name, PARAM) for name in rows]
+    used: set[tuple[int, int, str]] = set()  # (receiver, holder, kind)
+    for receiver, layout in enumerate(new):
+        for piece in shard_transfer.pieces(rows, keys, tp.old, layout):
+            holder = tp.holder[(receiver, piece.chunk)]
+            used.add((receiver, holder, gathered[holder][1].get((tp.step, tp.old, piece.chunk))))
+    if any(kind == "buddy" for _, _, kind in used):
+        return SOURCE_BUDDY
+    if any(r != h for r, h, _ in used):
+        same_layout = tp.old == new[0].shards
+        return SOURCE_TWIN if mode == "hsdp" and same_layout else SOURCE_PEER
+    if any(kind == "snapshot" for _, _, kind in used):
+        return SOURCE_SNAPSHOT
+    return SOURCE_LIVE
+
+
+def _from_storage(
+    s: Session,
+    model: ShardedModel,
+    fresh: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    best_live: int,
+) -> None:
+    """No complete set of slices in memory: the script's initial values, then durable."""
+    layout = model.building.layout
+    initial = model.initial
+    with torch.no_grad():
+        if initial is not None:
+            full = dict(initial.named_parameters())
+            for name in model.rows:
+                start, stop = chunk_rows(model.rows[name], layout)
+                model.local_rows(name, fresh).copy_(full[name].detach()[start:stop])
+            buffers = dict(fresh.named_buffers())
+            for name, b in initial.named_buffers():
+                buffers[name].copy_(b)
+        else:
+            for name in model.rows:
+                model.local_rows(name, fresh).zero_()
+    model.adopt(optimizers, {})
+    lost_state = best_live != NO_STATE
+    restored = s.saving.train_state() is not None and s.saving.resume()
+    if restored:
+        lost = max(0, best_live - s.step) if lost_state else 0
+        _record(s, SOURCE_DURABLE, lost)
+        if lost_state:
+            log.warning(
+                "no complete set of slices in memory: resumed from the durable checkpoint "
+                "of step %d, %d steps lost",
+                s.step,
+                lost,
+            )
+        return
+    if lost_state:
+        raise StateLostError(
+            f"a slice of the sharded model was lost with every copy of it (newest live step "
+            f"{best_live}) and no durable checkpoint exists under {s.spec.checkpoint.url}; set "
+            "checkpoint.every_steps, use sharding='hsdp', or turn on redundancy"
+        )
+    s.step = 0
+    _record(s, SOURCE_INITIAL, 0)
+
+
+def _record(s: Session, source: str, lost: int) -> None:
+    if s.buddies is not None:
+        s.buddies.forget_after(s.step)
+    t = s.telemetry
+    if isinstance(t, RecoveryTelemetry):
+        t.restored_from = source
+        t.steps_lost = lost
+
+
+class RecoveryTelemetry(WorkerTelemetry):
+    """Worker telemetry that also says where a sharded model's state came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restored_from: str | None = None
+        self.steps_lost = 0
+
+    def group_formed(self, generation: int) -> None:
+        super().group_formed(generation)
+        self.restored_from = None
+        self.steps_lost = 0
+
+    def record(self) -> Telemetry:
+        return dataclasses.replace(
+            super().record(), restored_from=self.restored_from, steps_lost=self.steps_lost
+        )

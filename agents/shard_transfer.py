@@ -1,0 +1,201 @@
+"""Move slices of a sharded model between ranks: where each new slice comes from.
+
+At a new generation every rank says which slices it holds (its live one, its
+own snapshots, a buddy's copy), each labelled with its step and layout.
+:func:`plan` (pure, the same answer on every rank) picks the newest step at
+which some old layout is complete (every chunk held by a live rank), and for
+every rank of the new layout the holder of each old chunk that overlaps its
+new rows, preferring the rank itself.  :func:`execute` then sends those rows
+point to point (one message per pair of ranks and dtype); a rank that holds
+what it needs copies it locally.  The same plan serves a replacement of equal
+world size (only the new rank receives) and a world-size change (rows are
+redistributed from memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from agents.sharding import Layout, SliceKey, chunk_rows
+
+#: What a rank says it holds: (step, shards, index, has the replicated state).
+Held = tuple[int, int, int, bool]
+
+#: Kinds of slice source, best first.
+SOURCE_LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of key ``key`` (global row numbers), from old chunk ``chunk``."""
+
+    key: SliceKey
+    chunk: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Which holder serves which rows to which rank, at ``step``."""
+
+    step: int
+    old: int  # shards of the old layout
+    #: ``holder[(receiver, old chunk)]`` = the rank that sends it
+    holder: dict[tuple[int, int], int]
+    #: the rank whose replicated state every rank takes
+    replicated_from: int
+
+    def sources(self, receiver: int) -> set[int]:
+        return {h for (r, _), h in self.holder.items() if r == receiver}
+
+
+def plan(held: list[list[Held]], new: list[Layout]) -> TransferPlan | None:
+    """The newest complete old layout and who serves whom (None: nothing complete).
+
+    Args:
+        held: per rank, what it holds.
+        new: per rank, its layout in the new generation.
+    """
+    steps = sorted({h[0] for hs in held for h in hs}, reverse=True)
+    for step in steps:
+        for shards in sorted({h[1] for hs in held for h in hs if h[0] == step}):
+            holders: dict[int, list[int]] = {}
+            replicated = []
+            for rank, hs in enumerate(held):
+                for s, n, i, rep in hs:
+                    if s == step and n == shards:
+                        holders.setdefault(i, []).append(rank)
+                        if rep:
+                            replicated.append(rank)
+            if len(holders) < shards or not replicated:
+                continue
+            chosen: dict[tuple[int, int], int] = {}
+            for receiver in range(len(new)):
+                for chunk, ranks in holders.items():
+                    ranks = sorted(set(ranks))
+                    chosen[(receiver, chunk)] = (
+                        receiver if receiver in ranks else ranks[receiver % len(ranks)]
+                    )
+            return TransferPlan(step, shards, chosen, min(replicated))
+    return None
+
+
+def pieces(rows: dict[str, int], keys: list[SliceKey], old: int, new: Layout) -> list[Piece]:
+    """Rows of each key that ``new`` needs, cut at the old chunks' borders."""
+    out = []
+    for key in keys:
+        n = rows[key[0]]
+        lo, hi = chunk_rows(n, new)
+        for chunk in range(old):
+            a, b = chunk_rows(n, Layout(old, chunk))
+            start, stop = max(lo, a), min(hi, b)
+            if start < stop:
+                out.append(Piece(key, chunk, start, stop))
+    return out
+
+
+def execute(
+    tp: TransferPlan,
+    rank: int,
+    new: list[Layout],
+    rows: dict[str, int],
+    structure: dict[SliceKey, tuple[torch.dtype, tuple[int, ...]]],
+    mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
+    targets: dict[SliceKey, torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+) -> int:
+    """Fill ``targets`` (this rank's new local rows) as ``tp`` says; send what others need.
+
+    Args:
+        mine: old chunk index → this rank's tensors of that chunk at ``tp.step``
+            (None when it holds none).
+        targets: key → tensor of this rank's new local rows, written in place.
+
+    Returns:
+        Bytes this rank received from others.
+    """
+    keys = sorted(structure)
+    world = len(new)
+    sends: list[dist.Work] = []
+    keep: list[torch.Tensor] = []
+    received = 0
+    for peer in range(world):
+        if peer == rank:
+            continue
+        # what this rank sends to ``peer``
+        out = [
+            p for p in pieces(rows, keys, tp.old, new[peer]) if tp.holder[(peer, p.chunk)] == rank
+        ]
+        if out:
+            for flat in _pack(out, tp.old, rows, mine):
+                keep.append(flat)
+                work = dist.isend(flat, dst=peer, group=group, tag=_tag(flat.dtype))
+                assert work is not None
+                sends.append(work)
+    need = pieces(rows, keys, tp.old, new[rank])
+    lo = {k: chunk_rows(rows[k[0]], new[rank])[0] for k in keys}
+    recvs = []
+    for src in sorted({tp.holder[(rank, p.chunk)] for p in need}):
+        got = [p for p in need if tp.holder[(rank, p.chunk)] == src]
+        if src == rank:
+            for p in got:
+                held = mine(p.chunk)
+                assert held is not None
+                a = chunk_rows(rows[p.key[0]], Layout(tp.old, p.chunk))[0]
+                targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]].copy_(
+                    held[p.key][p.start - a : p.stop - a]
+                )
+            continue
+        for dtype in sorted({structure[p.key][0] for p in got}, key=str):
+            these = [p for p in got if structure[p.key][0] == dtype]
+            numel = sum((p.stop - p.start) * _row_numel(structure[p.key][1]) for p in these)
+            buf = torch.empty(numel, dtype=dtype)
+            work = dist.irecv(buf, src=src, group=group, tag=_tag(dtype))
+            assert work is not None
+            recvs.append((work, buf, these))
+    for work, buf, these in recvs:
+        work.wait()
+        received += buf.numel() * buf.element_size()
+        offset = 0
+        for p in these:
+            trailing = structure[p.key][1]
+            count = (p.stop - p.start) * _row_numel(trailing)
+            part = buf[offset : offset + count].view(p.stop - p.start, *trailing)
+            targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]].copy_(part)
+            offset += count
+    for work in sends:
+        work.wait()
+    return received
+
+
+def _row_numel(trailing: tuple[int, ...]) -> int:
+    n = 1
+    for d in trailing:
+        n *= d
+    return n
+
+
+def _pack(
+    out: list[Piece],
+    old: int,
+    rows: dict[str, int],
+    mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
+) -> list[torch.Tensor]:
+    """The pieces as one flat CPU tensor per dtype (in the receiver's order)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in out:
+        held = mine(p.chunk)
+        assert held is not None, f"chunk {p.chunk} planned from a rank that lacks it"
+        a = chunk_rows(rows[p.key[0]], Layout(old, p.chunk))[0]
+        t = held[p.key][p.start - a : p.stop - a]
+        by_dtype.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
+    return [torch.cat(by_dtype[d]) for d in sorted(by_dtype, key=str)]
+
+
+def _tag(dtype: torch.dtype) -> int:
+    return sum(str(dtype).encode()) % 1000

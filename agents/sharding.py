@@ -1,0 +1,396 @@
+"""Sharded models (FSDP2's ``fully_shard``) that survive a change of process group.
+
+``fully_shard`` binds a module to one device mesh for life, and after a
+hot-swap the runtime forms a new process group.  :class:`ShardedModel` keeps
+a parameterless *blueprint* of the user's module (its structure on the meta
+device) and, for each generation, shards a fresh copy of it on the new mesh;
+the parameters' local slices are then filled from wherever this generation's
+slice lives (:mod:`agents.shard_recovery`): this rank's own memory, a twin rank
+of another replica group (``hsdp``), a buddy's host-memory copy
+(:mod:`agents.buddy_copies`), or a durable checkpoint.  The optimizers the
+script built on :meth:`ShardedModel.parameters` keep working: their parameter
+lists are pointed at the new generation's parameters and their state is put
+back under the new ones (:func:`repoint_optimizer`).
+
+Modes (``sharding=`` of :meth:`agents.runtime.Session.wrap`):
+
+* ``fsdp``: one shard dimension over every rank (a 1-D mesh, ZeRO-3);
+* ``hsdp``: a 2-D ``(replicate, shard)`` mesh in rank order, i.e. topology
+  order: ``shard_size`` consecutive ranks (by default one node's workers)
+  shard the model, and the groups of them are replicas of each other.
+
+A *slice* is what one rank of a shard dimension of ``shards`` ranks holds: for
+every parameter (and every optimizer state tensor shaped like it) the rows of
+chunk ``index`` of dimension 0, chunked as ``torch.chunk`` (and FSDP2) does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+#: The values of ``sharding=``.
+SHARDING_MODES = ("ddp", "fsdp", "hsdp")
+
+#: Key of a parameter's own rows in a slice (``(fqn, PARAM)``).
+PARAM = "param"
+
+SliceKey = tuple[str, str]
+
+
+def check_mode(sharding: str) -> str:
+    """``sharding`` when it is one of :data:`SHARDING_MODES`.
+
+    Raises:
+        ValueError: naming the valid modes.
+    """
+    if sharding not in SHARDING_MODES:
+        raise ValueError(
+            f"sharding={sharding!r} is not a sharding mode; use one of "
+            + ", ".join(repr(m) for m in SHARDING_MODES)
+        )
+    return sharding
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits on the shard dimension: chunk ``index`` of ``shards``."""
+
+    shards: int
+    index: int
+
+
+def layout_of(mode: str, rank: int, world_size: int, shard_size: int) -> Layout:
+    """This rank's place on the shard dimension for ``mode``."""
+    if mode == "fsdp":
+        return Layout(world_size, rank)
+    return Layout(shard_size, rank % shard_size)
+
+
+def check_hsdp_world(world_size: int, shard_size: int) -> None:
+    """Raise unless ``world_size`` ranks form whole replica groups of ``shard_size``."""
+    if shard_size < 1 or world_size % shard_size:
+        raise ValueError(
+            f"hsdp needs a world size that is a multiple of the shard group size: "
+            f"{world_size} ranks, shard_size {shard_size}; pass shard_size= to wrap() "
+            "or run whole groups of nodes"
+        )
+
+
+def build_mesh(mode: str, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
+    """The generation's mesh: 1-D for ``fsdp``, ``(replicate, shard)`` for ``hsdp``.
+
+    Ranks are laid out in rank order, which is topology order, so a shard
+    group is made of neighbouring ranks and its replicas sit on other nodes.
+    """
+    if mode == "fsdp":
+        return DeviceMesh(device_type, torch.arange(world_size), mesh_dim_names=("shard",))
+    check_hsdp_world(world_size, shard_size)
+    grid = torch.arange(world_size).view(world_size // shard_size, shard_size)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("replicate", "shard"))
+
+
+def chunk_rows(rows: int, layout: Layout) -> tuple[int, int]:
+    """``[start, stop)`` of dimension 0 held by ``layout`` (``torch.chunk``'s split)."""
+    size = math.ceil(rows / layout.shards) if rows else 0
+    start = min(rows, layout.index * size)
+    return start, min(rows, start + size)
+
+
+@dataclass
+class Slice:
+    """One rank's slice of a sharded model and its optimizers, at ``step``.
+
+    Attributes:
+        tensors: ``(fqn, PARAM)`` → the parameter's rows; ``(fqn, "<opt>.<key>")``
+            → the rows of a sharded optimizer state tensor of optimizer ``<opt>``.
+        replicated: what every rank of the generation holds alike: optimizer
+            hyperparameters and scalar state, the model's buffers, the other
+            tracked objects, the RNG (None for a buddy's copy, which needs none).
+    """
+
+    step: int
+    layout: Layout
+    tensors: dict[SliceKey, torch.Tensor]
+    replicated: dict[str, Any] | None = None
+
+    def structure(self) -> dict[SliceKey, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each tensor's dtype and trailing shape (what a receiver allocates)."""
+        return {k: (t.dtype, tuple(t.shape[1:])) for k, t in self.tensors.items()}
+
+    def copy_to_host(self) -> Slice:
+        """A copy in host memory that later training steps cannot change."""
+        tensors = {k: t.detach().to("cpu", copy=True) for k, t in self.tensors.items()}
+        return Slice(self.step, self.layout, tensors, copy.deepcopy(self.replicated))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """``module``'s structure with every parameter and buffer on the meta device."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+@dataclass
+class _Generation:
+    mesh: DeviceMesh
+    layout: Layout
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+
+class ShardedModel(nn.Module):
+    """Forward to a ``fully_shard``-ed copy of the module, rebuilt per generation.
+
+    Build it with :meth:`agents.runtime.Session.wrap`; create optimizers on its
+    :meth:`parameters` as usual.  ``state_dict()`` is the sharded module's
+    (DTensors), as ``get_model_state_dict`` returns it.
+    """
+
+    _blueprint: nn.Module
+    _gen: _Generation | None
+    _next: tuple[nn.Module, _Generation] | None
+
+    def __init__(self, module: nn.Module, mode: str, shard_size: int | None = None) -> None:
+        super().__init__()
+        if check_mode(mode) == "ddp":
+            raise ValueError("ShardedModel shards; use ElasticDDP for sharding='ddp'")
+        if shard_size is not None and shard_size < 1:
+            raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+        for name, p in module.named_parameters():
+            if p.dim() == 0:
+                raise ValueError(f"parameter {name} is a scalar; fully_shard shards dimension 0")
+        self.mode = mode
+        self.shard_size = shard_size
+        self.module = module
+        #: the parameters' full row counts, by name
+        self.rows = {n: p.shape[0] for n, p in module.named_parameters()}
+        #: the parameters of the module the optimizers currently point at, by name
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        #: the module as the script built it, until the first generation took its values
+        self.initial: nn.Module | None = module
+        object.__setattr__(self, "_blueprint", _meta_copy(module))
+        object.__setattr__(self, "_gen", None)
+        object.__setattr__(self, "_next", None)
+
+    # -- per generation ----------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._gen.layout if self._gen is not None else None
+
+    @property
+    def building(self) -> _Generation:
+        """The generation :meth:`build` made and :meth:`adopt` has not yet switched to."""
+        assert self._next is not None, "build() first"
+        return self._next[1]
+
+    def build(self, mesh: DeviceMesh, layout: Layout, device: torch.device) -> nn.Module:
+        """A fresh sharded module on ``mesh`` with uninitialised slices (not yet in use)."""
+        fresh = copy.deepcopy(self._blueprint)
+        fully_shard(fresh, mesh=mesh)
+        fresh.to_empty(device=device)
+        gen = _Generation(mesh, layout, dict(fresh.named_parameters()))
+        for name, p in gen.params.items():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            start, stop = chunk_rows(self.rows[name], layout)
+            if local.shape[0] != stop - start:
+                raise RuntimeError(
+                    f"{name}: FSDP holds {local.shape[0]} rows here, ringmaster expected "
+                    f"{stop - start} (chunk {layout.index} of {layout.shards}); "
+                    "this torch shards differently"
+                )
+        object.__setattr__(self, "_next", (fresh, gen))
+        return fresh
+
+    def local_rows(self, name: str, module: nn.Module | None = None) -> torch.Tensor:
+        """The local rows of parameter ``name`` of the module being built (or in use)."""
+        params = self.building.params if module is not None else self.params
+        p = params[name]
+        # detached: a view that shares the storage FSDP holds, writable in place
+        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    def adopt(self, optimizers: dict[str, torch.optim.Optimizer], states: dict[str, Any]) -> None:
+        """Switch to the module made by :meth:`build`; point ``optimizers`` at it.
+
+        Args:
+            states: per optimizer name, ``{fqn: {key: tensor}}`` for the new params
+                (local rows of sharded entries, scalars as they are).
+        """
+        assert self._next is not None, "build() first"
+        fresh, gen = self._next
+        object.__setattr__(self, "_next", None)
+        for name, opt in optimizers.items():
+            repoint_optimizer(opt, self.params, gen.params, states.get(name, {}))
+        self.module = fresh
+        self.params = gen.params
+        self.initial = None
+        object.__setattr__(self, "_gen", gen)
+
+    def drop(self) -> None:
+        """Forget gradients of a failed step (the module stays until the next build)."""
+        for p in self.params.values():
+            p.grad = None
+
+    # -- slices ------------------------------------------------------------------------
+
+    def capture(
+        self, step: int, optimizers: dict[str, torch.optim.Optimizer], others: dict[str, Any]
+    ) -> Slice:
+        """This rank's live slice (tensors not copied) with the replicated state."""
+        gen = self._gen
+        assert gen is not None, "no generation built yet"
+        tensors: dict[SliceKey, torch.Tensor] = {}
+        scalars: dict[str, dict[str, dict[str, Any]]] = {}
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for name in gen.params:
+            tensors[(name, PARAM)] = self.local_rows(name)
+        for oname, opt in optimizers.items():
+            fqn_of = {id(p): n for n, p in gen.params.items()}
+            groups[oname] = [
+                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+            ]
+            scalars[oname] = {}
+            for p, st in opt.state.items():
+                fqn = fqn_of[id(p)]
+                for key, value in st.items():
+                    if isinstance(value, DTensor):
+                        tensors[(fqn, f"{oname}.{key}")] = value.to_local().detach()
+                    else:
+                        scalars[oname].setdefault(fqn, {})[key] = value
+        replicated = {
+            "groups": groups,
+            "scalars": scalars,
+            "buffers": dict(self.module.named_buffers()),
+            "objects": {n: o.state_dict() for n, o in others.items()},
+            "rng": torch.get_rng_state(),
+        }
+        return Slice(step, gen.layout, tensors, replicated)
+
+    # -- forwarding --------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._gen is None:
+            raise RuntimeError("ShardedModel used outside a training step (no process group yet)")
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state, strict=strict, assign=assign)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(list(self.params.values()))
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for n, p in self.params.items():
+            yield (f"{prefix}.{n}" if prefix else n), p
+
+    def local_parameters(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """This rank's rows of each parameter: ``(start, stop, rows)`` (no collective)."""
+        gen = self._gen
+        assert gen is not None, "no generation built yet"
+        return {
+            n: (*chunk_rows(self.rows[n], gen.layout), self.local_rows(n).detach().clone())
+            for n in gen.params
+        }
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered in full (a collective: every rank calls it)."""
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in self.params.items()
+        }
+
+
+def repoint_optimizer(
+    opt: torch.optim.Optimizer,
+    old: dict[str, nn.Parameter],
+    new: dict[str, nn.Parameter],
+    state: dict[str, dict[str, Any]],
+) -> None:
+    """Point ``opt``'s parameter groups from ``old`` parameters to ``new`` ones
+    (matched by name) and replace its state with ``state`` (by name).
+
+    Raises:
+        ValueError: ``opt`` holds a parameter that is not one of ``old``'s.
+    """
+    name_of = {id(p): n for n, p in old.items()}
+    for group in opt.param_groups:
+        names = []
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise ValueError(
+                    "an optimizer tracked beside a sharded model holds a parameter that is not "
+                    "the model's; build it on model.parameters() after session.wrap()"
+                )
+            names.append(name_of[id(p)])
+        group["params"] = [new[n] for n in names]
+    opt.state.clear()
+    for n, st in state.items():
+        if st:
+            opt.state[new[n]] = st
+
+
+def optimizers_of(tracked: dict[str, Any]) -> dict[str, torch.optim.Optimizer]:
+    """The tracked optimizers, by their tracked name."""
+    return {n: o for n, o in tracked.items() if isinstance(o, torch.optim.Optimizer)}
+
+
+def others_of(tracked: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """Tracked objects other than the model and the optimizers (replicated state)."""
+    return {
+        n: o
+        for n, o in tracked.items()
+        if o is not model and not isinstance(o, torch.optim.Optimizer)
+    }
+
+
+#: Where FSDP's collectives run (paths inside torch).
+_COLLECTIVE_CODE = (
+    "/torch/distributed/fsdp/",
+    "/torch/distributed/distributed_c10d.py",
+    "/torch/distributed/_functional_collectives",
+)
+
+
+def raised_in_collective(error: BaseException) -> bool:
+    """True when ``error`` was raised in FSDP or a torch.distributed collective.
+
+    FSDP2 runs its all-gathers and reduce-scatters in module and autograd
+    hooks, where the runtime cannot wrap them; the traceback tells.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+            if any(part in path for part in _COLLECTIVE_CODE):
+                return True
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def iter_keys(structure: Iterable[SliceKey]) -> list[SliceKey]:
+    """Slice keys in the one order every rank uses."""
+    return sorted(structure)

@@ -1,0 +1,95 @@
+"""Worker functions for the sharded-checkpoint tests (run in gloo processes by ``run_gloo``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEPS = 3
+
+
+def build(seed: int) -> tuple[Any, Any]:
+    """A tiny model (rows that do not split evenly over 2 or 3 ranks) and Adam."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def full_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """Model and optimizer in full, as lists (gathering DTensors is collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    def plain(t: Any) -> Any:
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        return t.tolist() if hasattr(t, "tolist") else t
+
+    opts = StateDictOptions(full_state_dict=False)
+    msd = get_model_state_dict(model, options=opts)
+    osd: Any = get_optimizer_state_dict(model, optimizer, options=opts)
+    return {
+        "model": {k: plain(v) for k, v in msd.items()},
+        "optim": {f: {k: plain(v) for k, v in st.items()} for f, st in osd["state"].items()},
+    }
+
+
+def wrapped(model: Any, mode: str) -> Any:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if mode == "fsdp":
+        world = dist.get_world_size()
+        fully_shard(model, mesh=DeviceMesh("cpu", torch.arange(world)))
+        return model
+    if mode == "hsdp":
+        world = dist.get_world_size()
+        grid = torch.arange(world).view(world // 2, 2)
+        fully_shard(model, mesh=DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard")))
+        return model
+    return DistributedDataParallel(model)
+
+
+def train_and_save(rank: int, world: int, url: str, mode: str) -> dict[str, Any]:
+    """Train ``STEPS`` steps sharded as ``mode``, save synchronously, return the full state."""
+    import torch
+
+    from checkpoint import Checkpointer, TrainState
+
+    model, optimizer = build(seed=0)
+    model = wrapped(model, mode)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    data = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
+    for _ in range(STEPS):
+        loss = model(data).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ckpt = Checkpointer(url, keep=3)
+    manifest = ckpt.save_now(STEPS, TrainState(model, optimizer, samples_seen=STEPS))
+    ckpt.close()
+    return {"state": full_state(model, optimizer), "objects": [o.path for o in manifest.objects]}
+
+
+def resume(rank: int, world: int, url: str, mode: str) -> dict[str, Any]:
+    """Restore into a differently initialised model sharded as ``mode``."""
+    import torch
+
+    from checkpoint import Checkpointer, TrainState
+
+    model, _ = build(seed=1234)
+    model = wrapped(model, mode)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    state = TrainState(model, optimizer)
+    ckpt = Checkpointer(url, keep=3)
+    result = ckpt.restore(state)
+    ckpt.close()
+    return {"step": result.step, "state": full_state(model, optimizer)}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checkpoint_golden import GOLDEN_ROOT, SAMPLES_SEEN, STEP, build_state
+from tests.checkpoint_golden import GOLDEN_ROOT, SAMPLES_SEEN, STEP, build_state, expected_state
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_two_rank_golden_checkpoint_restores_on_gloo_ranks(
     root = tmp_path / "two-ranks"
     shutil.copytree(GOLDEN_ROOT / "two-ranks", root)
     results = gloo(_restore, world_size, str(root))
-    expected_model = build_state(0).model.state_dict()
+    expected_model = expected_state()["model"]
     for rank, got in enumerate(results):
         assert got["step"] == STEP and got["samples_seen"] == SAMPLES_SEEN
         assert got["counter"] == 5

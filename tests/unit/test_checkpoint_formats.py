@@ -22,7 +22,14 @@ import torch
 
 from checkpoint import Checkpointer, CheckpointMismatchError, RestoreSource, TrainState
 from checkpoint.flat_state import capture, flatten, unflatten
-from tests.checkpoint_golden import GOLDEN_ROOT, SAMPLES_SEEN, STEP, build_state, fresh_state
+from tests.checkpoint_golden import (
+    GOLDEN_ROOT,
+    SAMPLES_SEEN,
+    STEP,
+    build_state,
+    expected_state,
+    fresh_state,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -61,13 +68,24 @@ def _close(actual: Any, expected: Any, where: str) -> None:
         assert actual == expected, where
 
 
-def _assert_restored(state: TrainState, rank: int, *, rank_state: bool) -> None:
+def _assert_restored(
+    state: TrainState, rank: int, *, rank_state: bool, saved: TrainState | None = None
+) -> None:
+    """``state`` holds what the golden checkpoints hold, or what ``saved`` held."""
     expected = build_state(rank)
-    assert expected.optimizer is not None and state.optimizer is not None
-    _close(state.model.state_dict(), expected.model.state_dict(), "model")
-    _close(state.optimizer.state_dict(), expected.optimizer.state_dict(), "optim")
+    golden = expected_state()
+    if saved is not None:
+        assert saved.optimizer is not None and saved.scheduler is not None
+        golden = {
+            "model": saved.model.state_dict(),
+            "optimizer": saved.optimizer.state_dict(),
+            "scheduler": saved.scheduler.state_dict(),
+        }
+    assert state.optimizer is not None
+    _close(state.model.state_dict(), golden["model"], "model")
+    _close(state.optimizer.state_dict(), golden["optimizer"], "optim")
     # A scheduler saved by a newer torch may carry fields an older one does not know.
-    sched, expected_sched = state.scheduler.state_dict(), expected.scheduler.state_dict()
+    sched, expected_sched = state.scheduler.state_dict(), golden["scheduler"]
     _close({k: sched.get(k) for k in expected_sched}, expected_sched, "sched")
     assert state.extra == expected.extra
     assert state.objects["counter"].value == 5
@@ -112,7 +130,8 @@ def test_flat_keys_are_those_of_the_golden_checkpoints() -> None:
 
 def test_a_save_today_is_laid_out_like_the_golden_one(tmp_path: Path) -> None:
     ckpt = Checkpointer(f"file://{tmp_path}/now")
-    manifest = ckpt.save_now(STEP, build_state(0))
+    saved = build_state(0)
+    manifest = ckpt.save_now(STEP, saved)
     ckpt.close()
     now = _step_dir(tmp_path / "now")
     golden = _step_dir(GOLDEN_ROOT / "single")
@@ -129,7 +148,7 @@ def test_a_save_today_is_laid_out_like_the_golden_one(tmp_path: Path) -> None:
     # And what it wrote restores like the golden one.
     state = fresh_state()
     assert Checkpointer(f"file://{tmp_path}/now").restore(state).step == STEP
-    _assert_restored(state, 0, rank_state=True)
+    _assert_restored(state, 0, rank_state=True, saved=saved)
 
 
 def test_flatten_enters_mappings_and_lists_holding_tensors_only() -> None:

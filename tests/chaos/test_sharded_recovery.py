@@ -126,6 +126,7 @@ def _assert_applied_once(tmp: Path, steps: int, lost: int) -> None:
     for worker, seq in step_log(tmp).items():
         reruns = len(seq) - len(set(seq))
         assert reruns <= lost, f"{worker} applied {reruns} steps twice, {lost} were lost: {seq}"
-        assert sorted(set(seq)) == sorted(set(seq)), seq
+        firsts = list(dict.fromkeys(seq))  # each step where it was first applied
+        assert firsts == sorted(firsts), f"{worker} applied steps out of order: {seq}"
     counts = collections.Counter(s for seq in step_log(tmp).values() for s in set(seq))
     assert not [s for s in range(steps) if counts[s] == 0], "a step was never applied"

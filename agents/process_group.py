@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -225,6 +226,36 @@ def set_op_timeout(groups: Groups, timeout: timedelta) -> None:
     """Give every later collective of ``groups`` at most ``timeout``."""
     for group in groups.each():
         group.set_timeout(timeout)
+
+
+#: How long the training thread lets go of the GIL after the last collective, so
+#: gloo's worker threads can finish with their last work (see :func:`quiesce`).
+QUIESCE_S = 0.05
+
+
+def quiesce() -> Any:
+    """Let a healthy group's worker threads go idle before the group is destroyed.
+
+    Seen with torch 2.13 on gloo, under load, about once in a full test run: the
+    last gradient all-reduce wakes the training thread, which reaches the end of
+    the script and frees DDP's reducer (and with it the group) while a gloo
+    worker thread is still disposing of that all-reduce's work.  Disposing of
+    it needs the GIL, which the freeing thread holds while it waits for the
+    worker to stop: the process never exits.  A barrier puts one more work
+    behind the others, its handle is returned so that its last reference stays
+    on this thread (keep it until the group is gone), and a short sleep without
+    the GIL lets the workers finish the rest.
+
+    Returns:
+        The barrier's work handle, or None when there is no group.
+    """
+    if not dist.is_initialized():
+        return None
+    work = dist.barrier(async_op=True)
+    if work is not None:
+        work.wait()
+    time.sleep(QUIESCE_S)
+    return work
 
 
 def teardown_group() -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from agents.api import Stateful
+from agents.process_group import quiesce
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -123,7 +124,9 @@ class StandaloneSession:
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
+            last = quiesce()  # held until the group is gone (see quiesce)
             dist.destroy_process_group()
+            del last
 
 
 def _device(local_rank: int, local_world: int) -> torch.device:

@@ -8,6 +8,7 @@ workers, and fresh interpreters whose ``sys.path`` holds a foreign package.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,24 +33,37 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run(argv: list[str], cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a session of its own; on a timeout kill all of it (torchrun's
+    workers too) and fail with what it printed."""
+    proc = subprocess.Popen(
+        argv, env=_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(argv[:3])} still ran after {timeout:g}s; output:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+
 def test_runtime_script_trains_under_stock_torchrun(tmp_path: Path) -> None:
     """The same file `ringmaster run` hot-swaps trains under `torchrun --standalone`,
     with DDP over two ranks, to the parameters of a single-rank run."""
-    two = subprocess.run(
+    two = _run(
         [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(SCRIPT), "--steps", "30",
-         "--out", str(tmp_path / "two.pt")],
-        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+         "--out", str(tmp_path / "two.pt")], tmp_path,
     )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stdout[-3000:]
     said = two.stdout + two.stderr
     # each rank says once that there is no hot-swap here
     assert said.count("without hot-swap") == 2, said[-3000:]
     assert "finished at step 30" in said
-    one = subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "30", "--out", str(tmp_path / "one.pt")],
-        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = _run([sys.executable, str(SCRIPT), "--steps", "30", "--out", str(tmp_path / "one.pt")],
+               tmp_path)  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:]
     a = torch.load(tmp_path / "two.pt")
     b = torch.load(tmp_path / "one.pt")
     assert a.keys() == b.keys()

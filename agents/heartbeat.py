@@ -5,7 +5,9 @@ to follow the job (step, rate, loss), to time recoveries (the telemetry in
 it) and to detect hangs: a worker whose beats stop while its step does not
 move is frozen.  Beating from a thread keeps the training loop off etcd;
 :meth:`Heartbeat.poke` asks for a beat soon (after a step boundary or a new
-generation) without waiting for it.
+generation) without waiting for it; pokes closer together than
+:data:`MIN_BEAT_GAP` are served by one beat, so a fast loop (a step every
+10 ms) writes to etcd a few times a second, not at every step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from orchestrator.records import ProgressRecord
 #: ``(beat, step_time) -> record``: the worker's progress as of ``beat``
 #: (wall-clock seconds), whose step counter last moved at ``step_time``.
 ProgressSource = Callable[[float, float], ProgressRecord]
+
+#: Shortest time between two beats: the controller reads progress once a tick
+#: (``orchestrator.controller.service.TICK``, 0.2 s), so more often is wasted
+#: on etcd and on the training process.
+MIN_BEAT_GAP = 0.2
 
 
 class Heartbeat:
@@ -62,11 +69,14 @@ class Heartbeat:
             self._thread.start()
 
     def _loop(self) -> None:
+        last = 0.0
         while not self._stop.is_set():
             self._wake.wait(self._interval)
-            self._wake.clear()
-            if self._stop.is_set():
+            # pokes within MIN_BEAT_GAP of the last beat wait for the gap, then share a beat
+            if self._stop.wait(max(0.0, last + MIN_BEAT_GAP - time.monotonic())):
                 return
+            self._wake.clear()
+            last = time.monotonic()
             with contextlib.suppress(Exception):
                 self.beat_now()
 

@@ -49,6 +49,7 @@ includes their node; when the job ends first, the loop simply ends
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import os
@@ -69,7 +70,7 @@ from agents.generation import Generations
 from agents.heartbeat import Heartbeat
 from agents.messages import one_line
 from agents.plan_watch import PlanWatcher
-from agents.process_group import Groups, choose_device, teardown_group
+from agents.process_group import Groups, choose_device, quiesce, teardown_group
 from agents.saving import Saving
 from agents.shard_recovery import RecoveryTelemetry
 from agents.sharding import (
@@ -81,6 +82,7 @@ from agents.sharding import (
 )
 from agents.standalone import StandaloneSession
 from agents.telemetry import WorkerTelemetry
+from agents.warm_worker import PREIMPORTS
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
@@ -162,6 +164,11 @@ class Session:
             self.progress,
             spec.fault_tolerance.heartbeat_interval,
         )
+        # What the first DDP of a generation imports lazily (torch._dynamo: about a second
+        # alone, several on a loaded machine) is imported before the first beat: a node
+        # counts as a warm spare only once joining costs it no import.
+        for name in PREIMPORTS:
+            importlib.import_module(name)
         self.heartbeat.start()
         self.heartbeat.beat_now()  # a waiting worker is a warm one: the controller counts it
 
@@ -485,12 +492,18 @@ class Session:
         except FencedError as e:
             log.warning("not recording the end of training: %s", e)
         self.heartbeat.stop()
+        try:
+            last = quiesce()  # held until the group is gone (see quiesce)
+        except RuntimeError as e:  # a peer left at the very end: nothing to wait for
+            log.debug("no barrier before leaving: %s", e)
+            last = None
         self.collective_guard.close()
         for w in self.wrapped:
             w.drop()
         if self.buddies is not None:
             self.buddies.stop()
         teardown_group()
+        del last
 
     def progress(self, beat: float, step_time: float) -> ProgressRecord:
         """This worker's progress as of ``beat``, for its heartbeat."""

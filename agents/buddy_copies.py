@@ -33,14 +33,16 @@ import torch
 import torch.distributed as dist
 
 from agents.sharding import Layout, Slice, SliceKey, chunk_rows
+from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS
 
 log = logging.getLogger("ringmaster.worker")
 
-#: ``sharding="fsdp"``: copy slices to the buddy every this many steps unless told
-#: otherwise.  Measured on a 2-core machine (benchmarks/recovery.py, 3 ranks, an 18 ms
-#: step): copies every step cost 19-30 % of the step time, every 10 steps about 1 %,
-#: for at most 10 steps trained again after a node loss.
-DEFAULT_EVERY_STEPS = 10
+#: ``sharding="fsdp"``: copy slices to the buddy every this many steps unless the job
+#: file (``fault_tolerance.redundancy.every_steps``) or ``wrap()`` says otherwise.
+#: Measured on a 2-core machine (benchmarks/recovery.py, 3 ranks, an 18 ms step):
+#: copies every step cost 19-30 % of the step time, every 10 steps about 1 %, for at
+#: most 10 steps trained again after a node loss.
+DEFAULT_EVERY_STEPS = DEFAULT_REDUNDANCY_EVERY_STEPS
 
 #: How long the end of a generation waits for an exchange under way (its peers may be
 #: alive but no longer exchanging); after that the thread is left to fail with the group.

@@ -62,7 +62,7 @@ from torch import nn
 
 from agents import boundary
 from agents.api import RECOVERY_RESTART, JobEndedError, RecoveryError, Stateful, WorkerEnv
-from agents.buddy_copies import DEFAULT_EVERY_STEPS, BuddyCopies
+from agents.buddy_copies import BuddyCopies
 from agents.collective_guard import CollectiveGuard, OpTimeout
 from agents.elastic_ddp import ElasticDDP, HookInstaller
 from agents.failures import CollectiveFailures, peer_failure
@@ -209,8 +209,9 @@ class Session:
             redundancy_every_steps: ``fsdp`` only: every this many steps each
                 rank's slice is copied to a buddy on the next node
                 (:mod:`agents.buddy_copies`); 0 turns copies off (a lost slice
-                then comes from the durable checkpoint).  Default:
-                :data:`~agents.buddy_copies.DEFAULT_EVERY_STEPS`.
+                then comes from the durable checkpoint).  Default: the job
+                file's ``fault_tolerance.redundancy.every_steps`` (itself 10
+                by default).
 
         Returns:
             An :class:`ElasticDDP` for ``ddp``, a
@@ -285,7 +286,9 @@ class Session:
         wrapped = ShardedModel(module, sharding, shard_size)
         self.sharded = wrapped
         if sharding == "fsdp":
-            every = DEFAULT_EVERY_STEPS if every_steps is None else every_steps
+            every = self.spec.fault_tolerance.redundancy.every_steps
+            if every_steps is not None:  # the script's own choice wins over the job file
+                every = every_steps
             self.buddies = BuddyCopies(every) if every > 0 else None
         return wrapped
 

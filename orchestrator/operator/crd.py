@@ -81,6 +81,12 @@ DESCRIPTIONS: dict[str, str] = {
     "fault_tolerance.max_restarts": "How many recoveries the job may make before it fails.",
     "fault_tolerance.hang_timeout": "A worker with no progress for this long counts as hung.",
     "fault_tolerance.heartbeat_interval": "How often workers report progress.",
+    "fault_tolerance.redundancy": (
+        "In-memory copies of a sharded (fsdp) model's slices on a buddy node."
+    ),
+    "fault_tolerance.redundancy.every_steps": (
+        "Every this many steps each rank copies its slice to its buddy; 0 turns copies off."
+    ),
     "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",
     "comm.hierarchical": "All-reduce within each node first, then across nodes.",
     "comm.topology_labels": "Topology labels, outermost first; ranks follow this order.",

@@ -48,7 +48,6 @@ def sharded_job(
                     str(tmp / "steps"),
                     "--optimizer",
                     optimizer,
-                    *([] if redundancy is None else ["--redundancy-every-steps", str(redundancy)]),
                 ],
                 "env": {"OMP_NUM_THREADS": "1"},
             },
@@ -60,6 +59,8 @@ def sharded_job(
                 "hang_timeout": "30s",
                 "heartbeat_interval": "500ms",
                 "preemption_grace": "20s",
+                # the job file's setting (the script passes no override to wrap())
+                **({} if redundancy is None else {"redundancy": {"every_steps": redundancy}}),
             },
         }
     )

@@ -316,3 +316,13 @@ def test_unknown_recovery_value_says_what_is_valid() -> None:
     assert p.message == (
         "'restrat' is not one of: auto, in_process, restart; did you mean 'restart'?"
     )
+
+
+def test_redundancy_every_steps_defaults_to_ten_and_refuses_negatives() -> None:
+    base = {"name": "j", "entrypoint": {"script": "train.py"}}
+    assert load_job_data(base).fault_tolerance.redundancy.every_steps == 10
+    off = {**base, "faultTolerance": {"redundancy": {"everySteps": 0}}}
+    assert load_job_data(off).fault_tolerance.redundancy.every_steps == 0
+    with pytest.raises(SpecError) as e:
+        load_job_data({**base, "fault_tolerance": {"redundancy": {"every_steps": -2}}})
+    assert "fault_tolerance.redundancy.every_steps: must be 0 (off) or more, got -2" in str(e.value)

@@ -210,6 +210,7 @@ class Generations:
                 f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
             ) from e
         s.telemetry.state_restored(s.step)
+        s.vote_at = 0  # a generation votes at its first boundary, on every rank
         for w in s.wrapped:
             w.rebuild()
         s.heartbeat.start()

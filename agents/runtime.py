@@ -142,6 +142,9 @@ class Session:
         self.fence = GenerationFence(client, env.job)
         self._metrics: dict[str, float] = {}
         self._step_error: BaseException | None = None
+        #: the first step boundary that votes (0: the next one; set again at every vote
+        #: and when a generation is joined, the same on every rank)
+        self.vote_at = 0
         self._failures = CollectiveFailures()
         self._control_seen = 0
         self._stop_requested = False
@@ -381,7 +384,7 @@ class Session:
                     self.buddies.after_step(self.step, self._capture_slice)
                 self.telemetry.step_done(self.hook, self.wrapped)
                 self.generations.failures_at_step = 0
-                self._boundary()
+                self._boundary(time.monotonic() - started)
                 self.collective_guard.step_ended(time.monotonic() - started)
             except (RecoveryError, JobEndedError):
                 raise
@@ -439,23 +442,15 @@ class Session:
 
     # -- step boundary -----------------------------------------------------------------
 
-    def _boundary(self) -> None:
-        control = self.watch.control()
-        contact = SETTINGS.etcd_contact_timeout.total_seconds()
-        with self._failures.collective():
-            agreed = boundary.agree(
-                boundary.Proposal(
-                    generation=self.watch.latest_generation(),
-                    checkpoint_requested=control.checkpoint,
-                    checkpoint_served=self._control_seen,
-                    stop=control.stop,
-                    etcd_lost=self.client.unreachable_for() > contact,
-                    save_due_by_time=self.saving.save_due_by_time(),
-                ),
-                group=self.groups.control if self.groups is not None else None,
-            )
-        if agreed.etcd_lost:
-            self.generations.pause_for_etcd()
+    def _boundary(self, step_seconds: float) -> None:
+        """The step boundary: vote when one is due (see :mod:`agents.boundary`), then act."""
+        if self.step >= self.vote_at:
+            agreed = self._vote(step_seconds)
+            self.vote_at = self.step + agreed.every
+            if agreed.etcd_lost:
+                self.generations.pause_for_etcd()
+        else:
+            agreed = boundary.Agreement.quiet(self.generation, self._control_seen)
         self.heartbeat.poke()
         self.saving.poll()
         # Every rank decides from the same reduced numbers (a replacement has seen
@@ -478,6 +473,23 @@ class Session:
         if agreed.generation > self.generation:
             self.telemetry.left_by = None  # this step ended well: nothing had to end it
             self.generations.recover(f"generation {agreed.generation} published", planned=True)
+
+    def _vote(self, step_seconds: float) -> boundary.Agreement:
+        control = self.watch.control()
+        contact = SETTINGS.etcd_contact_timeout.total_seconds()
+        with self._failures.collective():
+            return boundary.agree(
+                boundary.Proposal(
+                    generation=self.watch.latest_generation(),
+                    checkpoint_requested=control.checkpoint,
+                    checkpoint_served=self._control_seen,
+                    stop=control.stop,
+                    etcd_lost=self.client.unreachable_for() > contact,
+                    save_due_by_time=self.saving.save_due_by_time(),
+                    every=boundary.steps_between_votes(step_seconds),
+                ),
+                group=self.groups.control if self.groups is not None else None,
+            )
 
     # -- the end -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 pytest.importorskip("gymnasium")
 
-STEPS = 30
+STEPS = 60  # long enough that a kill aimed at step 12 lands before the end (beats come every 0.2 s)
 
 
 def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
@@ -34,7 +34,7 @@ def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
             "entrypoint": {
                 "script": str(REPO / "examples" / "train_cartpole.py"),
                 "args": [
-                    "--episodes", "1", "--max-len", "60",
+                    "--episodes", "2", "--max-len", "60",
                     "--out", str(tmp / "policy.pt"),
                     "--step-log", str(tmp / "steps"),
                 ],

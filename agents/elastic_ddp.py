@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from agents.failures import CollectiveFailures
@@ -67,8 +66,8 @@ class ElasticDDP(nn.Module):
             ddp = DDP(self.module, init_sync=False, **self._ddp_kwargs)
         if self._hook_installer is not None:
             self._hook_installer(ddp)
-        elif self._failures is not None:
-            ddp.register_comm_hook(None, allreduce_hook)  # DDP's default, but seen
+        elif self._failures is not None:  # DDP's default average, but its errors seen
+            DDP.register_comm_hook(ddp, None, self._failures.allreduce_hook())  # not wrapped again
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: keep state_dict keys clean
 
     def drop(self) -> None:

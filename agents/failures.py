@@ -107,6 +107,38 @@ class CollectiveFailures:
 
         return recorded
 
+    def allreduce_hook(self) -> Callable[[Any, Any], Any]:
+        """DDP's plain gradient average as a comm hook that records its errors.
+
+        What torch's ``allreduce_hook`` does (divide by the group size, sum), in one
+        Python callback instead of the two that :meth:`wrap_hook` around it would
+        run on gloo's thread, and with the group's own ``allreduce`` rather than
+        the checks of ``dist.all_reduce``: this runs for every bucket of every step.
+        """
+        import torch.distributed as dist
+
+        def hook(state, bucket):  # no annotations: see wrap_hook
+            group = state if state is not None else dist.group.WORLD
+            assert group is not None, "a DDP comm hook runs only inside a process group"
+            tensor = bucket.buffer()
+            tensor.div_(group.size())
+            try:
+                fut = group.allreduce([tensor]).get_future()
+            except Exception as e:
+                self.record(e)
+                raise
+
+            def check(done: Any) -> Any:
+                try:
+                    return done.value()[0]
+                except Exception as e:
+                    self.record(e)
+                    raise
+
+            return fut.then(check)
+
+        return hook
+
 
 def peer_failure(
     error: BaseException, recorded: BaseException | None, newer_generation: int | None

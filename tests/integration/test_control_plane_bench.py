@@ -1,0 +1,62 @@
+"""The control-plane benchmark in its short form: 50 simulated nodes x 8 workers.
+
+``benchmarks/control_plane.py`` runs a real etcd, the real controller and the
+simulated fleet; here it runs briefly and its JSON line is checked for what
+the benchmark exists to report: etcd's rates and size, the controller's CPU,
+a new plan after each kind of node failure, and every worker seeing it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+NODES, WORKERS = 50, 8
+
+
+def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
+    args = ["--nodes", str(NODES), "--workers", str(WORKERS), "--duration", "10"]
+    # the workers' own plan watcher (agents.plan_watch), one per simulated node
+    args += ["--failures", "2", "--failure", "both", "--log-lines", "0.5", "--watch", "plan"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "control_plane.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, output
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert result["nodes"] == NODES and result["workers"] == WORKERS
+    # the fleet wrote at the heartbeat's rate, and etcd saw it
+    assert result["fleet_kept_up"], output
+    assert result["progress_beats_per_s"] > 0.5 * result["progress_beats_per_s_intended"]
+    assert result["etcd_writes_per_s"] >= result["progress_beats_per_s"] * 0.8
+    assert result["etcd_client_bytes_in_per_s"] > 0 and result["etcd_client_bytes_out_per_s"] > 0
+    assert result["db_total_mib_end"] > 0
+    assert 0 < result["largest_request_bytes"] < 1024 * 1024
+    assert result["range_bytes_controller_progress"] > 0
+    assert 0 < result["controller_cpu_cores"] < 1.5
+    assert result["leases_lost"] == 0
+    # each failure led to a new plan, which every live node's watcher saw
+    failures = result["failures"]
+    assert [f["mode"] for f in failures] == ["lease", "crash"]
+    for f in failures:
+        assert f["failure_to_plan_s"] > 0 and f["plan_to_seen_s"] >= 0, f
+        assert f["nodes_seen"] == NODES - 1, f  # all but the failed one
+        assert f["node"] in f["reason"], f  # "<spare> replaces <node>"
+    generations = [f["generation"] for f in failures]
+    assert generations == sorted(set(generations))
+    for name in ("status", "status_all", "events", "logs", "logs_node"):
+        assert result[f"{name}_ms_median"] is not None, name
+    assert set(result["targets"]) >= {"failure_to_plan_under_2s", "writes_under_2000_per_s"}

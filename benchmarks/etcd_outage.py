@@ -3,15 +3,19 @@
 One run of the tiny job (2 active nodes, 1 spare, local processes) on
 :class:`tests.faults.etcd_cluster.EtcdCluster`:
 
-1. at step 30 one member is SIGKILLed: the longest gap between two
-   training steps around it, next to the median step time;
+1. at step 30 one member is SIGKILLed (whether it was the raft leader is
+   reported): the longest gap between two training steps around it, next to
+   the median step time;
 2. at step 60 a second member is SIGKILLed (no quorum) for ``OUTAGE_S``
    seconds, then both come back: how many steps the job trained after the
    quorum was lost before the workers paused, and how long after the cluster
    was healthy again the next step completed;
-3. steps applied twice or never (both must be 0).
+3. steps applied twice or never (both must be 0);
+4. how many times a worker paused for etcd while one member was down (must
+   be 0: one member down is invisible) and after the quorum was lost.
 
-The last line is a JSON object.
+Every wait has a deadline and fails loudly with the job's last output.  The
+last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,12 +44,46 @@ STEPS = 120
 OUTAGE_S = 6.0
 
 
-def wait_for_step(run, step: int) -> None:  # type: ignore[no-untyped-def]
-    while True:
+#: Longest wait for the job to reach a step before the benchmark fails.
+STEP_DEADLINE_S = 90.0
+#: Longest the whole job may run before the benchmark fails.
+RUN_DEADLINE = timedelta(minutes=5)
+#: What a worker logs when it pauses for etcd.
+PAUSE_LINE = "pausing until etcd is back"
+
+
+def fail(what: str, lines: list[str]) -> SystemExit:
+    tail = "\n".join(lines[-40:])
+    return SystemExit(f"{what}; last output:\n{tail}")
+
+
+def wait_for_step(run, step: int, lines: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the job runs at ``step`` or later; fail loudly after ``STEP_DEADLINE_S``."""
+    deadline = time.monotonic() + STEP_DEADLINE_S
+    status = None
+    while time.monotonic() < deadline:
         status = jobs.read_status(run._client, run.spec.name)
         if status and status.step >= step and status.phase is JobPhase.RUNNING:
             return
+        if status and status.phase.terminal:
+            raise fail(f"the job ended before it ran at step {step} (status: {status})", lines)
         time.sleep(0.05)
+    raise fail(
+        f"the job did not run at step {step} within {STEP_DEADLINE_S:g}s (last status: {status})",
+        lines,
+    )
+
+
+def pauses(lines: list[str]) -> int:
+    return sum(1 for line in lines if PAUSE_LINE in line)
+
+
+def is_leader(endpoint: str) -> bool:
+    """Whether the member at ``endpoint`` is the raft leader (etcd's JSON gateway)."""
+    request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}")
+    with urllib.request.urlopen(request, timeout=5) as r:
+        status = json.load(r)
+    return bool(status["leader"] == status["header"]["member_id"])
 
 
 def step_times(tmp: Path) -> tuple[dict[int, float], int, int]:
@@ -67,16 +107,20 @@ def main() -> None:
     spec = tiny_job("etcd-outage", tmp, steps=STEPS, step_time=0.05)
     with (
         EtcdCluster(3) as cluster,
-        quiet_run(spec, lines, etcd=EtcdOptions(cluster.endpoints)) as run,
+        quiet_run(spec, lines, etcd=EtcdOptions(cluster.endpoints), timeout=RUN_DEADLINE) as run,
     ):
-        wait_for_step(run, 30)
+        wait_for_step(run, 30, lines)
         one_down = time.time()
+        one_down_from = len(lines)
+        leader_killed = is_leader(cluster.members[0].endpoint)
         cluster.kill(0)
-        wait_for_step(run, 60)
+        wait_for_step(run, 60, lines)
         cluster.restart(0)
         cluster.wait_healthy()
-        wait_for_step(run, 65)
+        wait_for_step(run, 65, lines)
+        one_down_pauses = pauses(lines[one_down_from:])
         quorum_lost = time.time()
+        quorum_lost_from = len(lines)
         cluster.kill(0)
         cluster.kill(1)
         time.sleep(OUTAGE_S)
@@ -85,6 +129,9 @@ def main() -> None:
         cluster.wait_healthy()
         healthy = time.time()
         result = run.wait()
+        quorum_lost_pauses = pauses(lines[quorum_lost_from:])
+    if result.phase is not JobPhase.SUCCEEDED:
+        raise fail(f"the job ended {result.phase.value}, not Succeeded", lines)
     first, twice, never = step_times(tmp)
     ordered = sorted(first.items())
     gaps = [b[1] - a[1] for a, b in itertools.pairwise(ordered)]
@@ -98,7 +145,10 @@ def main() -> None:
         "phase": result.phase.value,
         "median_step_s": round(median, 4),
         "one_member_killed_longest_step_gap_s": round(max(around, default=0.0), 3),
+        "one_member_killed_was_leader": leader_killed,
+        "one_member_down_pauses": one_down_pauses,
         "quorum_lost_steps_before_pause": len(during),
+        "quorum_lost_pauses": quorum_lost_pauses,
         "quorum_outage_s": round(healthy - quorum_lost, 2),
         "resume_after_quorum_back_s": round(after[0] - healthy, 3) if after else None,
         "steps_applied_twice": twice,

@@ -4,7 +4,11 @@
   every etcd call goes through it (fail-over, retries, silences).
 * ``options``: ``EtcdOptions`` (endpoints, TLS, credentials, timeouts).
 * ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``, ``Lease``.
-* ``channel``: opening the etcd3 library's client; the connect loop.
+* ``channel``: opening the etcd3 library's client of each member; the connect loop.
+* ``members``: the members as a client sees them: which one calls go to, fail-over,
+  per-attempt deadlines.
+* ``quorum``: whether etcd has a quorum (a majority of members answering, with a
+  leader), and where the leader is.
 * ``diagnosis``: why etcd did not answer (TLS mismatch, refused credentials, no quorum).
 * ``retry``: jittered backoff and ``retry_unavailable`` for waiting out outages.
 * ``grpc_env``: gRPC's environment for the processes ringmaster starts.

@@ -1,9 +1,10 @@
-"""Opening the etcd3 library's client: endpoints, TLS credentials, the auth token.
+"""Opening the etcd members: endpoints, TLS credentials, the auth token.
 
 :func:`open_client` (behind :func:`orchestrator.etcd.client.connect`) tries
-every endpoint until one answers, then opens all of them for fail-over.  A
-failure that will not heal (refused credentials, a TLS mismatch) ends it at
-once, with what to check (:mod:`orchestrator.etcd.diagnosis`).  With user/password the auth token is
+every endpoint until one answers, then opens every member for fail-over
+(:mod:`orchestrator.etcd.members`).  A failure that will not heal (refused
+credentials, a TLS mismatch) ends it at once, with what to check
+(:mod:`orchestrator.etcd.diagnosis`).  With user/password the auth token is
 sent as call metadata (:func:`authenticate`), which works on plain-text
 channels too: gRPC refuses call credentials there.
 """
@@ -20,17 +21,19 @@ from etcd3 import etcdrpc
 
 from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
 from orchestrator.etcd import diagnosis
+from orchestrator.etcd.members import Member, Members, member_client, start_at
 from orchestrator.etcd.options import EtcdOptions, host_port
 from orchestrator.etcd.retry import Backoff
 
-#: How long a failed endpoint is avoided before it is tried again.
-ENDPOINT_RETRY_AFTER = timedelta(seconds=1)
 #: Pauses between rounds over every endpoint while connecting (jittered, doubling).
 CONNECT_PAUSES = (timedelta(seconds=0.2), timedelta(seconds=1))
 
 
-def open_client(options: EtcdOptions) -> Any:
-    """A raw client of every endpoint, once one has answered within ``connect_timeout``.
+def open_client(options: EtcdOptions) -> Members:
+    """Every member, once one has answered within ``connect_timeout``; calls start there.
+
+    Endpoints are tried from a random one on, so that clients spread over the
+    members.
 
     Raises:
         EtcdUnavailableError: no endpoint answered; names every endpoint and its error.
@@ -39,17 +42,20 @@ def open_client(options: EtcdOptions) -> Any:
     """
     if not options.endpoints:
         raise EtcdError("no etcd endpoints given; pass --etcd host:port or set RINGMASTER_ETCD")
+    _check_credentials(options)
     creds = secure_credentials(options)
     deadline = time.monotonic() + options.connect_timeout.total_seconds()
     backoff = Backoff(*CONNECT_PAUSES)
     reasons: dict[str, str] = {}
     checked: set[str] = set()
     tls_problems: dict[str, str] = {}
+    first = start_at(len(options.endpoints))
+    order = [*options.endpoints[first:], *options.endpoints[:first]]
     while True:
         if tls_problems and set(tls_problems) | set(reasons) >= set(options.endpoints):
             # Every endpoint failed and some for a TLS reason: that will not heal.
             raise EtcdAuthError("; ".join(tls_problems.values()))
-        for ep in options.endpoints:
+        for ep in order:
             host, port = host_port(ep)
             remaining = max(deadline - time.monotonic(), 0.2)
             try:
@@ -64,14 +70,23 @@ def open_client(options: EtcdOptions) -> Any:
                     if mismatch:
                         tls_problems[ep] = mismatch
                 continue
-            # Re-open with every endpoint for fail-over once one is known to work.
-            if len(options.endpoints) > 1:
-                raw.close()
-                raw = open_all(options, creds)
-            return raw
+            return _members(options, creds, ep, raw)
         if time.monotonic() >= deadline:
             raise EtcdUnavailableError(list(options.endpoints), options.connect_timeout, reasons)
         time.sleep(min(backoff.next(), max(deadline - time.monotonic(), 0.0)))
+
+
+def _members(options: EtcdOptions, creds: Any, answered: str, raw: Any) -> Members:
+    """Every member; ``raw`` is the client of ``answered``, where calls start."""
+    members = []
+    for ep in options.endpoints:
+        if ep == answered:
+            members.append(Member(ep, raw, authenticated=bool(options.user)))
+        else:
+            host, port = host_port(ep)
+            timeout = options.op_timeout.total_seconds()
+            members.append(Member(ep, member_client(host, port, creds, timeout)))
+    return Members(members, _current=options.endpoints.index(answered))
 
 
 def secure_credentials(options: EtcdOptions) -> Any:
@@ -106,47 +121,33 @@ def authenticate(raw: Any, options: EtcdOptions) -> None:
 
 
 def open_endpoint(options: EtcdOptions, host: str, port: int, creds: Any, timeout: float) -> Any:
-    """A raw client of one endpoint that has answered a status call.
+    """A client of one member that has answered a status call (authenticated with user/password).
 
     Raises:
         EtcdAuthError: the endpoint refused the user or password.
         Exception: whatever the etcd3 library or gRPC raised (the caller diagnoses it).
     """
+    raw = member_client(host, port, creds, timeout)
     try:
-        raw = _new_client(options, [_endpoint(host, port, creds)], timeout)
+        if options.user:
+            authenticate(raw, options)
         raw.status()
     except grpc.RpcError as e:
+        raw.close()
         if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
             raise EtcdAuthError(
                 f"etcd at {host}:{port} refused user {options.user!r}: {e.details()}; "
                 "check --etcd-user and --etcd-password / RINGMASTER_ETCD_PASSWORD"
             ) from e
         raise
+    except Exception:
+        raw.close()
+        raise
     raw.timeout = options.op_timeout.total_seconds()
     return raw
 
 
-def open_all(options: EtcdOptions, creds: Any) -> Any:
-    """A raw client over every endpoint, failing over between them."""
-    endpoints = [_endpoint(*host_port(ep), creds) for ep in options.endpoints]
-    return _new_client(options, endpoints, options.op_timeout.total_seconds())
-
-
-def _endpoint(host: str, port: int, creds: Any) -> Any:
-    return etcd3.Endpoint(
-        host,
-        port,
-        secure=creds is not None,
-        creds=creds,
-        time_retry=ENDPOINT_RETRY_AFTER.total_seconds(),
-    )
-
-
-def _new_client(options: EtcdOptions, endpoints: list[Any], timeout: float) -> Any:
+def _check_credentials(options: EtcdOptions) -> None:
     if bool(options.user) != bool(options.password):
         missing = "--etcd-password (or RINGMASTER_ETCD_PASSWORD)" if options.user else "--etcd-user"
         raise EtcdError(f"etcd user/password auth needs both; {missing} is missing")
-    raw = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
-    if options.user:
-        authenticate(raw, options)
-    return raw

@@ -26,12 +26,14 @@ import grpc
 from orchestrator.api import EtcdAuthError, EtcdError
 from orchestrator.etcd.options import EtcdOptions, host_port
 
-#: Errors of the etcd3 library that mean "this endpoint did not serve the call".
+#: Errors of the etcd3 library that mean "this endpoint did not serve the call"
+#: (a watch not created within the attempt's deadline among them).
 RETRYABLE = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
+    etcd_exc.WatchTimedOut,
 )
 
 # What etcd answers while it has no leader (quorum lost, election running): the
@@ -45,6 +47,9 @@ _NO_QUORUM_DETAILS = (
     "too many requests",
 )
 
+# What a member answers when its leader is gone or being replaced.
+_LEADER_DETAILS = ("request timed out", "no leader", "leader changed", "raft proposal dropped")
+
 #: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
 _TLS_PROBE_SECONDS = 1.0
 
@@ -56,6 +61,41 @@ def transient(e: grpc.RpcError) -> bool:
         return True
     details = (e.details() or "").lower()
     return any(d in details for d in _NO_QUORUM_DETAILS)
+
+
+def grpc_error(e: BaseException | None) -> grpc.RpcError | None:
+    """The gRPC error behind ``e`` (itself, or what the etcd3 library raised it from)."""
+    while e is not None:
+        if isinstance(e, grpc.RpcError):
+            return e
+        e = e.__cause__
+    return None
+
+
+def member_down(e: BaseException) -> bool:
+    """``e`` says the member itself could not be reached (not etcd answering with an error)."""
+    err = grpc_error(e)
+    if err is None:
+        return isinstance(e, etcd_exc.ConnectionFailedError)
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and not details.startswith("etcdserver:")
+
+
+def leader_trouble(e: BaseException) -> bool:
+    """``e`` may mean that the raft leader is gone (a write lost with it, an election).
+
+    The attempt ran out of time, or the member said its request timed out, the
+    leader changed or it knows none.
+    """
+    if isinstance(e, etcd_exc.ConnectionTimeoutError):
+        return True
+    err = grpc_error(e)
+    if err is None:
+        return False
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    details = (err.details() or "").lower()
+    return any(d in details for d in _LEADER_DETAILS)
 
 
 def token_rejected(e: grpc.RpcError) -> bool:
@@ -96,8 +136,9 @@ def reason(e: Exception) -> str:
 def describe_endpoint(endpoint: str, e: Exception | None) -> str:
     """Why ``endpoint`` did not serve a call that failed with ``e``, for people."""
     what = type(e).__name__ if e is not None else "no answer"
-    if isinstance(e, grpc.RpcError):
-        what = f"{e.code().name}: {e.details() or ''}"
+    cause = grpc_error(e)
+    if cause is not None:
+        what = f"{cause.code().name}: {cause.details() or ''}"
     try:
         host, port = host_port(endpoint)
         with socket.create_connection((host, port), timeout=0.3):

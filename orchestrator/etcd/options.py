@@ -18,6 +18,12 @@ from orchestrator.settings import SETTINGS
 DEFAULT_CONNECT_TIMEOUT = SETTINGS.etcd_connect_timeout
 #: Per-operation deadline, including fail-over retries across endpoints.
 DEFAULT_OP_TIMEOUT = SETTINGS.etcd_op_timeout
+#: Deadline of the first attempt of an operation on one member (later rounds
+#: over every member double it).  A healthy member answers in milliseconds; a
+#: write that a member forwarded to a leader that has just died is never
+#: answered (etcd says so only after 5 s and two election timeouts), so it is
+#: sent again after this instead.
+DEFAULT_ATTEMPT_TIMEOUT = timedelta(seconds=1)
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class EtcdOptions:
         user / password: etcd RBAC credentials (the password is never logged).
         connect_timeout: how long ``connect`` waits for some endpoint.
         op_timeout: deadline of each call, fail-over retries included.
+        attempt_timeout: deadline of one attempt of a call on one member (at
+            most ``op_timeout``; doubled for each round over every member).
     """
 
     endpoints: tuple[str, ...]
@@ -40,6 +48,7 @@ class EtcdOptions:
     password: str | None = field(default=None, repr=False)
     connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT
     op_timeout: timedelta = DEFAULT_OP_TIMEOUT
+    attempt_timeout: timedelta = DEFAULT_ATTEMPT_TIMEOUT
 
     @property
     def secure(self) -> bool:

@@ -8,7 +8,10 @@
   pod) so a lost machine does not lose the controller; two replicas for a
   moment during a rollout are harmless because controllers elect a leader
   through an etcd lease.  Once the job is finished it is scaled to zero, so
-  the exiting controller is not restarted forever.
+  the exiting controller is not restarted forever; a suspended job's once its
+  agent pods, which need it to relay their checkpoint request, are gone.
+  It gets the pod template's scheduling fields
+  (:func:`.template.controller_scheduling`).
 * **Service** ``<job>-metrics``: the controller's Prometheus endpoint (port
   ``metrics``, 9400), labelled like the controller
   (``app.kubernetes.io/component: controller``) so one ServiceMonitor
@@ -110,14 +113,16 @@ def controller_deployment(
     running: bool = True,
     service_account: str = "",
     settings: OperatorSettings | None = None,
-    image_pull_secrets: list[str] | None = None,
+    scheduling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The job's controller, one replica while the job runs, zero once it is finished
     (or suspended).
 
     ``settings`` adds the operator's etcd TLS Secret, user and password Secret
-    (:mod:`orchestrator.operator.etcd_access`); ``image_pull_secrets`` are the
-    template's (the controller runs the agents' image).
+    (:mod:`orchestrator.operator.etcd_access`); ``scheduling`` are the pod
+    template's scheduling fields (:func:`.template.controller_scheduling`: node
+    selection, tolerations, registry secrets, priority), so the controller runs
+    wherever the agents may.
     """
     pod_labels = labels(spec.name, ROLE_CONTROLLER)
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *etcd_env(spec, settings)]
@@ -160,8 +165,7 @@ def controller_deployment(
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
-    if image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in image_pull_secrets]
+    pod_spec.update(scheduling or {})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

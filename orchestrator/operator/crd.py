@@ -403,8 +403,9 @@ def _field_schema(tp: Any, f: dataclasses.Field[Any], path: str) -> dict[str, An
         schema = dict(f.metadata["schema"])
     else:
         schema = _type_schema(_strip_optional(tp), path)
-    if "enum" in f.metadata:
-        schema["enum"] = list(f.metadata["enum"])
+    if "enum" in f.metadata:  # of a list field: of its items (as the loader checks them)
+        target = schema["items"] if schema.get("type") == "array" else schema
+        target["enum"] = list(f.metadata["enum"])
     if "minimum" in f.metadata:
         schema["minimum"] = f.metadata["minimum"]
     if "doc" in f.metadata:
@@ -418,8 +419,8 @@ def _field_schema(tp: Any, f: dataclasses.Field[Any], path: str) -> dict[str, An
     default = _default_of(f)
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     keep_default = not path.startswith(NO_DEFAULT_PREFIX) or path in _COMPRESSION_DEFAULTS_KEPT
-    if required:
-        pass  # required fields never take a default
+    if required or f.metadata.get("no_default"):
+        pass  # required fields never take a default; nor what is absent unless given
     elif dataclasses.is_dataclass(_strip_optional(tp)):
         # An empty default makes the API server fill in the nested defaults too.
         schema["default"] = {}

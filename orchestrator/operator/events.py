@@ -8,9 +8,9 @@ reported once, by the sync that first sees it.
 | reason | type | when |
 | --- | --- | --- |
 | ``PodFailed`` | Warning | an agent pod failed (evicted, preempted, crashed) and is replaced |
-| ``NodeFailed`` | Warning | the controller lists a pod as failed that it did not before |
-| ``Recovering`` | Warning | the job entered phase Recovering (the controller's reason) |
-| ``Recovered`` | Normal | the recovery count went up (the job trains again) |
+| ``NodeFailed`` | Warning | the controller newly lists a pod as failed (not while suspending) |
+| ``Recovering`` | Warning | the job entered phase Recovering (not on a resume) |
+| ``Recovered`` | Normal | the recovery count went up (not while suspending) |
 | ``Checkpoint`` | Normal | a newer committed checkpoint |
 | ``Succeeded`` / ``Failed`` | Normal / Warning | the job reached a terminal phase |
 | ``Suspended`` / ``Resumed`` | Normal | ``spec.suspend`` took effect / was cleared |
@@ -40,16 +40,19 @@ def sync_events(
             out.append(JobEvent(WARNING, "PodFailed", f"{gone.name}: {gone.reason}; replacing it"))
         if gone.kind == "TrainingJob":
             out.append(JobEvent(NORMAL, "Expired", gone.reason))
+    phase, was = new.get("phase"), old.get("phase")
+    # Suspending: the pods leave on purpose, and the controller sees them go
+    # (nodes lost, a spare swapped in) until the last one has left: no failures.
+    suspending = phase == SUSPENDED_PHASE
     before = set(old.get("failedPods") or [])
     for pod in new.get("failedPods") or []:
-        if pod not in before:
+        if pod not in before and not suspending:
             out.append(JobEvent(WARNING, "NodeFailed", f"the controller lost {pod}"))
-    phase, was = new.get("phase"), old.get("phase")
     message = str(new.get("message") or "")
-    if phase == "Recovering" and was != "Recovering":
+    if phase == "Recovering" and was not in ("Recovering", SUSPENDED_PHASE):
         out.append(JobEvent(WARNING, "Recovering", message or "a node was lost; re-forming"))
     recoveries, had = int(new.get("recoveries") or 0), int(old.get("recoveries") or 0)
-    if recoveries > had:
+    if recoveries > had and not suspending:
         out.append(
             JobEvent(
                 NORMAL,
@@ -66,7 +69,11 @@ def sync_events(
         out.append(JobEvent(_TERMINAL[phase], phase, f"{text}: {message}" if message else text))
     if phase == SUSPENDED_PHASE and was != SUSPENDED_PHASE:
         out.append(
-            JobEvent(NORMAL, "Suspended", "spec.suspend is true: the job's pods are removed")
+            JobEvent(
+                NORMAL,
+                "Suspended",
+                "spec.suspend is true: the job's pods save a checkpoint and leave",
+            )
         )
     if was == SUSPENDED_PHASE and phase != SUSPENDED_PHASE:
         out.append(JobEvent(NORMAL, "Resumed", "spec.suspend is false: the job's pods return"))

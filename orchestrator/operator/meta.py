@@ -66,9 +66,10 @@ PASSED_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
 def passed_labels(body: dict[str, Any]) -> dict[str, str]:
     """The TrainingJob's labels that its pods carry too (:data:`PASSED_LABELS`).
 
-    Kueue admits a job by the ``kueue.x-k8s.io/queue-name`` label: on the
-    TrainingJob it names the queue, and on the pods it lets Kueue's pod
-    integration account for (and gate) them in the same queue.
+    Only copied: nothing in ringmaster talks to Kueue, and Kueue has no
+    integration for the TrainingJob kind, so it does not admit a TrainingJob.
+    What the labels do on the pods depends on the cluster's own Kueue setup
+    (untried here).  A pod template may not set them (:mod:`.template`).
     """
     job_labels = (body.get("metadata") or {}).get("labels") or {}
     return {k: str(job_labels[k]) for k in PASSED_LABELS if k in job_labels}

@@ -50,7 +50,7 @@ from orchestrator.operator.api import (
 )
 from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volumes
 from orchestrator.operator.meta import agent_selector, child_meta, passed_labels, service_name
-from orchestrator.operator.template import apply_template, template_metadata
+from orchestrator.operator.template import apply_template, gpu_toleration, template_metadata
 from orchestrator.operator.trainingjob import PodTemplate
 from orchestrator.spec import JobSpec
 
@@ -220,9 +220,7 @@ def agent_pod_spec(
     if settings.service_account:
         pod_spec["serviceAccountName"] = settings.service_account
     if spec.resources.gpus:
-        pod_spec["tolerations"] = [
-            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-        ]
+        pod_spec["tolerations"] = [gpu_toleration()]
     if template is not None:
         pod_spec = apply_template(pod_spec, template, spec.resources.image, f"job '{spec.name}'")
     return pod_spec

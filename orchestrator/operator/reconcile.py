@@ -23,10 +23,14 @@ Agent pods (see :mod:`.pods` for why they are managed directly):
   phase the job is over: no pod is created any more, the remaining live pods
   are deleted once the phase is terminal (finished pods stay for their
   logs), and the controller Deployment is scaled to zero;
-* ``spec.suspend: true``: every live agent pod is deleted (each saves a
-  checkpoint in its preStop hook, as on a preemption) and the controller is
-  scaled to zero; the Services, the budget and the job's etcd records stay,
-  so clearing the flag brings the pods back and the job resumes;
+* ``spec.suspend: true``: every live agent pod is deleted; its preStop hook
+  makes the agent ask for a checkpoint and leave once it is committed (as on a
+  preemption).  The controller relays that request to the workers, so it keeps
+  running until no agent pod is left (or every one left is past its grace
+  period), and only then is scaled to zero.  The phase it last wrote is not a
+  terminal one (the nodes left: Recovering), and the Services, the budget and
+  the job's etcd records stay, so clearing the flag brings new pods and a new
+  controller, and the job goes on from that checkpoint;
 * ``spec.ttlSecondsAfterFinished``: that long after the phase became
   terminal (``status.completionTime``) the plan deletes the TrainingJob itself;
 * Events for what changed (:mod:`.events`).
@@ -58,7 +62,7 @@ from orchestrator.operator.children import (
 from orchestrator.operator.events import sync_events
 from orchestrator.operator.pods import agent_pod, agent_pod_hash, agent_pod_spec
 from orchestrator.operator.status import build_status, controller_phase, parse_time, pod_ready
-from orchestrator.operator.template import template_metadata
+from orchestrator.operator.template import controller_scheduling, template_metadata
 from orchestrator.operator.trainingjob import (
     TrainingJobFields,
     load_trainingjob_fields,
@@ -217,7 +221,50 @@ def reconcile(
     phase = controller_phase(controller)
     terminal = bool(phase and phase.terminal)
     suspended = fields.suspend and not terminal
-    pull_secrets = [s.name for s in template.spec.image_pull_secrets]
+
+    pods = [p for p in observed.pods if _owned_by(p, uid)]
+    current_hash = agent_pod_hash(body, spec, endpoints, settings, template)
+    spares = set((controller or {}).get("spare_nodes") or [])
+
+    pod_deletions: list[Deletion] = []
+    live: list[dict[str, Any]] = []
+    draining = 0  # pods being deleted whose agents may still be saving (within their grace)
+    finished = False
+    replaced = 0
+    for pod in pods:
+        pod_meta = pod.get("metadata") or {}
+        pod_phase = (pod.get("status") or {}).get("phase", "Pending")
+        if pod_meta.get("deletionTimestamp"):
+            if pod_phase in _LIVE_PHASES and _within_grace(pod, now):
+                draining += 1
+            continue
+        if pod_phase == "Failed":
+            reason = (pod.get("status") or {}).get("reason") or "Failed"
+            pod_deletions.append(Deletion("Pod", pod_meta["name"], f"pod failed ({reason})"))
+            replaced += 1
+        elif pod_phase == "Succeeded":
+            finished = True
+        elif pod_phase in _LIVE_PHASES:
+            live.append(pod)
+
+    want = 0 if (terminal or finished or suspended) else desired_pod_count(spec)
+    victims: list[dict[str, Any]] = []
+    if terminal or suspended:
+        victims = list(live)
+    elif finished:
+        pass  # the job is ending: the controller's phase will follow; keep the rest
+    elif len(live) > want:
+        victims = sorted(live, key=lambda p: _victim_rank(p, spares))[: len(live) - want]
+    for pod in victims:
+        why = "job finished" if terminal else "job suspended" if suspended else "scaled down"
+        pod_deletions.append(Deletion("Pod", pod["metadata"]["name"], why))
+    kept = [p for p in live if p not in victims]
+    # Suspending: a deleted agent pod's preStop hook makes the agent ask the controller
+    # for a checkpoint and wait for it to be committed (as on a preemption); the
+    # controller relays that request to the workers, so it stays until every agent pod
+    # is gone (or past its grace period), and only then is scaled to zero.
+    saving = suspended and bool(victims or draining)
+    controller_running = not terminal and (not suspended or saving)
 
     for desired in (
         headless_service(body, spec),
@@ -228,10 +275,10 @@ def reconcile(
             endpoints,
             cpu=settings.controller_cpu,
             memory=settings.controller_memory,
-            running=not (terminal or suspended),
+            running=controller_running,
             service_account=settings.service_account,
             settings=settings,
-            image_pull_secrets=pull_secrets,
+            scheduling=controller_scheduling(template, bool(spec.resources.gpus)),
         ),
         disruption_budget(body, spec),
     ):
@@ -249,40 +296,7 @@ def reconcile(
             plan.create.append(desired)
         elif not contains(current, desired):
             plan.apply.append(desired)
-
-    pods = [p for p in observed.pods if _owned_by(p, uid)]
-    current_hash = agent_pod_hash(body, spec, endpoints, settings, template)
-    spares = set((controller or {}).get("spare_nodes") or [])
-
-    live: list[dict[str, Any]] = []
-    finished = False
-    replaced = 0
-    for pod in pods:
-        pod_meta = pod.get("metadata") or {}
-        pod_phase = (pod.get("status") or {}).get("phase", "Pending")
-        if pod_meta.get("deletionTimestamp"):
-            continue
-        if pod_phase == "Failed":
-            reason = (pod.get("status") or {}).get("reason") or "Failed"
-            plan.delete.append(Deletion("Pod", pod_meta["name"], f"pod failed ({reason})"))
-            replaced += 1
-        elif pod_phase == "Succeeded":
-            finished = True
-        elif pod_phase in _LIVE_PHASES:
-            live.append(pod)
-
-    want = 0 if (terminal or finished or suspended) else desired_pod_count(spec)
-    victims: list[dict[str, Any]] = []
-    if terminal or suspended:
-        victims = list(live)
-    elif finished:
-        pass  # the job is ending: the controller's phase will follow; keep the rest
-    elif len(live) > want:
-        victims = sorted(live, key=lambda p: _victim_rank(p, spares))[: len(live) - want]
-    for pod in victims:
-        why = "job finished" if terminal else "job suspended" if suspended else "scaled down"
-        plan.delete.append(Deletion("Pod", pod["metadata"]["name"], why))
-    kept = [p for p in live if p not in victims]
+    plan.delete += pod_deletions
 
     creations = max(want - len(kept), 0)
     if creations == 0 and want and kept:
@@ -309,6 +323,7 @@ def reconcile(
         replaced=replaced,
         next_index=next_index,
         suspended=suspended,
+        saving=len(victims) + draining if suspended else 0,
     )
     ttl = fields.ttl_seconds_after_finished
     done_at = parse_time(plan.status.get("completionTime"))
@@ -347,6 +362,18 @@ def contains(actual: Any, wanted: Any) -> bool:
 def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return uid is None or any(r.get("uid") == uid for r in refs)
+
+
+def _within_grace(pod: dict[str, Any], now: datetime) -> bool:
+    """A pod being deleted whose grace period has not ended (its agent may still be saving).
+
+    The API server sets ``deletionTimestamp`` to the time of the request plus the
+    grace period: the kubelet kills what is left then.  A pod past it whose object
+    remains (its node is unreachable) has no agent that could still save.  A
+    timestamp that cannot be read counts as within the grace.
+    """
+    deadline = parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
+    return deadline is None or now < deadline
 
 
 def _template_hash_of(pod: dict[str, Any]) -> str | None:

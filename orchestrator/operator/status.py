@@ -15,7 +15,8 @@ Conditions (``type``: meaning when ``True``):
 * ``SparesAvailable``: at least ``nodes.spares`` warm spares are registered.
 * ``Finished``: the job reached a terminal phase (reason = the phase).
 * ``SpecValid``: the spec passed the job spec loader (``False`` = phase Invalid).
-* ``Suspended``: ``spec.suspend`` is true; no pods run (phase Suspended).
+* ``Suspended``: ``spec.suspend`` is true (phase Suspended); the message says
+  whether agent pods are still saving a checkpoint and leaving.
 
 ``completionTime`` is when the phase first became terminal (what
 ``ttlSecondsAfterFinished`` counts from).
@@ -108,6 +109,7 @@ def build_status(
     replaced: int,
     next_index: int,
     suspended: bool = False,
+    saving: int = 0,
 ) -> dict[str, Any]:
     """The full status of a valid TrainingJob.
 
@@ -122,6 +124,7 @@ def build_status(
         replaced: pods replaced in this round (added to the running total).
         next_index: the index the next new agent pod gets.
         suspended: ``spec.suspend`` holds (and the job is not finished): phase Suspended.
+        saving: while suspending, the agent pods still saving a checkpoint and leaving.
     """
     rec = controller or {}
     phase = controller_phase(controller) or JobPhase.PENDING
@@ -136,6 +139,13 @@ def build_status(
         )
 
     want_spares = spec.nodes.spares
+    if saving:
+        suspend_message = (
+            f"spec.suspend is true: {saving} agent pod(s) are saving a checkpoint and "
+            "leaving; the controller stays until they are gone"
+        )
+    else:
+        suspend_message = "spec.suspend is true: no pods run; the job's state is kept"
     conditions = [
         cond("SpecValid", True, "Valid", "the spec passed validation"),
         cond(
@@ -166,7 +176,7 @@ def build_status(
             "Suspended",
             suspended,
             "Suspended" if suspended else "NotSuspended",
-            "spec.suspend is true: no pods run; the job's state is kept" if suspended else "",
+            suspend_message if suspended else "",
         ),
     ]
     status: dict[str, Any] = {

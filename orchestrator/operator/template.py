@@ -8,7 +8,10 @@ TrainingJob's status: nothing is silently dropped.
 
 * ``metadata.labels`` / ``annotations``: added to the pod; keys under
   ``ringmaster.dev/`` and the ``app.kubernetes.io/`` labels the operator sets
-  conflict.
+  conflict, and so do ``kueue.x-k8s.io/queue-name`` and ``/priority-class``:
+  the operator copies those from the TrainingJob's own labels
+  (:func:`.meta.passed_labels`), and two places for one label would let one
+  silently win.
 * ``spec.volumes``: added; a name the operator uses (``podinfo``, ``tmp``,
   ``dshm``, ``etcd-tls``) conflicts.  A template volume mounted at
   ``/dev/shm`` or ``/tmp`` in the agent container *replaces* the operator's
@@ -22,18 +25,29 @@ TrainingJob's status: nothing is silently dropped.
   from ``resources.cpu`` / ``resources.memory`` and ``nvidia.com/gpu`` from
   ``resources.gpus``, any other resource (``amd.com/gpu``, RDMA devices,
   hugepages) from the template.
-* other containers are sidecars, added as given (they need an image).
+* its ``securityContext`` may add capabilities (``IPC_LOCK`` for RDMA; not
+  ``ALL``) and set ``runAsUser`` / ``runAsGroup`` / ``runAsNonRoot``; the
+  rest is the operator's (all other capabilities dropped, no privilege
+  escalation, a read-only root file system, never privileged), and
+  ``runAsUser: 0`` needs ``runAsNonRoot: false``.  See :func:`agent_security`
+  for why an added capability needs root.
+* other containers are sidecars, added as given (they need an image); a
+  sidecar's own ``securityContext`` overrides the pod's (which runs every
+  container as user 1000, non-root).
 * ``nodeSelector``, ``affinity``, ``priorityClassName``, ``schedulerName``,
   ``runtimeClassName``, ``imagePullSecrets``, ``serviceAccountName`` and
   ``automountServiceAccountToken`` are set on the pod (the job's service
   account wins over the operator's default); ``tolerations`` are added to the
-  GPU toleration.  ``imagePullSecrets`` go to the controller pod too: it runs
-  the same image.
+  GPU toleration.  The scheduling ones (``nodeSelector``, node affinity,
+  ``tolerations``, ``imagePullSecrets``, ``priorityClassName``) go to the
+  controller pod too (:func:`controller_scheduling`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
@@ -45,12 +59,15 @@ from orchestrator.operator.api import (
     LABEL_MANAGED_BY,
     LABEL_NAME,
 )
+from orchestrator.operator.meta import PASSED_LABELS
 from orchestrator.operator.trainingjob import (
     ContainerTemplate,
     EnvVar,
     PodTemplate,
+    SecurityContext,
     VolumeMount,
 )
+from orchestrator.spec import camel_key
 
 AGENT_CONTAINER = "agent"
 #: Mount paths whose operator default a template volume may replace, and the default's volume.
@@ -109,6 +126,16 @@ def template_metadata(template: PodTemplate, source: str) -> tuple[dict[str, str
                     f"{_T}.metadata.labels.{key}",
                     f"'{key}' is a label the operator sets on every pod of the job; "
                     "use a key of your own",
+                    None,
+                    source,
+                )
+            )
+        elif key in PASSED_LABELS:
+            problems.append(
+                SpecProblem(
+                    f"{_T}.metadata.labels.{key}",
+                    f"'{key}' is copied to the pods from the TrainingJob's own "
+                    "metadata.labels; set it there, not in the template",
                     None,
                     source,
                 )
@@ -217,6 +244,8 @@ def apply_template(
                     f"no volume named '{m.name}' in template.spec.volumes; add it there",
                 )
             agent["volumeMounts"].append(volume_mount(m))
+        if c.security_context is not None:
+            agent_security(agent, c.security_context, f"{at}.securityContext", conflict)
         for kind in ("requests", "limits"):
             for name, amount in getattr(c.resources, kind).items():
                 if name in OWNED_RESOURCES:
@@ -270,6 +299,113 @@ def apply_template(
     return out
 
 
+def gpu_toleration() -> dict[str, Any]:
+    """Tolerates the taint GPU node pools commonly carry (``nvidia.com/gpu``, NoSchedule)."""
+    return {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def controller_scheduling(template: PodTemplate, gpus: bool) -> dict[str, Any]:
+    """Where the job's controller pod may run: the template's scheduling fields.
+
+    The controller runs the agents' image and must schedule on a cluster whose
+    nodes are all tainted GPU nodes: it gets the template's ``nodeSelector``,
+    its ``affinity.nodeAffinity``, its ``tolerations`` (and the GPU toleration
+    when the job has GPUs), ``imagePullSecrets`` and ``priorityClassName`` (a
+    controller below its agents' priority could be preempted for them).  Not
+    ``podAffinity`` / ``podAntiAffinity`` (written for agent pods: a rule
+    keeping agents apart could leave no node for the controller),
+    ``schedulerName``, ``runtimeClassName``, volumes, containers or the
+    service account: the controller needs no device, data or cloud role.
+    """
+    t = template.spec
+    out: dict[str, Any] = {}
+    if t.node_selector:
+        out["nodeSelector"] = dict(t.node_selector)
+    node_affinity = (t.affinity or {}).get("nodeAffinity")
+    if node_affinity:
+        out["affinity"] = {"nodeAffinity": copy.deepcopy(node_affinity)}
+    tolerations = [gpu_toleration()] if gpus else []
+    tolerations += [
+        {k: v for k, v in tol.items() if v is not None} for tol in map(_toleration, t.tolerations)
+    ]
+    if tolerations:
+        out["tolerations"] = tolerations
+    if t.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": s.name} for s in t.image_pull_secrets]
+    if t.priority_class_name is not None:
+        out["priorityClassName"] = t.priority_class_name
+    return out
+
+
+#: Security settings of the agent container that are the operator's (template field: value).
+OWNED_SECURITY = {
+    "read_only_root_filesystem": ("readOnlyRootFilesystem", "true"),
+    "allow_privilege_escalation": ("allowPrivilegeEscalation", "false"),
+    "privileged": ("privileged", "false"),
+}
+
+
+def agent_security(
+    agent: dict[str, Any],
+    wanted: SecurityContext,
+    at: str,
+    conflict: Callable[[str, str], None],
+) -> None:
+    """Add the template's ``securityContext`` of the agent container to ``agent``.
+
+    The agent may add capabilities (``IPC_LOCK`` for RDMA memory registration)
+    and choose its user; dropping capabilities, privilege escalation, a
+    writable root file system and privileged mode are the operator's.  A
+    capability added for a non-root user is in the container's bounding set
+    only (Kubernetes sets no ambient capabilities), so it takes effect only
+    with ``runAsUser: 0``, which needs ``runAsNonRoot: false`` beside it (the
+    pod runs as non-root by default).
+    """
+    ctx = agent["securityContext"]
+    caps = wanted.capabilities
+    if caps is not None:
+        if caps.drop:
+            conflict(
+                f"{at}.capabilities.drop",
+                "the agent drops ALL capabilities already; only capabilities.add may be set",
+            )
+        if "ALL" in caps.add:
+            i = caps.add.index("ALL")
+            conflict(
+                f"{at}.capabilities.add[{i}]",
+                "name the capabilities the agent needs (IPC_LOCK for RDMA), not ALL",
+            )
+        elif caps.add:
+            ctx["capabilities"]["add"] = list(dict.fromkeys(caps.add))
+    for name, (key, value) in OWNED_SECURITY.items():
+        if getattr(wanted, name) is not None:
+            conflict(f"{at}.{camel_key(name)}", f"the agent's {key} is the operator's ({value})")
+    if wanted.run_as_user == 0 and wanted.run_as_non_root is not False:
+        conflict(
+            f"{at}.runAsUser",
+            "runAsUser 0 (root) needs runAsNonRoot: false here too: the pods run as non-root "
+            "by default",
+        )
+    for name in ("run_as_user", "run_as_group", "run_as_non_root"):
+        value = getattr(wanted, name)
+        if value is not None:
+            ctx[camel_key(name)] = value
+
+
+def security_context(wanted: SecurityContext) -> dict[str, Any]:
+    """A sidecar's ``securityContext`` as given (set fields only)."""
+    out: dict[str, Any] = {}
+    if wanted.capabilities is not None:
+        caps = {k: list(v) for k, v in dataclasses.asdict(wanted.capabilities).items() if v}
+        if caps:
+            out["capabilities"] = caps
+    for f in dataclasses.fields(wanted):
+        value = getattr(wanted, f.name)
+        if f.name != "capabilities" and value is not None:
+            out[camel_key(f.name)] = value
+    return out
+
+
 def sidecar(c: ContainerTemplate) -> dict[str, Any]:
     out: dict[str, Any] = {"name": c.name, "image": c.image}
     if c.command:
@@ -285,6 +421,8 @@ def sidecar(c: ContainerTemplate) -> dict[str, Any]:
     resources = resource_requirements(c)
     if resources:
         out["resources"] = resources
+    if c.security_context is not None:
+        out["securityContext"] = security_context(c.security_context)
     return out
 
 

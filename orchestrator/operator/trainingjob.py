@@ -4,10 +4,12 @@ A TrainingJob's ``spec`` is a job spec (:class:`orchestrator.spec.JobSpec`, in
 camelCase) plus the fields below, which only mean something on Kubernetes and
 so are not part of the job file:
 
-* ``suspend``: no pods at all (agents nor controller) while true; the job's
-  records in etcd and its checkpoints stay, so setting it back to false
-  resumes the job.  This is Kueue's admission model: Kueue creates a job
-  suspended and clears the flag when it admits it.
+* ``suspend``: while true, no pods: the agent pods are deleted (each agent
+  asks for a checkpoint and leaves once it is committed, as on a preemption),
+  then the controller.  The job's records in etcd and its checkpoints stay, so
+  setting it back to false resumes the job from that checkpoint.  It is set by
+  hand (``kubectl patch``) or by any tool that flips it; Kueue does not (its
+  integration for the TrainingJob kind is not built).
 * ``ttlSecondsAfterFinished``: once the job has finished (Succeeded or
   Failed) for this long, the operator deletes the TrainingJob; its children
   go with it by garbage collection and its etcd records are removed.
@@ -17,8 +19,10 @@ so are not part of the job file:
 
 The dataclasses are the single description: :mod:`orchestrator.operator.crd`
 derives the CRD's schema from them (keys in camelCase, a description on every
-field) and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with
-them, naming the field path of every problem.
+field: its ``doc``, else the first line of its class's docstring; ``kubectl
+explain`` shows these as written, so they are plain text, no reStructuredText)
+and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with them,
+naming the field path of every problem.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ _QUANTITIES: dict[str, Any] = {
 
 @dataclass
 class EnvVar:
-    """An environment variable: a literal ``value`` or a ``valueFrom`` reference."""
+    """An environment variable: a literal value, or a valueFrom reference."""
 
     name: str = field(metadata=_doc("Variable name."))
     value: str | None = field(default=None, metadata=_doc("Literal value."))
@@ -82,7 +86,7 @@ class VolumeMount:
 
 @dataclass
 class ResourceRequirements:
-    """Requests and limits of any resource (``amd.com/gpu``, ``rdma/hca``, hugepages...)."""
+    """Requests and limits of any resource (amd.com/gpu, rdma/hca, hugepages...)."""
 
     requests: dict[str, str] = field(
         default_factory=dict,
@@ -98,9 +102,103 @@ class ResourceRequirements:
     )
 
 
+#: Linux capability names as Kubernetes takes them (capabilities(7), without ``CAP_``).
+LINUX_CAPABILITIES = (
+    "AUDIT_CONTROL",
+    "AUDIT_READ",
+    "AUDIT_WRITE",
+    "BLOCK_SUSPEND",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "KILL",
+    "LEASE",
+    "LINUX_IMMUTABLE",
+    "MAC_ADMIN",
+    "MAC_OVERRIDE",
+    "MKNOD",
+    "NET_ADMIN",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_RAW",
+    "PERFMON",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_CHROOT",
+    "SYS_MODULE",
+    "SYS_NICE",
+    "SYS_PACCT",
+    "SYS_PTRACE",
+    "SYS_RAWIO",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "ALL",
+)
+
+
+@dataclass
+class Capabilities:
+    """Linux capabilities added to or dropped from the container's."""
+
+    add: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Capabilities to add, e.g. IPC_LOCK for RDMA (effective only for a root user).",
+            enum=LINUX_CAPABILITIES,
+            no_default=True,
+        ),
+    )
+    drop: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Capabilities to drop (sidecars; the agent drops ALL).",
+            enum=LINUX_CAPABILITIES,
+            no_default=True,
+        ),
+    )
+
+
+@dataclass
+class SecurityContext:
+    """A container's security settings; the agent's may add capabilities and set its user."""
+
+    capabilities: Capabilities | None = field(
+        default=None, metadata=_doc("Linux capabilities to add or drop.", no_default=True)
+    )
+    run_as_user: int | None = field(
+        default=None, metadata=_doc("User id (0: root; needs runAsNonRoot false).", minimum=0)
+    )
+    run_as_group: int | None = field(default=None, metadata=_doc("Group id.", minimum=0))
+    run_as_non_root: bool | None = field(
+        default=None, metadata=_doc("Refuse to start as root (the pods' default: true).")
+    )
+    read_only_root_filesystem: bool | None = field(
+        default=None, metadata=_doc("Sidecars only (the agent's root file system is read-only).")
+    )
+    allow_privilege_escalation: bool | None = field(
+        default=None, metadata=_doc("Sidecars only (the agent's is false).")
+    )
+    privileged: bool | None = field(
+        default=None, metadata=_doc("Sidecars only (the agent is never privileged).")
+    )
+
+
 @dataclass
 class ContainerTemplate:
-    """A container: named ``agent`` it adds to ringmaster's agent container, else a sidecar."""
+    """A container: 'agent' adds to ringmaster's agent container; any other is a sidecar."""
 
     name: str = field(metadata=_doc("'agent' for ringmaster's container, else a sidecar's name."))
     image: str | None = field(
@@ -129,6 +227,13 @@ class ContainerTemplate:
         metadata=_doc(
             "Resources beyond resources.cpu/memory/gpus: other devices (amd.com/gpu, RDMA), "
             "hugepages, ephemeral-storage."
+        ),
+    )
+    security_context: SecurityContext | None = field(
+        default=None,
+        metadata=_doc(
+            "A sidecar's security settings; for the agent only capabilities.add and the user.",
+            no_default=True,
         ),
     )
 
@@ -252,9 +357,9 @@ class TrainingJobFields:
     suspend: bool = field(
         default=False,
         metadata=_doc(
-            "True: no pods run (agents and controller are removed after a checkpoint); the "
-            "job's state and checkpoints stay and it resumes when set back to false. "
-            "Kueue sets it."
+            "True: the agent pods save a checkpoint and are removed, then the controller; "
+            "the job's state stays and it goes on from that checkpoint when set back to "
+            "false. Set by hand or any tool (no Kueue integration is built)."
         ),
     )
     ttl_seconds_after_finished: int | None = field(

@@ -171,3 +171,22 @@ def test_names() -> None:
     assert crd["metadata"]["name"] == "trainingjobs.ringmaster.dev"
     assert crd["spec"]["names"]["kind"] == "TrainingJob"
     assert crd["spec"]["scope"] == "Namespaced"
+
+
+def test_descriptions_are_plain_text_for_kubectl_explain() -> None:
+    # kubectl explain prints descriptions as written: no reStructuredText markup
+    found: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            text = node.get("description")
+            if isinstance(text, str) and ("``" in text or ":mod:" in text or ":func:" in text):
+                found.append(f"{path}: {text}")
+            for key, sub in node.items():
+                walk(sub, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{path}[{i}]")
+
+    walk(crd_manifest(), "")
+    assert found == []

@@ -308,6 +308,36 @@ def test_gpu_example_mounts_its_data_and_shared_memory_on_gpu_nodes() -> None:
     assert "nvidia.com/gpu.product" in pod["spec"]["nodeSelector"]
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    # RDMA: the device, and IPC_LOCK for a root agent (an added capability needs root)
+    assert agent["resources"]["limits"]["rdma/ib"] == "1"
+    ctx = agent["securityContext"]
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert ctx["runAsUser"] == 0 and ctx["runAsNonRoot"] is False
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    # the controller schedules on the same (tainted) GPU nodes, without their devices
+    deployment = next(o for o in plan.create if o["kind"] == "Deployment")
+    controller = deployment["spec"]["template"]["spec"]
+    assert controller["nodeSelector"] == pod["spec"]["nodeSelector"]
+    assert controller["tolerations"] == pod["spec"]["tolerations"]
+    assert controller["priorityClassName"] == pod["spec"]["priorityClassName"]
+    assert set(controller["containers"][0]["resources"]["requests"]) == {"cpu", "memory"}
+
+
+def test_security_contexts_in_the_template_are_checked_by_the_schema() -> None:
+    obj = _cpu()
+
+    def with_context(ctx: dict[str, Any]) -> list[str]:
+        obj["spec"]["template"] = {
+            "spec": {"containers": [{"name": "agent", "securityContext": ctx}]}
+        }
+        return schema_errors(obj)
+
+    assert with_context({"capabilities": {"add": ["IPC_LOCK"]}}) == []
+    assert any(
+        "'IPC_LOK' is not one of" in e for e in with_context({"capabilities": {"add": ["IPC_LOK"]}})
+    )
+    assert any("seLinuxOptions" in e for e in with_context({"seLinuxOptions": {"type": "x"}}))
+    assert any("-1 is less than the minimum" in e for e in with_context({"runAsUser": -1}))
 
 
 def test_script_and_module_together_are_rejected_by_the_loader() -> None:
@@ -330,3 +360,21 @@ def test_foreign_compression_parameter_is_caught_by_the_loader_only() -> None:
     assert schema_errors(obj) == []
     with pytest.raises(SpecError, match="is not a parameter of compression 'topk'"):
         job_spec_from_body(as_created(obj))
+
+
+def test_the_gpu_examples_prerequisites_are_valid_and_named_as_it_uses_them() -> None:
+    path = EXAMPLES[0].parent / "prerequisites" / "trainingjob-gpu.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, "1.37.0", strict=True) == "1.37", doc["kind"]
+    by_kind = {d["kind"]: d for d in docs}
+    gpu = load(next(p for p in EXAMPLES if p.name == "trainingjob-gpu.yaml"))
+    template = gpu["spec"]["template"]["spec"]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in template["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == [by_kind["PersistentVolumeClaim"]["metadata"]["name"]]
+    assert by_kind["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert template["priorityClassName"] == by_kind["PriorityClass"]["metadata"]["name"]

@@ -18,6 +18,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -63,6 +64,11 @@ class FakeApiServer:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str, str]] = []
         self.errors: dict[tuple[str, str], int] = {}
+        #: delete pods as a real API server with a kubelet does: a DELETE only sets
+        #: ``deletionTimestamp`` (now + the pod's grace period); :meth:`finish_deletion`
+        #: is the kubelet reporting the pod gone
+        self.graceful_pods = False
+        self.clock: Any = lambda: datetime.now(timezone.utc)
         self._lock = threading.Lock()
         self._uid = 0
         fake = self
@@ -115,6 +121,10 @@ class FakeApiServer:
     def get(self, ns: str, resource: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((ns, resource, name))
 
+    def finish_deletion(self, ns: str, name: str) -> dict[str, Any]:
+        """The kubelet is done with a pod being deleted: the object goes."""
+        return self.objects.pop((ns, "pods", name))
+
     def names(self, resource: str) -> list[str]:
         return sorted(n for (_, r, n) in self.objects if r == resource)
 
@@ -164,6 +174,15 @@ class FakeApiServer:
             if method == "GET":
                 return 200, self.objects[key]
             if method == "DELETE":
+                if resource == "pods" and self.graceful_pods:
+                    pod = self.objects[key]
+                    grace = int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+                    when = self.clock() + timedelta(seconds=grace)
+                    pod["metadata"].setdefault(
+                        "deletionTimestamp", when.strftime("%Y-%m-%dT%H:%M:%SZ")
+                    )
+                    pod["metadata"].setdefault("deletionGracePeriodSeconds", grace)
+                    return 200, pod
                 return 200, self.objects.pop(key)
             if method == "PATCH":
                 current = self.objects[key]

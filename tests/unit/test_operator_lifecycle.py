@@ -98,31 +98,95 @@ def test_a_suspended_job_creates_no_pods_and_no_running_controller() -> None:
     assert cond["status"] == "True"
 
 
-def test_suspending_removes_every_pod_keeps_the_rest_and_resuming_brings_them_back() -> None:
+def terminating(pod: dict[str, Any], at: datetime) -> dict[str, Any]:
+    """``pod`` being deleted: the API server set its deletionTimestamp (request + grace)."""
+    out = copy.deepcopy(pod)
+    out["metadata"]["deletionTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return out
+
+
+def test_suspending_keeps_the_controller_until_the_pods_have_saved_and_gone() -> None:
     body = job()
     observed = world(body, {"phase": "Running", "step": 40})
     body["spec"]["suspend"] = True
     plan = run(body, observed, {"phase": "Running", "step": 40})
     assert sorted(d.name for d in plan.delete) == ["demo-agent-0", "demo-agent-1", "demo-agent-2"]
     assert {d.reason for d in plan.delete} == {"job suspended"}
-    assert replicas(plan, observed) == 0
+    # the agents' preStop hooks ask the controller for a checkpoint: it must stay
+    assert replicas(plan, observed) == 1
     assert not [d for d in plan.delete if d.kind != "Pod"]  # Services, budget, job: kept
     assert plan.status["step"] == 40  # the job's state is still read and shown
+    assert plan.status["phase"] == "Suspended" and plan.status["desiredPods"] == 0
+    (cond,) = [c for c in plan.status["conditions"] if c["type"] == "Suspended"]
+    assert cond["status"] == "True" and "3 agent pod(s) are saving a checkpoint" in cond["message"]
     assert [(e.type, e.reason) for e in plan.events] == [("Normal", "Suspended")]
-    # resume: the pods come back under new names, the controller runs again
     body["status"] = plan.status
-    body["spec"]["suspend"] = False
+    # the pods terminate (within their grace period); the controller saw nodes leave
+    grace = NOW + timedelta(seconds=35)
+    observed.pods = [terminating(p, grace) for p in observed.pods]
+    leaving = {
+        "phase": "Recovering",
+        "step": 41,
+        "failed_nodes": ["demo-agent-0"],
+        "recoveries": 1,
+        "last_checkpoint": "s3://b/demo/step-00000041",
+    }
+    plan = run(body, observed, leaving, now=NOW + timedelta(seconds=3))
+    assert plan.delete == [] and pods(plan) == []
+    assert replicas(plan, observed) == 1
+    assert plan.status["phase"] == "Suspended" and plan.status["step"] == 41
+    # a checkpoint is news; nodes the controller saw leave are not failures
+    assert [(e.type, e.reason) for e in plan.events] == [("Normal", "Checkpoint")]
+    body["status"] = plan.status
+    # one pod is gone, one is past its grace period (its node is unreachable): the
+    # third still counts
+    observed.pods = observed.pods[1:]
+    observed.pods[0]["metadata"]["deletionTimestamp"] = "2026-01-02T03:04:06Z"
+    plan = run(body, observed, leaving, now=NOW + timedelta(seconds=10))
+    assert replicas(plan, observed) == 1
+    (cond,) = [c for c in plan.status["conditions"] if c["type"] == "Suspended"]
+    assert "1 agent pod(s) are saving a checkpoint" in cond["message"]
+    # the last one is gone: the controller is scaled to zero
+    observed.pods = observed.pods[:1]
+    plan = run(body, observed, leaving, now=NOW + timedelta(seconds=12))
+    assert replicas(plan, observed) == 0
+    (cond,) = [c for c in plan.status["conditions"] if c["type"] == "Suspended"]
+    assert cond["message"] == "spec.suspend is true: no pods run; the job's state is kept"
+    assert plan.events == []
+    body["status"] = plan.status
     observed.pods = []
     observed.controller = next(o for o in plan.apply if o["kind"] == "Deployment")
-    plan = run(body, observed, {"phase": "Running", "step": 40})
+    # resume: the pods come back under new names, the controller runs again
+    body["spec"]["suspend"] = False
+    plan = run(body, observed, leaving)
     assert [p["metadata"]["name"] for p in pods(plan)] == [
         "demo-agent-3",
         "demo-agent-4",
         "demo-agent-5",
     ]
     assert replicas(plan, observed) == 1
-    assert plan.status["phase"] == "Running"
+    # the controller's record says Recovering (its nodes left); resuming is no failure
+    assert plan.status["phase"] == "Recovering"
     assert [(e.type, e.reason) for e in plan.events] == [("Normal", "Resumed")]
+
+
+def test_a_job_suspended_before_it_had_pods_stops_its_controller_at_once() -> None:
+    body = job()
+    observed = world(body)
+    observed.pods = []
+    body["spec"]["suspend"] = True
+    plan = run(body, observed)
+    assert replicas(plan, observed) == 0 and plan.delete == []
+
+
+def test_a_finished_job_scales_its_controller_down_with_its_pods() -> None:
+    # nothing to save once the job is over: the controller goes in the same round
+    body = job(suspend=True)
+    observed = world(job())
+    plan = run(body, observed, {"phase": "Succeeded", "step": 100})
+    assert replicas(plan, observed) == 0
+    assert {d.reason for d in plan.delete} == {"job finished"}
+    assert plan.status["phase"] == "Succeeded"
 
 
 def test_suspend_through_the_handler_keeps_the_job_in_etcd() -> None:
@@ -343,5 +407,58 @@ def test_a_pod_the_api_server_refuses_shows_in_the_status() -> None:
             assert "spec.template" in status["message"]
             events = [o for (_, r, _), o in api.objects.items() if r == "events"]
             assert [e["reason"] for e in events] == ["InvalidSpec"]
+        finally:
+            kube.api_client.close()
+
+
+def test_suspend_over_http_keeps_the_controller_until_the_kubelet_is_done() -> None:
+    """The handlers over real HTTP to the fake API server, deleting pods gracefully."""
+    with FakeApiServer() as api:
+        kube = KubeClient.for_host(api.url)
+        try:
+            api.graceful_pods = True
+            api.clock = lambda: NOW
+            records = FakeRecords()
+            runtime = Runtime(kube=kube, records=records, settings=SETTINGS, clock=lambda: NOW)
+            memo = kopf.Memo(runtime=runtime)
+            body = job()
+            api.put("ml", "trainingjobs", body)
+            handlers.on_spec(body=body, memo=memo, patch=kopf.Patch())
+            for name in api.names("pods"):
+                pod = api.get("ml", "pods", name)
+                assert pod is not None
+                api.put("ml", "pods", running(pod))
+            records.statuses["demo"] = {"phase": "Running", "step": 40}
+
+            def replicas_now() -> int:
+                deployment = api.get("ml", "deployments", "demo-controller")
+                assert deployment is not None
+                return int(deployment["spec"]["replicas"])
+
+            assert replicas_now() == 1
+            body["spec"]["suspend"] = True
+            patch = kopf.Patch()
+            handlers.on_spec(body=body, memo=memo, patch=patch)
+            assert patch["status"]["phase"] == "Suspended"
+            pods = [api.get("ml", "pods", n) for n in api.names("pods")]
+            assert len(pods) == 3 and all(
+                p is not None and p["metadata"]["deletionTimestamp"] == "2026-01-02T03:04:50Z"
+                for p in pods
+            )  # NOW + the grace period (30 s preemption grace + 15 s margin)
+            assert replicas_now() == 1  # the agents' checkpoint requests need it
+            # the kubelet finishes two pods; a pod event re-syncs: the controller stays
+            body["status"] = patch["status"]
+            api.put("ml", "trainingjobs", body)
+            gone = api.finish_deletion("ml", "demo-agent-0")
+            api.finish_deletion("ml", "demo-agent-1")
+            handlers.on_agent_pod(event={"type": "DELETED"}, body=gone, memo=memo)
+            assert replicas_now() == 1
+            # the last one goes: now the controller is scaled to zero
+            gone = api.finish_deletion("ml", "demo-agent-2")
+            handlers.on_agent_pod(event={"type": "DELETED"}, body=gone, memo=memo)
+            assert replicas_now() == 0
+            stored = api.get("ml", "trainingjobs", "demo")
+            assert stored is not None and stored["status"]["phase"] == "Suspended"
+            assert records.forgotten == [] and "demo" in records.specs
         finally:
             kube.api_client.close()

@@ -162,12 +162,49 @@ def test_without_a_template_the_operator_defaults_stay() -> None:
     assert "nodeSelector" not in pod["spec"] and "imagePullSecrets" not in pod["spec"]
 
 
-def test_controller_gets_the_image_pull_secrets_and_nothing_else() -> None:
-    plan = reconcile(job(copy.deepcopy(TEMPLATE)), Observed(), None, SETTINGS, NOW)
+def test_the_controller_schedules_where_the_agents_may() -> None:
+    """On a cluster of tainted GPU nodes the controller needs the template's scheduling."""
+    template = copy.deepcopy(TEMPLATE)
+    anti = {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {"ringmaster.dev/job": "demo"}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+    template["spec"]["affinity"]["podAntiAffinity"] = anti
+    body = job(template, resources={"image": "reg/trainer:1", "cpu": "8", "gpus": 8})
+    plan = reconcile(body, Observed(), None, SETTINGS, NOW)
     deployment = next(o for o in plan.create if o["kind"] == "Deployment")
     pod_spec = deployment["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == {"accelerator": "mi300x"}
+    # node affinity only: a pod anti-affinity written for the agents could leave no node
+    assert pod_spec["affinity"] == {"nodeAffinity": TEMPLATE["spec"]["affinity"]["nodeAffinity"]}
+    assert pod_spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
     assert pod_spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
-    assert "nodeSelector" not in pod_spec and "tolerations" not in pod_spec
+    assert pod_spec["priorityClassName"] == "training-high"
+    # not the agents' data, devices or cloud identity
+    assert pod_spec["serviceAccountName"] == "default-sa"
+    assert [v["name"] for v in pod_spec["volumes"]] == ["tmp"]
+    assert [c["name"] for c in pod_spec["containers"]] == ["controller"]
+    assert "limits" in pod_spec["containers"][0]["resources"]
+    assert set(pod_spec["containers"][0]["resources"]["limits"]) == {"memory"}
+    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True) == "1.37"
+    # the agents keep their pod anti-affinity
+    agent = next(o for o in plan.create if o["kind"] == "Pod")
+    assert agent["spec"]["affinity"]["podAntiAffinity"] == anti
+
+
+def test_without_a_template_the_controller_has_no_scheduling_constraints() -> None:
+    plan = reconcile(job(), Observed(), None, SETTINGS, NOW)
+    deployment = next(o for o in plan.create if o["kind"] == "Deployment")
+    pod_spec = deployment["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "affinity", "tolerations", "imagePullSecrets", "priorityClassName"):
+        assert key not in pod_spec
 
 
 def test_a_template_change_rolls_the_pods() -> None:
@@ -267,6 +304,22 @@ def test_owned_labels_and_annotations_conflict() -> None:
     ]
 
 
+@pytest.mark.parametrize("key", ["kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"])
+def test_a_kueue_label_in_the_template_conflicts_instead_of_being_overridden(key: str) -> None:
+    # the TrainingJob's own label is copied to the pods; the template's would lose silently
+    body = job({"metadata": {"labels": {key: "other-queue", "kueue.x-k8s.io/x": "kept"}}})
+    with pytest.raises(SpecError) as caught:
+        load_training_job(body, SETTINGS)
+    (problem,) = caught.value.problems
+    assert problem.path == f"template.metadata.labels.{key}"
+    assert "TrainingJob's own metadata.labels" in problem.message
+    # on the TrainingJob itself it is fine, and other kueue.x-k8s.io/ keys pass as given
+    body["spec"]["template"]["metadata"]["labels"].pop(key)
+    labels = render(body)["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert labels["kueue.x-k8s.io/x"] == "kept"
+
+
 def test_unknown_and_mistyped_template_fields_are_named() -> None:
     body = job({"spec": {"nodeSelectr": {"a": "b"}, "tolerations": [{"effect": "Never"}]}})
     with pytest.raises(SpecError) as caught:
@@ -316,3 +369,99 @@ def test_every_conflict_is_reported_at_once() -> None:
         load_training_job(body, SETTINGS)
     paths = sorted(p.path for p in caught.value.problems)
     assert paths == ["template.metadata.labels.ringmaster.dev/job", "template.spec.volumes[0].name"]
+
+
+# --------------------------------------------------------------------------- security
+
+
+def test_the_agent_may_add_ipc_lock_and_run_as_root_for_rdma() -> None:
+    template = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "agent",
+                    "securityContext": {
+                        "runAsUser": 0,
+                        "runAsNonRoot": False,
+                        "capabilities": {"add": ["IPC_LOCK", "IPC_LOCK"]},
+                    },
+                    "resources": {"limits": {"rdma/ib": 1}},
+                }
+            ]
+        }
+    }
+    pod = render(job(template))
+    ctx = agent_container(pod)["securityContext"]
+    assert ctx == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+        "runAsUser": 0,
+        "runAsNonRoot": False,
+    }
+    # the pod's own defaults stay for every other container
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == "1.37"
+
+
+SECURITY_CONFLICTS = [
+    ({"capabilities": {"drop": ["NET_RAW"]}}, "capabilities.drop", "drops ALL"),
+    ({"capabilities": {"add": ["IPC_LOCK", "ALL"]}}, "capabilities.add[1]", "not ALL"),
+    ({"readOnlyRootFilesystem": False}, "readOnlyRootFilesystem", "the operator's (true)"),
+    ({"allowPrivilegeEscalation": True}, "allowPrivilegeEscalation", "the operator's (false)"),
+    ({"privileged": True}, "privileged", "the operator's (false)"),
+    ({"runAsUser": 0}, "runAsUser", "needs runAsNonRoot: false"),
+    ({"runAsUser": 0, "runAsNonRoot": True}, "runAsUser", "needs runAsNonRoot: false"),
+]
+
+
+@pytest.mark.parametrize(
+    ("ctx", "path", "words"), SECURITY_CONFLICTS, ids=[c[1] for c in SECURITY_CONFLICTS]
+)
+def test_the_agents_security_settings_the_operator_owns_conflict(
+    ctx: dict[str, Any], path: str, words: str
+) -> None:
+    template = {"spec": {"containers": [{"name": "agent", "securityContext": ctx}]}}
+    with pytest.raises(SpecError) as caught:
+        load_training_job(job(template), SETTINGS)
+    (problem,) = caught.value.problems
+    assert problem.path == f"template.spec.containers[0].securityContext.{path}"
+    assert words in problem.message
+
+
+def test_an_unknown_capability_is_named() -> None:
+    template = {
+        "spec": {
+            "containers": [
+                {"name": "agent", "securityContext": {"capabilities": {"add": ["IPC_LOK"]}}}
+            ]
+        }
+    }
+    with pytest.raises(SpecError) as caught:
+        fields_from_body(job(template))
+    (problem,) = caught.value.problems
+    assert problem.path == "template.spec.containers[0].securityContext.capabilities.add[0]"
+    assert "'IPC_LOK' is not one of" in problem.message
+
+
+def test_a_sidecar_sets_its_own_security_context() -> None:
+    # the pod runs every container as user 1000, non-root: an image that needs root says so
+    ctx = {
+        "runAsUser": 0,
+        "runAsNonRoot": False,
+        "readOnlyRootFilesystem": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["DAC_READ_SEARCH"]},
+    }
+    template = {
+        "spec": {
+            "containers": [
+                {"name": "log-shipper", "image": "fluent/fluent-bit:3", "securityContext": ctx}
+            ]
+        }
+    }
+    pod = render(job(template))
+    sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == "log-shipper")
+    assert sidecar["securityContext"] == ctx
+    assert agent_container(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == "1.37"

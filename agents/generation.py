@@ -17,6 +17,7 @@ next.  A group that does not form is reported like a broken generation.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -26,16 +27,23 @@ import torch
 
 from agents import shard_recovery
 from agents.api import JobEndedError, RecoveryError
-from agents.process_group import form_group, teardown_group
+from agents.process_group import (
+    form_group,
+    hang_up,
+    socket_inodes,
+    sockets_opened_since,
+    teardown_group,
+)
 from agents.state_sync import NO_STATE, sync_state
 from orchestrator import keys, records
-from orchestrator.api import EtcdError
+from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.records import BreakReport, JobStatus, Plan, RecordError
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
     from agents.runtime import Session
+    from orchestrator.etcd.client import EtcdClient
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -74,6 +82,10 @@ class Generations:
             w.drop()
         if s.sharded is not None:
             s.sharded.drop()
+        if not planned and s.groups is not None:
+            # a local survivor may wait on this rank in a collective: end its wait now
+            # (hang_up), not at its operation timeout
+            hang_up(s.groups.sockets)
         if s.buddies is not None:
             s.buddies.stop()  # before the group goes: its exchange may wait on the dead peer
         teardown_group()
@@ -168,6 +180,7 @@ class Generations:
         s.rank = member.rank_base + s.env.local_rank
         s.world_size = plan.world_size
         s.fence.join(plan.generation, s.watch.revision_of(plan.generation))
+        sockets_before = socket_inodes()
         groups = form_group(
             s.client,
             s.env.job,
@@ -213,6 +226,10 @@ class Generations:
         s.vote_at = 0  # a generation votes at its first boundary, on every rank
         for w in s.wrapped:
             w.rebuild()
+        groups = dataclasses.replace(
+            groups, sockets=sockets_opened_since(sockets_before, _etcd_ports(s.client))
+        )
+        s.groups = groups
         s.heartbeat.start()
         s.heartbeat.poke()
         s.collective_guard.attach(groups, plan.generation)
@@ -250,8 +267,13 @@ class Generations:
         s.paused = f"etcd unreachable at step {s.step}"
         log.warning("%s: pausing until etcd is back", s.paused)
         try:
+
+            def back() -> None:
+                _check_writable(s.client)  # a read answers under NOSPACE; wait for writes
+                s.watch.load()
+
             retry_unavailable(
-                s.watch.load,
+                back,
                 f"paused at step {s.step}",
                 max_wait=SETTINGS.plan_timeout,
             )
@@ -267,6 +289,32 @@ class Generations:
             s.step,
             time.monotonic() - started,
         )
+
+
+def _check_writable(client: EtcdClient) -> None:
+    """Raise while etcd's NOSPACE alarm is raised: reads answer then, writes do not.
+
+    A worker whose etcd user may not list alarms (etcd with auth) goes by the read.
+
+    Raises:
+        EtcdUnavailableError: etcd refuses writes for want of space, or does not answer.
+    """
+    try:
+        client.check_writable()
+    except EtcdUnavailableError:
+        raise
+    except EtcdError:
+        pass
+
+
+def _etcd_ports(client: EtcdClient) -> set[int]:
+    """The ports of etcd's client endpoints (``host:port`` or ``http(s)://host:port``)."""
+    ports = set()
+    for endpoint in client.endpoints:
+        tail = endpoint.rstrip("/").rsplit(":", 1)[-1]
+        if tail.isdigit():
+            ports.add(int(tail))
+    return ports
 
 
 def _publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:

@@ -8,16 +8,28 @@ move is frozen.  Beating from a thread keeps the training loop off etcd;
 generation) without waiting for it; pokes closer together than
 :data:`MIN_BEAT_GAP` are served by one beat, so a fast loop (a step every
 10 ms) writes to etcd a few times a second, not at every step.
+
+Started by a node agent (:data:`agents.node_progress.ENV_PROGRESS_SOCKET` set),
+a worker does not write to etcd itself: it sends its record to its agent,
+which writes one record for all of the node's workers
+(:mod:`agents.node_progress`).  The agent's replies say whether etcd is away
+for it; when it has been for :data:`~agents.node_progress.AWAY_CHECK_S`, the
+beat reads etcd with the worker's own client (an empty read of the worker's
+progress key), so that the worker's ``EtcdClient.unreachable_for`` sees the
+outage and the runtime pauses at its next step boundary, as it did when the
+heartbeat's own put was the call that noticed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from agents.node_progress import AWAY_CHECK_S, ENV_PROGRESS_SOCKET, RelayLink
 from orchestrator import records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import ProgressRecord
@@ -41,6 +53,9 @@ class Heartbeat:
         step: ``() -> int``, the worker's current step (to time the last move).
         progress: builds the record to publish.
         interval: time between beats.
+        relay: the node agent's progress socket; None: the one named in the
+            environment (:data:`~agents.node_progress.ENV_PROGRESS_SOCKET`);
+            empty: none, the worker writes its progress to etcd itself.
     """
 
     def __init__(
@@ -50,9 +65,12 @@ class Heartbeat:
         step: Callable[[], int],
         progress: ProgressSource,
         interval: timedelta,
+        relay: str | None = None,
     ) -> None:
         self._client = client
         self._key = key
+        address = os.environ.get(ENV_PROGRESS_SOCKET, "") if relay is None else relay
+        self._relay = RelayLink(address, key.rsplit("/", 1)[1]) if address else None
         self._step = step
         self._progress = progress
         self._interval = interval.total_seconds()
@@ -78,24 +96,34 @@ class Heartbeat:
             self._wake.clear()
             last = time.monotonic()
             with contextlib.suppress(Exception):
-                self.beat_now()
+                self._beat(sync=False)
 
     def poke(self) -> None:
         """Beat soon, from the heartbeat thread (the training loop never waits on etcd)."""
         self._wake.set()
 
     def beat_now(self) -> None:
-        """Publish the progress now.
+        """Publish the progress now: in etcd when this returns (relayed or not).
 
         Raises:
-            EtcdError: etcd did not answer.
+            EtcdError: etcd did not answer (or, relayed, the agent did not write it).
         """
+        self._beat(sync=True)
+
+    def _beat(self, sync: bool) -> None:
         now = time.time()
         step = self._step()
         if step != self._last_step:
             self._last_step = step
             self._step_time = now
-        records.write(self._client, self._key, self._progress(now, self._step_time))
+        record = self._progress(now, self._step_time)
+        if self._relay is None:
+            records.write(self._client, self._key, record)
+            return
+        self._relay.send(record, sync=sync)
+        if self._relay.agent_away_for() > AWAY_CHECK_S:
+            # etcd is away for the agent: find out with this worker's own client
+            self._client.get(self._key)
 
     def stop(self) -> None:
         self._stop.set()
@@ -103,3 +131,5 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
+        if self._relay is not None:
+            self._relay.close()

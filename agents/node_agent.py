@@ -47,8 +47,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from agents import log_files
 from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
 from agents.log_shipper import LogShipper
+from agents.node_progress import ENV_PROGRESS_SOCKET, NodeProgress, ProgressRelay
 from agents.node_watches import NodeWatches
 from agents.restart_tier import PendingStore, RestartTier
 from agents.warm_worker import WarmWorker
@@ -134,6 +136,8 @@ class NodeAgent(NodeWatches, RestartTier):
         self._stop_reason = ""
         self._errors_dir: Path | None = None
         self._liveness: LivenessServer | None = None
+        #: in-process tier: relays the workers' heartbeats (agents.node_progress)
+        self._progress: ProgressRelay | None = None
         self._role = ""
         self._generation = 0
         #: the job's resolved fault_tolerance.recovery (known once the spec is read)
@@ -182,10 +186,16 @@ class NodeAgent(NodeWatches, RestartTier):
         try:
             self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
             self._lease.keep_alive(on_lost=self._on_lease_lost)
-            self._liveness = LivenessServer(self.address, self._liveness_status)
+            self._liveness = LivenessServer(
+                self.address, self._liveness_status, log_files.requests(self.job, self.node)
+            )
             if restart:
                 self._refill_standbys()
             else:
+                interval = spec.fault_tolerance.heartbeat_interval.total_seconds()
+                self._progress = ProgressRelay(
+                    self.client, NodeProgress(self.job, self.node, interval)
+                )
                 for i in range(spec.nproc_per_node):
                     self._start_worker(i)
             self._register()
@@ -215,6 +225,8 @@ class NodeAgent(NodeWatches, RestartTier):
             if self._liveness is not None:
                 self._liveness.close()
             self._stop_workers()
+            if self._progress is not None:
+                self._progress.close()
             self._discard_standbys()
             if self._lease is not None:
                 self._lease.revoke()
@@ -387,6 +399,10 @@ class NodeAgent(NodeWatches, RestartTier):
             ).to_environ()
         )
         env[ENV_RECOVERY] = self.recovery.value
+        if self._progress is not None:
+            env[ENV_PROGRESS_SOCKET] = self._progress.address
+        else:  # not one inherited from a parent agent
+            env.pop(ENV_PROGRESS_SOCKET, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,11 +63,14 @@ class Groups:
         control: the gloo group for the step boundary and the state sync's
             bookkeeping (None: the default group, which is gloo, serves).
         store: ``(host, port)`` of the generation's bootstrap store.
+        sockets: the inodes of the TCP sockets this process opened for the
+            generation's groups (see :func:`hang_up`).
     """
 
     backend: str
     control: dist.ProcessGroup | None
     store: tuple[str, int]
+    sockets: frozenset[int] = frozenset()
 
     def each(self) -> list[dist.ProcessGroup]:
         """The data group, then the control group when there is one of its own."""
@@ -220,6 +225,89 @@ def abort_groups(groups: Groups) -> None:
             group.abort()
         except (RuntimeError, ValueError) as e:  # already torn down by the training thread
             log.debug("abort: %s", e)
+
+
+def socket_inodes() -> set[int]:
+    """The inodes of this process's open sockets (empty where ``/proc`` is missing)."""
+    found: set[int] = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            found.add(int(target[8:-1]))
+    return found
+
+
+#: /proc/net/tcp's state of a listening socket
+_TCP_LISTEN = "0A"
+
+
+def _connections() -> dict[int, int]:
+    """inode → remote port of this process's connected TCP sockets (not listening ones)."""
+    ports: dict[int, int] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] != _TCP_LISTEN:
+                ports[int(fields[9])] = int(fields[2].rsplit(":", 1)[1], 16)
+    return ports
+
+
+def sockets_opened_since(before: set[int], keep_ports: set[int]) -> frozenset[int]:
+    """TCP connections opened since ``before`` was taken, but for those to ``keep_ports``.
+
+    Taken around the forming of a generation's groups (the data group, the
+    control group, a sharded model's mesh, the buddy exchange group), with
+    etcd's client ports kept out: what remains is the groups' own connections.
+    Listening sockets are left out: gloo ends the process when its listener
+    fails.
+    """
+    ports = _connections()
+    return frozenset(
+        inode
+        for inode in socket_inodes() - before
+        if inode in ports and ports[inode] not in keep_ports
+    )
+
+
+def hang_up(sockets: frozenset[int]) -> int:
+    """Shut down ``sockets`` (see :class:`Groups`); returns how many were still open.
+
+    A survivor that leaves a broken generation may keep its old group alive
+    for a while (a pending bucket's work, a sharded module, a traceback hold
+    it), and with it its gloo connections to the other survivors.  A local peer
+    whose collective waits on this rank would then wait out the operation
+    timeout: gloo's ``abort()`` and ``shutdown()`` close nothing, and only a
+    closed connection ends a gloo wait at once.  Shutting the sockets down
+    (not closing them: the descriptors stay gloo's) does, on every peer.
+    """
+    if not sockets:
+        return 0
+    done = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not target.startswith("socket:[") or int(target[8:-1]) not in sockets:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            done += 1
+        except OSError as e:  # already shut by the peer, or closed meanwhile
+            log.debug("hang up fd %s: %s", fd, e)
+    return done
 
 
 def set_op_timeout(groups: Groups, timeout: timedelta) -> None:

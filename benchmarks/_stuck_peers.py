@@ -64,9 +64,9 @@ def _ended_by(client: Any, job: str) -> str:
 
 
 def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
-    from orchestrator import jobs, keys, records
+    from orchestrator import jobs, keys
+    from orchestrator.controller.world import read_progress
     from orchestrator.local_run import LocalRun
-    from orchestrator.records import ProgressRecord
 
     logs = tmp / "steps"
     logs.mkdir()
@@ -78,7 +78,7 @@ def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
             status = jobs.read_status(client, spec.name)
             if status and status.step >= FAULT_AT and status.active_nodes:
                 worker = keys.worker_id(status.active_nodes[0], 0)
-                p = records.read(client, keys.job_progress(spec.name) + worker, ProgressRecord)
+                p = read_progress(client, spec.name).get(worker)
                 if p is not None:
                     stopped_at = time.time()
                     os.kill(p.pid, signal.SIGSTOP)

@@ -3,7 +3,9 @@
 Events are :class:`~orchestrator.records.Event` records under
 ``/ringmaster/jobs/<job>/events/<ns>-<source>`` (the key sorts by time).
 The controller and agents append; ``ringmaster events`` and the status view
-read.
+read.  A job keeps its newest :data:`~orchestrator.keys.EVENTS_KEPT` events:
+an append deletes the oldest beyond that (in batches of :data:`TRIM_SLACK`,
+and without reading the log: etcd counts the keys).
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ __all__ = ["Event", "emit", "list_events", "record"]
 
 log = logging.getLogger(__name__)
 
+#: Events beyond :data:`~orchestrator.keys.EVENTS_KEPT` before the oldest are
+#: deleted, so deletions come a batch at a time rather than one per append.
+TRIM_SLACK = keys.EVENTS_KEPT // 10
+
 
 def record(client: EtcdClient, job: str, event: Event) -> None:
-    """Append ``event`` to the log of ``job``."""
+    """Append ``event`` to the log of ``job``, dropping the oldest beyond the bound."""
     key = keys.job_events(job) + f"{time.time_ns():020d}-{event.source}"
     records.write(client, key, event)
+    client.keep_newest(keys.job_events(job), keys.EVENTS_KEPT, TRIM_SLACK)
 
 
 def emit(client: EtcdClient, job: str, type: str, message: str, **data: Any) -> Event:

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from typing import Any
 
 from orchestrator import events, keys, records
-from orchestrator.api import OrchestratorError
+from orchestrator.api import EtcdError, OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
 from orchestrator.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 
 class JobExistsError(OrchestratorError):
@@ -247,14 +250,41 @@ def read_status(client: EtcdClient, job: str) -> JobStatus | None:
     return records.read(client, keys.job_status(job), JobStatus)
 
 
+def job_names(client: EtcdClient) -> list[str]:
+    """The name of every job in etcd, sorted.
+
+    Lists names only (:meth:`~orchestrator.etcd.client.EtcdClient.child_names`):
+    no value under ``/ringmaster/jobs/`` is read, and not every key either.
+    """
+    return [n for n in client.child_names(keys.jobs_prefix()) if n]
+
+
 def list_jobs(client: EtcdClient) -> list[JobStatus]:
-    """Status of every job, sorted by name."""
-    out = [
-        records.decode(JobStatus, kv.value, kv.key)
-        for kv in client.get_prefix(keys.jobs_prefix())
-        if kv.key.endswith("/status")
-    ]
+    """Status of every job, sorted by name.
+
+    Reads the job names, then their status records at one revision: not the
+    jobs' events, logs, progress or history.
+    """
+    names = job_names(client)
+    found = client.get_many([keys.job_status(n) for n in names])
+    out = [records.decode(JobStatus, kv.value, kv.key) for kv in found.values()]
     return sorted(out, key=lambda s: s.name)
+
+
+def etcd_warning(client: EtcdClient) -> str | None:
+    """What is wrong with etcd's space, for `ringmaster status` (None when all is well).
+
+    etcd out of space (its NOSPACE alarm), another alarm, or a database near
+    its quota (:mod:`orchestrator.etcd.health`).  None too when etcd does not
+    say (a user without the right to list alarms): the status is shown anyway.
+    """
+    from orchestrator.etcd.health import read_health
+
+    try:
+        return read_health(client).problem()
+    except EtcdError as e:  # a user not allowed to read alarms: nothing to add to the status
+        log.debug("etcd's space not read: %s", e)
+        return None
 
 
 def request_stop(client: EtcdClient, job: str) -> None:

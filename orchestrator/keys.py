@@ -12,17 +12,20 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/control           requests to workers (checkpoint seq, stop)
     /ringmaster/jobs/<job>/reports/<gen>/<w> a worker saw generation <gen> break
     /ringmaster/jobs/<job>/progress/<w>      last step reached by worker <w> (node-localrank)
+    /ringmaster/jobs/<job>/node-progress/<node>  the same for all of a node's workers, by its agent
     /ringmaster/jobs/<job>/done/<w>          worker <w> finished the training loop
     /ringmaster/jobs/<job>/agents/<node>/cmd commands from the controller to a node agent
     /ringmaster/jobs/<job>/pg/<gen>/...      process-group bootstrap store of a generation
-    /ringmaster/jobs/<job>/logs/<node>/<lr>/<t>  chunks of worker output (not leased)
+    /ringmaster/jobs/<job>/logs/<node>/<lr>/tail last lines of a worker, at its exit (not leased)
     /ringmaster/jobs/<job>/history/<ns>      sampled step, rate and loss over time (bounded)
     /ringmaster/jobs/<job>/recoveries/<run>-<gen>  one record per recovery: cause and phase timings
     /ringmaster/jobs/<job>/runs/<run>        one record per run of the job (submit, resume)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
-    /ringmaster/controller/leader            leader election (leased)
-    /ringmaster/controller/metrics           the leader's Prometheus endpoint (URL)
+    /ringmaster/controller/leader            election of the controllers of every job (leased)
+    /ringmaster/controller/metrics           their leader's Prometheus endpoint (URL)
+    /ringmaster/controller/jobs/<job>/leader   the same for controllers of one job (--job)
+    /ringmaster/controller/jobs/<job>/metrics
 
 Names are validated before they become keys, so user input cannot escape its
 prefix (no ``/``, no ``..``).
@@ -94,6 +97,12 @@ def job_status(job: str) -> str:
     return job_prefix(job) + "status"
 
 
+#: Events kept per job (the oldest go as new ones come: ``orchestrator.events``).
+EVENTS_KEPT = 1000
+#: Recovery records kept per job (the oldest go as new ones come).
+RECOVERIES_KEPT = 100
+
+
 def job_events(job: str) -> str:
     return job_prefix(job) + "events/"
 
@@ -129,6 +138,15 @@ def job_reports(job: str, generation: int) -> str:
 
 def job_progress(job: str) -> str:
     return job_prefix(job) + "progress/"
+
+
+def job_node_progress(job: str) -> str:
+    """Prefix of the node progress records: one per node, its workers' progress, by its agent."""
+    return job_prefix(job) + "node-progress/"
+
+
+def node_progress(job: str, node: str) -> str:
+    return job_node_progress(job) + segment(node, "node name")
 
 
 def job_done(job: str) -> str:
@@ -173,6 +191,7 @@ def run_state(job: str) -> list[str]:
         job_commands(job),
         job_prefix(job) + "reports/",
         job_progress(job),
+        job_node_progress(job),
         job_done(job),
         job_prefix(job) + "agents/",
         job_prefix(job) + "pg/",
@@ -199,6 +218,11 @@ def worker_logs(job: str, node: str, local_rank: int) -> str:
     return node_logs(job, node) + f"{int(local_rank)}/"
 
 
+def worker_log_tail(job: str, node: str, local_rank: int) -> str:
+    """The last lines a worker printed, written by its agent when the worker exits."""
+    return worker_logs(job, node, local_rank) + "tail"
+
+
 def worker_id(node: str, local_rank: int) -> str:
     """The name of one worker: ``<node>-<local_rank>``."""
     return f"{segment(node, 'node name')}-{int(local_rank)}"
@@ -216,10 +240,20 @@ def rdzv_store(run_id: str) -> str:
     return rdzv_prefix(run_id) + "store/"
 
 
-def controller_leader() -> str:
-    return f"{ROOT}/controller/leader"
+def _controller(job: str | None) -> str:
+    return f"{ROOT}/controller/" + (f"jobs/{segment(job, 'job name')}/" if job else "")
 
 
-def controller_metrics() -> str:
-    """Where the leading controller publishes its metrics endpoint's URL."""
-    return f"{ROOT}/controller/metrics"
+def controller_leader(job: str | None = None) -> str:
+    """The election key of the controllers of ``job`` (None: of those that run every job).
+
+    Controllers started for one job (``ringmaster controller --job``, as the
+    operator and ``ringmaster run`` start them) elect a leader per job, so two
+    jobs on one etcd each get theirs.
+    """
+    return _controller(job) + "leader"
+
+
+def controller_metrics(job: str | None = None) -> str:
+    """Where the leading controller (of ``job``, or of every job) publishes its metrics URL."""
+    return _controller(job) + "metrics"

@@ -14,6 +14,12 @@ controller connects to the agent's liveness port:
 
 The agent's answer lists which local workers are running, so a node whose
 agent lives but whose workers all exited is told apart too.
+
+The same port answers requests (:func:`ask`): after the status line, a client
+may send one JSON line ``{"op": ..., ...}`` and read one JSON line back.  The
+agent serves its workers' output this way (``ringmaster logs``, see
+:mod:`agents.log_files`).  A probe that just reads the status and closes is
+answered as before, and a slow or silent client holds only its own thread.
 """
 
 from __future__ import annotations
@@ -24,10 +30,32 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from orchestrator.api import OrchestratorError
+
 log = logging.getLogger("ringmaster.liveness")
+
+#: Longest request line a server reads (bytes).
+MAX_REQUEST = 64 * 1024
+#: Longest answer a client reads (bytes).
+MAX_ANSWER = 16 * 1024 * 1024
+#: Seconds a server waits for a client's request line after the status.
+REQUEST_WAIT = 5.0
+#: Requests a server answers at once; a connection beyond gets the status only.
+MAX_SESSIONS = 8
+
+#: A request's handler: the request (a JSON object) in, the answer (a JSON object) out.
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class RequestError(OrchestratorError):
+    """A request to an agent's port that cannot be answered (the message says why)."""
+
+
+class AgentUnreachableError(OrchestratorError):
+    """No answer from an agent's port: it is gone, cut off, or serves no requests."""
 
 
 class Liveness(str, enum.Enum):
@@ -37,10 +65,23 @@ class Liveness(str, enum.Enum):
 
 
 class LivenessServer:
-    """Accepts connections on ``address`` and answers each with ``status()`` as JSON."""
+    """Accepts connections on ``address`` and answers each with ``status()`` as JSON.
 
-    def __init__(self, address: str, status: Callable[[], dict[str, Any]]) -> None:
+    Args:
+        address: the host to listen on (the port is chosen: see ``.address``).
+        status: the status line every connection gets first.
+        requests: ``op`` → handler, for the requests answered after the status.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        status: Callable[[], dict[str, Any]],
+        requests: Mapping[str, Handler] | None = None,
+    ) -> None:
         self._status = status
+        self._requests = dict(requests or {})
+        self._sessions = threading.BoundedSemaphore(MAX_SESSIONS)
         self._sock = socket.create_server((address, 0), backlog=16)
         self._sock.settimeout(0.5)
         self.address = f"{address}:{self._sock.getsockname()[1]}"
@@ -56,8 +97,47 @@ class LivenessServer:
                 continue
             except OSError:
                 return
-            with conn, contextlib.suppress(Exception):
+            try:
                 conn.sendall(json.dumps(self._status()).encode() + b"\n")
+            except Exception:
+                conn.close()
+                continue
+            if self._requests and self._sessions.acquire(blocking=False):
+                threading.Thread(
+                    target=self._session, args=(conn,), name="liveness-request", daemon=True
+                ).start()
+            else:
+                conn.close()
+
+    def _session(self, conn: socket.socket) -> None:
+        """Answer the one request a client may send after the status line."""
+        try:
+            with conn, contextlib.suppress(OSError, RequestError):
+                conn.settimeout(REQUEST_WAIT)
+                line = _read_line(conn, MAX_REQUEST)
+                if not line:
+                    return  # a probe: it read the status and closed
+                answer = self._answer(line)
+                conn.sendall(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
+        finally:
+            self._sessions.release()
+
+    def _answer(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(line)
+        except ValueError:
+            return {"error": "the request is not one line of JSON"}
+        op = request.get("op") if isinstance(request, dict) else None
+        handler = self._requests.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return {"error": f"unknown request {op!r}: this port answers {sorted(self._requests)}"}
+        try:
+            return handler(request)
+        except RequestError as e:
+            return {"error": str(e)}
+        except Exception as e:  # the answer says so; the port stays up
+            log.warning("request %s failed: %s", op, e, exc_info=True)
+            return {"error": f"{op} failed on the agent: {type(e).__name__}: {e}"}
 
     def close(self) -> None:
         self._closed.set()
@@ -96,3 +176,54 @@ def probe(address: str, timeout: float = 0.25) -> tuple[Liveness, dict[str, Any]
     except ValueError:
         return Liveness.UNKNOWN, {}
     return Liveness.ALIVE, answer if isinstance(answer, dict) else {}
+
+
+def _read_line(conn: socket.socket, limit: int) -> bytes:
+    """Bytes up to a newline (excluded); what came before EOF; ``RequestError`` past ``limit``."""
+    data = bytearray()
+    while True:
+        end = data.find(b"\n")
+        if end >= 0:
+            return bytes(data[:end])
+        if len(data) > limit:
+            raise RequestError(f"a line over {limit} bytes")
+        chunk = conn.recv(65536)
+        if not chunk:
+            return bytes(data)
+        data += chunk
+
+
+def ask(address: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send ``request`` to the port at ``host:port`` and return its answer.
+
+    Raises:
+        AgentUnreachableError: nothing answers there, the answer is cut short
+            or over :data:`MAX_ANSWER`, or the agent answers no requests (an
+            agent older than this port's requests).
+        RequestError: the agent answered with an error (the message is its own).
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            conn.settimeout(timeout)
+            if not _read_line(conn, MAX_REQUEST):
+                raise AgentUnreachableError(f"the agent at {address} closed without a status")
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            data = _read_line(conn, MAX_ANSWER)
+    except RequestError as e:
+        raise AgentUnreachableError(f"the agent at {address} answered {e}") from e
+    except (OSError, ValueError) as e:
+        raise AgentUnreachableError(f"the agent at {address} did not answer: {e}") from e
+    if not data:
+        raise AgentUnreachableError(
+            f"the agent at {address} answers no requests (a ringmaster older than this one?)"
+        )
+    try:
+        answer = json.loads(data)
+    except ValueError as e:
+        raise AgentUnreachableError(f"the agent at {address} answered something not JSON") from e
+    if not isinstance(answer, dict):
+        raise AgentUnreachableError(f"the agent at {address} answered {type(answer).__name__}")
+    if "error" in answer:
+        raise RequestError(f"the agent at {address}: {answer['error']}")
+    return answer

@@ -179,7 +179,7 @@ class LocalRun:
                 "[run] --kill-node-at-step has no effect on this job: its script reports no "
                 "steps (fault_tolerance.recovery is restart); kill a node with `kill -9` instead"
             )
-        previous = self._client.get(keys.controller_metrics())
+        previous = self._client.get(keys.controller_metrics(self.spec.name))
         self._metrics_revision = previous.mod_revision if previous is not None else 0
         for i in range(self.controllers):
             self.add_controller(f"controller-{i}")
@@ -219,7 +219,7 @@ class LocalRun:
         """Print the leader's metrics URL once it is published (after this run started)."""
         if self.metrics_port is None or self.metrics_url is not None or self._client is None:
             return
-        kv = self._client.get(keys.controller_metrics())
+        kv = self._client.get(keys.controller_metrics(self.spec.name))
         if kv is not None and kv.mod_revision > self._metrics_revision:
             self.metrics_url = kv.value.decode()
             self.print(f"[run] metrics at {self.metrics_url}")

@@ -22,6 +22,7 @@ The records, by key (see :mod:`orchestrator.keys` for the layout):
 ``control``                 :class:`ControlRecord`
 ``reports/<gen>/<w>``       :class:`BreakReport`
 ``progress/<w>``            :class:`ProgressRecord` (with :class:`Telemetry`)
+``node-progress/<node>``    :class:`NodeProgressRecord` (its workers' ProgressRecords)
 ``done/<w>``                :class:`DoneRecord`
 ``agents/<node>/cmd/<seq>`` :class:`AgentCommand`
 ``logs/<node>/<lr>/<t>``    :class:`LogChunk`
@@ -54,6 +55,7 @@ __all__ = [
     "JobStatus",
     "LogChunk",
     "Member",
+    "NodeProgressRecord",
     "NodeRecord",
     "Plan",
     "ProgressRecord",
@@ -171,6 +173,21 @@ class ProgressRecord(Record):
     paused: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
+
+
+@dataclass
+class NodeProgressRecord(Record):
+    """A node's workers' heartbeats, written by its agent (one write for all of them).
+
+    Each worker's record is its own, beat time included: the agent relays what
+    its workers sent (:mod:`agents.node_progress`) and never refreshes a beat,
+    so a frozen worker's time goes stale in here as it would in its own record.
+    """
+
+    #: wall-clock time the agent wrote the record
+    at: float
+    #: worker id (``<node>-<local rank>``) → its latest progress
+    workers: dict[str, ProgressRecord] = field(default_factory=dict)
 
 
 @dataclass
@@ -368,6 +385,14 @@ class RecoveryRecord(Record):
         restored_step: the step the new generation started from.
         observed_s: the controller's own measurement, from the failure to the
             moment it saw every worker of the new generation past ``step``.
+        workers: worker id → telemetry of the few workers that were the last to
+            reach a phase boundary (the ones that set the phases), not every
+            worker: the record stays small at any scale
+            (``orchestrator.observe.recoveries.SLOWEST_KEPT`` per boundary).
+        worker_count: workers of the new generation whose telemetry was counted.
+        restored_from: where the sharded state came from, over all workers
+            (``+``-joined where they differ; empty for a model that is not sharded).
+        most_steps_lost: the most completed steps any worker lost.
     """
 
     generation: int
@@ -389,6 +414,9 @@ class RecoveryRecord(Record):
     #: ``timeout``, ``abort``, joined by ``+`` when workers differ; empty when none
     #: of them was in a step (a planned change, a replacement only)
     ended_by: str = ""
+    worker_count: int = 0
+    restored_from: str = ""
+    most_steps_lost: int = 0
 
     @property
     def phases(self) -> dict[str, float]:
@@ -410,13 +438,17 @@ class RecoveryRecord(Record):
     def source(self) -> str:
         """Where the sharded state of the generation came from (``+``-joined where workers
         differ; empty for a model that is not sharded)."""
+        if self.restored_from:
+            return self.restored_from
+        # a record written before the summary fields kept every worker's telemetry
         found = {str(t["restored_from"]) for t in self.workers.values() if t.get("restored_from")}
         return "+".join(sorted(found))
 
     @property
     def steps_lost(self) -> int:
         """Completed steps lost, as the workers of a sharded model counted them."""
-        return max([int(t.get("steps_lost") or 0) for t in self.workers.values()] or [0])
+        kept = [int(t.get("steps_lost") or 0) for t in self.workers.values()]
+        return max([self.most_steps_lost, *kept])
 
     @property
     def steps_rerun(self) -> int:

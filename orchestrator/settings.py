@@ -87,6 +87,13 @@ KNOBS: tuple[Knob, ...] = (
         str,
     ),
     Knob(
+        "RINGMASTER_ETCD_QUOTA_BYTES",
+        str(2 * 1024**3),
+        "etcd's --quota-backend-bytes, which etcd does not report: the quota that `ringmaster"
+        " status` and the etcd metrics measure the database against",
+        int,
+    ),
+    Knob(
         "RINGMASTER_STORE_TIMEOUT",
         "300",
         "seconds a c10d store call waits for a key (torchrun rendezvous backend)",
@@ -124,6 +131,19 @@ KNOBS: tuple[Knob, ...] = (
         "seconds an agent pod's preStop hook waits for the agent to drain (set by the operator)",
     ),
     Knob(
+        "RINGMASTER_LOG_DIR",
+        "",
+        "directory where node agents keep their workers' output, rotated"
+        " (default: ringmaster-logs in the system's temporary directory)",
+        str,
+    ),
+    Knob(
+        "RINGMASTER_LOG_KEEP_MIB",
+        "64",
+        "MiB of output a node agent keeps on disk per worker (in 4 rotated files)",
+        int,
+    ),
+    Knob(
         "RINGMASTER_LOG_LEVEL",
         "WARNING",
         "log level of workers and agents (DEBUG, INFO, WARNING, ERROR)",
@@ -152,6 +172,7 @@ class Settings:
     history_max: int
     etcd_start: timedelta
     etcd_binary: str
+    etcd_quota_bytes: int
     store_timeout: timedelta
     rdzv_ttl: timedelta
     checkpoint_save_timeout: timedelta
@@ -159,6 +180,8 @@ class Settings:
     topology_wait: timedelta
     job_wait: timedelta
     drain_timeout: timedelta
+    log_dir: str
+    log_keep_mib: int
     log_level: str
 
     @classmethod

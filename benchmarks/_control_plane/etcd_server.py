@@ -3,10 +3,11 @@
 One member is :class:`~orchestrator.etcd.embedded.EmbeddedEtcd` (what local
 runs and the test fixture start); three are
 :class:`tests.faults.etcd_cluster.EtcdCluster` (the chaos tests' cluster,
-short raft timings).  Both get the settings of ``k8s/etcd.yaml`` that matter
-at scale: periodic auto-compaction and the 2 GiB backend quota, with the
-compaction retention the benchmark is given (the manifest keeps an hour; a
-run of a few minutes needs less to see compaction at all).
+short raft timings).  Both get the settings of ``k8s/etcd.yaml`` and the embedded etcd that matter
+at scale: revision-based auto-compaction (the newest
+:data:`~orchestrator.etcd.embedded.AUTO_COMPACTION_RETENTION` revisions) and
+the 2 GiB backend quota, unless the benchmark is given another retention (a
+number of revisions, or a duration such as ``1m`` for periodic compaction).
 """
 
 from __future__ import annotations
@@ -17,17 +18,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.embedded import AUTO_COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
 from tests.faults.etcd_cluster import EtcdCluster, Member
 
-#: ``--quota-backend-bytes`` of k8s/etcd.yaml.
-QUOTA_BYTES = 2 * 1024**3
+#: ``--quota-backend-bytes`` of k8s/etcd.yaml and the embedded etcd.
+QUOTA_BYTES = QUOTA_BACKEND_BYTES
 
 
-def scale_flags(retention: str) -> list[str]:
-    """The etcd flags of the production manifest, with ``retention`` for compaction."""
+def scale_flags(retention: str = "") -> list[str]:
+    """The etcd flags of the production manifest, with ``retention`` for compaction.
+
+    Args:
+        retention: empty for the product's (revision mode,
+            :data:`AUTO_COMPACTION_RETENTION` revisions), a number of revisions, or a
+            duration (``1m``, ``1h``) for periodic compaction.
+    """
+    retention = retention or str(AUTO_COMPACTION_RETENTION)
+    mode = "revision" if retention.isdigit() else "periodic"
     return [
-        "--auto-compaction-mode=periodic",
+        f"--auto-compaction-mode={mode}",
         f"--auto-compaction-retention={retention}",
         f"--quota-backend-bytes={QUOTA_BYTES}",
     ]

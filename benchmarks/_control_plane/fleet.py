@@ -10,13 +10,18 @@ agent and its workers do, through the project's own code:
   refreshed every third of it with :meth:`Lease.refresh
   <orchestrator.etcd.kv.Lease.refresh>` (what ``Lease.keep_alive`` does), and
   serves a :class:`~orchestrator.liveness.LivenessServer`;
-* each worker writes its :class:`~orchestrator.records.ProgressRecord` with
-  :func:`orchestrator.records.write` at the heartbeat's rate
-  (:mod:`agents.heartbeat`): at every step boundary but no closer together
-  than ``MIN_BEAT_GAP``, and at least every ``heartbeat_interval``; a spare
-  beats every interval;
+* each worker beats at the heartbeat's rate (:mod:`agents.heartbeat`): at
+  every step boundary but no closer together than ``MIN_BEAT_GAP``, and at
+  least every ``heartbeat_interval`` (a spare beats every interval); its
+  :class:`~orchestrator.records.ProgressRecord` goes to its agent's
+  :class:`agents.node_progress.NodeProgress`, which the agent writes as one
+  :class:`~orchestrator.records.NodeProgressRecord` when it is due (a change
+  the controller acts on: at once, no closer than ``MIN_WRITE_GAP_S``;
+  otherwise every steady period), as :class:`agents.node_progress.ProgressRelay`
+  does (the local socket between a worker and its agent is not simulated);
 * each worker's output goes through an :class:`agents.log_shipper.LogShipper`
-  (its own ``flush``, keys and byte budget) at ``log_lines_per_s``;
+  at ``log_lines_per_s`` (its ``write_lines``: to the node's files, not to
+  etcd; a temporary directory per slice);
 * the plan is followed by :class:`agents.plan_watch.PlanWatcher` (a watch on
   the plan and one on the control key): ``watchers_per_node`` of them per
   node, which stand for its W workers (a real worker holds one each);
@@ -45,19 +50,24 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from orchestrator.etcd.grpc_env import apply_grpc_environment
 
 apply_grpc_environment()  # before gRPC is imported, as the CLI does
 
+from agents import log_files  # noqa: E402
 from agents.heartbeat import MIN_BEAT_GAP  # noqa: E402
 from agents.log_shipper import LogShipper  # noqa: E402
+from agents.node_progress import NodeProgress  # noqa: E402
 from agents.plan_watch import PlanWatcher  # noqa: E402
 from benchmarks._control_plane.lanes import Lanes  # noqa: E402
 from orchestrator import keys, records  # noqa: E402
@@ -83,6 +93,8 @@ POLL_ARMED_S = 0.005
 POLL_IDLE_S = 0.1
 #: A line of simulated worker output (a typical training log line, ~100 characters).
 LOG_LINE = "step {step} loss {loss:.4f} lr 3.0e-04 grad_norm 0.8123 tokens/s 182344.1 mem 61.2GiB"
+#: How often a simulated worker's output lines are handed to its shipper.
+LOG_EVERY_S = 0.5
 #: Simulated model traffic per step, for the telemetry's byte counters.
 WIRE_BYTES_PER_STEP = 4_000_000
 #: Threads that refresh the slice's leases.
@@ -205,6 +217,9 @@ class SimNode:
         self.seen: list[list[tuple[int, float]]] = []
         self.workers: list[SimWorker] = []
         self.shippers: list[LogShipper] = []
+        self.progress = NodeProgress(fleet.cfg.job, self.name, fleet.cfg.heartbeat_interval)
+        #: a write of the node's progress is scheduled for a change the controller acts on
+        self.flush_pending = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -214,6 +229,8 @@ class SimNode:
         self.incarnation += 1
         self.role = Role()
         self.plan_generation = 0
+        self.progress = NodeProgress(cfg.job, self.name, cfg.heartbeat_interval)
+        self.flush_pending = False
         self.lease = self.client.lease(cfg.node_ttl)
         self.liveness = LivenessServer("127.0.0.1", self._liveness_status)
         self.seen = [[] for _ in range(cfg.watchers_per_node)]
@@ -232,8 +249,9 @@ class SimNode:
             )
             for lr in range(cfg.workers)
         ]
+        log_dir = log_files.node_dir(self.fleet.log_dir, cfg.job, self.name)
         self.shippers = [
-            LogShipper(self.client, cfg.job, self.name, lr, io.BytesIO())
+            LogShipper(self.client, cfg.job, self.name, lr, io.BytesIO(), log_dir=log_dir)
             for lr in range(cfg.workers)
         ]
         self.register()
@@ -244,9 +262,11 @@ class SimNode:
         for w in self.workers:
             # a worker beats once as it starts (the runtime's init), then at its rate
             lanes.add(now, BeatJob(w), self.lane)
+        first = now + random.uniform(0, self.progress.period)
+        lanes.add(first, NodeProgressJob(self, self.incarnation), self.lane)
         if cfg.log_lines_per_s > 0:
             for lr, shipper in enumerate(self.shippers):
-                first = now + random.uniform(0, shipper.flush_every)
+                first = now + random.uniform(0, LOG_EVERY_S)
                 lanes.add(first, LogJob(self, lr, shipper, self.incarnation), self.lane)
 
     def register(self) -> None:
@@ -425,16 +445,72 @@ def beat(w: SimWorker, now: float) -> None:
             dense_bytes=step * WIRE_BYTES_PER_STEP,
         ),
     )
-    try:
-        records.write(node.client, w.key, record)
-    except EtcdError as e:
-        fleet.counters.add("put_errors")
-        log.debug("beat of %s failed: %s", w.key, e)
-        return
+    urgent = node.progress.offer(keys.worker_id(node.name, w.local_rank), record)
     w.beats += 1
-    fleet.counters.add("progress")
+    fleet.counters.add("beats")
     if w.beats % SIZE_SAMPLE_EVERY == 1:
-        fleet.counters.size("progress", len(record.encode()))
+        fleet.counters.size("beat", len(record.encode()))
+    if urgent and not node.flush_pending:
+        node.flush_pending = True
+        due = node.progress.due_at()
+        fleet.lanes.add(max(now, due or now), FlushJob(node, node.incarnation), node.lane)
+
+
+def write_progress(node: SimNode) -> None:
+    """The agent writes its node's progress record (``ProgressRelay``'s writer)."""
+    counters = node.fleet.counters
+    try:
+        node.progress.write(node.client)
+    except EtcdError as e:
+        counters.add("put_errors")
+        log.debug("progress of %s not written: %s", node.name, e)
+        return
+    counters.add("node_progress")
+    if node.progress.writes % SIZE_SAMPLE_EVERY == 1:
+        counters.size("node_progress", node.progress.last_bytes)
+
+
+class NodeProgressJob:
+    """The agent's steady writes of its node's progress (when due: every steady period)."""
+
+    def __init__(self, node: SimNode, incarnation: int) -> None:
+        self.node = node
+        self.incarnation = incarnation
+
+    def __repr__(self) -> str:
+        return f"progress of {self.node.name}"
+
+    def run(self, now: float) -> float | None:
+        node = self.node
+        if not node.alive or node.incarnation != self.incarnation:
+            return None
+        due = node.progress.due_at()
+        if due is None:
+            return now + node.progress.period
+        if due > now:
+            return due
+        write_progress(node)
+        return now + node.progress.period
+
+
+class FlushJob:
+    """A write of the node's progress for a change the controller acts on (one at a time)."""
+
+    def __init__(self, node: SimNode, incarnation: int) -> None:
+        self.node = node
+        self.incarnation = incarnation
+
+    def run(self, now: float) -> float | None:
+        node = self.node
+        if not node.alive or node.incarnation != self.incarnation:
+            return None
+        due = node.progress.due_at()
+        if due is not None and due > now:
+            return due
+        node.flush_pending = False
+        if due is not None:
+            write_progress(node)
+        return None
 
 
 class LeaseJob:
@@ -468,7 +544,7 @@ class LeaseJob:
 
 
 class LogJob:
-    """A worker's output, flushed by its :class:`LogShipper` every ``flush_every``."""
+    """A worker's output, handed to its :class:`LogShipper` every ``LOG_EVERY_S``."""
 
     def __init__(self, node: SimNode, local_rank: int, shipper: LogShipper, incarnation: int):
         self.node = node
@@ -493,22 +569,10 @@ class LogJob:
             step = node.step(now)
             wall = time.time()
             text = LOG_LINE.format(step=step, loss=2.5 / (1 + step / 1000))
-            ship(self.shipper, [(wall, text)] * count)
-            node.fleet.counters.add("log_chunks")
+            # no pipe to read: the lines take the reader's own path (files, the tail)
+            self.shipper.write_lines([(wall, text)] * count)
             node.fleet.counters.add("log_lines", count)
-        return now + self.shipper.flush_every
-
-
-def ship(shipper: LogShipper, lines: list[tuple[float, str]]) -> None:
-    """Queue ``lines`` as the shipper's reader thread would, then flush as its loop does.
-
-    A simulated worker has no pipe for the reader thread to read, so its lines go
-    straight into the shipper's queue; the write (key, record, byte budget and
-    deletes of the oldest chunks) is the shipper's own ``flush``.
-    """
-    with shipper._lock:
-        shipper._pending.extend(lines)
-    shipper.flush()
+        return now + LOG_EVERY_S
 
 
 class ReportJob:
@@ -543,6 +607,8 @@ class Fleet:
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
         self.counters = Counters()
+        #: the simulated nodes' log directory (what RINGMASTER_LOG_DIR names on a node)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="rm-fleet-logs-"))
         options = EtcdOptions(tuple(cfg.endpoints))
         self.clients: list[EtcdClient] = [
             connect(options) for _ in range(max(1, min(cfg.clients, cfg.count)))
@@ -660,6 +726,7 @@ class Fleet:
         for c in self.clients:
             with contextlib.suppress(Exception):
                 c.close()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _newer(watcher: PlanWatcher, generation: int) -> Plan | None:

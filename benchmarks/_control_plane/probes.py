@@ -141,6 +141,7 @@ def range_sizes(client: EtcdClient, job: str, generation: int) -> dict[str, dict
     return {
         # WorldReader.read, every tick
         "controller:progress": weigh(client, keys.job_progress(job)),
+        "controller:node_progress": weigh(client, keys.job_node_progress(job)),
         "controller:nodes": weigh(client, keys.job_nodes(job)),
         "controller:reports": weigh(client, keys.job_reports(job, generation)),
         "controller:done": weigh(client, keys.job_done(job)),

@@ -71,7 +71,7 @@ def print_table(r: dict[str, Any], out: IO[str]) -> None:
         row(f"  controller: {kind}", rate, "/s")
     row("  others (the rest)", r["other_puts_per_s"], "/s")
     row(
-        "progress beats: written / intended",
+        "progress beats (to the agents): made / intended",
         f"{r['progress_beats_per_s']:,.0f} / {r['progress_beats_per_s_intended']:,.0f}",
         "/s",
         "fleet kept up" if r["fleet_kept_up"] else "FLEET FELL BEHIND",

@@ -3,27 +3,28 @@
 What ``--static`` measures where a whole fleet cannot run (a thousand nodes
 need more CPU than a small machine has): the records a running job holds in
 etcd are written once, as the fleet would have left them (registrations
-under a lease, a heartbeat per worker, the plan, the status, a few events and
-log chunks), and then, with nothing else running:
+under a lease, a progress record per node holding its workers' heartbeats,
+the plan, the status, a few events and log chunks), and then, with nothing
+else running:
 
 * the controller's tick, read-only (:func:`probes.tick_cost`): the reads and
   the decoding of every record, then the policy;
 * the size of each range read, against gRPC's 4 MiB receive limit;
 * the recovery record the controller writes after a recovery
-  (:func:`orchestrator.observe.recoveries.build_record`, one telemetry entry
-  per worker), written the way the controller writes it: etcd takes it or
-  refuses it (``--max-request-bytes``, 1.5 MiB by default);
+  (:func:`orchestrator.observe.recoveries.build_record`, from one telemetry
+  entry per worker; it keeps the slowest few), written the way the controller
+  writes it: etcd takes it or refuses it (``--max-request-bytes``, 1.5 MiB by
+  default);
 * the reads behind ``status``, ``events`` and ``logs``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from typing import Any
 
-from agents.log_shipper import LogShipper
+from agents.log_shipper import TAIL_BYTES, TAIL_LINES
 from benchmarks._control_plane.fleet import LOG_LINE, node_labels, node_name
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase
@@ -33,6 +34,7 @@ from orchestrator.records import (
     JobStatus,
     LogChunk,
     Member,
+    NodeProgressRecord,
     NodeRecord,
     Plan,
     ProgressRecord,
@@ -40,8 +42,9 @@ from orchestrator.records import (
 )
 from orchestrator.spec import JobSpec
 
-#: Log lines stored per worker in the snapshot (the shipper keeps up to 1 MiB each).
-LINES_PER_WORKER = 20
+#: Log lines stored per worker in the snapshot: the tail its agent stores when it exits
+#: (as if every worker had exited once).
+LINES_PER_WORKER = TAIL_LINES
 
 
 def snapshot(client: EtcdClient, spec: JobSpec, nodes: int, spares: int) -> dict[str, Any]:
@@ -70,6 +73,7 @@ def snapshot(client: EtcdClient, spec: JobSpec, nodes: int, spares: int) -> dict
         )
         client.put(keys.job_node(job, name), registration.encode(), lease)
         member = plan.member(name)
+        node_progress: dict[str, ProgressRecord] = {}
         for lr in range(workers):
             worker = keys.worker_id(name, lr)
             tel = Telemetry(
@@ -94,12 +98,15 @@ def snapshot(client: EtcdClient, spec: JobSpec, nodes: int, spares: int) -> dict
                 metrics={"loss": 1.1, "samples": 32.0} if member else {},
                 telemetry=tel,
             )
-            items.append((keys.job_progress(job) + worker, progress.encode().encode()))
+            node_progress[worker] = progress
             if member:
                 telemetry[worker] = dataclasses.asdict(tel)
             lines = [(now, LOG_LINE.format(step=s, loss=1.1)) for s in range(LINES_PER_WORKER)]
             chunk = LogChunk(name, lr, lines).encode().encode()
-            items.append((keys.worker_logs(job, name, lr) + f"{time.time_ns():020d}", chunk))
+            items.append((keys.worker_log_tail(job, name, lr), chunk))
+        # the node's agent writes its workers' progress as one record (agents.node_progress)
+        record = NodeProgressRecord(now, node_progress)
+        items.append((keys.node_progress(job, name), record.encode().encode()))
     client.put_many(items)
     records.write(client, keys.job_plan(job), plan)
     status = JobStatus(
@@ -134,13 +141,12 @@ def snapshot(client: EtcdClient, spec: JobSpec, nodes: int, spares: int) -> dict
         refused = ""
     except EtcdError as e:
         refused = str(e)[:300]
-    keep = inspect.signature(LogShipper).parameters["keep_bytes"].default
     return {
         "recovery_record_bytes": encoded,
         "recovery_record_refused": refused,
         "plan_bytes": len(plan.encode()),
         "status_bytes": len(status.encode()),
-        "log_keep_bytes_per_worker": keep,
+        "log_tail_bytes_per_worker": TAIL_BYTES,
     }
 
 

@@ -77,6 +77,9 @@ def status(job: str | None, wide: bool, as_json: bool, **kw: Any) -> None:
             if job
             else jobs.list_jobs(client)
         )
+        etcd_warning = jobs.etcd_warning(client)
+    if etcd_warning:  # on stderr: `status --json` stays one record a line
+        click.echo(f"warning: {etcd_warning}", err=True)
     if job and not found:
         raise jobs.JobNotFoundError(f"no job named '{job}'")
     if as_json:
@@ -236,11 +239,15 @@ def logs(
     run: int | None,
     **kw: Any,
 ) -> None:
-    """Print the workers' output of a job, from etcd (also of nodes that died).
+    """Print the workers' output of a job, read from each node's agent.
 
     Each line starts with the worker that printed it, ``[node/local rank]``.
+    A node whose agent is gone shows the last lines each of its workers
+    printed before it exited (kept in etcd); its whole output is in the
+    agent's stdout (the pod's log) and in the files under RINGMASTER_LOG_DIR
+    on that host.
     """
-    from orchestrator.observe.logs import LogLine, check_target, follow_logs, read_logs
+    from orchestrator.observe.logs import LogLine, check_target, follow_logs, iter_logs
 
     def show(line: LogLine) -> None:
         stamp = (
@@ -250,15 +257,18 @@ def logs(
         )
         click.echo(f"{stamp}[{line.worker}] {line.text}")
 
+    def note(text: str) -> None:
+        click.echo(f"note: {text}", err=True)
+
     with connect_client(kw) as client:
         check_target(client, job, node)
         if not follow or run is not None:
-            for line in read_logs(client, job, node=node, tail=tail, run=run):
+            for line in iter_logs(client, job, node=node, tail=tail, run=run, notes=note):
                 show(line)
             return
         stop = threading.Event()
         try:
-            for line in follow_logs(client, job, stop, node=node, tail=tail):
+            for line in follow_logs(client, job, stop, node=node, tail=tail, notes=note):
                 show(line)
         except KeyboardInterrupt:
             stop.set()

@@ -2,9 +2,12 @@
 
 :class:`Controller` campaigns for leadership (:mod:`orchestrator.etcd.leader`),
 then ticks a :class:`~orchestrator.controller.job.JobController` per job
-whenever something under the jobs prefix changes (a watch wakes it) or every
-``TICK``.  Standbys wait; one that takes over reads everything back from etcd.
-With ``metrics_port`` it serves Prometheus metrics and publishes their URL.
+every ``TICK``, and at once when something it must act on changes under the
+jobs prefix (a watch wakes it: registrations, reports, commands, the plan;
+not the steady stream of progress, nor logs, history, events and status,
+which the controller writes itself, see :data:`NO_WAKE`).  Standbys wait;
+one that takes over reads everything back from etcd.  With ``metrics_port``
+it serves Prometheus metrics and publishes their URL.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ log = logging.getLogger("ringmaster.controller")
 
 #: Controller loop period when nothing wakes it.
 TICK = timedelta(seconds=0.2)
+#: What changes under a job that do not wake the loop (the next ``TICK`` reads them):
+#: a thousand nodes write their progress every second, and the controller's own
+#: writes would wake it again after every tick.
+NO_WAKE = ("progress/", "node-progress/", "logs/", "history/", "events/", "status", "recoveries/")
 
 
 class Controller:
@@ -41,10 +48,12 @@ class Controller:
     ) -> None:
         self.client = client
         self.job = job
-        self.election = LeaderElection(client)
+        self.election = LeaderElection(client, key=keys.controller_leader(job))
         self._jobs: dict[str, JobController] = {}
         self._wake = threading.Event()
         self.metrics = JobMetrics() if metrics_port is not None else None
+        if self.metrics is not None:
+            self.metrics.watch_etcd(client)
         self.metrics_server = (
             MetricsServer(self.metrics.registry, metrics_host, metrics_port)
             if self.metrics is not None and metrics_port is not None
@@ -57,7 +66,7 @@ class Controller:
             return
         if self.metrics_server is not None:
             url = self.metrics_server.start()
-            self.client.put(keys.controller_metrics(), url)
+            self.client.put(keys.controller_metrics(self.job), url)
         threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
         try:
             while not stop.is_set():
@@ -85,8 +94,9 @@ class Controller:
             watch: Any = None
             try:
                 watch = self.client.watch(keys.jobs_prefix(), prefix=True)
-                for _ in watch:
-                    self._wake.set()
+                for event in watch:
+                    if wakes(event.key):
+                        self._wake.set()
                     if stop.is_set():
                         break
             except Exception as e:  # etcd gone; the loop's timeout keeps us going
@@ -111,6 +121,11 @@ class Controller:
             jc.tick()
 
 
+def wakes(key: str) -> bool:
+    """Whether a change of ``key`` (under the jobs prefix) should tick the loop at once."""
+    rest = key[len(keys.jobs_prefix()) :].split("/", 1)
+    return len(rest) < 2 or not rest[1].startswith(NO_WAKE)
+
+
 def _job_names(client: EtcdClient) -> list[str]:
-    prefix = keys.jobs_prefix()
-    return sorted({kv.key[len(prefix) :].split("/", 1)[0] for kv in client.get_prefix(prefix)})
+    return [name for name in client.child_names(keys.jobs_prefix()) if name]

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
@@ -27,12 +29,18 @@ from orchestrator.records import (
     CommandRecord,
     ControlRecord,
     DoneRecord,
+    NodeProgressRecord,
     NodeRecord,
     Plan,
     ProgressRecord,
 )
 
 log = logging.getLogger("ringmaster.controller")
+
+R = TypeVar("R", bound=records.Record)
+
+#: Liveness probes of one tick run at once, at most this many at a time.
+PROBE_THREADS = 16
 
 
 @dataclass
@@ -43,7 +51,8 @@ class World:
         now: wall-clock time of the snapshot (``time.time()``).
         mono: monotonic time of the snapshot.
         nodes: registered nodes (leased registrations), by node name.
-        progress: workers' heartbeats, by worker id (``<node>-<local rank>``).
+        progress: workers' heartbeats, by worker id (``<node>-<local rank>``), from
+            their nodes' records (:func:`read_progress`).
         plan: the current generation, None before the job started.
         commands: users' commands to the controller, by key, oldest first.
         control: the requests the workers currently see.
@@ -73,6 +82,54 @@ class World:
     answering: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
+
+
+class RecordCache(Generic[R]):
+    """The records under one prefix, decoded again only where a key's revision moved.
+
+    A tick reads every record, but most did not change since the last tick
+    (a node's progress is written about once a second): their decoded record
+    is kept by ``mod_revision`` and handed out again.  Records handed out are
+    shared between ticks: the controller never changes one it read.
+    """
+
+    def __init__(self, cls: type[R]) -> None:
+        self.cls = cls
+        self._seen: dict[str, tuple[int, R]] = {}
+
+    def read(self, client: EtcdClient, prefix: str) -> dict[str, R]:
+        """Every record under ``prefix``, by the last segment of its key (in key order)."""
+        seen: dict[str, tuple[int, R]] = {}
+        for kv in client.get_prefix(prefix):
+            hit = self._seen.get(kv.key)
+            if hit is None or hit[0] != kv.mod_revision:
+                hit = (kv.mod_revision, records.decode(self.cls, kv.value, kv.key))
+            seen[kv.key] = hit
+        self._seen = seen
+        return {key.rsplit("/", 1)[1]: record for key, (_, record) in seen.items()}
+
+
+def read_progress(
+    client: EtcdClient,
+    job: str,
+    caches: tuple[RecordCache[ProgressRecord], RecordCache[NodeProgressRecord]] | None = None,
+) -> dict[str, ProgressRecord]:
+    """Every worker's latest progress, by worker id (``<node>-<local rank>``).
+
+    Agents write one record per node holding their workers' records
+    (:mod:`agents.node_progress`); a worker started without an agent writes
+    its own.  Where both hold a worker, the newer beat wins.
+
+    Args:
+        caches: decoded records kept from the last read (a controller's), if any.
+    """
+    workers, nodes = caches or (RecordCache(ProgressRecord), RecordCache(NodeProgressRecord))
+    out = workers.read(client, keys.job_progress(job))
+    for node in nodes.read(client, keys.job_node_progress(job)).values():
+        for worker, p in node.workers.items():
+            if (had := out.get(worker)) is None or p.beat >= had.beat:
+                out[worker] = p
+    return out
 
 
 def workers_of(plan: Plan) -> list[str]:
@@ -105,6 +162,8 @@ class WorldReader:
         self._probed_generation = -1
         self._probed: set[str] = set()
         self._dead: set[str] = set()
+        self._progress = (RecordCache(ProgressRecord), RecordCache(NodeProgressRecord))
+        self._nodes = RecordCache(NodeRecord)
 
     def commands(self) -> dict[str, CommandRecord]:
         return {
@@ -117,8 +176,8 @@ class WorldReader:
         job = self.job
         world = World(now=time.time(), mono=time.monotonic())
         world.commands = self.commands()
-        world.nodes = records.read_all(self.client, keys.job_nodes(job), NodeRecord)
-        world.progress = records.read_all(self.client, keys.job_progress(job), ProgressRecord)
+        world.nodes = self._nodes.read(self.client, keys.job_nodes(job))
+        world.progress = read_progress(self.client, job, self._progress)
         world.plan = records.read(self.client, keys.job_plan(job), Plan)
         world.control = (
             records.read(self.client, keys.job_control(job), ControlRecord) or ControlRecord()
@@ -163,17 +222,15 @@ class WorldReader:
             and p.generation == plan.generation
             and now - p.beat > self.quiet_after
         }
-        answering: set[str] = set()
-        for node in sorted(quiet):
-            probed_at, answered = self._quiet_probes.get(node, (-1e9, False))
-            registration = nodes.get(node)
-            if mono - probed_at >= 1.0 and registration is not None and registration.liveness:
-                verdict, _ = probe(registration.liveness)
-                answered = verdict is Liveness.ALIVE
-                self._quiet_probes[node] = (mono, answered)
-            if answered:
-                answering.add(node)
-        return answering
+        due = {
+            node: address
+            for node in sorted(quiet)
+            if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= 1.0
+            and (address := _liveness(nodes, node))
+        }
+        for node, verdict in probe_all(due).items():
+            self._quiet_probes[node] = (mono, verdict is Liveness.ALIVE)
+        return {node for node in quiet if self._quiet_probes.get(node, (0.0, False))[1]}
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]
@@ -183,13 +240,30 @@ class WorldReader:
             return set()
         if self._probed_generation != plan.generation:
             self._probed_generation, self._probed, self._dead = plan.generation, set(), set()
-        for node in sorted(silent_members(plan, reports) - self._probed):
-            self._probed.add(node)
-            registration = nodes.get(node)
-            if registration is None or not registration.liveness:
-                continue
-            verdict, _ = probe(registration.liveness)
+        silent = sorted(silent_members(plan, reports) - self._probed)
+        self._probed.update(silent)
+        due = {node: address for node in silent if (address := _liveness(nodes, node))}
+        for node, verdict in probe_all(due).items():
             log.info("[%s] liveness of %s: %s", self.job, node, verdict.value)
             if verdict is Liveness.DEAD:
                 self._dead.add(node)
         return set(self._dead)
+
+
+def _liveness(nodes: dict[str, NodeRecord], node: str) -> str | None:
+    """The liveness address ``node``'s agent registered, if any."""
+    registration = nodes.get(node)
+    return registration.liveness if registration is not None else None
+
+
+def probe_all(addresses: dict[str, str]) -> dict[str, Liveness]:
+    """Probe each node's liveness address at once (not one after the other); verdict by node.
+
+    One probe waits up to its timeout for an agent that does not answer; a
+    rack gone at once would cost a tick that many timeouts in a row.
+    """
+    if len(addresses) <= 1:
+        return {node: probe(address)[0] for node, address in addresses.items()}
+    with ThreadPoolExecutor(min(PROBE_THREADS, len(addresses))) as pool:
+        verdicts = pool.map(lambda address: probe(address)[0], addresses.values())
+        return dict(zip(addresses, verdicts, strict=True))

@@ -9,7 +9,9 @@
   per-attempt deadlines.
 * ``quorum``: whether etcd has a quorum (a majority of members answering, with a
   leader), and where the leader is.
-* ``diagnosis``: why etcd did not answer (TLS mismatch, refused credentials, no quorum).
+* ``diagnosis``: why etcd did not answer (TLS mismatch, refused credentials, no quorum),
+  and the named refusals (request too large, NOSPACE).
+* ``health``: how full etcd is (database size against the quota, alarms).
 * ``retry``: jittered backoff and ``retry_unavailable`` for waiting out outages.
 * ``grpc_env``: gRPC's environment for the processes ringmaster starts.
 * ``embedded``, ``fencing``, ``leader``: a private etcd, generation-fenced

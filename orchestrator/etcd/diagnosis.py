@@ -7,6 +7,11 @@ The client asks this module three things about a failure:
 * what to tell people about each endpoint (:func:`describe_endpoint`,
   :func:`reason`), and which refusals are about credentials
   (:func:`auth_refusal`, :func:`token_rejected`);
+* which refusals are final and have a name of their own: a request over
+  etcd's size limit (:class:`EtcdRequestTooLargeError`, permanent), a write
+  refused because the database reached its quota (:class:`EtcdNoSpaceError`,
+  an outage until an operator frees space), an answer over the client's
+  gRPC receive limit (:class:`EtcdResponseTooLargeError`, ask for less);
 * whether TLS can work at all between the options and a server
   (:func:`tls_mismatch`): wrong CA, a client certificate the server refuses,
   plain text against a TLS server or the reverse.  Such a mismatch will not
@@ -19,12 +24,57 @@ from __future__ import annotations
 
 import socket
 import ssl
+from datetime import timedelta
 
 import etcd3.exceptions as etcd_exc
 import grpc
 
-from orchestrator.api import EtcdAuthError, EtcdError
+from orchestrator.api import EtcdAuthError, EtcdError, EtcdUnavailableError
 from orchestrator.etcd.options import EtcdOptions, host_port
+
+
+class EtcdRequestTooLargeError(EtcdError):
+    """A request over etcd's size limit (``--max-request-bytes``, 1.5 MiB by default).
+
+    Permanent: sending it again fails again.  The writer must store less
+    under one key (or split it), not retry.
+    """
+
+
+class EtcdNoSpaceError(EtcdUnavailableError):
+    """etcd refused a write because its database reached its quota (the NOSPACE alarm).
+
+    etcd then serves reads and deletes but refuses every put, transaction with
+    a put, and lease grant, until an operator compacts and defragments it and
+    disarms the alarm (or raises ``--quota-backend-bytes``).  For ringmaster's
+    processes this is an outage like a lost quorum (an
+    :class:`~orchestrator.api.EtcdUnavailableError`): they wait it out instead
+    of failing the job.
+    """
+
+    def __init__(self, endpoints: list[str], detail: str, what: str = "") -> None:
+        self.endpoints = list(endpoints)
+        self.timeout = timedelta(0)
+        self.detail = detail
+        where = ", ".join(endpoints)
+        self.reasons = {ep: f"NOSPACE: {detail}" for ep in endpoints}
+        EtcdError.__init__(
+            self,
+            f"etcd at {where} is out of space and refuses writes{what} ({detail}): its "
+            "database reached --quota-backend-bytes and the NOSPACE alarm is raised. Reads "
+            "still work. Free space, then disarm the alarm: `etcdctl compact <revision>`, "
+            "`etcdctl defrag`, `etcdctl alarm disarm` (or raise --quota-backend-bytes); "
+            "see `ringmaster status`",
+        )
+
+
+class EtcdResponseTooLargeError(EtcdError):
+    """An answer larger than the client's gRPC receive limit: ask for less at a time."""
+
+
+class EtcdCompactedError(EtcdError):
+    """A read at a revision that etcd has compacted away: read again at a newer one."""
+
 
 #: Errors of the etcd3 library that mean "this endpoint did not serve the call"
 #: (a watch not created within the attempt's deadline among them).
@@ -50,6 +100,16 @@ _NO_QUORUM_DETAILS = (
 # What a member answers when its leader is gone or being replaced.
 _LEADER_DETAILS = ("request timed out", "no leader", "leader changed", "raft proposal dropped")
 
+# etcd's answers to a request over its size limit: its own check (up to the
+# gRPC limit of the server, ``--max-request-bytes`` + 512 KiB) and gRPC's beyond.
+_TOO_LARGE_DETAILS = ("request is too large", "received message larger than max")
+# The client's own gRPC send limit refusing a request before it leaves.
+_SEND_TOO_LARGE_DETAILS = ("sent message larger than max",)
+# etcd's answer to a write while the NOSPACE alarm is raised.
+_NO_SPACE_DETAILS = ("database space exceeded",)
+# etcd's answer to a read at a revision older than its last compaction.
+_COMPACTED_DETAILS = ("required revision has been compacted",)
+
 #: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
 _TLS_PROBE_SECONDS = 1.0
 
@@ -61,6 +121,56 @@ def transient(e: grpc.RpcError) -> bool:
         return True
     details = (e.details() or "").lower()
     return any(d in details for d in _NO_QUORUM_DETAILS)
+
+
+def request_too_large(e: grpc.RpcError) -> bool:
+    """etcd (or the client's own gRPC send limit) refused a request for its size."""
+    details = (e.details() or "").lower()
+    if any(d in details for d in _SEND_TOO_LARGE_DETAILS):
+        return True
+    return any(d in details for d in _TOO_LARGE_DETAILS) and not response_too_large(e)
+
+
+def response_too_large(e: grpc.RpcError) -> bool:
+    """The answer was over the client's gRPC receive limit.
+
+    gRPC words both directions alike; the server's refusal of a request is
+    prefixed ``grpc:`` (grpc-go), the client's refusal of an answer comes from
+    the C core of Python's gRPC, bare or as ``Stream removed (CLIENT: ...)``.
+    """
+    details = (e.details() or "").lower()
+    marker = "received message larger than max"
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        details.startswith(marker) or f"client: {marker}" in details
+    )
+
+
+def no_space(e: grpc.RpcError) -> bool:
+    """etcd refused a write because the NOSPACE alarm is raised (database over quota)."""
+    details = (e.details() or "").lower()
+    return any(d in details for d in _NO_SPACE_DETAILS)
+
+
+def refusal(e: grpc.RpcError, endpoints: tuple[str, ...], what: str) -> EtcdError | None:
+    """The named error for a refusal that is not an outage of one member, else None.
+
+    ``what`` says which request it was (`` writing /ringmaster/...``), for the message.
+    """
+    details = (e.details() or "").lower()
+    if no_space(e):
+        return EtcdNoSpaceError(list(endpoints), e.details() or "", what)
+    if any(d in details for d in _COMPACTED_DETAILS):
+        return EtcdCompactedError(f"etcd compacted the revision of a read{what}: {e.details()}")
+    if response_too_large(e):
+        return EtcdResponseTooLargeError(
+            f"etcd's answer{what} was over the client's gRPC receive limit: {e.details()}"
+        )
+    if request_too_large(e):
+        return EtcdRequestTooLargeError(
+            f"etcd refused a request{what} as too large ({e.details()}); etcd takes at most "
+            "--max-request-bytes (1.5 MiB by default) per request: store less under one key"
+        )
+    return None
 
 
 def grpc_error(e: BaseException | None) -> grpc.RpcError | None:

@@ -40,6 +40,31 @@ from orchestrator.settings import SETTINGS
 #: How long to wait for a fresh etcd to answer.
 DEFAULT_START_TIMEOUT = SETTINGS.etcd_start
 
+# How etcd keeps its size in check (the same numbers as k8s/etcd.yaml).
+#
+# Compaction by revision: every 5 minutes (etcd 3.5's fixed interval for this
+# mode) etcd drops the history older than the newest
+# AUTO_COMPACTION_RETENTION revisions.  Only history is dropped: live keys stay.
+# 10,000 revisions are 5 s of writes at the 2,000 writes/s the control plane is
+# held under at 1,000 nodes (minutes on a local run): room for a paged read or
+# a watch to finish at the revision it started at (a read whose revision was
+# compacted reads again), while the history between two compactions stays
+# bounded by the write rate times 5 minutes, not by the hours of a periodic
+# retention of 1h.
+#
+# Quota: etcd refuses every write (the NOSPACE alarm) once its database reaches
+# QUOTA_BACKEND_BYTES.  2 GiB (etcd's default, stated) is 8 times the 256 MiB
+# the database is held under at 1,000 nodes x 8 workers with bulk data kept
+# out of etcd; it fits the manifest's 2 GiB memory limit (etcd maps the
+# database) and 4 GiB volume (a defragmentation writes a copy).  Near it,
+# `ringmaster status` and ringmaster_etcd_db_bytes / ringmaster_etcd_quota_bytes
+# say so (orchestrator.etcd.health).
+
+#: Revisions of history etcd keeps (``--auto-compaction-retention``, mode ``revision``).
+AUTO_COMPACTION_RETENTION = 10_000
+#: Size of etcd's database at which it refuses writes (``--quota-backend-bytes``).
+QUOTA_BACKEND_BYTES = 2 * 1024**3
+
 
 def find_etcd_binary() -> str:
     """Locate the etcd binary: ``RINGMASTER_ETCD_BINARY``, next to this Python, then PATH.
@@ -128,6 +153,8 @@ class EmbeddedEtcd:
         extra_args: more etcd flags (logging...).
         scheme: ``http`` or ``https`` (implied by ``tls``).
         tls: serve the client endpoint over TLS.
+        quota_bytes: ``--quota-backend-bytes`` (tests of a full etcd give a few MiB).
+        compaction_retention: revisions of history kept (``--auto-compaction-retention``).
     """
 
     def __init__(
@@ -140,8 +167,12 @@ class EmbeddedEtcd:
         extra_args: list[str] | None = None,
         scheme: str = "http",
         tls: ServerTLS | None = None,
+        quota_bytes: int = QUOTA_BACKEND_BYTES,
+        compaction_retention: int = AUTO_COMPACTION_RETENTION,
     ) -> None:
         self.binary = find_etcd_binary()
+        self.quota_bytes = int(quota_bytes)
+        self.compaction_retention = int(compaction_retention)
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="rm-etcd-"))
         self.client_port = client_port or free_port()
@@ -187,6 +218,12 @@ class EmbeddedEtcd:
             f"{self.name}={peer}",
             "--log-level",
             "warn",
+            "--auto-compaction-mode",
+            "revision",
+            "--auto-compaction-retention",
+            str(self.compaction_retention),
+            "--quota-backend-bytes",
+            str(self.quota_bytes),
             *self.extra_args,
         ]
 

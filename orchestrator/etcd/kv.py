@@ -47,6 +47,18 @@ def key_value(key: str, value: bytes, meta: Any) -> KeyValue:
     )
 
 
+def from_proto(kv: Any, key: str | None = None) -> KeyValue:
+    """A :class:`KeyValue` from etcd's own ``mvccpb.KeyValue`` (``key``: its key, decoded)."""
+    return KeyValue(
+        key=bytes(kv.key).decode() if key is None else key,
+        value=bytes(kv.value),
+        mod_revision=int(kv.mod_revision),
+        create_revision=int(kv.create_revision),
+        version=int(kv.version),
+        lease_id=int(kv.lease),
+    )
+
+
 @dataclass(frozen=True)
 class WatchEvent:
     """A put (``value`` set) or delete (``value`` is None) seen by a watch."""

@@ -1,6 +1,7 @@
 """Leader election through an etcd lease.
 
-The leader holds ``/ringmaster/controller/leader`` under a lease it keeps
+The leader holds its election key (``/ringmaster/controller/leader``, or the
+one of its job for controllers of one job) under a lease it keeps
 alive.  A standby waits; when the leader dies its lease expires (within the
 TTL), the key vanishes and the first standby to create it leads.  A leader
 that cannot refresh its lease (partitioned, or etcd without quorum) knows it

@@ -51,10 +51,27 @@ AVOID_MAX = timedelta(seconds=30)
 #: member that came back is reachable again within it (gRPC's default cap is
 #: 120 s, and calls fail at once while a channel waits to reconnect).
 RECONNECT_MAX = timedelta(seconds=1)
+
+#: etcd's limit on one request (its ``--max-request-bytes`` default, 1.5 MiB): a
+#: put or transaction larger than this is refused with "request is too large".
+#: The client refuses such a write itself, naming the key (``EtcdClient.put``).
+MAX_REQUEST_BYTES = 1536 * 1024
+#: gRPC limit on what a client sends: etcd's own gRPC limit on what it receives
+#: (``--max-request-bytes`` + 512 KiB).  A backstop: requests are checked against
+#: :data:`MAX_REQUEST_BYTES` before they are sent.
+MAX_SEND_MESSAGE_BYTES = MAX_REQUEST_BYTES + 512 * 1024
+#: gRPC limit on one answer (gRPC's default is 4 MiB).  Range reads are paged to
+#: about 1 MiB (``orchestrator.etcd.client.PAGE_BYTES``), so this only leaves
+#: room for a page of keys that are each near etcd's 1.5 MiB limit; a larger
+#: answer is asked for again in smaller pages.
+MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
+
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX.total_seconds() * 1000)),
+    ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
 )
 
 # How the etcd3 library turns gRPC status codes into its exceptions (its own table).

@@ -272,6 +272,9 @@ class JobObserver:
         )
         record.run = self.run
         records.write(self.client, keys.job_recovery(self.job, self.run, plan.generation), record)
+        self.client.keep_newest(
+            keys.job_recoveries(self.job), keys.RECOVERIES_KEPT, keys.RECOVERIES_KEPT // 10
+        )
         self.recoveries.append(record)
         phases = record.phases
         status.last_recovery = {
@@ -288,10 +291,16 @@ class JobObserver:
             f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
             f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
             f"{phases['first_step']:.2f}s"
-            + (f"; the failed step ended by {record.ended_by}" if record.ended_by else ""),
+            + (f"; the failed step ended by {record.ended_by}" if record.ended_by else "")
+            + _sharded_state(record),
             generation=plan.generation,
             cause=record.cause,
             ended_by=record.ended_by,
+            **(
+                {"restored_from": record.source, "steps_lost": record.steps_lost}
+                if record.source
+                else {}
+            ),
             total_s=round(record.total_s, 6),
             phases={k: round(v, 6) for k, v in phases.items()},
         )
@@ -314,3 +323,11 @@ def _rank0_telemetry(progress: dict[str, ProgressRecord]) -> Telemetry:
     if not rank0:
         return Telemetry()
     return max(rank0, key=lambda p: p.generation).telemetry
+
+
+def _sharded_state(record: RecoveryRecord) -> str:
+    """``; state from <source>, <n> steps lost`` for a sharded model, else nothing."""
+    if not record.source:
+        return ""
+    lost = record.steps_lost
+    return f"; state from {record.source}, {lost} step{'' if lost == 1 else 's'} lost"

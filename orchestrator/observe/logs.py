@@ -1,32 +1,59 @@
-"""Worker output kept in etcd, for ``ringmaster logs``.
+"""Worker output for ``ringmaster logs``: from the nodes' agents, else the tails kept in etcd.
 
-Each node agent reads its workers' stdout and stderr, passes the bytes on to
-its own output (so a local run still shows them live) and ships them to etcd
-in chunks (:class:`agents.log_shipper.LogShipper`), one
-:class:`~orchestrator.records.LogChunk` per key::
+A worker's output stays on its node: the agent tees it to its own stdout (the
+kubelet's log) and writes it to rotated files (:mod:`agents.log_files`).  While
+the agent lives, its liveness port (the ``liveness`` address of its
+registration, :mod:`orchestrator.liveness`) answers reads of those files, each
+answer bounded: an index of its workers, a page after a position, the last
+lines.  This module asks every agent of the job and merges the lines by time.
 
-    /ringmaster/jobs/<job>/logs/<node>/<local_rank>/<time_ns>
+etcd keeps only what a node that is gone can still show: when a worker exits,
+its agent stores its last lines (at most ``agents.log_shipper.TAIL_LINES`` and
+``TAIL_BYTES``) as one :class:`~orchestrator.records.LogChunk`::
 
-Chunks are not leased: the output of a node that died is what the person on
-call wants to read.  Each worker keeps only its most recent output (a byte
-budget per worker process), so etcd is never used as a log archive; ship
-logs to a real log store for that.
+    /ringmaster/jobs/<job>/logs/<node>/<local_rank>/tail
+
+A worker whose agent answers is read from the agent; any other worker (its
+agent gone, unreachable, or without its files) from that tail.  Chunks an
+older ringmaster streamed under the same prefix are read the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import logging
+import queue
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from orchestrator import jobs, keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
 from orchestrator.jobs import list_runs, run_window
+from orchestrator.liveness import AgentUnreachableError, RequestError, ask
 
 log = logging.getLogger(__name__)
+
+#: Seconds one request to an agent may take.
+AGENT_TIMEOUT = 5.0
+#: Agents asked at once.
+PARALLEL = 16
+#: Bytes of file content per page asked of an agent, and the memory all open pages may use.
+PAGE_BYTES = 1024 * 1024
+MIN_PAGE_BYTES = 64 * 1024
+PAGES_BUDGET = 64 * 1024 * 1024
+#: ``follow``: seconds between reads of new lines, and between looks for new workers and nodes.
+FOLLOW_POLL = 0.5
+FOLLOW_RESCAN = 5.0
+
+#: Where notes about the sources go (an agent that did not answer ...): one line each.
+Notes = Callable[[str], None]
 
 
 class UnknownNodeError(OrchestratorError):
@@ -47,6 +74,9 @@ class LogLine:
         return f"{self.node}/{self.local_rank}"
 
 
+Worker = tuple[str, int]
+
+
 def _decode(kv: KeyValue) -> list[LogLine]:
     try:
         chunk = records.decode(records.LogChunk, kv.value, kv.key)
@@ -58,10 +88,10 @@ def _decode(kv: KeyValue) -> list[LogLine]:
 
 
 def job_nodes(client: EtcdClient, job: str) -> list[str]:
-    """Every node the job has or had, sorted: with stored output, registered, or in its status."""
+    """Every node the job has or had, sorted: with a stored tail, registered, or in its status."""
     found: set[str] = set()
     for prefix in (keys.job_logs(job), keys.job_nodes(job)):
-        found.update(kv.key[len(prefix) :].split("/", 1)[0] for kv in client.get_prefix(prefix))
+        found.update(client.child_names(prefix))
     status = jobs.read_status(client, job)
     if status is not None:
         found.update(status.active_nodes + status.spare_nodes + status.failed_nodes)
@@ -91,6 +121,185 @@ def _prefix(job: str, node: str | None) -> str:
     return keys.node_logs(job, node) if node else keys.job_logs(job)
 
 
+def _stored(kvs: Iterable[KeyValue]) -> dict[Worker, list[LogLine]]:
+    """The lines kept in etcd, per worker, oldest first, each line once."""
+    out: dict[Worker, set[LogLine]] = {}
+    for kv in kvs:
+        for line in _decode(kv):
+            out.setdefault((line.node, line.local_rank), set()).add(line)
+    return {w: sorted(lines, key=lambda x: x.time) for w, lines in out.items()}
+
+
+def _agents(client: EtcdClient, job: str, node: str | None) -> dict[str, str]:
+    """node → address of its agent's port, for the registered nodes (of ``node`` only)."""
+    if node is not None:
+        kv = client.get(keys.job_node(job, node))
+        kvs = [kv] if kv is not None else []
+    else:
+        kvs = client.get_prefix(keys.job_nodes(job))
+    out: dict[str, str] = {}
+    for kv in kvs:
+        try:
+            record = records.decode(records.NodeRecord, kv.value, kv.key)
+        except records.RecordError as e:
+            log.warning("skipping a registration that cannot be read: %s", e)
+            continue
+        if record.liveness:
+            out[kv.key.rsplit("/", 1)[-1]] = record.liveness
+    return out
+
+
+@dataclass
+class _Agent:
+    """One node's agent, asked for its workers' files."""
+
+    job: str
+    node: str
+    address: str
+    timeout: float = AGENT_TIMEOUT
+
+    def _ask(self, op: str, **args: object) -> dict[str, object]:
+        return ask(self.address, {"op": op, "job": self.job, **args}, self.timeout)
+
+    def workers(self) -> list[int]:
+        index = self._ask("logs.index").get("workers")
+        return sorted(int(r) for r in index) if isinstance(index, dict) else []
+
+    def _page(self, answer: dict[str, object], local_rank: int) -> tuple[list[LogLine], int]:
+        lines = answer.get("lines")
+        lines = lines if isinstance(lines, list) else []
+        out = [LogLine(float(t), self.node, local_rank, str(text)) for t, text in lines]
+        position = answer.get("next")
+        return out, position if isinstance(position, int) else 0
+
+    def tail(self, local_rank: int, count: int) -> tuple[list[LogLine], int]:
+        answer = self._ask("logs.tail", local_rank=local_rank, lines=count, limit=PAGE_BYTES)
+        return self._page(answer, local_rank)
+
+    def read(self, local_rank: int, after: int | None, limit: int) -> tuple[list[LogLine], int]:
+        answer = self._ask("logs.read", local_rank=local_rank, after=after, limit=limit)
+        return self._page(answer, local_rank)
+
+
+@dataclass
+class _Sources:
+    """Where each worker's lines come from: an agent that answers, else etcd."""
+
+    agents: dict[Worker, _Agent] = field(default_factory=dict)
+    stored: dict[Worker, list[LogLine]] = field(default_factory=dict)
+
+    def etcd_only(self) -> dict[Worker, list[LogLine]]:
+        return {w: lines for w, lines in self.stored.items() if w not in self.agents}
+
+
+def _note(notes: Notes | None, text: str) -> None:
+    if notes is not None:
+        notes(text)
+
+
+def _find_sources(client: EtcdClient, job: str, node: str | None, notes: Notes | None) -> _Sources:
+    """Ask every registered agent for its workers; read the tails in etcd."""
+    stored_kvs = client.get_prefix(_prefix(job, node))
+    sources = _Sources(stored=_stored(stored_kvs))
+    agents = [_Agent(job, n, address) for n, address in _agents(client, job, node).items()]
+
+    def index(agent: _Agent) -> tuple[_Agent, list[int]]:
+        try:
+            return agent, agent.workers()
+        except (AgentUnreachableError, RequestError) as e:
+            _note(notes, f"{agent.node}: {e}; showing the last lines it kept in etcd")
+            return agent, []
+
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        for agent, ranks in pool.map(index, agents):
+            for rank in ranks:
+                sources.agents[(agent.node, rank)] = agent
+    return sources
+
+
+def _pages(
+    agent: _Agent,
+    local_rank: int,
+    limit: int,
+    notes: Notes | None,
+    cursors: dict[Worker, int] | None = None,
+) -> Iterator[LogLine]:
+    """Every line of a worker from its agent's files, a page at a time."""
+    after: int | None = cursors.get((agent.node, local_rank)) if cursors else None
+    while True:
+        try:
+            lines, position = agent.read(local_rank, after, limit)
+        except (AgentUnreachableError, RequestError) as e:
+            _note(notes, f"{agent.node}/{local_rank}: {e}; its output stops here")
+            return
+        if cursors is not None:
+            cursors[(agent.node, local_rank)] = position
+        yield from lines
+        if not lines or position == after:
+            return
+        after = position
+
+
+def _tails(
+    sources: _Sources, count: int, notes: Notes | None, cursors: dict[Worker, int] | None = None
+) -> list[list[LogLine]]:
+    """The last ``count`` lines of every worker read from an agent (asked in parallel)."""
+
+    def one(item: tuple[Worker, _Agent]) -> list[LogLine]:
+        (node, rank), agent = item
+        try:
+            lines, position = agent.tail(rank, count)
+        except (AgentUnreachableError, RequestError) as e:
+            _note(notes, f"{node}/{rank}: {e}")
+            return sources.stored.get((node, rank), [])
+        if cursors is not None:
+            cursors[(node, rank)] = position
+        return lines
+
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        return list(pool.map(one, sources.agents.items()))
+
+
+def _page_limit(streams: int) -> int:
+    return max(MIN_PAGE_BYTES, min(PAGE_BYTES, PAGES_BUDGET // max(streams, 1)))
+
+
+def iter_logs(
+    client: EtcdClient,
+    job: str,
+    *,
+    node: str | None = None,
+    tail: int | None = None,
+    run: int | None = None,
+    notes: Notes | None = None,
+) -> Iterator[LogLine]:
+    """The lines of the job (or of one node, or of one run), oldest first.
+
+    ``tail`` keeps the last lines only.  Lines come from the agents a page at
+    a time, so the whole output is never held at once (unless ``tail`` is
+    given with ``run``).
+
+    Raises:
+        JobNotFoundError: ``run`` is not a run of the job.
+    """
+    window = run_window(list_runs(client, job), run) if run is not None else None
+    sources = _find_sources(client, job, node, notes)
+    streams: list[Iterable[LogLine]] = list(sources.etcd_only().values())
+    if tail and window is None:
+        streams += _tails(sources, tail, notes)
+    else:
+        limit = _page_limit(len(sources.agents))
+        streams += [_pages(a, rank, limit, notes) for (_, rank), a in sources.agents.items()]
+    lines: Iterator[LogLine] = heapq.merge(*streams, key=lambda x: x.time)
+    if window is not None:
+        start, end = window
+        lines = (line for line in lines if start <= line.time < end)
+    if tail:
+        yield from deque(lines, maxlen=tail)
+    else:
+        yield from lines
+
+
 def read_logs(
     client: EtcdClient,
     job: str,
@@ -98,20 +307,67 @@ def read_logs(
     node: str | None = None,
     tail: int | None = None,
     run: int | None = None,
+    notes: Notes | None = None,
 ) -> list[LogLine]:
-    """Every stored line of the job (or of one node, or of one run), oldest first.
+    """:func:`iter_logs` as a list."""
+    return list(iter_logs(client, job, node=node, tail=tail, run=run, notes=notes))
 
-    ``tail`` keeps the last lines only.
 
-    Raises:
-        JobNotFoundError: ``run`` is not a run of the job.
-    """
-    lines = [line for kv in client.get_prefix(_prefix(job, node)) for line in _decode(kv)]
-    lines.sort(key=lambda line: line.time)
-    if run is not None:
-        start, end = run_window(list_runs(client, job), run)
-        lines = [line for line in lines if start <= line.time < end]
-    return lines[-tail:] if tail else lines
+class _Follower:
+    """The state of ``follow_logs``: where each worker was read up to, and what was shown."""
+
+    def __init__(self, client: EtcdClient, job: str, node: str | None, notes: Notes | None):
+        self.client, self.job, self.node, self.notes = client, job, node, notes
+        self.cursors: dict[Worker, int] = {}
+        self.agents: dict[Worker, _Agent] = {}
+        #: per worker, the time of the newest line shown (a tail in etcd may repeat them)
+        self.shown: dict[Worker, float] = {}
+
+    def shown_now(self, lines: Iterable[LogLine]) -> list[LogLine]:
+        """``lines`` (read once each, from an agent's files) in time order, now marked shown."""
+        out = sorted(lines, key=lambda x: x.time)
+        for line in out:
+            worker = (line.node, line.local_rank)
+            self.shown[worker] = max(line.time, self.shown.get(worker, float("-inf")))
+        return out
+
+    def fresh(self, lines: Iterable[LogLine]) -> list[LogLine]:
+        """The lines of a tail from etcd not shown yet (newer than the worker's last shown)."""
+        last = dict(self.shown)
+        return self.shown_now(
+            x for x in lines if x.time > last.get((x.node, x.local_rank), float("-inf"))
+        )
+
+    def rescan(self) -> None:
+        """Look for workers and nodes that came since (their output is read from the start)."""
+        try:
+            sources = _find_sources(self.client, self.job, self.node, self.notes)
+        except Exception as e:  # etcd away for a moment: the agents known still answer
+            log.debug("looking for new workers: %s", e)
+            return
+        for worker, agent in sources.agents.items():
+            if worker not in self.agents:
+                self.agents[worker] = agent
+                self.cursors.setdefault(worker, 0)
+
+    def poll(self) -> list[LogLine]:
+        """New lines from every agent followed; a worker whose agent stops answering is dropped."""
+        new: list[LogLine] = []
+        for worker, agent in list(self.agents.items()):
+            after = self.cursors.get(worker)
+            while True:
+                try:
+                    lines, position = agent.read(worker[1], after, PAGE_BYTES)
+                except (AgentUnreachableError, RequestError) as e:
+                    _note(self.notes, f"{agent.node}: {e}; following what it keeps in etcd")
+                    del self.agents[worker]
+                    break
+                self.cursors[worker] = position
+                new += lines
+                if not lines or position == after:
+                    break
+                after = position
+        return new
 
 
 def follow_logs(
@@ -121,26 +377,54 @@ def follow_logs(
     *,
     node: str | None = None,
     tail: int | None = None,
+    notes: Notes | None = None,
+    poll: float = FOLLOW_POLL,
 ) -> Iterator[LogLine]:
-    """The stored lines (the last ``tail``), then new ones as they arrive, until ``stop``."""
-    stored = client.get_prefix(_prefix(job, node))
-    seen = {kv.key for kv in stored}
-    lines = sorted((line for kv in stored for line in _decode(kv)), key=lambda x: x.time)
-    yield from lines[-tail:] if tail else lines
-    start = max((kv.mod_revision for kv in stored), default=0) + 1
-    watch = client.watch(_prefix(job, node), prefix=True, start_revision=start)
+    """The lines so far (the last ``tail``), then new ones as they come, until ``stop``.
 
-    def cancel_on_stop() -> None:
-        stop.wait()
-        watch.cancel()
+    New lines are read from the agents every ``poll`` seconds; tails stored in
+    etcd (a worker of a node whose agent is gone exited) come by a watch.
+    """
+    follower = _Follower(client, job, node, notes)
+    _, revision = client.get_with_revision(_prefix(job, node))  # the watch starts after it
+    sources = _find_sources(client, job, node, notes)
+    follower.agents = dict(sources.agents)
+    streams: list[Iterable[LogLine]] = list(sources.etcd_only().values())
+    if tail:
+        streams += _tails(sources, tail, notes, follower.cursors)
+    else:
+        limit = _page_limit(len(sources.agents))
+        streams += [
+            _pages(a, rank, limit, notes, follower.cursors)
+            for (_, rank), a in sources.agents.items()
+        ]
+    first = list(heapq.merge(*streams, key=lambda x: x.time))
+    yield from follower.shown_now(first[-tail:] if tail else first)
 
-    threading.Thread(target=cancel_on_stop, daemon=True).start()
+    arrived: queue.Queue[LogLine] = queue.Queue()
+    watch = client.watch(_prefix(job, node), prefix=True, start_revision=revision + 1)
+
+    def consume() -> None:
+        with contextlib.suppress(Exception):
+            for ev in watch:
+                if ev.value is not None:
+                    for line in _decode(KeyValue(ev.key, ev.value, ev.mod_revision, 0, 0, 0)):
+                        arrived.put(line)
+
+    threading.Thread(target=consume, daemon=True, name="logs-watch").start()
+    next_scan = time.monotonic() + FOLLOW_RESCAN
     try:
-        for ev in watch:
-            if ev.value is None or ev.key in seen:
-                continue
-            seen.add(ev.key)
-            yield from _decode(KeyValue(ev.key, ev.value, ev.mod_revision, 0, 0, 0))
+        while not stop.wait(poll):
+            if time.monotonic() >= next_scan:
+                follower.rescan()
+                next_scan = time.monotonic() + FOLLOW_RESCAN
+            new = follower.shown_now(follower.poll())
+            stored: list[LogLine] = []
+            while not arrived.empty():
+                line = arrived.get_nowait()
+                if (line.node, line.local_rank) not in follower.agents:
+                    stored.append(line)
+            yield from sorted([*new, *follower.fresh(stored)], key=lambda x: x.time)
     finally:
         stop.set()
         watch.cancel()

@@ -31,17 +31,33 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
   (counters: gradient bytes sent, and the fp32 bytes they stand for) and
   ``ringmaster_job_comm_compression_ratio`` (gauge, dense / wire)
 * ``ringmaster_job_effective_training_ratio``, ``ringmaster_job_productive_seconds``
+
+And of etcd itself, read when scraped (:class:`EtcdCollector`, once the
+controller calls :meth:`JobMetrics.watch_etcd`), without a job label:
+
+* ``ringmaster_etcd_db_bytes`` (gauge): the largest member database
+* ``ringmaster_etcd_quota_bytes`` (gauge): the size at which etcd refuses writes
+* ``ringmaster_etcd_alarm`` (gauge; kind): 1 while an alarm of that kind is
+  raised (``NOSPACE``: etcd refuses writes; always exported), else 0
+* ``ringmaster_etcd_up`` (gauge): 1 when etcd answered the scrape's questions
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from orchestrator.api import JobPhase, OrchestratorError
+from orchestrator.api import EtcdError, JobPhase, OrchestratorError
 from orchestrator.records import PHASES, RecoveryRecord, Telemetry
+
+if TYPE_CHECKING:
+    from orchestrator.etcd.client import EtcdClient
+    from orchestrator.etcd.health import EtcdHealth
 
 log = logging.getLogger("ringmaster.metrics")
 
@@ -260,6 +276,59 @@ class JobMetrics:
             seconds = record.phases[name]
             self.recovery_phase_seconds.labels(job, name).observe(seconds)
             self.last_recovery_phase.labels(job, name).set(seconds)
+
+    def watch_etcd(self, client: EtcdClient) -> EtcdCollector:
+        """Export etcd's database size, quota and alarms, read from ``client`` when scraped."""
+        from orchestrator.etcd.health import read_health
+
+        collector = EtcdCollector(lambda: read_health(client))
+        self.registry.register(collector)
+        return collector
+
+
+class EtcdCollector(Collector):
+    """etcd's space and alarms, asked of etcd at each scrape (see the module's list).
+
+    Args:
+        read: reads etcd's health now (:func:`orchestrator.etcd.health.read_health`).
+    """
+
+    #: Alarm kinds exported even while not raised (0), so an alert can watch them.
+    ALWAYS = ("NOSPACE",)
+
+    def __init__(self, read: Callable[[], EtcdHealth]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("ringmaster_etcd_up", "1 when etcd answered this scrape")
+        try:
+            health = self._read()
+        except EtcdError as e:
+            log.debug("etcd metrics not read: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        if health.db_bytes is not None:
+            yield GaugeMetricFamily(
+                "ringmaster_etcd_db_bytes",
+                "Size of etcd's database (the largest member's), bytes",
+                value=health.db_bytes,
+            )
+        yield GaugeMetricFamily(
+            "ringmaster_etcd_quota_bytes",
+            "Database size at which etcd refuses writes (--quota-backend-bytes)",
+            value=health.quota_bytes,
+        )
+        alarm = GaugeMetricFamily(
+            "ringmaster_etcd_alarm",
+            "1 while etcd has an alarm of this kind raised (NOSPACE: writes refused)",
+            labels=["kind"],
+        )
+        for kind in sorted({*self.ALWAYS, *health.alarms}):
+            alarm.add_metric([kind], 1 if kind in health.alarms else 0)
+        yield alarm
 
 
 class MetricsServer:

@@ -28,6 +28,15 @@ from typing import Any
 
 from orchestrator.records import PHASES, Event, RecoveryRecord
 
+#: Workers kept in a recovery's record per phase boundary: the last ones to reach
+#: it (they set the phase).  Every other worker is only counted, so the record
+#: stays a few KiB at thousands of workers (one entry each was 2.7 MB at 1,000 x 8,
+#: over etcd's request limit).
+SLOWEST_KEPT = 3
+
+#: The workers' telemetry times that bound the phases after the declaration.
+_BOUNDARIES = ("group_formed_at", "restored_at", "first_step_at")
+
 
 class FailureCause(str, Enum):
     """Why a node left the job, as far as the control plane can tell."""
@@ -117,6 +126,10 @@ def build_record(
 ) -> RecoveryRecord:
     """A record from the controller's times and the new generation's worker telemetry.
 
+    The phases come from every worker; the record keeps the telemetry of only
+    the :data:`SLOWEST_KEPT` last workers to reach each boundary, and counts
+    and summaries (sources, steps lost, what ended the step) of all of them.
+
     Args:
         workers: worker id → its telemetry (``agents.telemetry``) for ``generation``.
     """
@@ -145,11 +158,25 @@ def build_record(
         step=step,
         restored_step=min(restored_steps) if restored_steps else step,
         observed_s=round(observed_s, 6),
-        workers={w: dict(t) for w, t in workers.items()},
+        workers={w: dict(workers[w]) for w in sorted(_slowest(workers))},
         ended_by="+".join(
             sorted({str(t["left_by"]) for t in workers.values() if t.get("left_by")})
         ),
+        worker_count=len(workers),
+        restored_from="+".join(
+            sorted({str(t["restored_from"]) for t in workers.values() if t.get("restored_from")})
+        ),
+        most_steps_lost=max([int(t.get("steps_lost") or 0) for t in workers.values()] or [0]),
     )
+
+
+def _slowest(workers: dict[str, dict[str, Any]]) -> set[str]:
+    """The :data:`SLOWEST_KEPT` workers that reached each boundary last."""
+    kept: set[str] = set()
+    for name in _BOUNDARIES:
+        timed = [(float(t[name]), w) for w, t in workers.items() if t.get(name) is not None]
+        kept.update(w for _, w in sorted(timed, reverse=True)[:SLOWEST_KEPT])
+    return kept
 
 
 @dataclass

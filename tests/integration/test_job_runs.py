@@ -6,6 +6,7 @@ stop before the start ends a run at once).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -70,3 +71,21 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     assert len(events.list_events(etcd_client, name)) == len(one) + len(two)
     with pytest.raises(jobs.JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
         events.list_events(etcd_client, name, run=3)
+
+
+def test_controllers_of_two_jobs_on_one_etcd_both_lead(etcd_client: EtcdClient) -> None:
+    """Each job's controllers (``--job``, one per TrainingJob) elect their own leader."""
+    a, b = (Controller(etcd_client, job=f"lead-{x}-{uuid.uuid4().hex[:6]}") for x in "ab")
+    everything = Controller(etcd_client)  # one for every job elects apart from both
+    stop = threading.Event()
+    try:
+        for c in (a, b, everything):
+            assert c.election.wait_for_leadership(stop), f"{c.job or 'all jobs'} never led"
+        assert a.election.is_leader and b.election.is_leader and everything.election.is_leader
+        assert len({a.election.key, b.election.key, everything.election.key}) == 3
+        second_a = Controller(etcd_client, job=a.job)  # a standby of job a still waits
+        assert not second_a.election.try_acquire()
+        assert a.election.current_leader() is not None
+    finally:
+        for c in (a, b, everything):
+            c.election.resign()

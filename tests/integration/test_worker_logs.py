@@ -1,4 +1,9 @@
-"""Worker output reaches etcd and `ringmaster logs` reads it back (real etcd, real processes)."""
+"""Worker output stays on the node; `ringmaster logs` reads it through the agent, else etcd.
+
+Real etcd, real worker processes, and the agent's real liveness port serving
+the files (:func:`agents.log_files.requests`), registered as a node agent
+registers it.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,23 @@ import io
 import subprocess
 import sys
 import threading
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from agents.log_shipper import LogShipper
+from agents import log_files
+from agents.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
 from orchestrator import keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.liveness import LivenessServer
 from orchestrator.observe.logs import follow_logs, read_logs
 
 pytestmark = pytest.mark.integration
@@ -26,80 +37,184 @@ def job_name() -> str:
     return f"logs-{uuid.uuid4().hex[:8]}"
 
 
+def start(
+    client: EtcdClient,
+    job: str,
+    node: str,
+    local_rank: int,
+    script: str,
+    root: Path,
+    sink: io.BytesIO | None = None,
+    **options: int,
+) -> tuple[subprocess.Popen[bytes], LogShipper]:
+    """Start ``script`` as a worker would run, its output going through a LogShipper."""
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert proc.stdout is not None
+    log_dir = log_files.node_dir(root, job, node)
+    shipper = LogShipper(
+        client, job, node, local_rank, sink or io.BytesIO(), log_dir=log_dir, **options
+    )
+    return proc, shipper.start(proc.stdout)
+
+
 def ship(
     client: EtcdClient,
     job: str,
     node: str,
     local_rank: int,
     script: str,
+    root: Path,
     sink: io.BytesIO | None = None,
-    **options: float,
-) -> None:
-    """Run ``script`` as a worker would run, its output going through a LogShipper."""
-    with subprocess.Popen(
-        [sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    ) as proc:
-        assert proc.stdout is not None
-        shipper = LogShipper(client, job, node, local_rank, sink or io.BytesIO(), **options)
-        shipper.start(proc.stdout)
+    **options: int,
+) -> LogShipper:
+    """Run ``script`` to its end (the tail is then in etcd)."""
+    proc, shipper = start(client, job, node, local_rank, script, root, sink, **options)
+    with proc:
         proc.wait()
-        shipper.join()
+        shipper.join()  # before the pipe is closed
+    return shipper
 
 
-def test_lines_are_teed_to_the_sink_and_stored_in_order(etcd_client: EtcdClient) -> None:
+@contextmanager
+def agent(client: EtcdClient, job: str, node: str, root: Path) -> Iterator[LivenessServer]:
+    """The node's liveness port serving its log files, registered as the agent does."""
+    with LivenessServer("127.0.0.1", dict, log_files.requests(job, node, root)) as server:
+        record = records.NodeRecord(node, "127.0.0.1", 1, 1, [], time.time())
+        record.liveness = server.address
+        records.write(client, keys.job_node(job, node), record)
+        yield server
+
+
+def submitted(client: EtcdClient) -> str:
+    job = job_name()
+    records.write(client, keys.job_status(job), records.JobStatus(job, JobPhase.RUNNING))
+    return job
+
+
+def test_output_is_teed_filed_and_only_its_tail_stored_in_etcd(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
     job = job_name()
     sink = io.BytesIO()
-    script = "import sys\nfor i in range(50): print(f'line {i}')\nprint('oops', file=sys.stderr)"
-    ship(etcd_client, job, "node-a", 0, script, sink, flush_every=0.05)
-    expected = [f"line {i}" for i in range(50)] + ["oops"]
+    script = "import sys\nfor i in range(200): print(f'line {i}')\nprint('oops', file=sys.stderr)"
+    ship(etcd_client, job, "node-a", 0, script, tmp_path, sink)
+    expected = [f"line {i}" for i in range(200)] + ["oops"]
     assert sink.getvalue().decode().splitlines() == expected
-    lines = read_logs(etcd_client, job)
-    assert [line.text for line in lines] == expected
+    # the node's files hold everything, with times in order
+    files = log_files.read_after(log_files.node_dir(tmp_path, job, "node-a") / "0", None, 1 << 20)
+    assert [text for _, text in files.lines] == expected
+    assert [t for t, _ in files.lines] == sorted(t for t, _ in files.lines)
+    # etcd: one key for the worker, its last lines only
+    stored = etcd_client.get_prefix(keys.job_logs(job))
+    assert [kv.key for kv in stored] == [keys.worker_log_tail(job, "node-a", 0)]
+    assert len(stored[0].value) <= TAIL_BYTES
+    lines = read_logs(etcd_client, job)  # no agent registered: the tail from etcd
+    assert [line.text for line in lines] == expected[-TAIL_LINES:]
     assert {line.worker for line in lines} == {"node-a/0"}
     assert [line.text for line in read_logs(etcd_client, job, tail=3)] == expected[-3:]
     assert read_logs(etcd_client, job, node="node-b") == []
 
 
-def test_old_chunks_are_dropped_beyond_the_byte_budget(etcd_client: EtcdClient) -> None:
+def test_a_5_mib_line_is_cut_and_etcd_gets_a_bounded_tail(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
     job = job_name()
-    script = "import time\nfor i in range(20):\n    print(f'chunk {i} ' + 'x' * 300)\n"
-    script += "    time.sleep(0.03)"
-    ship(etcd_client, job, "node-a", 0, script, flush_every=0.01, keep_bytes=1500)
-    stored = etcd_client.get_prefix(keys.job_logs(job))
-    assert 1 <= len(stored) < 20
-    assert sum(len(kv.value) for kv in stored) <= 1500 + 400 * 5
-    texts = [line.text for line in read_logs(etcd_client, job)]
-    assert texts[-1].startswith("chunk 19 ")  # the newest output is always kept
-    assert not any(t.startswith("chunk 0 ") for t in texts)
+    sink = io.BytesIO()
+    script = "import sys\nsys.stdout.write('y' * (5 << 20) + '\\n')\n"
+    script += "for i in range(60): print('z' * 3000)\nprint('after')"
+    ship(etcd_client, job, "node-a", 0, script, tmp_path, sink)
+    assert len(sink.getvalue()) > 5 << 20  # stdout (the kubelet's log) gets every byte
+    files = log_files.read_after(log_files.node_dir(tmp_path, job, "node-a") / "0", None, 1 << 20)
+    texts = [text for _, text in files.lines]
+    assert texts[0] == "y" * MAX_LINE + CUT and texts[-1] == "after" and len(texts) == 62
+    (kv,) = etcd_client.get_prefix(keys.job_logs(job))
+    assert len(kv.value) <= TAIL_BYTES
+    tail = records.decode(records.LogChunk, kv.value, kv.key)
+    assert tail.lines[-1][1] == "after" and len(tail.lines) >= 5
 
 
-def test_follow_yields_stored_then_new_lines(etcd_client: EtcdClient) -> None:
-    job = job_name()
-    ship(etcd_client, job, "n1", 0, "print('before')", flush_every=0.01)
-    stop = threading.Event()
+def test_logs_over_4_mib_are_read_through_the_agents(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    job = submitted(etcd_client)
+    lines_each = 12_000  # ~1.2 MiB per worker, 4.8 MiB in all: over gRPC's 4 MiB
+    script = (
+        "import sys\nsys.stdout.write(''.join("
+        f"f'line {{i:05d}} ' + 'x' * 90 + '\\n' for i in range({lines_each})))"
+    )
+    runner = CliRunner()
+    endpoint = ["--etcd", etcd.endpoint]
+    with agent(etcd_client, job, "n1", tmp_path), agent(etcd_client, job, "n2", tmp_path) as n2:
+        for node in ("n1", "n2"):
+            for rank in (0, 1):
+                ship(etcd_client, job, node, rank, script, tmp_path)
+        out = runner.invoke(main, ["logs", job, *endpoint])
+        assert out.exit_code == 0, out.output[-2000:]
+        printed = out.output.splitlines()
+        assert len(printed) == 4 * lines_each
+        assert len(out.output) > 4 << 20
+        for worker in ("n1/0", "n1/1", "n2/0", "n2/1"):
+            mine = [p for p in printed if p.startswith(f"[{worker}] ")]
+            assert [p.split()[2] for p in mine] == [f"{i:05d}" for i in range(lines_each)]
+        last = runner.invoke(main, ["logs", job, "--node", "n2", "--tail", "3", *endpoint])
+        assert last.exit_code == 0, last.output
+        assert [p.split()[2] for p in last.output.splitlines()] == ["11997", "11998", "11999"]
+        assert all(p.startswith("[n2/1] ") for p in last.output.splitlines())
+        n2.close()  # the agent of n2 is gone (still registered: its port refuses)
+        gone = runner.invoke(main, ["logs", job, "--node", "n2", *endpoint])
+    assert gone.exit_code == 0, gone.output
+    assert "note: n2: the agent at" in gone.output and "kept in etcd" in gone.output
+    shown = [p for p in gone.output.splitlines() if p.startswith("[")]
+    assert len(shown) == 2 * TAIL_LINES  # the tail each worker left at its exit
+    assert shown[-1].startswith("[n2/1] line 11999 ")
+
+
+def test_follow_reads_new_lines_from_the_agent_and_tails_from_etcd(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    job = submitted(etcd_client)
+    go = tmp_path / "go"
+    script = (
+        "import os, time\nprint('before')\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\nprint('after')"
+    )
     seen: list[str] = []
+    stop = threading.Event()
+    with agent(etcd_client, job, "n1", tmp_path):
+        proc, shipper = start(etcd_client, job, "n1", 0, script, tmp_path)
+        deadline = time.monotonic() + 10
+        while not log_files.extent(tmp_path / job / "n1" / "0")[1] and time.monotonic() < deadline:
+            time.sleep(0.02)  # 'before' is on file
 
-    def consume() -> None:
-        for line in follow_logs(etcd_client, job, stop):
-            seen.append(f"{line.worker} {line.text}")
-            if len(seen) == 2:
-                stop.set()
+        def consume() -> None:
+            for line in follow_logs(etcd_client, job, stop, poll=0.05):
+                seen.append(f"{line.worker} {line.text}")
+                if len(seen) == 3:
+                    stop.set()
 
-    reader = threading.Thread(target=consume, daemon=True)
-    reader.start()
-    ship(etcd_client, job, "n2", 1, "print('after')", flush_every=0.01)
-    reader.join(timeout=10)
-    assert seen == ["n1/0 before", "n2/1 after"]
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        time.sleep(0.3)
+        go.touch()  # the agent's worker prints on
+        proc.wait(timeout=10)
+        shipper.join()
+        # a worker of a node without an agent: its tail reaches etcd as it exits
+        ship(etcd_client, job, "n2", 1, "print('from a node that left')", tmp_path)
+        reader.join(timeout=15)
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert seen[0] == "n1/0 before"
+    assert sorted(seen[1:]) == ["n1/0 after", "n2/1 from a node that left"]
 
 
-def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient) -> None:
+def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
     runner = CliRunner()
     missing = runner.invoke(main, ["logs", "no-such-job", "--etcd", etcd.endpoint])
     assert missing.exit_code == 1 and "no job named 'no-such-job'" in missing.output
 
-    job = job_name()
-    records.write(etcd_client, keys.job_status(job), records.JobStatus(job, JobPhase.RUNNING))
-    ship(etcd_client, job, "node-x", 2, "print('hello from a worker')", flush_every=0.01)
+    job = submitted(etcd_client)
+    ship(etcd_client, job, "node-x", 2, "print('hello from a worker')", tmp_path)
     out = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "-t"])
     assert out.exit_code == 0, out.output
     assert out.output.rstrip().endswith("[node-x/2] hello from a worker")

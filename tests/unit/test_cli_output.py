@@ -75,6 +75,23 @@ class MemoryEtcd:
             if k.startswith(prefix)
         ]
 
+    def child_names(self, prefix: str) -> list[str]:
+        return sorted(
+            {k[len(prefix) :].split("/", 1)[0] for k in self.data if k.startswith(prefix)}
+        )
+
+    def get_many(self, keys: list[str]) -> dict[str, KeyValue]:
+        return {k: kv for k in keys if (kv := self.get(k)) is not None}
+
+    def keep_newest(self, prefix: str, keep: int, slack: int = 0) -> int:
+        return 0
+
+    def db_sizes(self, timeout: Any = None) -> dict[str, int]:
+        return {"memory": 0}
+
+    def alarms(self) -> list[tuple[int, str]]:
+        return []
+
 
 @pytest.fixture
 def etcd(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryEtcd]:

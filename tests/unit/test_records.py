@@ -110,3 +110,17 @@ def test_every_record_type_is_exported_and_a_dataclass() -> None:
             continue
         assert dataclasses.is_dataclass(kind), kind
         typing.get_type_hints(kind)  # every annotation resolves
+
+
+def test_types_worked_out_once_still_check_every_later_decode() -> None:
+    """The per-class schema is cached: a good decode must not let a later bad one pass."""
+    good = _progress().to_dict()
+    for _ in range(3):
+        assert records.decode(ProgressRecord, json.dumps(good), KEY) == _progress()
+    bad = {**good, "generation": "two"}
+    with pytest.raises(RecordError, match="generation: expected an integer, got str"):
+        records.decode(ProgressRecord, json.dumps(bad), KEY)
+    # another class sharing a field name has its own schema: defaults, its own types
+    assert records.decode(Telemetry, json.dumps({"v": records.FORMAT}), KEY) == Telemetry()
+    with pytest.raises(RecordError, match="wire_bytes: expected an integer, got float"):
+        records.decode(Telemetry, json.dumps({"v": records.FORMAT, "wire_bytes": 1.5}), KEY)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import generate_latest
 
@@ -9,6 +11,7 @@ from orchestrator.api import JobPhase
 from orchestrator.events import Event
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.recoveries import (
+    SLOWEST_KEPT,
     FailureCause,
     build_record,
     classify_cause,
@@ -184,3 +187,40 @@ def test_a_refused_liveness_probe_is_agent_gone_unless_a_worker_said_more() -> N
     assert classify_cause({"n1"}, exited, ["n1"], agent_gone={"n1"}) is FailureCause.SIGNAL
     # another node's agent being gone says nothing about n1
     assert classify_cause({"n1"}, [], ["n1"], agent_gone={"n2"}) is FailureCause.UNRESPONSIVE
+
+
+def test_a_recovery_of_1000_nodes_x_8_workers_stays_small() -> None:
+    """The record keeps the slowest workers and counts the rest: etcd takes it at any scale."""
+    workers: dict[str, dict[str, object]] = {}
+    for i in range(8000):
+        t = _worker(11.0 + i * 1e-4, 12.0 + i * 1e-4, 13.0 + i * 1e-4, step=7)
+        t.update(
+            wire_bytes=4_000_000_000, dense_bytes=4_000_000_000, left_by="abort",
+            restored_from="twin", steps_lost=0, checkpoint_blocking_s=0.1,
+        )  # fmt: skip
+        workers[f"n{i // 8:05d}-{i % 8}"] = t
+    workers["n00003-5"].update(restored_from="durable", steps_lost=4)  # not among the slowest
+    workers["n00007-1"]["first_step_at"] = 20.0  # the one straggler
+    r = build_record(
+        generation=2, cause="agent_gone", nodes=["n09999"], reason="n00000 replaces n09999",
+        failure_at=10.0, declared_at=10.5, workers=workers, step=7, observed_s=10.0,
+    )  # fmt: skip
+    assert len(r.encode().encode()) < 64 * 1024
+    assert len(r.workers) <= 3 * SLOWEST_KEPT
+    assert "n00007-1" in r.workers and "n00999-7" in r.workers  # they set the phases
+    assert r.worker_count == 8000
+    assert r.first_step_at == 20.0 and r.total_s == pytest.approx(10.0)
+    assert r.source == "durable+twin" and r.steps_lost == 4 and r.ended_by == "abort"
+    again = RecoveryRecord.from_dict(json.loads(r.encode()))
+    assert (again.source, again.steps_lost, again.phases) == (r.source, r.steps_lost, r.phases)
+
+
+def test_a_record_stored_before_the_summary_fields_still_reads() -> None:
+    old = {
+        "v": 1, "generation": 2, "cause": "hang", "nodes": ["n1"], "reason": "",
+        "failure_at": 1.0, "declared_at": 2.0, "group_formed_at": 3.0, "restored_at": 4.0,
+        "first_step_at": 5.0,
+        "workers": {"a": {"restored_from": "buddy", "steps_lost": 1}, "b": {"steps_lost": 2}},
+    }  # fmt: skip
+    r = RecoveryRecord.from_dict(old)
+    assert (r.source, r.steps_lost, r.total_s) == ("buddy", 2, 4.0)

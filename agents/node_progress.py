@@ -1,0 +1,333 @@
+"""A node's progress in one record: the agent relays its workers' heartbeats to etcd.
+
+Each worker's heartbeat (:mod:`agents.heartbeat`) used to put its own
+:class:`~orchestrator.records.ProgressRecord` up to five times a second:
+16,000 puts/s at 1,000 nodes x 8 workers.  Now a worker sends its record to
+its node agent over a local datagram socket (the agent starts the workers and
+names the socket in :data:`ENV_PROGRESS_SOCKET`), and the agent writes one
+:class:`~orchestrator.records.NodeProgressRecord` at
+:func:`orchestrator.keys.node_progress` holding all of them:
+
+* at once (no closer than :data:`MIN_WRITE_GAP_S` to the last write) when
+  something the controller acts on changed (:func:`_acted_on`: a new worker
+  or process, a generation joined, the first step of a generation, a pause,
+  the recovery and checkpoint timings);
+* otherwise every :func:`steady_period` (at most :data:`STEADY_WRITE_S`), so
+  that the beat times the controller judges hangs and warm spares by stay
+  fresh.
+
+A worker's beat time is its own (the agent never refreshes it): a frozen
+worker stops sending and its time goes stale in the node's record.
+
+Every reply of the agent says how long etcd has been away for it
+(``EtcdClient.unreachable_for``): a worker no longer calls etcd at every beat,
+so when its agent sees etcd away for :data:`AWAY_CHECK_S` the worker makes a
+call of its own (:class:`RelayLink` and :mod:`agents.heartbeat`), and that
+call is what tells the worker's runtime to pause, as its heartbeat's put did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from orchestrator import keys
+from orchestrator.api import EtcdError
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import NodeProgressRecord, ProgressRecord, RecordError
+
+log = logging.getLogger("ringmaster.agent")
+
+#: The environment variable that names the agent's progress socket (``@`` + an
+#: abstract socket name); without it a worker writes its own progress to etcd.
+ENV_PROGRESS_SOCKET = "RINGMASTER_PROGRESS_SOCKET"
+#: Longest time between two writes of a node's progress in steady state.
+STEADY_WRITE_S = 1.0
+#: Shortest time between two writes: a change the controller acts on waits for it.
+MIN_WRITE_GAP_S = 0.2
+#: A worker whose agent has had etcd away this long checks etcd itself.
+AWAY_CHECK_S = 1.0
+#: How long a worker waits for its agent's reply to a beat (a synchronous one: to the write).
+REPLY_TIMEOUT_S = 0.5
+SYNC_TIMEOUT_S = 10.0
+#: Largest message (a ProgressRecord is under 1 KiB; metrics are a few numbers).
+MAX_MESSAGE = 256 * 1024
+
+
+class RelayError(EtcdError):
+    """A worker's progress did not reach etcd through its node agent in time."""
+
+
+def steady_period(heartbeat_interval: float) -> float:
+    """Time between two steady-state writes: at most half a heartbeat interval.
+
+    A worker beats at least every interval and the controller calls a beat
+    stale after three; relayed, a beat may wait one more period before it is
+    written, so the period is kept well inside that margin.
+    """
+    return max(MIN_WRITE_GAP_S, min(STEADY_WRITE_S, heartbeat_interval / 2))
+
+
+def _acted_on(p: ProgressRecord) -> tuple[Any, ...]:
+    """What of a worker's progress the controller acts on at once (not beat times, not totals)."""
+    t = replace(p.telemetry, wire_bytes=0, dense_bytes=0)
+    return (p.pid, p.generation, p.rank, p.world_size, p.paused, p.recoveries, t)
+
+
+class NodeProgress:
+    """The latest progress of each of a node's workers, and when to write it.
+
+    Thread-safe: :meth:`offer` is called as records arrive, :meth:`write` by
+    whoever writes (the relay's writer thread; the benchmark's simulated agent).
+
+    Args:
+        job: the job.
+        node: this node.
+        heartbeat_interval: the job's ``fault_tolerance.heartbeat_interval``, in seconds.
+    """
+
+    def __init__(self, job: str, node: str, heartbeat_interval: float) -> None:
+        self.key = keys.node_progress(job, node)
+        self.period = steady_period(heartbeat_interval)
+        self._lock = threading.Lock()
+        self._workers: dict[str, ProgressRecord] = {}
+        self._written: dict[str, tuple[Any, ...]] = {}
+        self._dirty = False
+        self._urgent = False
+        self._last_write = -math.inf
+        #: writes so far, and the size of the last one (the benchmark reads them)
+        self.writes = 0
+        self.last_bytes = 0
+
+    def offer(self, worker: str, record: ProgressRecord, soon: bool = False) -> bool:
+        """Keep ``record`` as ``worker``'s latest; True when it should be written soon.
+
+        Args:
+            soon: write it soon whatever changed (a worker waits for the write).
+        """
+        with self._lock:
+            self._workers[worker] = record
+            self._dirty = True
+            if soon or self._written.get(worker) != _acted_on(record):
+                self._urgent = True
+            return self._urgent
+
+    def due_at(self) -> float | None:
+        """Monotonic time the next write is due; None when nothing changed since the last."""
+        with self._lock:
+            if not self._dirty:
+                return None
+            return self._last_write + (MIN_WRITE_GAP_S if self._urgent else self.period)
+
+    def write(self, client: EtcdClient) -> int:
+        """Write the node's record now; returns the revision.
+
+        Raises:
+            EtcdError: etcd did not take it (what changed is written next time).
+        """
+        with self._lock:
+            workers = dict(self._workers)
+            self._dirty = self._urgent = False
+            self._last_write = time.monotonic()
+        text = NodeProgressRecord(time.time(), workers).encode()
+        try:
+            revision = client.put(self.key, text)
+        except BaseException:
+            with self._lock:
+                self._dirty = self._urgent = True
+            raise
+        with self._lock:
+            for w, p in workers.items():
+                self._written[w] = _acted_on(p)
+            # a record that came during the write is judged against what was written
+            self._urgent = self._dirty and any(
+                self._written.get(w) != _acted_on(p) for w, p in self._workers.items()
+            )
+            self.writes += 1
+            self.last_bytes = len(text)
+        return revision
+
+
+class ProgressRelay:
+    """The agent's side: receives its workers' records, writes the node's record.
+
+    Two daemon threads: one answers the workers (at once, with how long etcd
+    has been away for the agent; a synchronous beat is answered after the
+    write that carries it), one writes when :meth:`NodeProgress.due_at` says.
+
+    Args:
+        client: the agent's etcd client.
+        progress: the node's records.
+    """
+
+    def __init__(self, client: EtcdClient, progress: NodeProgress) -> None:
+        self.client = client
+        self.progress = progress
+        name = f"\0ringmaster-progress-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(name)
+        self._sock.settimeout(0.5)
+        #: what a worker's environment names the socket by
+        self.address = "@" + name[1:]
+        self._stop = threading.Event()
+        self._wake = threading.Condition()
+        #: synchronous beats waiting for the next write: (reply address, seq)
+        self._waiting: list[tuple[Any, int]] = []
+        self._threads = [
+            threading.Thread(target=self._receive, name="progress-relay", daemon=True),
+            threading.Thread(target=self._write_loop, name="progress-writer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, sender = self._sock.recvfrom(MAX_MESSAGE)
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            try:
+                msg = json.loads(data)
+                worker = keys.segment(str(msg["worker"]), "worker id")
+                record = ProgressRecord.from_dict(msg["record"], f"progress of {worker}")
+                seq, sync = int(msg["seq"]), bool(msg.get("sync"))
+            except (ValueError, KeyError, TypeError, RecordError) as e:
+                log.warning("progress message dropped (not a worker's record): %s", e)
+                continue
+            urgent = self.progress.offer(worker, record, soon=sync)
+            if sync:
+                with self._wake:
+                    self._waiting.append((sender, seq))
+                    self._wake.notify()
+                continue
+            self._reply(sender, seq)
+            if urgent:
+                with self._wake:
+                    self._wake.notify()
+
+    def _reply(self, to: Any, seq: int, written: bool = False) -> None:
+        away = self.client.unreachable_for()
+        with contextlib.suppress(OSError):  # the worker is gone
+            reply = {"seq": seq, "away": away, "written": written}
+            self._sock.sendto(json.dumps(reply).encode(), to)
+
+    def _write_loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            with self._wake:
+                due = self.progress.due_at()
+                wait = 0.5 if due is None else due - time.monotonic()
+                if wait > 0:
+                    self._wake.wait(min(wait, 0.5))
+                    continue
+                waiting, self._waiting = self._waiting, []
+            try:
+                self.progress.write(self.client)
+            except EtcdError as e:
+                if not failing:
+                    log.warning("node progress not written (will retry): %s", e)
+                failing = True
+                with self._wake:
+                    self._waiting = waiting + self._waiting
+                self._stop.wait(MIN_WRITE_GAP_S)
+                continue
+            if failing:
+                log.info("node progress written again")
+            failing = False
+            for to, seq in waiting:
+                self._reply(to, seq, written=True)
+
+    def close(self) -> None:
+        """Stop relaying; what arrived and was not written yet is written once more."""
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        self._sock.close()
+        for t in self._threads:
+            t.join(timeout=2)
+        if self.progress.due_at() is not None:
+            with contextlib.suppress(EtcdError):
+                self.progress.write(self.client)
+
+
+class RelayLink:
+    """A worker's side: sends its records to the agent, learns how etcd is for the agent.
+
+    Args:
+        address: the agent's socket (:data:`ENV_PROGRESS_SOCKET`'s value).
+        worker: this worker's id.
+    """
+
+    def __init__(self, address: str, worker: str) -> None:
+        self.address = "\0" + address[1:] if address.startswith("@") else address
+        self.worker = worker
+        self._sock: socket.socket | None = None
+        self._seq = 0
+        self._lock = threading.Lock()  # a beat_now and the heartbeat thread's beat
+        #: how long etcd had been away for the agent, and when (monotonic) it said so
+        self._away = (0.0, time.monotonic())
+
+    def send(self, record: ProgressRecord, sync: bool) -> None:
+        """Send ``record``; with ``sync``, wait until the agent wrote it to etcd.
+
+        Raises:
+            RelayError: ``sync``, and the agent did not write it within
+                :data:`SYNC_TIMEOUT_S` (etcd is away, or the agent is).
+        """
+        with self._lock:
+            self._send(record, sync)
+
+    def _send(self, record: ProgressRecord, sync: bool) -> None:
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.bind("")  # an abstract name of the kernel's choice, for the replies
+        self._seq += 1
+        seq = self._seq
+        msg = {"seq": seq, "worker": self.worker, "sync": sync, "record": record.to_dict()}
+        try:
+            self._sock.sendto(json.dumps(msg).encode(), self.address)
+        except OSError as e:  # the agent is gone (its workers die with it) or swamped
+            if sync:
+                raise RelayError(
+                    f"progress of {self.worker} not relayed: the node agent's socket "
+                    f"{self.address[1:]!r} refused it ({e})"
+                ) from e
+            return
+        deadline = time.monotonic() + (SYNC_TIMEOUT_S if sync else REPLY_TIMEOUT_S)
+        while (left := deadline - time.monotonic()) > 0:
+            self._sock.settimeout(left)
+            try:
+                reply = json.loads(self._sock.recv(MAX_MESSAGE))
+            except (TimeoutError, OSError, ValueError):
+                break
+            if int(reply.get("seq", -1)) == seq:
+                self._away = (float(reply.get("away", 0.0)), time.monotonic())
+                return
+        if sync:
+            raise RelayError(
+                f"progress of {self.worker} not written by the node agent within "
+                f"{SYNC_TIMEOUT_S:g}s: etcd or the agent is not answering"
+            )
+
+    def agent_away_for(self) -> float:
+        """How long etcd has been away for the agent, as of its last reply (0: all is well)."""
+        away, at = self._away
+        return away + (time.monotonic() - at) if away > 0 else 0.0
+
+    def close(self) -> None:
+        """Close the socket (a later :meth:`send` opens another)."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None

@@ -1,0 +1,94 @@
+"""What keeps the controller's tick cheap at scale: decoded records kept by revision,
+liveness probes at once, and a loop woken only by the changes it must act on."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator import keys, records
+from orchestrator.controller.service import wakes
+from orchestrator.controller.world import RecordCache, probe_all
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.liveness import Liveness, LivenessServer
+from orchestrator.records import DoneRecord, RecordError
+
+pytestmark = pytest.mark.integration
+
+
+def test_records_are_decoded_again_only_where_their_revision_moved(
+    etcd_client: EtcdClient,
+) -> None:
+    prefix = keys.job_done(f"cache-{uuid.uuid4().hex[:8]}")
+    records.write(etcd_client, prefix + "a-0", DoneRecord(1, 1, 1.0))
+    records.write(etcd_client, prefix + "b-0", DoneRecord(2, 1, 2.0))
+    cache = RecordCache(DoneRecord)
+    first = cache.read(etcd_client, prefix)
+    records.write(etcd_client, prefix + "b-0", DoneRecord(3, 1, 3.0))
+    second = cache.read(etcd_client, prefix)
+    assert second["a-0"] is first["a-0"]  # unchanged: the same decoded record
+    assert second["b-0"].step == 3
+    etcd_client.delete(prefix + "a-0")
+    assert sorted(cache.read(etcd_client, prefix)) == ["b-0"]
+    # a bad value is still an error naming its key, every time it changes
+    etcd_client.put(prefix + "b-0", '{"v": 1, "step": "three"}')
+    with pytest.raises(RecordError, match=f"{prefix}b-0: step"):
+        cache.read(etcd_client, prefix)
+
+
+@pytest.fixture
+def silent_ports() -> Iterator[list[str]]:
+    """Ports that accept a connection and never answer (a frozen agent): a probe times out."""
+    socks = []
+    for _ in range(6):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        socks.append(s)
+    yield [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+
+
+def test_liveness_probes_of_a_tick_run_at_once(silent_ports: list[str]) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    with LivenessServer("127.0.0.1", lambda: {"node": "a"}) as alive:
+        addresses = {f"silent-{i}": a for i, a in enumerate(silent_ports)}
+        addresses.update({"alive": alive.address, "gone": refused})
+        started = time.monotonic()
+        verdicts = probe_all(addresses)
+        took = time.monotonic() - started
+    assert verdicts["alive"] is Liveness.ALIVE
+    assert verdicts["gone"] is Liveness.DEAD
+    assert {verdicts[f"silent-{i}"] for i in range(6)} == {Liveness.UNKNOWN}
+    # six probes that wait out their 0.25 s timeout, one after the other, took 1.5 s
+    assert took < 1.0, took
+
+
+@pytest.mark.parametrize(
+    ("kind", "wakes_it"),
+    [
+        ("nodes/n1", True),
+        ("reports/3/n1-0", True),
+        ("commands/0001", True),
+        ("done/n1-0", True),
+        ("plan", True),
+        ("spec", True),
+        ("agents/n1/cmd/1", True),
+        ("progress/n1-0", False),
+        ("node-progress/n1", False),
+        ("logs/n1/0/tail", False),
+        ("history/123", False),
+        ("events/000001", False),
+        ("status", False),
+    ],
+)
+def test_the_loop_wakes_at_once_only_for_what_it_acts_on(kind: str, wakes_it: bool) -> None:
+    assert wakes(keys.job_prefix("j") + kind) is wakes_it

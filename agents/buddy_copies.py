@@ -39,9 +39,11 @@ log = logging.getLogger("ringmaster.worker")
 
 #: ``sharding="fsdp"``: copy slices to the buddy every this many steps unless the job
 #: file (``fault_tolerance.redundancy.every_steps``) or ``wrap()`` says otherwise.
-#: Measured on a 2-core machine (benchmarks/recovery.py, 3 ranks, an 18 ms step):
-#: copies every step cost 19-30 % of the step time, every 10 steps about 1 %, for at
-#: most 10 steps trained again after a node loss.
+#: Measured on a 2-core machine (benchmarks/recovery.py --sharded, 3 ranks, a 7-8 ms
+#: step; docs/sharded-models.md): copies every step cost +22-25 % of the step time
+#: on a quiet machine (0.4-0.6 ms of it blocks the training thread, the rest is the
+#: exchange competing for the cores), every 10 steps is within the noise (-3 % to
+#: +4 %), for at most 10 steps trained again after a node loss.
 DEFAULT_EVERY_STEPS = DEFAULT_REDUNDANCY_EVERY_STEPS
 
 #: How long the end of a generation waits for an exchange under way (its peers may be
@@ -72,6 +74,10 @@ class BuddyCopies:
         self.last_blocked_s = 0.0
         #: seconds the last exchange took on the thread
         self.last_exchange_s = 0.0
+        #: this generation's totals, logged when it ends: copies, seconds the training
+        #: thread was blocked (waiting on the previous exchange + copying), seconds of it
+        #: spent copying, exchanges and their seconds on the thread
+        self._totals = [0, 0.0, 0.0, 0, 0.0]
 
     # -- per generation ----------------------------------------------------------------
 
@@ -102,6 +108,18 @@ class BuddyCopies:
     def stop(self) -> None:
         """End the exchange under way (its peer may be gone) and the thread; keep the copies."""
         self._stop.set()
+        copies, blocked, copying, exchanges, exchanging = self._totals
+        if copies:
+            log.info(
+                "redundancy: %d copies, the training thread blocked %.2f ms per copy "
+                "(%.2f ms copying to host), %d exchanges of %.2f ms each on their thread",
+                copies,
+                1e3 * blocked / copies,
+                1e3 * copying / copies,
+                exchanges,
+                1e3 * exchanging / max(1, exchanges),
+            )
+        self._totals = [0, 0.0, 0.0, 0, 0.0]
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
@@ -126,12 +144,17 @@ class BuddyCopies:
                 return
         if not thread.is_alive():  # the last exchange failed: a peer is gone
             return
+        copying = time.perf_counter()
         snapshot = capture().copy_to_host()
         with self._lock:
             self._snapshots.append(snapshot)
         self._idle.clear()
         self._queue.put(snapshot)
-        self.last_blocked_s = time.perf_counter() - started
+        now = time.perf_counter()
+        self.last_blocked_s = now - started
+        self._totals[0] += 1
+        self._totals[1] += self.last_blocked_s
+        self._totals[2] += now - copying
 
     def forget_after(self, step: int) -> None:
         """Drop snapshots and copies of steps after ``step``: the job went back to
@@ -168,6 +191,8 @@ class BuddyCopies:
             finally:
                 self._idle.set()
             self.last_exchange_s = time.perf_counter() - started
+            self._totals[3] += 1
+            self._totals[4] += self.last_exchange_s
 
     def _exchange(self, mine: Slice) -> Slice | None:
         """Send this rank's snapshot to the buddy and take the ward's, all at once.

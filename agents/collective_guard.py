@@ -13,7 +13,13 @@ promises nothing either way.  Two things end such a wait here:
   generation (the controller declared a peer dead) and the current step has
   not reached its boundary within a short grace, the generation's groups are
   aborted.  That ends an NCCL wait at once; gloo's abort does not interrupt a
-  wait, so there the timeout is what ends it.
+  wait (nor close a connection), so there the timeout is what ends it.
+
+A wait on a peer that has itself left the generation after a failure (the
+local peer of a survivor, with several workers per node) is ended sooner: a
+worker that leaves shuts down its groups' connections
+(:func:`agents.process_group.hang_up`), and a closed connection ends a gloo
+wait at once.
 
 :class:`OpTimeout` is the pure rule; :class:`CollectiveGuard` applies it to a
 generation's groups and watches for the abort.  What ended a step is named by

@@ -79,6 +79,7 @@ from agents.sharding import (
     optimizers_of,
     others_of,
     raised_in_collective,
+    redundancy_ignored,
 )
 from agents.standalone import StandaloneSession
 from agents.telemetry import WorkerTelemetry
@@ -92,7 +93,7 @@ from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.own_packages import check_own_packages
 from orchestrator.records import DoneRecord, Plan, ProgressRecord
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec
+from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, JobSpec
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -228,7 +229,14 @@ class Session:
         On a GPU worker the module moves to :attr:`device` (the local rank's
         CUDA device) and DDP gets ``device_ids``, as in a torchrun script.
         """
-        if check_mode(sharding) != "ddp":
+        ignored = redundancy_ignored(
+            check_mode(sharding),
+            self.spec.fault_tolerance.redundancy.every_steps,
+            DEFAULT_REDUNDANCY_EVERY_STEPS,
+        )
+        if ignored is not None:
+            log.warning("%s", ignored)
+        if sharding != "ddp":
             return self._wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer
             )
@@ -455,7 +463,10 @@ class Session:
         self.saving.poll()
         # Every rank decides from the same reduced numbers (a replacement has seen
         # no request yet, its peers have): a request is new only if no rank served it.
-        self._control_seen = max(agreed.checkpoint_requested, agreed.checkpoint_served)
+        # Served once the saves below are made: a save that breaks with the group
+        # (a peer left, e.g. the first of several preempted nodes) is asked again in
+        # the next generation instead of counting as done.
+        seen = max(agreed.checkpoint_requested, agreed.checkpoint_served)
         saves = []
         if agreed.checkpoint_request_new:
             saves.append("requested")
@@ -467,6 +478,7 @@ class Session:
             with self.collective_guard.relaxed():
                 for reason in saves:
                     self.saving.save(reason)
+        self._control_seen = seen
         if agreed.stop:
             self._stop_requested = True
             return

@@ -25,9 +25,6 @@ from agents.sharding import Layout, SliceKey, chunk_rows
 #: What a rank says it holds: (step, shards, index, has the replicated state).
 Held = tuple[int, int, int, bool]
 
-#: Kinds of slice source, best first.
-SOURCE_LOCAL = "local"
-
 
 @dataclass(frozen=True)
 class Piece:

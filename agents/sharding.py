@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,21 @@ def check_mode(sharding: str) -> str:
             + ", ".join(repr(m) for m in SHARDING_MODES)
         )
     return sharding
+
+
+def redundancy_ignored(mode: str, every_steps: int, default: int) -> str | None:
+    """A warning when the job file sets ``fault_tolerance.redundancy`` for a model
+    that makes no buddy copies (``ddp``, ``hsdp``), else None.
+
+    ``every_steps`` equal to ``default`` is taken as not set.
+    """
+    if mode == "fsdp" or every_steps == default:
+        return None
+    has = "every rank" if mode == "ddp" else "its twin in another replica group"
+    return (
+        f"fault_tolerance.redundancy.every_steps ({every_steps}) is ignored: a "
+        f"sharding={mode!r} model keeps no buddy copies (each slice is also held by {has})"
+    )
 
 
 @dataclass(frozen=True)
@@ -131,9 +146,6 @@ class Slice:
         """A copy in host memory that later training steps cannot change."""
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in self.tensors.items()}
         return Slice(self.step, self.layout, tensors, copy.deepcopy(self.replicated))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -312,13 +324,6 @@ class ShardedModel(nn.Module):
             for n in gen.params
         }
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered in full (a collective: every rank calls it)."""
-        return {
-            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in self.params.items()
-        }
-
 
 def repoint_optimizer(
     opt: torch.optim.Optimizer,
@@ -389,8 +394,3 @@ def raised_in_collective(error: BaseException) -> bool:
             tb = tb.tb_next
         e = e.__cause__ or e.__context__
     return False
-
-
-def iter_keys(structure: Iterable[SliceKey]) -> list[SliceKey]:
-    """Slice keys in the one order every rank uses."""
-    return sorted(structure)

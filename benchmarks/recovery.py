@@ -29,11 +29,18 @@ twins) and ``fsdp`` with redundancy every step (3 nodes, one spare: from the
 buddy's copy); the ``ddp`` row beside them is the same job unsharded.  The
 redundancy overhead rows train ``fsdp`` on 3 nodes without a failure, with
 copies every step, every ``DEFAULT_EVERY_STEPS`` steps (the default) and
-without, on a wider model (``SHARDED_WIDTH`` hidden units) and no sleep in the
-step, and compare the mean step times.
+without (twice each, in alternating order), on a wider model
+(``SHARDED_WIDTH`` hidden units) and no sleep in the step, and compare the
+mean step times.
 
-``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone.  The last line
-is a JSON object.
+The ``fsdp_durable`` row is ``fsdp`` without redundancy (a durable checkpoint
+every 10 steps): it goes back to the newest checkpoint.  The overhead runs log
+the copies' costs (``BuddyCopies.stop``: how long the training thread was
+blocked per copy, of which copying to host, and the exchange on its thread).
+
+``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone; ``--sharded``
+takes row names to run only those (``ddp hsdp fsdp_redundancy fsdp_durable
+overhead``).  The last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,6 +166,8 @@ def _sharded_run(
     nproc: int,
     steps: int,
     kill_at: int | None,
+    checkpoint_every: int = 0,
+    env: dict[str, str] | None = None,
 ) -> tuple[Path, float, list[str]]:
     """One ``train_sharded.py`` job; returns its step logs, the kill time and its output."""
     from orchestrator import jobs
@@ -172,12 +182,15 @@ def _sharded_run(
             "entrypoint": {
                 "script": str(REPO / "examples" / "train_sharded.py"),
                 "args": [*args, "--step-log", str(logs)],
-                "env": {"OMP_NUM_THREADS": "1"},
+                "env": {"OMP_NUM_THREADS": "1", **(env or {})},
             },
             "nodes": {"min": nodes, "max": nodes, "spares": 1 if kill_at is not None else 0},
             "nproc_per_node": nproc,
             "max_steps": steps,
-            "checkpoint": {"url": f"file://{tmp}/{name}-ckpt"},
+            "checkpoint": {
+                "url": f"file://{tmp}/{name}-ckpt",
+                **({"every_steps": checkpoint_every} if checkpoint_every else {}),
+            },
             "fault_tolerance": {"heartbeat_interval": "500ms"},
         }
     )
@@ -209,17 +222,48 @@ def _mean_step_s(logs: Path) -> float:
     return (times[b] - times[a]) / (b - a)
 
 
-def sharded_rows() -> dict[str, object]:
-    """The ddp / hsdp / fsdp+redundancy recovery rows and the redundancy overhead."""
+#: The sharded recovery rows: name, train_sharded.py's arguments, nodes, workers per
+#: node, durable checkpoint every (0: none).
+SHARDED_ROWS = (
+    ("ddp", ["--sharding", "ddp"], 2, 2, 0),
+    ("hsdp", ["--sharding", "hsdp"], 2, 2, 0),
+    ("fsdp_redundancy", ["--sharding", "fsdp", "--redundancy-every-steps", "1"], 3, 1, 0),
+    ("fsdp_durable", ["--sharding", "fsdp", "--redundancy-every-steps", "0"], 3, 1, 10),
+)
+#: Worker log lines of the buddy copies' totals (:meth:`BuddyCopies.stop`).
+_COPY_COSTS = re.compile(
+    r"redundancy: (\d+) copies, the training thread blocked ([\d.]+) ms per copy "
+    r"\(([\d.]+) ms copying to host\), (\d+) exchanges of ([\d.]+) ms each"
+)
+
+
+def _copy_costs(lines: list[str]) -> dict[str, float]:
+    """Mean ms per copy over the workers' last generations: blocked, copying, exchange."""
+    found = [m.groups() for line in lines if (m := _COPY_COSTS.search(line))]
+    if not found:
+        return {}
+    copies = sum(int(f[0]) for f in found)
+    exchanges = sum(int(f[3]) for f in found)
+    return {
+        "blocked_ms": round(sum(int(f[0]) * float(f[1]) for f in found) / copies, 3),
+        "copy_ms": round(sum(int(f[0]) * float(f[2]) for f in found) / copies, 3),
+        "exchange_ms": round(sum(int(f[3]) * float(f[4]) for f in found) / max(1, exchanges), 3),
+    }
+
+
+def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
+    """The ddp / hsdp / fsdp recovery rows and the redundancy overhead.
+
+    Args:
+        only: names of :data:`SHARDED_ROWS` and/or ``overhead`` to run (default: all).
+    """
     common = ["--step-time", str(STEP_TIME)]
     rows: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for name, args, nodes, nproc in (
-            ("ddp", ["--sharding", "ddp"], 2, 2),
-            ("hsdp", ["--sharding", "hsdp"], 2, 2),
-            ("fsdp_redundancy", ["--sharding", "fsdp", "--redundancy-every-steps", "1"], 3, 1),
-        ):
+        for name, args, nodes, nproc, checkpoint_every in SHARDED_ROWS:
+            if only and name not in only:
+                continue
             logs, killed_at, _ = _sharded_run(
                 tmp,
                 f"bench-{name.replace('_', '-')}",
@@ -228,15 +272,21 @@ def sharded_rows() -> dict[str, object]:
                 nproc=nproc,
                 steps=SHARDED_STEPS,
                 kill_at=SHARDED_KILL_AT,
+                checkpoint_every=checkpoint_every,
             )
             recovery, lost = _measure(logs, killed_at, by_file=False)
             rows[f"{name}_recovery_s"] = round(recovery, 3)
             rows[f"{name}_steps_lost"] = lost
-        steps = {}
-        for every in (1, DEFAULT_EVERY_STEPS, 0):
-            logs, _, _ = _sharded_run(
+        if only and "overhead" not in only:
+            return rows
+        # the settings alternate (1, 10, 0, 0, 10, 1): a load that drifts during the
+        # runs (the machine is shared) weighs on each setting alike
+        order = (1, DEFAULT_EVERY_STEPS, 0)
+        times: dict[int, list[float]] = {every: [] for every in order}
+        for i, every in enumerate(order + order[::-1]):
+            logs, _, lines = _sharded_run(
                 tmp,
-                f"bench-overhead-{every}",
+                f"bench-overhead-{every}-{i}",
                 [
                     *("--sharding", "fsdp", "--redundancy-every-steps", str(every)),
                     *("--width", str(SHARDED_WIDTH)),
@@ -245,27 +295,44 @@ def sharded_rows() -> dict[str, object]:
                 nproc=1,
                 steps=OVERHEAD_STEPS,
                 kill_at=None,
+                env={"RINGMASTER_LOG_LEVEL": "INFO"},  # the copies' costs (BuddyCopies.stop)
             )
-            steps[every] = _mean_step_s(logs)
+            times[every].append(_mean_step_s(logs))
+            for key, ms in _copy_costs(lines).items():
+                rows[f"redundancy_every_{every}_{key}"] = ms
+        steps = {every: sum(t) / len(t) for every, t in times.items()}
     rows["fsdp_step_s"] = round(steps[0], 5)
     rows["fsdp_redundancy_step_s"] = round(steps[1], 5)
     rows["redundancy_overhead"] = round(steps[1] / steps[0] - 1, 3)
     rows["redundancy_default_every_steps"] = DEFAULT_EVERY_STEPS
     rows["fsdp_redundancy_default_step_s"] = round(steps[DEFAULT_EVERY_STEPS], 5)
     rows["redundancy_default_overhead"] = round(steps[DEFAULT_EVERY_STEPS] / steps[0] - 1, 3)
-    rows["hsdp_vs_ddp"] = round(
-        float(rows["hsdp_recovery_s"]) / float(rows["ddp_recovery_s"]),
-        2,  # type: ignore[arg-type]
-    )
+    if "hsdp_recovery_s" in rows and "ddp_recovery_s" in rows:
+        rows["hsdp_vs_ddp"] = round(
+            float(rows["hsdp_recovery_s"]) / float(rows["ddp_recovery_s"]),  # type: ignore[arg-type]
+            2,
+        )
     return rows
 
 
 def _print_sharded(rows: dict[str, object]) -> None:
-    for name in ("ddp", "hsdp", "fsdp_redundancy"):
+    for name, *_ in SHARDED_ROWS:
+        if f"{name}_recovery_s" not in rows:
+            continue
         print(
             f"{name:16s} {rows[f'{name}_recovery_s']:.2f}s to the next step, "
             f"{rows[f'{name}_steps_lost']} lost"
         )
+    if "fsdp_step_s" not in rows:
+        return
+    for every in (1, DEFAULT_EVERY_STEPS):
+        if f"redundancy_every_{every}_blocked_ms" in rows:
+            print(
+                f"redundancy every {every}: the training thread blocked "
+                f"{rows[f'redundancy_every_{every}_blocked_ms']} ms per copy "
+                f"({rows[f'redundancy_every_{every}_copy_ms']} ms copying to host), "
+                f"exchange {rows[f'redundancy_every_{every}_exchange_ms']} ms on its thread"
+            )
     print(
         f"redundancy every step: {rows['fsdp_redundancy_step_s']:.4f}s per step against "
         f"{rows['fsdp_step_s']:.4f}s without ({float(str(rows['redundancy_overhead'])):+.1%})"
@@ -613,8 +680,8 @@ def main() -> None:
     if sys.argv[1:] == ["--stuck"]:  # the SIGSTOP and partition rows alone
         print(json.dumps(_stuck_peer_rows()))
         return
-    if sys.argv[1:] == ["--sharded"]:  # the hsdp and fsdp rows alone
-        sharded = sharded_rows()
+    if sys.argv[1:2] == ["--sharded"]:  # the sharded rows alone, or only the ones named
+        sharded = sharded_rows(sys.argv[2:] or None)
         _print_sharded(sharded)
         print(json.dumps(sharded))
         return

@@ -195,9 +195,10 @@ class RecoveryMode(str, Enum):
     RESTART = "restart"
 
 
-#: Default of ``fault_tolerance.redundancy.every_steps``: the per-step cost of a copy
-#: every step was 10-30 % of an 18 ms step here, every 10 steps about 1 %
-#: (docs/sharded-models.md), for at most 10 steps trained again after a loss.
+#: Default of ``fault_tolerance.redundancy.every_steps``: a copy every step cost
+#: +22-25 % of the benchmark's step time here (2 shared cores), every 10 steps was
+#: within the noise (docs/sharded-models.md), for at most 10 steps trained again
+#: after a node loss.
 DEFAULT_REDUNDANCY_EVERY_STEPS = 10
 
 

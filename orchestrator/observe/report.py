@@ -207,15 +207,18 @@ def render_html(data: ReportData, png: bytes) -> str:
         cells = "".join(f'<td class="phase-{p}">{phases[p]:.3f}</td>' for p in PHASES)
         rec_rows.append(
             f'<tr class="recovery" data-generation="{r.generation}" data-cause="{e(r.cause)}" '
-            f'data-total="{r.total_s:.6f}">'
+            f'data-total="{r.total_s:.6f}" data-source="{e(r.source)}" '
+            f'data-steps-lost="{r.steps_lost if r.source else ""}">'
             f"<td>{r.failure_at - data.t0:.2f}</td><td>{r.generation}</td><td>{e(r.cause)}</td>"
             f"<td>{e(', '.join(r.nodes))}</td>{cells}<td>{r.total_s:.3f}</td>"
-            f"<td>{r.steps_rerun}</td></tr>"
+            f"<td>{r.steps_rerun}</td><td>{e(r.source or '-')}</td>"
+            f"<td>{r.steps_lost if r.source else '-'}</td></tr>"
         )
     recoveries = (
         '<table class="recoveries"><tr><th>at (s)</th><th>generation</th><th>cause</th>'
-        f"<th>nodes</th>{head}<th>total (s)</th><th>steps re-run</th></tr>"
-        + ("".join(rec_rows) or '<tr><td colspan="10">no recoveries</td></tr>')
+        f"<th>nodes</th>{head}<th>total (s)</th><th>steps re-run</th>"
+        "<th>state from</th><th>steps lost</th></tr>"
+        + ("".join(rec_rows) or '<tr><td colspan="12">no recoveries</td></tr>')
         + "</table>"
     )
     marker_rows = "".join(

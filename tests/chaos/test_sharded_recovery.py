@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import keys
+from orchestrator import events, keys
 from orchestrator.api import JobPhase
+from orchestrator.observe.report import build_report, render_html
 from orchestrator.records import RecoveryRecord
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary
 from tests.chaos.sharded_jobs import assembled, assert_same_params, fault_free, sharded_job
@@ -32,7 +33,21 @@ STEPS = 60
 def _recovery(run) -> RecoveryRecord:  # type: ignore[no-untyped-def]
     kvs = run._client.get_prefix(keys.job_recoveries(run.spec.name))
     assert kvs, "no recovery record"
-    return RecoveryRecord.from_dict(json.loads(kvs[-1].value))
+    record = RecoveryRecord.from_dict(json.loads(kvs[-1].value))
+    _assert_users_see(run, record)
+    return record
+
+
+def _assert_users_see(run, record: RecoveryRecord) -> None:  # type: ignore[no-untyped-def]
+    """The Recovered event and ``ringmaster report`` name the source and the steps lost."""
+    lost = f"{record.steps_lost} step{'' if record.steps_lost == 1 else 's'} lost"
+    recovered = [e for e in events.list_events(run._client, run.spec.name) if e.type == "Recovered"]
+    assert recovered, "no Recovered event"
+    assert f"state from {record.source}, {lost}" in recovered[-1].message, recovered[-1]
+    assert recovered[-1].data["restored_from"] == record.source, recovered[-1]
+    assert recovered[-1].data["steps_lost"] == record.steps_lost, recovered[-1]
+    html = render_html(build_report(run._client, run.spec.name), b"")
+    assert f'data-source="{record.source}" data-steps-lost="{record.steps_lost}"' in html
 
 
 def test_hsdp_slices_come_from_twins(tmp_path: Path) -> None:

@@ -26,13 +26,15 @@ def _close(a: Any, b: Any) -> bool:
     return abs(float(a) - float(b)) <= 1e-6 * (1 + abs(float(a)))
 
 
-def test_fsdp_checkpoint_resumes_on_three_ranks_and_into_ddp(gloo: Any, tmp_path: Path) -> None:
+def test_fsdp_checkpoint_resumes_on_three_ranks_into_ddp_and_hsdp(
+    gloo: Any, tmp_path: Path
+) -> None:
     url = f"file://{tmp_path}/ckpt"
     saved = gloo(train_and_save, 2, url, "fsdp")
     assert _close(saved[0]["state"], saved[1]["state"])
     # no gather to one rank: each rank wrote an object of its own
     assert sorted(saved[0]["objects"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    for world, mode in ((3, "fsdp"), (2, "ddp")):
+    for world, mode in ((3, "fsdp"), (2, "ddp"), (4, "hsdp")):
         for r, out in enumerate(gloo(resume, world, url, mode)):
             assert out["step"] == STEPS
             assert _close(out["state"], saved[0]["state"]), f"{mode} rank {r} of {world} differs"

@@ -15,6 +15,7 @@ from agents.sharding import (
     check_mode,
     chunk_rows,
     layout_of,
+    redundancy_ignored,
 )
 
 pytestmark = pytest.mark.unit
@@ -92,3 +93,12 @@ def test_going_back_forgets_the_abandoned_timeline() -> None:
     assert copies.held_copy() is None
     with pytest.raises(ValueError, match="every_steps must be at least 1"):
         BuddyCopies(every_steps=0)
+
+
+def test_redundancy_is_said_to_be_ignored_for_models_that_make_no_copies() -> None:
+    assert redundancy_ignored("fsdp", 1, 10) is None  # fsdp makes the copies
+    assert redundancy_ignored("hsdp", 10, 10) is None  # the default: not set by the job file
+    hsdp = redundancy_ignored("hsdp", 1, 10)
+    assert hsdp is not None and "every_steps (1) is ignored" in hsdp and "twin" in hsdp
+    ddp = redundancy_ignored("ddp", 0, 10)
+    assert ddp is not None and "sharding='ddp'" in ddp and "every rank" in ddp

@@ -825,11 +825,12 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
 
     def num(v: object) -> object:
-        """JSON-safe: NaN and infinity (no step within the window) become null."""
+        """JSON-safe: NaN and infinity (no step within the window) become null; five
+        significant digits (a difference of 1e-07 stays one)."""
         if isinstance(v, list):
             return [num(x) for x in v]
         if isinstance(v, float):
-            return None if v != v or v == float("inf") else round(v, 4)
+            return None if v != v or v == float("inf") else float(f"{v:.5g}")
         return v
 
     for name in ["ddp", *systems]:

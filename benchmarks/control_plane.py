@@ -79,10 +79,10 @@ from benchmarks._control_plane.processes import (  # noqa: E402
     call_all,
 )
 from benchmarks._control_plane.report import (  # noqa: E402
-    GRPC_RECEIVE_LIMIT,
     MIB,
     headline,
     print_table,
+    range_note,
     targets,
 )
 from orchestrator import jobs, keys, records  # noqa: E402
@@ -580,8 +580,8 @@ def run_static(args: argparse.Namespace, result: dict[str, Any]) -> int:
             client.close()
     print(f"\ncontrol plane, static snapshot: {args.nodes} nodes x {args.workers} workers")
     for name, v in sizes.items():
-        over = "  over gRPC's 4 MiB receive limit" if v["bytes"] > GRPC_RECEIVE_LIMIT else ""
-        print(f"  range {name:<24} {v['keys']:>8,} keys {v['bytes']:>12,} B{over}")
+        note = range_note(v["bytes"])
+        print(f"  range {name:<24} {v['keys']:>8,} keys {v['bytes']:>12,} B{note}")
         result[f"range_bytes_{name.replace(':', '_')}"] = v["bytes"]
     for key in (
         "tick_read_ms",

@@ -94,6 +94,19 @@ KNOBS: tuple[Knob, ...] = (
         int,
     ),
     Knob(
+        "RINGMASTER_ETCD_COMPACT_EVERY",
+        "10",
+        "seconds between compactions of etcd's history by the leading controller (etcd's own"
+        " compactor runs every 5 minutes); 0: leave it to etcd",
+        zero_allowed=True,
+    ),
+    Knob(
+        "RINGMASTER_ETCD_HISTORY_REVISIONS",
+        "10000",
+        "revisions of etcd's history those compactions keep",
+        int,
+    ),
+    Knob(
         "RINGMASTER_STORE_TIMEOUT",
         "300",
         "seconds a c10d store call waits for a key (torchrun rendezvous backend)",
@@ -173,6 +186,8 @@ class Settings:
     etcd_start: timedelta
     etcd_binary: str
     etcd_quota_bytes: int
+    etcd_compact_every: timedelta
+    etcd_history_revisions: int
     store_timeout: timedelta
     rdzv_ttl: timedelta
     checkpoint_save_timeout: timedelta

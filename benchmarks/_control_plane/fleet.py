@@ -231,7 +231,6 @@ class SimNode:
         self.plan_generation = 0
         self.progress = NodeProgress(cfg.job, self.name, cfg.heartbeat_interval)
         self.flush_pending = False
-        self.lease = self.client.lease(cfg.node_ttl)
         self.liveness = LivenessServer("127.0.0.1", self._liveness_status)
         self.seen = [[] for _ in range(cfg.watchers_per_node)]
         if cfg.watch == "plan":
@@ -254,7 +253,8 @@ class SimNode:
             LogShipper(self.client, cfg.job, self.name, lr, io.BytesIO(), log_dir=log_dir)
             for lr in range(cfg.workers)
         ]
-        self.register()
+        self._register_under_new_lease()
+        assert self.lease is not None
         self.alive = True
         now = time.monotonic()
         lanes = self.fleet.lanes
@@ -268,6 +268,20 @@ class SimNode:
             for lr, shipper in enumerate(self.shippers):
                 first = now + random.uniform(0, LOG_EVERY_S)
                 lanes.add(first, LogJob(self, lr, shipper, self.incarnation), self.lane)
+
+    def _register_under_new_lease(self, attempts: int = 5) -> None:
+        """Grant the node's lease and register under it; on a machine so busy that the
+        lease expired before the write, grant another (as an agent would)."""
+        for attempt in range(attempts):
+            self.lease = self.client.lease(self.fleet.cfg.node_ttl)
+            try:
+                self.register()
+                return
+            except EtcdError as e:
+                if "lease not found" not in str(e) or attempt == attempts - 1:
+                    raise
+                self.fleet.counters.add("leases_lost")
+                log.warning("lease of %s expired before it registered; again", self.name)
 
     def register(self) -> None:
         assert self.lease is not None

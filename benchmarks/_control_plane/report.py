@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import IO, Any
+
+from orchestrator.etcd.client import PAGE_BYTES
 
 MIB = 1024 * 1024
 
@@ -17,6 +20,16 @@ TARGET_CONTROLLER_CORES = 1.0
 FLAT_MIB_PER_MIN = 1.0
 #: gRPC's default receive limit, which the project's etcd client keeps.
 GRPC_RECEIVE_LIMIT = 4 * MIB
+
+
+def range_note(size: int) -> str:
+    """What a range read of ``size`` bytes in all costs a client: one response, or pages
+    (the client reads every range in pages of about ``PAGE_BYTES``, at one revision)."""
+    if size <= PAGE_BYTES:
+        return ""
+    pages = math.ceil(size / PAGE_BYTES)
+    whole = "over" if size > GRPC_RECEIVE_LIMIT else "under"
+    return f"  read in ~{pages} pages of <= 1 MiB (whole, {whole} gRPC's 4 MiB)"
 
 
 def targets(r: dict[str, Any]) -> dict[str, bool | None]:
@@ -130,8 +143,7 @@ def print_table(r: dict[str, Any], out: IO[str]) -> None:
         f"target < 1 MiB: {mark('requests_under_1mib')}",
     )
     for name, v in r["ranges"].items():
-        warn = "  over gRPC's 4 MiB receive limit" if v["bytes"] > GRPC_RECEIVE_LIMIT else ""
-        row(f"  range {name} ({v['keys']:,} keys)", v["bytes"], "B", warn)
+        row(f"  range {name} ({v['keys']:,} keys)", v["bytes"], "B", range_note(v["bytes"]))
     print("failures", file=out)
     for f in r.get("failures", []):
         row(

@@ -24,9 +24,7 @@ from orchestrator.spec import JobSpec
 STALE_BEATS = 3
 
 
-def hung_workers(
-    spec: JobSpec, plan: Plan, world: World, killed: set[str]
-) -> list[KillWorker]:
+def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> list[KillWorker]:
     """Kill commands for the hung workers of ``plan``.
 
     Args:

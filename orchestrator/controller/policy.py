@@ -250,9 +250,7 @@ class _Decider:
         self.m.short_since = None
         ordered = self.ordered(warm)
         infos = [self.node_info(n) for n in ordered]
-        waiting = set(
-            spread_spares(infos, len(ordered) - need_max, self.spec.comm.topology_labels)
-        )
+        waiting = set(spread_spares(infos, len(ordered) - need_max, self.spec.comm.topology_labels))
         active = self.ordered([n for n in ordered if n not in waiting])
         spares = [n for n in ordered if n in waiting]
         self.actions.append(PublishPlan(self.make_plan(1, active, spares, "start")))
@@ -473,21 +471,36 @@ class _Decider:
         hung = m.hung[1] if m.hung[0] == plan.generation else frozenset()
         # a refused liveness probe is first-hand: it needs no grace, not even after an
         # outage; nor does a node whose worker was killed for a hang (it cannot report)
-        waiting = silent - w.dead - hung
-        if waiting and (
+        known = (w.dead | hung) & silent
+        # a silent member whose agent answered a probe is late, not gone: at a thousand
+        # nodes the survivors' reports take a while to land, and waiting for them, or
+        # replacing the late ones, would make one failure cost many
+        late = (w.alive & silent) - known
+        waiting = silent - known - late
+        if known and not waiting:
+            why = self._why(known, w.dead, hung)
+            self.replace(plan, set(known), why, agent_gone=known & w.dead)
+            return
+        if (waiting or late) and (
             w.mono - m.break_seen_at < REPORT_GRACE.total_seconds() or self.in_grace()
         ):
             return  # give the other survivors time to report
         if all(r.planned for r in w.reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
-        dead = w.dead & silent
-        if dead == silent:
-            why = f"agent of {', '.join(sorted(dead))} gone (liveness port refused)"
-        elif hung and silent <= hung | dead:
-            why = f"a worker of {', '.join(sorted(silent))} hung and was killed"
-        else:
-            why = f"no report from {', '.join(sorted(silent))}"
-        self.replace(plan, silent, why, agent_gone=dead)
+        # after the grace: whoever neither answered nor reported; if every silent member's
+        # agent answers (a worker of theirs died, not the node), those members
+        failed = (silent - late) or silent
+        self.replace(plan, failed, self._why(failed, w.dead, hung), agent_gone=w.dead & failed)
+
+    @staticmethod
+    def _why(failed: set[str], dead: set[str], hung: frozenset[str] | set[str]) -> str:
+        """Why ``failed`` are replaced, in the words of the failure event."""
+        names = ", ".join(sorted(failed))
+        if failed <= dead:
+            return f"agent of {names} gone (liveness port refused)"
+        if hung and failed <= set(hung) | dead:
+            return f"a worker of {names} hung and was killed"
+        return f"no report from {names}"
 
     def replace(
         self, plan: Plan, failed: set[str], why: str, agent_gone: set[str] | None = None

@@ -5,7 +5,8 @@ then ticks a :class:`~orchestrator.controller.job.JobController` per job
 every ``TICK``, and at once when something it must act on changes under the
 jobs prefix (a watch wakes it: registrations, reports, commands, the plan;
 not the steady stream of progress, nor logs, history, events and status,
-which the controller writes itself, see :data:`NO_WAKE`).  Standbys wait;
+which the controller writes itself, see :data:`NO_WAKE`), and compacts etcd's
+history every few seconds (:mod:`orchestrator.etcd.compactor`).  Standbys wait;
 one that takes over reads everything back from etcd.  With ``metrics_port``
 it serves Prometheus metrics and publishes their URL.
 """
@@ -22,6 +23,7 @@ from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.compactor import HistoryCompactor
 from orchestrator.etcd.leader import LeaderElection
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
 from orchestrator.records import SpecRecord
@@ -68,6 +70,13 @@ class Controller:
             url = self.metrics_server.start()
             self.client.put(keys.controller_metrics(self.job), url)
         threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
+        compactor = HistoryCompactor(self.client)
+        threading.Thread(
+            target=compactor.run,
+            args=(stop, lambda: self.election.is_leader),
+            name="etcd-compactor",
+            daemon=True,
+        ).start()
         try:
             while not stop.is_set():
                 if not self.election.is_leader:

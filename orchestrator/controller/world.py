@@ -60,6 +60,8 @@ class World:
         done: workers that finished their training loop.
         reports: break reports of the current generation, by worker id.
         dead: member nodes whose agent refused a liveness probe during this break.
+        alive: member nodes whose agent answered a liveness probe during this break
+            (probed while they had not reported: their reports may still be on the way).
         answering: member nodes with a worker whose heartbeat went quiet (older
             than ``quiet_after``) and whose agent answered a liveness probe: the
             silence is that worker's own, not the node's (a partition, a crash).
@@ -79,6 +81,7 @@ class World:
     done: dict[str, DoneRecord] = field(default_factory=dict)
     reports: dict[str, BreakReport] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    alive: set[str] = field(default_factory=set)
     answering: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
@@ -162,6 +165,8 @@ class WorldReader:
         self._probed_generation = -1
         self._probed: set[str] = set()
         self._dead: set[str] = set()
+        self._alive: set[str] = set()
+        self._reports = RecordCache(BreakReport)
         self._progress = (RecordCache(ProgressRecord), RecordCache(NodeProgressRecord))
         self._nodes = RecordCache(NodeRecord)
 
@@ -183,14 +188,12 @@ class WorldReader:
             records.read(self.client, keys.job_control(job), ControlRecord) or ControlRecord()
         )
         if world.plan is not None:
-            world.checkpoint = records.read(
-                self.client, keys.job_checkpoint(job), CheckpointRecord
-            )
+            world.checkpoint = records.read(self.client, keys.job_checkpoint(job), CheckpointRecord)
             world.done = records.read_all(self.client, keys.job_done(job), DoneRecord)
-            world.reports = records.read_all(
-                self.client, keys.job_reports(job, world.plan.generation), BreakReport
+            world.reports = self._reports.read(
+                self.client, keys.job_reports(job, world.plan.generation)
             )
-            world.dead = self._probe(world.plan, world.reports, world.nodes)
+            world.dead, world.alive = self._probe(world.plan, world.reports, world.nodes)
             world.answering = self._probe_quiet(world.plan, world.progress, world.nodes)
         else:
             world.startup_failures = self._startup_failures()
@@ -234,20 +237,23 @@ class WorldReader:
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]
-    ) -> set[str]:
-        """Probe (once per break) each silent member's agent; the ones that refused."""
+    ) -> tuple[set[str], set[str]]:
+        """Probe (once per break) each silent member's agent: (refused, answered)."""
         if not reports:
-            return set()
+            return set(), set()
         if self._probed_generation != plan.generation:
-            self._probed_generation, self._probed, self._dead = plan.generation, set(), set()
+            self._probed_generation, self._probed = plan.generation, set()
+            self._dead, self._alive = set(), set()
         silent = sorted(silent_members(plan, reports) - self._probed)
         self._probed.update(silent)
         due = {node: address for node in silent if (address := _liveness(nodes, node))}
         for node, verdict in probe_all(due).items():
-            log.info("[%s] liveness of %s: %s", self.job, node, verdict.value)
             if verdict is Liveness.DEAD:
+                log.info("[%s] liveness of %s: %s", self.job, node, verdict.value)
                 self._dead.add(node)
-        return set(self._dead)
+            elif verdict is Liveness.ALIVE:
+                self._alive.add(node)
+        return set(self._dead), set(self._alive)
 
 
 def _liveness(nodes: dict[str, NodeRecord], node: str) -> str | None:

@@ -12,6 +12,7 @@
 * ``diagnosis``: why etcd did not answer (TLS mismatch, refused credentials, no quorum),
   and the named refusals (request too large, NOSPACE).
 * ``health``: how full etcd is (database size against the quota, alarms).
+* ``compactor``: the leading controller's compaction of etcd's history every few seconds.
 * ``retry``: jittered backoff and ``retry_unavailable`` for waiting out outages.
 * ``grpc_env``: gRPC's environment for the processes ringmaster starts.
 * ``embedded``, ``fencing``, ``leader``: a private etcd, generation-fenced

@@ -852,15 +852,17 @@ class EtcdClient:
         if self.no_space():
             raise EtcdNoSpaceError(list(self.endpoints), "NOSPACE alarm raised")
 
+    def current_revision(self) -> int:
+        """etcd's current revision (that of its newest write)."""
+        return int(self._call(lambda c: c.get_response("/")).header.revision)
+
     def compact(self, revision: int | None = None) -> int:
         """Compact etcd's history up to ``revision`` (default: the current one); returns it.
 
         Old versions of keys become free space in the database (reused by
         later writes; :meth:`defragment` gives it back to the file system).
         """
-        if revision is None:
-            revision = int(self._call(lambda c: c.get_response("/")).header.revision)
-        at = int(revision)
+        at = self.current_revision() if revision is None else int(revision)
         self._call(lambda c: c.compact(at, physical=True))
         return at
 

@@ -48,9 +48,11 @@ DEFAULT_START_TIMEOUT = SETTINGS.etcd_start
 # 10,000 revisions are 5 s of writes at the 2,000 writes/s the control plane is
 # held under at 1,000 nodes (minutes on a local run): room for a paged read or
 # a watch to finish at the revision it started at (a read whose revision was
-# compacted reads again), while the history between two compactions stays
-# bounded by the write rate times 5 minutes, not by the hours of a periodic
-# retention of 1h.
+# compacted reads again).  Five minutes of writes between two of etcd's own
+# compactions would still be over a GiB at 1,000 nodes, so the leading
+# controller compacts the same way every RINGMASTER_ETCD_COMPACT_EVERY seconds
+# (orchestrator.etcd.compactor); this setting is the floor when no controller
+# runs.
 #
 # Quota: etcd refuses every write (the NOSPACE alarm) once its database reaches
 # QUOTA_BACKEND_BYTES.  2 GiB (etcd's default, stated) is 8 times the 256 MiB

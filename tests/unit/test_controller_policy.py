@@ -168,6 +168,47 @@ def silent_node_gets_the_report_grace() -> None:
     assert "no report from b" in run.of(DeclareFailed)[0].why
 
 
+def late_reporters_whose_agents_answer_are_not_replaced() -> None:
+    """At scale the survivors' reports land over seconds: a refused probe is replaced at
+    once, and members whose agents answered keep their places."""
+    run = Run(_spec(min_nodes=4, max_nodes=4))
+    plan = _plan(1, "a", "b", "c", "d")
+    world = _world(["a", "b", "c", "d", "e"], plan, reports={"a-0": _report()})
+    world.dead, world.alive = {"b"}, {"c", "d"}
+    run.tick(world)  # no REPORT_GRACE: every silent member is accounted for
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == {"b"} and "agent of b gone" in declared.why
+    (new,) = run.plans()
+    assert set(_order(new)) == {"a", "c", "d", "e"}
+
+
+def a_silent_member_that_did_not_answer_waits_for_the_grace() -> None:
+    run = Run(_spec(min_nodes=4, max_nodes=4))
+    plan = _plan(1, "a", "b", "c", "d")
+    reports = {"a-0": _report()}
+    # b refused, c answered, d's probe got no answer (a partition, or an overloaded host)
+    run.tick(_world(["a", "b", "c", "d", "e", "f"], plan, mono=50.0, reports=reports,
+                    dead={"b"}, alive={"c"}))  # fmt: skip
+    assert run.plans() == []
+    run.tick(_world(["a", "b", "c", "d", "e", "f"], plan, mono=51.1, reports=reports,
+                    dead={"b"}, alive={"c"}))  # fmt: skip
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == {"b", "d"}  # c, late but alive, keeps its place
+    assert set(_order(run.plans()[0])) == {"a", "c", "e", "f"}
+
+
+def silent_members_that_all_answer_are_replaced_after_the_grace() -> None:
+    """Agents alive but workers silent (a worker died, not the node): after the grace
+    they are replaced, as before."""
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "b", "c"], plan, mono=50.0, reports={"a-0": _report()}, alive={"b"}))
+    assert run.plans() == []
+    run.tick(_world(["a", "b", "c"], plan, mono=51.1, reports={"a-0": _report()}, alive={"b"}))
+    (new,) = run.plans()
+    assert _order(new) == ["a", "c"] and "no report from b" in run.of(DeclareFailed)[0].why
+
+
 def no_spare_in_the_rack_reorders_the_ring() -> None:
     run = Run(_spec(min_nodes=5, max_nodes=5))
     plan = _plan(1, "a", "c", "f", "b", "d")  # r1 r1 r1 r2 r2: two crossings
@@ -527,6 +568,9 @@ SCENARIOS: list[Callable[[], None]] = [
     start_in_topology_order,
     node_death_refused_probe_is_replaced_from_its_rack,
     silent_node_gets_the_report_grace,
+    late_reporters_whose_agents_answer_are_not_replaced,
+    a_silent_member_that_did_not_answer_waits_for_the_grace,
+    silent_members_that_all_answer_are_replaced_after_the_grace,
     no_spare_in_the_rack_reorders_the_ring,
     a_spare_from_another_rack_keeps_the_slot_when_the_ring_stays_short,
     lease_expiry_preempted_node_is_replaced,

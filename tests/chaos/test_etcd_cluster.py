@@ -85,7 +85,9 @@ def test_quorum_lost_job_pauses_then_resumes(
     tmp_path: Path, cluster: EtcdCluster, reference: dict[str, torch.Tensor]
 ) -> None:
     lines: list[str] = []
-    spec = tiny_job("no-quorum", tmp_path, steps=STEPS, step_time=0.05)
+    # steps long enough that the outage lands mid-run: the status's step trails the
+    # workers by a second or two (agents write progress about once a second)
+    spec = tiny_job("no-quorum", tmp_path, steps=STEPS, step_time=0.15)
     with quiet_run(spec, lines, etcd=EtcdOptions(cluster.endpoints)) as run:
         wait_for_step(run, 20)
         cluster.kill(0)
@@ -113,13 +115,15 @@ def test_quorum_lost_job_pauses_then_resumes(
         cluster.restart(0)
         cluster.restart(1)
         cluster.wait_healthy()
-        paused = _wait_for_phase(run, JobPhase.PAUSED)
         result = run.wait()
     assert cli.returncode == 1, cli.stdout + cli.stderr
     for endpoint in cluster.endpoints:
         assert endpoint in cli.stderr, cli.stderr
     assert "etcd" in cli.stderr and "quorum" in cli.stderr, cli.stderr
-    assert "etcd was unavailable" in paused.message, paused.message
+    # the Paused phase may last milliseconds (the job can finish within the grace that
+    # follows the outage), too short to poll for: its event is what stays
+    paused = [e.message for e in result.events if e.type == "Phase" and "Paused" in e.message]
+    assert paused and "etcd was unavailable" in paused[0], summary(result, lines)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries == 0, summary(result, lines)
     assert not [e for e in result.events if e.type in ("NodeFailed", "WorkerExited")]
@@ -137,13 +141,3 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ)
-
-
-def _wait_for_phase(run, phase: JobPhase, timeout: float = 60) -> jobs.JobStatus:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = jobs.read_status(run._client, run.spec.name)
-        if status is not None and status.phase is phase:
-            return status
-        time.sleep(0.05)
-    raise AssertionError(f"job never reached phase {phase.value}")

@@ -40,7 +40,11 @@ from orchestrator.etcd.options import EtcdOptions  # noqa: E402
 from tests.chaos.jobs import quiet_run, tiny_job  # noqa: E402
 from tests.faults.etcd_cluster import EtcdCluster  # noqa: E402
 
-STEPS = 120
+#: Long enough that the job is still training when the quorum is lost and for the
+#: seconds workers take to notice (the status's step trails the workers by a second
+#: or two, so "at step 60" is later for them): at 120 the job could end inside the
+#: outage, never pausing.
+STEPS = 400
 OUTAGE_S = 6.0
 
 

@@ -11,9 +11,12 @@ Per job it:
 
 * starts the job when ``nodes.max`` nodes are warm (or ``nodes.min`` after
   the last-call timeout), in topology order, the rest as warm spares;
-* on a break (workers reported the generation broken) waits ``REPORT_GRACE``
-  for the silent members' reports, unless their agents refused a liveness
-  probe, then replaces the silent ones;
+* on a break (workers reported the generation broken) replaces at once the
+  silent members whose agents refused a liveness probe, once every silent
+  member has refused or answered (one that answered is late, not failed, and
+  keeps its place); otherwise waits ``REPORT_GRACE`` for the silent members'
+  reports, then replaces those that neither reported nor answered (or, when
+  every one answered, all of them);
 * replaces a member whose registration lease expired;
 * kills a worker whose heartbeat stopped for 3 heartbeat intervals (a frozen
   process; not when every heartbeat stopped at once: then their way to etcd

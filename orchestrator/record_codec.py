@@ -131,8 +131,7 @@ def read(client: EtcdClient, key: str, cls: type[R]) -> R | None:
 def read_all(client: EtcdClient, prefix: str, cls: type[R]) -> dict[str, R]:
     """Every record under ``prefix``, by the last segment of its key (in key order)."""
     return {
-        kv.key.rsplit("/", 1)[1]: decode(cls, kv.value, kv.key)
-        for kv in client.get_prefix(prefix)
+        kv.key.rsplit("/", 1)[1]: decode(cls, kv.value, kv.key) for kv in client.get_prefix(prefix)
     }
 
 

@@ -73,6 +73,7 @@ from benchmarks._control_plane.lanes import Lanes  # noqa: E402
 from orchestrator import keys, records  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
+from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError  # noqa: E402
 from orchestrator.etcd.kv import Lease  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
 from orchestrator.liveness import LivenessServer  # noqa: E402
@@ -277,8 +278,8 @@ class SimNode:
             try:
                 self.register()
                 return
-            except EtcdError as e:
-                if "lease not found" not in str(e) or attempt == attempts - 1:
+            except EtcdLeaseNotFoundError:
+                if attempt == attempts - 1:
                     raise
                 self.fleet.counters.add("leases_lost")
                 log.warning("lease of %s expired before it registered; again", self.name)

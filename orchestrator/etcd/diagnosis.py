@@ -76,6 +76,10 @@ class EtcdCompactedError(EtcdError):
     """A read at a revision that etcd has compacted away: read again at a newer one."""
 
 
+class EtcdLeaseNotFoundError(EtcdError):
+    """A write under a lease that has expired (or was revoked): grant a new one."""
+
+
 #: Errors of the etcd3 library that mean "this endpoint did not serve the call"
 #: (a watch not created within the attempt's deadline among them).
 RETRYABLE = (
@@ -109,6 +113,8 @@ _SEND_TOO_LARGE_DETAILS = ("sent message larger than max",)
 _NO_SPACE_DETAILS = ("database space exceeded",)
 # etcd's answer to a read at a revision older than its last compaction.
 _COMPACTED_DETAILS = ("required revision has been compacted",)
+# etcd's answer to a write (or refresh) under a lease it no longer has.
+_LEASE_NOT_FOUND_DETAILS = ("requested lease not found",)
 
 #: How long :func:`tls_mismatch` waits for a handshake or for the server to refuse it.
 _TLS_PROBE_SECONDS = 1.0
@@ -161,6 +167,8 @@ def refusal(e: grpc.RpcError, endpoints: tuple[str, ...], what: str) -> EtcdErro
         return EtcdNoSpaceError(list(endpoints), e.details() or "", what)
     if any(d in details for d in _COMPACTED_DETAILS):
         return EtcdCompactedError(f"etcd compacted the revision of a read{what}: {e.details()}")
+    if any(d in details for d in _LEASE_NOT_FOUND_DETAILS):
+        return EtcdLeaseNotFoundError(f"etcd has no such lease{what}: {e.details()}")
     if response_too_large(e):
         return EtcdResponseTooLargeError(
             f"etcd's answer{what} was over the client's gRPC receive limit: {e.details()}"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError
 from orchestrator.etcd.kv import KeyValue, Lease
 from orchestrator.settings import SETTINGS
 
@@ -100,8 +101,8 @@ class RunLease:
         lease = self.current()
         try:
             return fn(lease)
-        except EtcdError as e:
-            if lease is None or "lease not found" not in str(e):
+        except EtcdLeaseNotFoundError:
+            if lease is None:
                 raise
             log.info("run lease %x expired; granting a new one", lease.id)
         self._replace(lease)

@@ -11,6 +11,7 @@ import pytest
 from orchestrator import records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError
 from orchestrator.etcd.embedded import free_port
 from orchestrator.etcd.kv import WatchEvent
 from orchestrator.etcd.options import EtcdOptions
@@ -126,3 +127,11 @@ def test_fails_over_to_a_live_endpoint(etcd, key_prefix: str) -> None:  # type: 
         assert len(client.get_prefix(key_prefix)) == 5
     finally:
         client.close()
+
+
+def test_write_under_a_revoked_lease_is_named(etcd_client: EtcdClient, key_prefix: str) -> None:
+    lease = etcd_client.lease(5)
+    lease.revoke()
+    with pytest.raises(EtcdLeaseNotFoundError, match="no such lease"):
+        etcd_client.put(f"{key_prefix}/leased", "v", lease=lease)
+    assert etcd_client.get(f"{key_prefix}/leased") is None

@@ -480,18 +480,15 @@ class _Decider:
         # replacing the late ones, would make one failure cost many
         late = (w.alive & silent) - known
         waiting = silent - known - late
-        if known and not waiting:
-            why = self._why(known, w.dead, hung)
-            self.replace(plan, set(known), why, agent_gone=known & w.dead)
-            return
-        if (waiting or late) and (
+        # no wait once every silent member is accounted for and one of them is gone
+        if (waiting or (late and not known)) and (
             w.mono - m.break_seen_at < REPORT_GRACE.total_seconds() or self.in_grace()
         ):
             return  # give the other survivors time to report
         if all(r.planned for r in w.reports.values()) and not silent:
             return  # a planned switch: the new generation is already published
-        # after the grace: whoever neither answered nor reported; if every silent member's
-        # agent answers (a worker of theirs died, not the node), those members
+        # whoever neither answered nor reported; if every silent member's agent
+        # answers (a worker of theirs died, not the node), those members
         failed = (silent - late) or silent
         self.replace(plan, failed, self._why(failed, w.dead, hung), agent_gone=w.dead & failed)
 

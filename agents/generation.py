@@ -9,9 +9,10 @@ durable checkpoint when no rank holds live state (a fresh or resumed job).
 A sharded model gets its slices instead (:mod:`agents.shard_recovery`).
 
 When a generation breaks (a peer is gone, or the controller switched to a
-new plan), the worker drops its DDP and group, reports the break under the
-generation's ``reports/`` prefix (a :class:`BreakReport`, keyed by
-generation, so a late report can never affect a newer one) and joins the
+new plan), the worker drops its DDP and group, reports the break (a
+:class:`BreakReport`, keyed by generation, so a late report can never affect
+a newer one: through its node agent, which writes one record for its
+workers, or under the generation's ``reports/`` prefix itself) and joins the
 next.  A group that does not form is reported like a broken generation.
 """
 
@@ -108,6 +109,8 @@ class Generations:
         report = BreakReport(
             step=s.step, reason=reason, planned=planned, at=time.time(), user_error=user_error
         )
+        if s.heartbeat.relay_report(generation, report):
+            return  # the node agent wrote it, with its other workers' (agents.node_reports)
         try:
             records.write(s.client, keys.job_reports(s.env.job, generation) + s.worker, report)
         except EtcdError as e:

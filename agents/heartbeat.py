@@ -32,7 +32,7 @@ from datetime import timedelta
 from agents.node_progress import AWAY_CHECK_S, ENV_PROGRESS_SOCKET, RelayLink
 from orchestrator import records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import ProgressRecord
+from orchestrator.records import BreakReport, ProgressRecord
 
 #: ``(beat, step_time) -> record``: the worker's progress as of ``beat``
 #: (wall-clock seconds), whose step counter last moved at ``step_time``.
@@ -124,6 +124,12 @@ class Heartbeat:
         if self._relay.agent_away_for() > AWAY_CHECK_S:
             # etcd is away for the agent: find out with this worker's own client
             self._client.get(self._key)
+
+    def relay_report(self, generation: int, report: BreakReport) -> bool:
+        """Have the node agent write this worker's break report (see
+        :meth:`RelayLink.report <agents.node_progress.RelayLink.report>`); False:
+        no agent took it, the caller writes it itself."""
+        return self._relay is not None and self._relay.report(generation, report)
 
     def stop(self) -> None:
         self._stop.set()

@@ -51,6 +51,7 @@ from agents import log_files
 from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
 from agents.log_shipper import LogShipper
 from agents.node_progress import ENV_PROGRESS_SOCKET, NodeProgress, ProgressRelay
+from agents.node_reports import NodeReports
 from agents.node_watches import NodeWatches
 from agents.restart_tier import PendingStore, RestartTier
 from agents.warm_worker import WarmWorker
@@ -194,7 +195,9 @@ class NodeAgent(NodeWatches, RestartTier):
             else:
                 interval = spec.fault_tolerance.heartbeat_interval.total_seconds()
                 self._progress = ProgressRelay(
-                    self.client, NodeProgress(self.job, self.node, interval)
+                    self.client,
+                    NodeProgress(self.job, self.node, interval),
+                    NodeReports(self.job, self.node, spec.nproc_per_node),
                 )
                 for i in range(spec.nproc_per_node):
                     self._start_worker(i)

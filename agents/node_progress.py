@@ -24,6 +24,10 @@ Every reply of the agent says how long etcd has been away for it
 so when its agent sees etcd away for :data:`AWAY_CHECK_S` the worker makes a
 call of its own (:class:`RelayLink` and :mod:`agents.heartbeat`), and that
 call is what tells the worker's runtime to pause, as its heartbeat's put did.
+
+The same socket carries a worker's report that its generation broke
+(:meth:`RelayLink.report`); the agent writes its workers' reports as one
+record (:mod:`agents.node_reports`) and answers once it is written.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from agents.node_reports import NodeReports
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import NodeProgressRecord, ProgressRecord, RecordError
+from orchestrator.records import BreakReport, NodeProgressRecord, ProgressRecord, RecordError
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -59,6 +64,8 @@ AWAY_CHECK_S = 1.0
 #: How long a worker waits for its agent's reply to a beat (a synchronous one: to the write).
 REPLY_TIMEOUT_S = 0.5
 SYNC_TIMEOUT_S = 10.0
+#: How long a worker waits for its agent to write its break report before it writes its own.
+REPORT_TIMEOUT_S = 2.0
 #: Largest message (a ProgressRecord is under 1 KiB; metrics are a few numbers).
 MAX_MESSAGE = 256 * 1024
 
@@ -162,16 +169,23 @@ class ProgressRelay:
 
     Two daemon threads: one answers the workers (at once, with how long etcd
     has been away for the agent; a synchronous beat is answered after the
-    write that carries it), one writes when :meth:`NodeProgress.due_at` says.
+    write that carries it, a break report after the write of the node's
+    reports), one writes when :meth:`NodeProgress.due_at` or
+    :meth:`NodeReports.due_at` says.
 
     Args:
         client: the agent's etcd client.
         progress: the node's records.
+        reports: the node's break reports; None: a worker's report is refused
+            (not answered), and the worker writes its own.
     """
 
-    def __init__(self, client: EtcdClient, progress: NodeProgress) -> None:
+    def __init__(
+        self, client: EtcdClient, progress: NodeProgress, reports: NodeReports | None = None
+    ) -> None:
         self.client = client
         self.progress = progress
+        self.reports = reports
         name = f"\0ringmaster-progress-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(name)
@@ -182,6 +196,8 @@ class ProgressRelay:
         self._wake = threading.Condition()
         #: synchronous beats waiting for the next write: (reply address, seq)
         self._waiting: list[tuple[Any, int]] = []
+        #: break reports waiting for their generation's write: (reply address, seq, generation)
+        self._reported: list[tuple[Any, int, int]] = []
         self._threads = [
             threading.Thread(target=self._receive, name="progress-relay", daemon=True),
             threading.Thread(target=self._write_loop, name="progress-writer", daemon=True),
@@ -200,8 +216,12 @@ class ProgressRelay:
             try:
                 msg = json.loads(data)
                 worker = keys.segment(str(msg["worker"]), "worker id")
+                seq = int(msg["seq"])
+                if msg.get("kind") == "report":
+                    self._take_report(sender, seq, worker, msg)
+                    continue
                 record = ProgressRecord.from_dict(msg["record"], f"progress of {worker}")
-                seq, sync = int(msg["seq"]), bool(msg.get("sync"))
+                sync = bool(msg.get("sync"))
             except (ValueError, KeyError, TypeError, RecordError) as e:
                 log.warning("progress message dropped (not a worker's record): %s", e)
                 continue
@@ -216,37 +236,79 @@ class ProgressRelay:
                 with self._wake:
                     self._wake.notify()
 
+    def _take_report(self, sender: Any, seq: int, worker: str, msg: dict[str, Any]) -> None:
+        """Keep a worker's break report for the node's next write (none: leave it unanswered)."""
+        if self.reports is None:
+            return
+        generation = int(msg["generation"])
+        report = BreakReport.from_dict(msg["report"], f"break report of {worker}")
+        self.reports.offer(generation, worker, report)
+        with self._wake:
+            self._reported.append((sender, seq, generation))
+            self._wake.notify()
+
     def _reply(self, to: Any, seq: int, written: bool = False) -> None:
         away = self.client.unreachable_for()
         with contextlib.suppress(OSError):  # the worker is gone
             reply = {"seq": seq, "away": away, "written": written}
             self._sock.sendto(json.dumps(reply).encode(), to)
 
+    def _due(self) -> float | None:
+        due = [d for d in (self.progress.due_at(), self._reports_due()) if d is not None]
+        return min(due) if due else None
+
+    def _reports_due(self) -> float | None:
+        return self.reports.due_at() if self.reports is not None else None
+
     def _write_loop(self) -> None:
         failing = False
         while not self._stop.is_set():
             with self._wake:
-                due = self.progress.due_at()
+                due = self._due()
                 wait = 0.5 if due is None else due - time.monotonic()
                 if wait > 0:
                     self._wake.wait(min(wait, 0.5))
                     continue
-                waiting, self._waiting = self._waiting, []
             try:
-                self.progress.write(self.client)
+                self._write_reports()
+                self._write_progress()
             except EtcdError as e:
                 if not failing:
                     log.warning("node progress not written (will retry): %s", e)
                 failing = True
-                with self._wake:
-                    self._waiting = waiting + self._waiting
                 self._stop.wait(MIN_WRITE_GAP_S)
                 continue
             if failing:
                 log.info("node progress written again")
             failing = False
-            for to, seq in waiting:
-                self._reply(to, seq, written=True)
+
+    def _write_reports(self) -> None:
+        """Write the break reports that are due; answer the workers whose report was written."""
+        due = self._reports_due()
+        if self.reports is None or due is None or due > time.monotonic():
+            return
+        written = set(self.reports.write_due(self.client))
+        with self._wake:
+            answered = [r for r in self._reported if r[2] in written]
+            self._reported = [r for r in self._reported if r[2] not in written]
+        for to, seq, _ in answered:
+            self._reply(to, seq, written=True)
+
+    def _write_progress(self) -> None:
+        """Write the node's progress if due; answer the synchronous beats it carried."""
+        due = self.progress.due_at()
+        if due is None or due > time.monotonic():
+            return
+        with self._wake:
+            waiting, self._waiting = self._waiting, []
+        try:
+            self.progress.write(self.client)
+        except BaseException:
+            with self._wake:
+                self._waiting = waiting + self._waiting
+            raise
+        for to, seq in waiting:
+            self._reply(to, seq, written=True)
 
     def close(self) -> None:
         """Stop relaying; what arrived and was not written yet is written once more."""
@@ -259,6 +321,9 @@ class ProgressRelay:
         if self.progress.due_at() is not None:
             with contextlib.suppress(EtcdError):
                 self.progress.write(self.client)
+        if self.reports is not None and self.reports.due_at() is not None:
+            with contextlib.suppress(EtcdError):
+                self.reports.write_due(self.client)
 
 
 class RelayLink:
@@ -289,14 +354,9 @@ class RelayLink:
             self._send(record, sync)
 
     def _send(self, record: ProgressRecord, sync: bool) -> None:
-        if self._sock is None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.bind("")  # an abstract name of the kernel's choice, for the replies
-        self._seq += 1
-        seq = self._seq
-        msg = {"seq": seq, "worker": self.worker, "sync": sync, "record": record.to_dict()}
+        msg = {"worker": self.worker, "sync": sync, "record": record.to_dict()}
         try:
-            self._sock.sendto(json.dumps(msg).encode(), self.address)
+            replied = self._exchange(msg, SYNC_TIMEOUT_S if sync else REPLY_TIMEOUT_S)
         except OSError as e:  # the agent is gone (its workers die with it) or swamped
             if sync:
                 raise RelayError(
@@ -304,21 +364,55 @@ class RelayLink:
                     f"{self.address[1:]!r} refused it ({e})"
                 ) from e
             return
-        deadline = time.monotonic() + (SYNC_TIMEOUT_S if sync else REPLY_TIMEOUT_S)
+        if sync and replied is None:
+            raise RelayError(
+                f"progress of {self.worker} not written by the node agent within "
+                f"{SYNC_TIMEOUT_S:g}s: etcd or the agent is not answering"
+            )
+
+    def report(self, generation: int, report: BreakReport) -> bool:
+        """Have the agent write this worker's report that ``generation`` broke.
+
+        Returns:
+            True once it is in etcd; False when the agent did not take it within
+            :data:`REPORT_TIMEOUT_S` (the worker then writes its own).
+        """
+        msg = {
+            "kind": "report",
+            "worker": self.worker,
+            "generation": int(generation),
+            "report": report.to_dict(),
+        }
+        with self._lock:
+            try:
+                replied = self._exchange(msg, REPORT_TIMEOUT_S)
+            except OSError:
+                return False
+        return replied is not None and bool(replied.get("written"))
+
+    def _exchange(self, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Send ``msg`` (numbered here) and wait up to ``timeout`` for its answer (None: none).
+
+        Raises:
+            OSError: the agent's socket refused it.
+        """
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.bind("")  # an abstract name of the kernel's choice, for the replies
+        self._seq += 1
+        seq = self._seq
+        self._sock.sendto(json.dumps({"seq": seq, **msg}).encode(), self.address)
+        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             self._sock.settimeout(left)
             try:
                 reply = json.loads(self._sock.recv(MAX_MESSAGE))
             except (TimeoutError, OSError, ValueError):
-                break
+                return None
             if int(reply.get("seq", -1)) == seq:
                 self._away = (float(reply.get("away", 0.0)), time.monotonic())
-                return
-        if sync:
-            raise RelayError(
-                f"progress of {self.worker} not written by the node agent within "
-                f"{SYNC_TIMEOUT_S:g}s: etcd or the agent is not answering"
-            )
+                return dict(reply)
+        return None
 
     def agent_away_for(self) -> float:
         """How long etcd has been away for the agent, as of its last reply (0: all is well)."""

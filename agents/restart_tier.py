@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
 from agents.log_shipper import LogShipper
+from agents.node_reports import write_node_reports
 from agents.warm_worker import WarmWorker
 from agents.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import keys, records
@@ -411,12 +412,12 @@ class RestartTier:
         """Report the generation broken for every local worker (the node speaks for all)."""
         assert self.spec is not None
         report = BreakReport(step=0, reason=reason, planned=False, at=at, user_error=True)
-        prefix = keys.job_reports(self.job, generation)
-        for i in range(self.spec.nproc_per_node):
-            try:
-                records.write(self.client, prefix + keys.worker_id(self.node, i), report)
-            except EtcdError as e:
-                log.warning("[%s] could not report the failure: %s", self.node, e)
+        workers = range(self.spec.nproc_per_node)
+        reports = {keys.worker_id(self.node, i): report for i in workers}
+        try:
+            write_node_reports(self.client, self.job, generation, self.node, reports)
+        except EtcdError as e:
+            log.warning("[%s] could not report the failure: %s", self.node, e)
 
 
 def _note_exit(w: _Worker) -> None:

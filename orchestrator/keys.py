@@ -11,6 +11,7 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/checkpoint        newest committed checkpoint (url, step, at)
     /ringmaster/jobs/<job>/control           requests to workers (checkpoint seq, stop)
     /ringmaster/jobs/<job>/reports/<gen>/<w> a worker saw generation <gen> break
+    /ringmaster/jobs/<job>/node-reports/<gen>/<node>  the same for a node's workers, by its agent
     /ringmaster/jobs/<job>/progress/<w>      last step reached by worker <w> (node-localrank)
     /ringmaster/jobs/<job>/node-progress/<node>  the same for all of a node's workers, by its agent
     /ringmaster/jobs/<job>/done/<w>          worker <w> finished the training loop
@@ -136,6 +137,15 @@ def job_reports(job: str, generation: int) -> str:
     return job_prefix(job) + f"reports/{int(generation)}/"
 
 
+def job_node_reports(job: str, generation: int) -> str:
+    """Prefix of the break reports that agents write for their workers, one per node."""
+    return job_prefix(job) + f"node-reports/{int(generation)}/"
+
+
+def node_reports(job: str, generation: int, node: str) -> str:
+    return job_node_reports(job, generation) + segment(node, "node name")
+
+
 def job_progress(job: str) -> str:
     return job_prefix(job) + "progress/"
 
@@ -190,6 +200,7 @@ def run_state(job: str) -> list[str]:
         job_nodes(job),
         job_commands(job),
         job_prefix(job) + "reports/",
+        job_prefix(job) + "node-reports/",
         job_progress(job),
         job_node_progress(job),
         job_done(job),

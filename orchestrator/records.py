@@ -11,25 +11,26 @@ optional in the stored form (they were added later or are often empty).
 
 The records, by key (see :mod:`orchestrator.keys` for the layout):
 
-==========================  =========================================
-``spec``                    :class:`SpecRecord`
-``status``                  :class:`JobStatus`
-``events/<seq>``            :class:`Event`
-``nodes/<node>``            :class:`NodeRecord` (leased)
-``commands/<seq>``          :class:`CommandRecord`
-``plan``                    :class:`Plan` (of :class:`Member`)
-``checkpoint``              :class:`CheckpointRecord`
-``control``                 :class:`ControlRecord`
-``reports/<gen>/<w>``       :class:`BreakReport`
-``progress/<w>``            :class:`ProgressRecord` (with :class:`Telemetry`)
-``node-progress/<node>``    :class:`NodeProgressRecord` (its workers' ProgressRecords)
-``done/<w>``                :class:`DoneRecord`
-``agents/<node>/cmd/<seq>`` :class:`AgentCommand`
-``logs/<node>/<lr>/<t>``    :class:`LogChunk`
-``history/<ns>``            :class:`HistorySample`
-``recoveries/<run>-<gen>``  :class:`RecoveryRecord`
-``runs/<run>``              :class:`RunRecord`
-==========================  =========================================
+==============================  =========================================
+``spec``                        :class:`SpecRecord`
+``status``                      :class:`JobStatus`
+``events/<seq>``                :class:`Event`
+``nodes/<node>``                :class:`NodeRecord` (leased)
+``commands/<seq>``              :class:`CommandRecord`
+``plan``                        :class:`Plan` (of :class:`Member`)
+``checkpoint``                  :class:`CheckpointRecord`
+``control``                     :class:`ControlRecord`
+``reports/<gen>/<w>``           :class:`BreakReport`
+``node-reports/<gen>/<node>``   :class:`NodeBreakReports` (its workers' BreakReports)
+``progress/<w>``                :class:`ProgressRecord` (with :class:`Telemetry`)
+``node-progress/<node>``        :class:`NodeProgressRecord` (its workers' ProgressRecords)
+``done/<w>``                    :class:`DoneRecord`
+``agents/<node>/cmd/<seq>``     :class:`AgentCommand`
+``logs/<node>/<lr>/<t>``        :class:`LogChunk`
+``history/<ns>``                :class:`HistorySample`
+``recoveries/<run>-<gen>``      :class:`RecoveryRecord`
+``runs/<run>``                  :class:`RunRecord`
+==============================  =========================================
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "JobStatus",
     "LogChunk",
     "Member",
+    "NodeBreakReports",
     "NodeProgressRecord",
     "NodeRecord",
     "Plan",
@@ -201,6 +203,21 @@ class BreakReport(Record):
     #: the step raised an error of the script's own (not a peer's failure): the
     #: worker exits with it, and the controller restarts or fails the job
     user_error: bool = False
+
+
+@dataclass
+class NodeBreakReports(Record):
+    """A node's workers' reports that one generation broke, written by its agent.
+
+    At a crash every survivor reports: one write per node instead of one per
+    worker (:mod:`agents.node_reports`).  A worker whose agent does not take
+    its report writes its own :class:`BreakReport` under ``reports/``.
+    """
+
+    #: wall-clock time the agent wrote the record
+    at: float
+    #: worker id (``<node>-<local rank>``) → its report
+    workers: dict[str, BreakReport] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,9 +25,11 @@ agent and its workers do, through the project's own code:
 * the plan is followed by :class:`agents.plan_watch.PlanWatcher` (a watch on
   the plan and one on the control key): ``watchers_per_node`` of them per
   node, which stand for its W workers (a real worker holds one each);
-* when a peer crashes, every worker of the surviving members writes its
-  :class:`~orchestrator.records.BreakReport`, and stops stepping until a
-  newer plan arrives.
+* when a peer crashes, every worker of the surviving members reports its
+  :class:`~orchestrator.records.BreakReport` to its agent's
+  :class:`agents.node_reports.NodeReports`, which the agent writes as one
+  :class:`~orchestrator.records.NodeBreakReports` (all its workers reported
+  at once, so at once), and stops stepping until a newer plan arrives.
 
 What is not real: the step clock (a step every ``step_time``), the re-forming
 of the process group (``REFORM_S``), the pids, and the threads: every timed
@@ -68,6 +70,7 @@ from agents import log_files  # noqa: E402
 from agents.heartbeat import MIN_BEAT_GAP  # noqa: E402
 from agents.log_shipper import LogShipper  # noqa: E402
 from agents.node_progress import NodeProgress  # noqa: E402
+from agents.node_reports import NodeReports  # noqa: E402
 from agents.plan_watch import PlanWatcher  # noqa: E402
 from benchmarks._control_plane.lanes import Lanes  # noqa: E402
 from orchestrator import keys, records  # noqa: E402
@@ -219,6 +222,7 @@ class SimNode:
         self.workers: list[SimWorker] = []
         self.shippers: list[LogShipper] = []
         self.progress = NodeProgress(fleet.cfg.job, self.name, fleet.cfg.heartbeat_interval)
+        self.reports = NodeReports(fleet.cfg.job, self.name, fleet.cfg.workers)
         #: a write of the node's progress is scheduled for a change the controller acts on
         self.flush_pending = False
 
@@ -231,6 +235,7 @@ class SimNode:
         self.role = Role()
         self.plan_generation = 0
         self.progress = NodeProgress(cfg.job, self.name, cfg.heartbeat_interval)
+        self.reports = NodeReports(cfg.job, self.name, cfg.workers)
         self.flush_pending = False
         self.liveness = LivenessServer("127.0.0.1", self._liveness_status)
         self.seen = [[] for _ in range(cfg.watchers_per_node)]
@@ -385,8 +390,7 @@ class SimNode:
             return 0
         mono = time.monotonic()
         self.role = dataclasses.replace(role, broken=True, step_base=self.step(mono))
-        for w in self.workers:
-            self.fleet.lanes.add(mono, ReportJob(w, generation, reason), self.lane)
+        self.fleet.lanes.add(mono, ReportJob(self, generation, reason), self.lane)
         return len(self.workers)
 
 
@@ -591,25 +595,26 @@ class LogJob:
 
 
 class ReportJob:
-    """A worker's report that its generation broke (``agents.generation`` ``report``)."""
+    """A node's workers report that their generation broke; the agent writes them as one."""
 
-    def __init__(self, worker: SimWorker, generation: int, reason: str) -> None:
-        self.w = worker
+    def __init__(self, node: SimNode, generation: int, reason: str) -> None:
+        self.node = node
         self.generation = generation
         self.reason = reason
 
     def run(self, now: float) -> float | None:
-        node = self.w.node
-        report = BreakReport(step=node.step(now), reason=self.reason, planned=False, at=time.time())
-        key = keys.job_reports(node.fleet.cfg.job, self.generation) + keys.worker_id(
-            node.name, self.w.local_rank
-        )
+        node = self.node
+        for w in node.workers:  # what each worker sends its agent (agents.generation report)
+            report = BreakReport(
+                step=node.step(now), reason=self.reason, planned=False, at=time.time()
+            )
+            node.reports.offer(self.generation, keys.worker_id(node.name, w.local_rank), report)
         try:
-            records.write(node.client, key, report)
-            node.fleet.counters.add("reports")
+            written = node.reports.write_due(node.client)
+            node.fleet.counters.add("reports", len(written))
         except EtcdError as e:
             node.fleet.counters.add("put_errors")
-            log.warning("report of %s failed: %s", key, e)
+            log.warning("reports of %s failed: %s", node.name, e)
         return None
 
 

@@ -144,6 +144,7 @@ def range_sizes(client: EtcdClient, job: str, generation: int) -> dict[str, dict
         "controller:node_progress": weigh(client, keys.job_node_progress(job)),
         "controller:nodes": weigh(client, keys.job_nodes(job)),
         "controller:reports": weigh(client, keys.job_reports(job, generation)),
+        "controller:node_reports": weigh(client, keys.job_node_reports(job, generation)),
         "controller:done": weigh(client, keys.job_done(job)),
         "controller:commands": weigh(client, keys.job_commands(job)),
         "controller:plan": weigh(client, keys.job_plan(job), single=True),

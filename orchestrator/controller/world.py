@@ -29,6 +29,7 @@ from orchestrator.records import (
     CommandRecord,
     ControlRecord,
     DoneRecord,
+    NodeBreakReports,
     NodeProgressRecord,
     NodeRecord,
     Plan,
@@ -135,6 +136,29 @@ def read_progress(
     return out
 
 
+def read_reports(
+    client: EtcdClient,
+    job: str,
+    generation: int,
+    caches: tuple[RecordCache[BreakReport], RecordCache[NodeBreakReports]] | None = None,
+) -> dict[str, BreakReport]:
+    """Every worker's report that ``generation`` broke, by worker id.
+
+    Agents write one record per node for the workers that reported through
+    them (:mod:`agents.node_reports`); a worker whose agent did not take its
+    report writes its own.  Where both hold a worker, its own is kept.
+
+    Args:
+        caches: decoded records kept from the last read (a controller's), if any.
+    """
+    workers, nodes = caches or (RecordCache(BreakReport), RecordCache(NodeBreakReports))
+    out = workers.read(client, keys.job_reports(job, generation))
+    for node in nodes.read(client, keys.job_node_reports(job, generation)).values():
+        for worker, report in node.workers.items():
+            out.setdefault(worker, report)
+    return out
+
+
 def workers_of(plan: Plan) -> list[str]:
     """Worker ids of every member of ``plan``, in rank order."""
     return [keys.worker_id(m.node, i) for m in plan.members for i in range(m.nproc)]
@@ -166,7 +190,7 @@ class WorldReader:
         self._probed: set[str] = set()
         self._dead: set[str] = set()
         self._alive: set[str] = set()
-        self._reports = RecordCache(BreakReport)
+        self._reports = (RecordCache(BreakReport), RecordCache(NodeBreakReports))
         self._progress = (RecordCache(ProgressRecord), RecordCache(NodeProgressRecord))
         self._nodes = RecordCache(NodeRecord)
 
@@ -190,9 +214,7 @@ class WorldReader:
         if world.plan is not None:
             world.checkpoint = records.read(self.client, keys.job_checkpoint(job), CheckpointRecord)
             world.done = records.read_all(self.client, keys.job_done(job), DoneRecord)
-            world.reports = self._reports.read(
-                self.client, keys.job_reports(job, world.plan.generation)
-            )
+            world.reports = read_reports(self.client, job, world.plan.generation, self._reports)
             world.dead, world.alive = self._probe(world.plan, world.reports, world.nodes)
             world.answering = self._probe_quiet(world.plan, world.progress, world.nodes)
         else:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
@@ -59,6 +60,12 @@ def test_sigkill_whole_node_spare_takes_over_nothing_lost(
             main, ["logs", spec.name, "--node", result.killed_node, "--etcd", endpoint]
         )
         live = CliRunner().invoke(main, ["logs", spec.name, "--tail", "5", "--etcd", endpoint])
+        # the survivor's workers reported the break through their agent: one record
+        relayed = run._client.get_prefix(keys.job_node_reports(spec.name, 1))
+        own = run._client.get_prefix(keys.job_reports(spec.name, 1))
+    reporting = [kv.key.rsplit("/", 1)[1] for kv in relayed]
+    assert len(reporting) == 1 and reporting != [result.killed_node], summary(result, lines)
+    assert own == [], own
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries == 1, summary(result, lines)
     # the dead node's output stays on its host (rank 0 printed step 0); a SIGKILLed agent

@@ -77,6 +77,7 @@ def test_liveness_probes_of_a_tick_run_at_once(silent_ports: list[str]) -> None:
     [
         ("nodes/n1", True),
         ("reports/3/n1-0", True),
+        ("node-reports/3/n1", True),
         ("commands/0001", True),
         ("done/n1-0", True),
         ("plan", True),

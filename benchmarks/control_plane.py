@@ -386,6 +386,7 @@ class Bench:
         victim = plan.members[(len(plan.members) // 2 + 7 * k) % len(plan.members)].node
         owner = next(s for s in self.slices if s.owns(victim))
         call_all(self.slices, "arm", on=True)
+        log_from = self.controller.log_size()
         if mode == "lease":
             failed_at = owner.call("revoke", node=victim)["at"]
         else:
@@ -394,9 +395,11 @@ class Bench:
             call_all(self.slices, "break", generation=old, reason=f"{victim} is gone (simulated)")
         plan_at, new, revision = self.plans.wait_newer(old, PLAN_S, self.check)
         seen: dict[str, float] = {}
+        reported: list[float] = []
         for reply in call_all(
             self.slices, "collect", FANOUT_S + 5, revision=revision, within=FANOUT_S
         ):
+            reported += reply["reported"]
             if reply["missing"]:
                 raise BenchError(
                     f"{len(reply['missing'])} node(s) never saw generation {new.generation} "
@@ -420,10 +423,22 @@ class Bench:
             "failure_to_seen_s": round(last_seen - failed_at, 3),
             "failure_to_running_s": round(running_at - failed_at, 3),
             "nodes_seen": len(seen),
+            # the controller's liveness probes of the silent members: (how many, seconds)
+            "probe_rounds": self.controller.probe_rounds(log_from),
         }
+        if reported:  # a crash: when the survivors' reports were written, first and last
+            out["failure_to_first_report_s"] = round(min(reported) - failed_at, 3)
+            out["failure_to_last_report_s"] = round(max(reported) - failed_at, 3)
+        detail = ""
+        if reported:
+            probed = ", ".join(f"{n} in {s:.2f}s" for n, s in out["probe_rounds"])
+            detail = (
+                f" (reports written {out['failure_to_first_report_s']:.2f}-"
+                f"{out['failure_to_last_report_s']:.2f}s after it; probed {probed or 'none'})"
+            )
         self.say(
-            f"{mode} of {victim}: plan {out['failure_to_plan_s']:.2f}s after it, seen by "
-            f"every worker {out['plan_to_seen_s']:.2f}s later, running again after "
+            f"{mode} of {victim}: plan {out['failure_to_plan_s']:.2f}s after it{detail}, seen "
+            f"by every worker {out['plan_to_seen_s']:.2f}s later, running again after "
             f"{out['failure_to_running_s']:.2f}s"
         )
         owner.call("revive", node=victim)

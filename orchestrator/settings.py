@@ -159,7 +159,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "RINGMASTER_LOG_LEVEL",
         "WARNING",
-        "log level of workers and agents (DEBUG, INFO, WARNING, ERROR)",
+        "log level of workers, agents and controllers (DEBUG, INFO, WARNING, ERROR)",
         str,
         ("DEBUG", "INFO", "WARNING", "ERROR"),
     ),

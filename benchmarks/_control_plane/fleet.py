@@ -612,6 +612,7 @@ class ReportJob:
         try:
             written = node.reports.write_due(node.client)
             node.fleet.counters.add("reports", len(written))
+            node.fleet.reported_at.append(time.time())
         except EtcdError as e:
             node.fleet.counters.add("put_errors")
             log.warning("reports of %s failed: %s", node.name, e)
@@ -641,6 +642,8 @@ class Fleet:
             for i, name in zip(range(cfg.first, cfg.first + cfg.count), cfg.node_names, strict=True)
         }
         self.armed = False
+        #: wall times the nodes' break reports were written, since the last ``break``
+        self.reported_at: list[float] = []
         #: raw mode: the slice's one plan watcher, which tells the nodes their roles
         self.plan_watcher: PlanWatcher | None = None
         self.plan_generation = 0
@@ -707,7 +710,8 @@ class Fleet:
                 else:
                     seen[node.name] = max(t for t in firsts if t is not None)
             if not missing or time.monotonic() >= deadline:
-                return {"seen": seen, "missing": missing}
+                reported = list(self.reported_at)
+                return {"seen": seen, "missing": missing, "reported": reported[:1] + reported[-1:]}
             time.sleep(POLL_ARMED_S)
 
     def stats(self, reset: bool) -> dict[str, Any]:
@@ -782,6 +786,7 @@ def serve(fleet: Fleet) -> None:
         elif cmd in ("revoke", "crash"):
             reply["at"] = fleet.nodes[msg["node"]].stop(revoke=cmd == "revoke")
         elif cmd == "break":
+            fleet.reported_at = []
             reply["reports"] = sum(
                 n.broke(int(msg["generation"]), str(msg["reason"])) for n in fleet.nodes.values()
             )

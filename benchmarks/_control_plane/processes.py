@@ -138,7 +138,8 @@ class ControllerProcess:
 
     def __init__(self, etcd: Etcd, job: str, log_path: Path) -> None:
         self.log_path = log_path
-        env = {**grpc_environment(), **os.environ}
+        # INFO: its probe rounds are read back from the log (probe_rounds)
+        env = {**grpc_environment(), **os.environ, "RINGMASTER_LOG_LEVEL": "INFO"}
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -173,6 +174,22 @@ class ControllerProcess:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-chars:]
         return ""
+
+    def log_size(self) -> int:
+        with contextlib.suppress(OSError):
+            return self.log_path.stat().st_size
+        return 0
+
+    def probe_rounds(self, since: int) -> list[tuple[int, float]]:
+        """The controller's probe rounds logged after byte ``since``: (members, seconds)."""
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+            return [
+                (int(n), float(s))
+                for n, s in re.findall(r"probed (\d+) silent member\(s\) in ([\d.]+)s", text)
+            ]
+        return []
 
     def errors(self) -> dict[str, int]:
         """The controller's etcd errors (``etcd unavailable, retrying: ...``), by message."""

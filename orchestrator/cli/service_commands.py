@@ -99,7 +99,9 @@ def controller(job: str | None, metrics_port: int | None, metrics_host: str, **k
 
     from orchestrator.controller.service import Controller
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.basicConfig(
+        level=logging.getLevelName(SETTINGS.log_level), format="%(asctime)s %(message)s"
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

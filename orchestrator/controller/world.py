@@ -269,12 +269,23 @@ class WorldReader:
         silent = sorted(silent_members(plan, reports) - self._probed)
         self._probed.update(silent)
         due = {node: address for node in silent if (address := _liveness(nodes, node))}
-        for node, verdict in probe_all(due).items():
+        started = time.monotonic()
+        verdicts = probe_all(due)
+        for node, verdict in verdicts.items():
             if verdict is Liveness.DEAD:
                 log.info("[%s] liveness of %s: %s", self.job, node, verdict.value)
                 self._dead.add(node)
             elif verdict is Liveness.ALIVE:
                 self._alive.add(node)
+        if verdicts:
+            log.info(
+                "[%s] probed %d silent member(s) in %.3fs: %d refused, %d answered",
+                self.job,
+                len(verdicts),
+                time.monotonic() - started,
+                sum(v is Liveness.DEAD for v in verdicts.values()),
+                sum(v is Liveness.ALIVE for v in verdicts.values()),
+            )
         return set(self._dead), set(self._alive)
 
 

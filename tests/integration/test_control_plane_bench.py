@@ -57,6 +57,13 @@ def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
         assert f["failure_to_plan_s"] > 0 and f["plan_to_seen_s"] >= 0, f
         assert f["nodes_seen"] == NODES - 1, f  # all but the failed one
         assert f["node"] in f["reason"], f  # "<spare> replaces <node>"
+    crash = failures[1]
+    assert 0 <= crash["failure_to_first_report_s"] <= crash["failure_to_last_report_s"], crash
+    # the survivors' workers reported through their agents (one record per node) ...
+    assert result["range_bytes_controller_node_reports"] > 1000, output
+    assert result["range_bytes_controller_reports"] < 100, output  # (an empty range)
+    # ... and the controller probed the silent members' agents, the dead one among them
+    assert crash["probe_rounds"] and crash["probe_rounds"][0][0] >= 1, crash
     generations = [f["generation"] for f in failures]
     assert generations == sorted(set(generations))
     for name in ("status", "status_all", "events", "logs", "logs_node"):

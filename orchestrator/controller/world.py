@@ -42,6 +42,9 @@ R = TypeVar("R", bound=records.Record)
 
 #: Liveness probes of one tick run at once, at most this many at a time.
 PROBE_THREADS = 16
+#: After a break's first report, how long its silent members are left to report before
+#: they are probed, while more of them are silent than one round of probes covers.
+PROBE_SETTLE_S = 0.5
 
 
 @dataclass
@@ -188,6 +191,8 @@ class WorldReader:
         self.since = since
         self._probed_generation = -1
         self._probed: set[str] = set()
+        #: when the break being probed was first reported (monotonic)
+        self._first_report = 0.0
         self._dead: set[str] = set()
         self._alive: set[str] = set()
         self._reports = (RecordCache(BreakReport), RecordCache(NodeBreakReports))
@@ -260,13 +265,25 @@ class WorldReader:
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]
     ) -> tuple[set[str], set[str]]:
-        """Probe (once per break) each silent member's agent: (refused, answered)."""
+        """Probe (once per break) each silent member's agent: (refused, answered).
+
+        While more members are silent than :data:`PROBE_THREADS` probe in one round,
+        they get :data:`PROBE_SETTLE_S` from the break's first report to report
+        first: the probes then go to the few that did not (the dead), not to every
+        member whose report was on its way.
+        """
         if not reports:
             return set(), set()
+        mono = time.monotonic()
         if self._probed_generation != plan.generation:
             self._probed_generation, self._probed = plan.generation, set()
             self._dead, self._alive = set(), set()
+            self._first_report = mono
         silent = sorted(silent_members(plan, reports) - self._probed)
+        if len(silent) > PROBE_THREADS and mono - self._first_report < PROBE_SETTLE_S:
+            # the other survivors' reports are still landing (at a thousand nodes they
+            # take a while): probe the few left silent, not every member
+            return set(self._dead), set(self._alive)
         self._probed.update(silent)
         due = {node: address for node in silent if (address := _liveness(nodes, node))}
         started = time.monotonic()

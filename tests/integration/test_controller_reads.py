@@ -1,5 +1,6 @@
 """What keeps the controller's tick cheap at scale: decoded records kept by revision,
-liveness probes at once, and a loop woken only by the changes it must act on."""
+liveness probes at once and only of the members left silent, and a loop woken only
+by the changes it must act on."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ import pytest
 
 from orchestrator import keys, records
 from orchestrator.controller.service import wakes
-from orchestrator.controller.world import RecordCache, probe_all
+from orchestrator.controller.world import (
+    PROBE_SETTLE_S,
+    PROBE_THREADS,
+    RecordCache,
+    WorldReader,
+    probe_all,
+)
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.liveness import Liveness, LivenessServer
-from orchestrator.records import DoneRecord, RecordError
+from orchestrator.records import BreakReport, DoneRecord, Member, NodeRecord, Plan, RecordError
 
 pytestmark = pytest.mark.integration
 
@@ -93,3 +100,65 @@ def test_liveness_probes_of_a_tick_run_at_once(silent_ports: list[str]) -> None:
 )
 def test_the_loop_wakes_at_once_only_for_what_it_acts_on(kind: str, wakes_it: bool) -> None:
     assert wakes(keys.job_prefix("j") + kind) is wakes_it
+
+
+def test_a_breaks_probes_go_to_the_members_left_silent(etcd_client: EtcdClient) -> None:
+    """With more silent members than one round of probes, the reader lets their reports
+    land first (PROBE_SETTLE_S), then probes the few left: the dead and the late."""
+    job = f"probes-{uuid.uuid4().hex[:8]}"
+    n = PROBE_THREADS + 4
+    names = [f"n{i:02d}" for i in range(n)]
+    asked: dict[str, int] = {name: 0 for name in names}
+
+    def status(name: str) -> dict[str, str]:
+        asked[name] += 1
+        return {"node": name}
+
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    refused = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()
+    servers = [LivenessServer("127.0.0.1", lambda name=name: status(name)) for name in names[1:]]
+    try:
+        addresses = {names[0]: refused} | {
+            name: srv.address for name, srv in zip(names[1:], servers, strict=True)
+        }
+        for name, address in addresses.items():
+            record = NodeRecord("h", "127.0.0.1", 1, 1, [1], 0.0, liveness=address)
+            records.write(etcd_client, keys.job_node(job, name), record)
+        plan = Plan(3, [Member(name, i, 1) for i, name in enumerate(names)])
+        records.write(etcd_client, keys.job_plan(job), plan)
+        reports = keys.job_reports(job, 3)
+
+        def report(name: str) -> None:
+            records.write(
+                etcd_client,
+                reports + keys.worker_id(name, 0),
+                BreakReport(5, "peer gone", planned=False, at=time.time()),
+            )
+
+        reader = WorldReader(etcd_client, job)
+        report(names[-1])  # the first report: every other member is silent
+        first = reader.read()
+        assert (first.dead, first.alive) == (set(), set())
+        assert sum(asked.values()) == 0  # nobody probed while the reports land
+        for name in names[2:-1]:  # all but the dead n00 and the late n01 report
+            report(name)
+        started = time.monotonic()
+        world = reader.read()
+        # two left silent: probed at once, without waiting out the settle
+        assert time.monotonic() - started < PROBE_SETTLE_S
+        assert (world.dead, world.alive) == ({names[0]}, {names[1]})
+        assert asked == {name: 1 if name == names[1] else 0 for name in names}
+
+        # a rack gone: more silent than a round covers, probed once the settle is over
+        reader = WorldReader(etcd_client, job)
+        etcd_client.delete_prefix(reports)
+        report(names[-1])
+        assert reader.read().dead == set()
+        time.sleep(PROBE_SETTLE_S)
+        world = reader.read()
+        assert world.dead == {names[0]} and world.alive == set(names[1:-1])
+    finally:
+        for srv in servers:
+            srv.close()

@@ -101,7 +101,12 @@ class JobController:
             self.observer.failure_seen(action.reports, action.step)
         elif isinstance(action, DeclareFailed):
             cause = self.observer.declared(
-                set(action.nodes), action.why, world.nodes, action.step, set(action.agent_gone)
+                set(action.nodes),
+                action.why,
+                world.nodes,
+                action.step,
+                set(action.agent_gone),
+                at=world.now,  # when the snapshot it was decided on was read
             )
             log.warning("[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)),
                         action.why, cause)  # fmt: skip

@@ -538,9 +538,6 @@ class _Decider:
             )
             return
         self.m.short_since = None
-        self.actions.append(
-            DeclareFailed(frozenset(failed), why, self.status.step, frozenset(agent_gone or ()))
-        )
         for node in sorted(failed):
             if node not in self.status.failed_nodes:
                 self.status.failed_nodes.append(node)
@@ -552,5 +549,9 @@ class _Decider:
         # the failed nodes' last heartbeats still look fresh for a moment: not spares
         self.status.spare_nodes = [n for n in spares if n not in failed]
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
+        # the plan first: every worker waits for it; what the failure was is recorded after
         self.actions.append(PublishPlan(new_plan))
+        self.actions.append(
+            DeclareFailed(frozenset(failed), why, self.status.step, frozenset(agent_gone or ()))
+        )
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")

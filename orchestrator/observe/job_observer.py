@@ -220,9 +220,11 @@ class JobObserver:
         nodes: dict[str, Any],
         step: int,
         agent_gone: set[str] | None = None,
+        at: float | None = None,
     ) -> str:
-        """The controller replaces ``failed``; returns the failure cause."""
-        now = time.time()
+        """The controller replaces ``failed`` (decided at ``at``, wall-clock; default now);
+        returns the failure cause."""
+        now = time.time() if at is None else at
         if self._pending is None:
             self._pending = _Pending(now, step)
         pending = self._pending

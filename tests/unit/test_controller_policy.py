@@ -153,6 +153,9 @@ def node_death_refused_probe_is_replaced_from_its_rack() -> None:
     assert "d replaces b" in new.reason
     assert run.status.phase is JobPhase.RECOVERING and run.status.recoveries == 1
     assert run.status.failed_nodes == ["b"] and run.status.spare_nodes == ["c"]
+    # the plan goes out before the failure is recorded (its cause takes a read of events)
+    kinds = [type(a) for a in run.actions]
+    assert kinds.index(PublishPlan) < kinds.index(DeclareFailed), kinds
 
 
 def silent_node_gets_the_report_grace() -> None:

@@ -426,11 +426,11 @@ class Bench:
             # the controller's liveness probes of the silent members: (how many, seconds)
             "probe_rounds": self.controller.probe_rounds(log_from),
         }
-        if reported:  # a crash: when the survivors' reports were written, first and last
+        if mode == "crash" and reported:  # when the survivors' reports were written
             out["failure_to_first_report_s"] = round(min(reported) - failed_at, 3)
             out["failure_to_last_report_s"] = round(max(reported) - failed_at, 3)
         detail = ""
-        if reported:
+        if "failure_to_last_report_s" in out:
             probed = ", ".join(f"{n} in {s:.2f}s" for n, s in out["probe_rounds"])
             detail = (
                 f" (reports written {out['failure_to_first_report_s']:.2f}-"

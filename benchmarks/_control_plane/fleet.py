@@ -781,12 +781,12 @@ def serve(fleet: Fleet) -> None:
             reply["setup_s"] = time.monotonic() - started
         elif cmd == "arm":
             fleet.armed = bool(msg["on"])
+            fleet.reported_at = []
         elif cmd == "collect":
             reply.update(fleet.collect(int(msg["revision"]), float(msg["within"])))
         elif cmd in ("revoke", "crash"):
             reply["at"] = fleet.nodes[msg["node"]].stop(revoke=cmd == "revoke")
         elif cmd == "break":
-            fleet.reported_at = []
             reply["reports"] = sum(
                 n.broke(int(msg["generation"]), str(msg["reason"])) for n in fleet.nodes.values()
             )

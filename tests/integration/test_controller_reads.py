@@ -16,13 +16,23 @@ from orchestrator.controller.service import wakes
 from orchestrator.controller.world import (
     PROBE_SETTLE_S,
     PROBE_THREADS,
+    PROGRESS_REUSE_S,
     RecordCache,
     WorldReader,
     probe_all,
 )
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.liveness import Liveness, LivenessServer
-from orchestrator.records import BreakReport, DoneRecord, Member, NodeRecord, Plan, RecordError
+from orchestrator.records import (
+    BreakReport,
+    DoneRecord,
+    Member,
+    NodeProgressRecord,
+    NodeRecord,
+    Plan,
+    ProgressRecord,
+    RecordError,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -162,3 +172,36 @@ def test_a_breaks_probes_go_to_the_members_left_silent(etcd_client: EtcdClient) 
     finally:
         for srv in servers:
             srv.close()
+
+
+def test_while_a_break_is_handled_the_progress_read_is_reused_for_a_second(
+    etcd_client: EtcdClient,
+) -> None:
+    """The ticks of a break come as fast as its reports land; the largest range of a
+    tick, the workers' progress, is read again only once a second meanwhile."""
+    job = f"reuse-{uuid.uuid4().hex[:8]}"
+
+    def beat(step: int) -> None:
+        p = ProgressRecord(step, 2, 0, 2, 100, time.time(), time.time())
+        record = NodeProgressRecord(time.time(), {keys.worker_id("a", 0): p})
+        records.write(etcd_client, keys.node_progress(job, "a"), record)
+
+    def step_seen(reader: WorldReader) -> int:
+        return reader.read().progress[keys.worker_id("a", 0)].step
+
+    records.write(etcd_client, keys.job_plan(job), Plan(2, [Member("a", 0, 1), Member("b", 1, 1)]))
+    reader = WorldReader(etcd_client, job)
+    beat(5)
+    assert step_seen(reader) == 5
+    beat(6)
+    assert step_seen(reader) == 6  # no break: read at every tick
+    report = BreakReport(6, "peer gone", planned=False, at=time.time())
+    records.write(etcd_client, keys.job_reports(job, 2) + keys.worker_id("a", 0), report)
+    assert step_seen(reader) == 6  # the tick that saw the break first
+    beat(7)
+    assert step_seen(reader) == 6  # reused while the break is handled ...
+    time.sleep(PROGRESS_REUSE_S)
+    assert step_seen(reader) == 7  # ... for a second at most
+    records.write(etcd_client, keys.job_plan(job), Plan(3, [Member("a", 0, 1), Member("c", 1, 1)]))
+    beat(8)
+    assert step_seen(reader) == 8  # the next generation: read at every tick again

@@ -588,6 +588,9 @@ def run_static(args: argparse.Namespace, result: dict[str, Any]) -> int:
             result.update(static.snapshot(client, spec, args.nodes, args.spares))
             result["snapshot_write_s"] = round(time.monotonic() - started, 1)
             result.update(static.tick_repeated(client, JOB, repeats=3))
+            result.update(static.report_burst(client, JOB, args.nodes, args.workers))
+            broken = static.tick_repeated(client, JOB, repeats=3)
+            result.update({f"{k}_in_break": v for k, v in broken.items()})
             sizes = probes.range_sizes(client, JOB, 2)
             result["commands"] = probes.merge([probes.time_commands(client, JOB, node_name(0))])
             result["plan_decode_ms"] = round(plan_decode_ms(client), 2)
@@ -602,6 +605,10 @@ def run_static(args: argparse.Namespace, result: dict[str, Any]) -> int:
         "tick_read_ms",
         "tick_decide_ms",
         "tick_error",
+        "report_burst_puts",
+        "report_burst_s",
+        "tick_read_ms_in_break",
+        "tick_decide_ms_in_break",
         "plan_decode_ms",
         "plan_bytes",
         "recovery_record_bytes",

@@ -15,22 +15,29 @@ else running:
   entry per worker; it keeps the slowest few), written the way the controller
   writes it: etcd takes it or refuses it (``--max-request-bytes``, 1.5 MiB by
   default);
-* the reads behind ``status``, ``events`` and ``logs``.
+* the reads behind ``status``, ``events`` and ``logs``;
+* a crash's burst of break reports: every member but one writes its
+  workers' reports as one record (:func:`agents.node_reports.write_node_reports`,
+  as their agents do), from :data:`BURST_THREADS` threads at once, and the
+  tick is timed again with them in etcd.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agents.log_shipper import TAIL_BYTES, TAIL_LINES
+from agents.node_reports import write_node_reports
 from benchmarks._control_plane.fleet import LOG_LINE, node_labels, node_name
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.recoveries import build_record
 from orchestrator.records import (
+    BreakReport,
     JobStatus,
     LogChunk,
     Member,
@@ -162,3 +169,23 @@ def tick_repeated(client: EtcdClient, job: str, repeats: int) -> dict[str, Any]:
         "tick_read_ms": round(cost["read_ms"], 1),
         "tick_decide_ms": round(cost["decide_ms"], 1),
     }
+
+
+#: Threads that write a burst of break reports (each a node agent's one put).
+BURST_THREADS = 32
+
+
+def report_burst(client: EtcdClient, job: str, nodes: int, workers: int) -> dict[str, Any]:
+    """The members of generation 2 but the first report its break, one record a node."""
+    report = BreakReport(step=1000, reason="n00000 is gone", planned=False, at=time.time())
+
+    def one(index: int) -> None:
+        name = node_name(index)
+        reports = {keys.worker_id(name, lr): report for lr in range(workers)}
+        write_node_reports(client, job, 2, name, reports)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(BURST_THREADS) as pool:
+        list(pool.map(one, range(1, nodes)))
+    took = time.monotonic() - started
+    return {"report_burst_puts": nodes - 1, "report_burst_s": round(took, 3)}

@@ -180,4 +180,3 @@ def save_then_fault(
     except CheckpointError as e:
         return type(e).__name__
     return "committed"
-

@@ -69,3 +69,25 @@ def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
     for name in ("status", "status_all", "events", "logs", "logs_node"):
         assert result[f"{name}_ms_median"] is not None, name
     assert set(result["targets"]) >= {"failure_to_plan_under_2s", "writes_under_2000_per_s"}
+
+
+def test_static_snapshot_times_the_tick_and_a_crash_report_burst() -> None:
+    nodes = 20
+    args = ["--static", "--nodes", str(nodes), "--workers", str(WORKERS)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "control_plane.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, output
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "static" and result["tick_read_ms"] > 0, output
+    # every member but the crashed one wrote its workers' reports as one record
+    assert result["report_burst_puts"] == nodes - 1 and result["report_burst_s"] > 0, output
+    assert result["tick_read_ms_in_break"] > 0, output
+    assert result["range_bytes_controller_node_reports"] > (nodes - 1) * WORKERS * 50, output
+    assert result["range_bytes_controller_reports"] < 100, output

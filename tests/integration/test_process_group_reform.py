@@ -67,8 +67,7 @@ def test_survivor_of_a_failed_formation_meets_a_fresh_peer(etcd: EmbeddedEtcd) -
     results = ctx.Queue()
     job = f"reform-{uuid.uuid4().hex[:8]}"
     procs = [
-        ctx.Process(target=fn, args=(etcd.endpoint, job, results))
-        for fn in (_survivor, _newcomer)
+        ctx.Process(target=fn, args=(etcd.endpoint, job, results)) for fn in (_survivor, _newcomer)
     ]
     for p in procs:
         p.start()

@@ -171,10 +171,10 @@ def workers_of(plan: Plan) -> list[str]:
 
 def silent_members(plan: Plan, reports: dict[str, BreakReport]) -> set[str]:
     """Members of ``plan`` not all of whose workers reported the break."""
+    # the ids as keys.worker_id spells them; a plan's node names were checked when
+    # it was made, and this runs for every worker at every tick of a break
     return {
-        m.node
-        for m in plan.members
-        if not all(keys.worker_id(m.node, i) in reports for i in range(m.nproc))
+        m.node for m in plan.members if not all(f"{m.node}-{i}" in reports for i in range(m.nproc))
     }
 
 

@@ -146,6 +146,21 @@ def node_reports(job: str, generation: int, node: str) -> str:
     return job_node_reports(job, generation) + segment(node, "node name")
 
 
+def stale_report_prefixes(job: str, generation: int) -> list[str]:
+    """The report prefixes to drop once ``generation`` is published.
+
+    Those of the generation before it stay (to look at, and for the reports
+    still on their way); those two and three back go (the third for reports
+    that landed after the second was dropped).
+    """
+    return [
+        prefix(job, g)
+        for g in (generation - 2, generation - 3)
+        if g >= 1
+        for prefix in (job_reports, job_node_reports)
+    ]
+
+
 def job_progress(job: str) -> str:
     return job_prefix(job) + "progress/"
 

@@ -161,6 +161,10 @@ class JobController:
 
     def _publish(self, plan: Plan) -> None:
         records.write(self.client, keys.job_plan(self.job), plan)
+        # the break reports of generations before the previous one are read no more:
+        # a crash at 1,000 x 8 leaves 1.1 MB of them, and a long job has many
+        for old in keys.stale_report_prefixes(self.job, plan.generation):
+            self.client.delete_prefix(old)
         members = ", ".join(m.node for m in plan.members)
         log.warning("[%s] generation %d: %s (%s)", self.job, plan.generation, members, plan.reason)
         events.emit(

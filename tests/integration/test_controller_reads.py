@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator import keys, records
+from orchestrator import jobs, keys, records
+from orchestrator.controller.job import JobController
 from orchestrator.controller.service import wakes
 from orchestrator.controller.world import (
     PROBE_SETTLE_S,
@@ -27,12 +28,14 @@ from orchestrator.records import (
     BreakReport,
     DoneRecord,
     Member,
+    NodeBreakReports,
     NodeProgressRecord,
     NodeRecord,
     Plan,
     ProgressRecord,
     RecordError,
 )
+from orchestrator.spec_loader import load_job_data
 
 pytestmark = pytest.mark.integration
 
@@ -205,3 +208,62 @@ def test_while_a_break_is_handled_the_progress_read_is_reused_for_a_second(
     records.write(etcd_client, keys.job_plan(job), Plan(3, [Member("a", 0, 1), Member("c", 1, 1)]))
     beat(8)
     assert step_seen(reader) == 8  # the next generation: read at every tick again
+
+
+def test_break_reports_are_dropped_two_generations_on(etcd_client: EtcdClient) -> None:
+    """A crash at 1,000 x 8 leaves 1.1 MB of reports: a long job's must not pile up.
+
+    A real JobController replaces a node whose registration is gone, twice; the
+    reports of a generation go when the one two after it is published."""
+    job = f"forget-{uuid.uuid4().hex[:8]}"
+    spec = load_job_data(
+        {
+            "name": job,
+            "entrypoint": {"script": "train.py"},
+            "nodes": {"min": 2, "max": 2},
+            "fault_tolerance": {"heartbeat_interval": "500ms"},
+        }
+    )
+    jobs.submit(etcd_client, spec)
+
+    def register(nodes: list[str]) -> None:
+        now = time.time()
+        for node in nodes:
+            record = NodeRecord(node, "127.0.0.1", 1, 1, [1], now, labels={"host": node})
+            records.write(etcd_client, keys.job_node(job, node), record)
+            beat = ProgressRecord(5, 1, 0, 2, 1, now, now)
+            records.write(etcd_client, keys.job_progress(job) + keys.worker_id(node, 0), beat)
+
+    def report(generation: int, node: str) -> None:
+        r = BreakReport(5, "peer gone", planned=False, at=time.time())
+        records.write(etcd_client, keys.job_reports(job, generation) + keys.worker_id(node, 0), r)
+        whole = NodeBreakReports(time.time(), {keys.worker_id(node, 0): r})
+        records.write(etcd_client, keys.node_reports(job, generation, node), whole)
+
+    def plan() -> Plan:
+        published = records.read(etcd_client, keys.job_plan(job), Plan)
+        assert published is not None
+        return published
+
+    def kept(generation: int) -> int:
+        return len(etcd_client.get_prefix(keys.job_reports(job, generation))) + len(
+            etcd_client.get_prefix(keys.job_node_reports(job, generation))
+        )
+
+    register(["a", "b", "c", "d"])
+    jc = JobController(etcd_client, job)
+    jc.tick()
+    assert plan().generation == 1 and [m.node for m in plan().members] == ["a", "b"]
+    etcd_client.delete(keys.job_node(job, "b"))  # b's lease expired
+    register(["a", "c", "d"])
+    jc.tick()
+    assert plan().generation == 2
+    report(1, "a")  # generation 1's reports (late ones: the policy reads the current's)
+    assert kept(1) == 2
+    etcd_client.delete(keys.job_node(job, "c"))
+    register(["a", "d"])
+    jc.tick()
+    assert plan().generation == 3
+    assert kept(1) == 0  # two generations on: gone
+    # the previous generation's stay, for a look and for the reports still on their way
+    assert keys.job_node_reports(job, 2) not in keys.stale_report_prefixes(job, 3)

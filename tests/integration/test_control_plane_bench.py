@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 NODES, WORKERS = 50, 8
 
 
-def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
-    args = ["--nodes", str(NODES), "--workers", str(WORKERS), "--duration", "10"]
-    # the workers' own plan watcher (agents.plan_watch), one per simulated node
-    args += ["--failures", "2", "--failure", "both", "--log-lines", "0.5", "--watch", "plan"]
+def _bench(args: list[str]) -> tuple[dict[str, Any], str]:
+    """Run the benchmark; its JSON line, and its output for the failure messages."""
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "control_plane.py"), *args],
         cwd=REPO,
@@ -35,7 +34,14 @@ def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
     )
     output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
     assert done.returncode == 0, output
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), output
+
+
+def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
+    args = ["--nodes", str(NODES), "--workers", str(WORKERS), "--duration", "10"]
+    # the workers' own plan watcher (agents.plan_watch), one per simulated node
+    args += ["--failures", "2", "--failure", "both", "--log-lines", "0.5", "--watch", "plan"]
+    result, output = _bench(args)
 
     assert result["nodes"] == NODES and result["workers"] == WORKERS
     # the workers beat at the heartbeat's rate; their agents wrote one record per node,
@@ -74,17 +80,7 @@ def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
 def test_static_snapshot_times_the_tick_and_a_crash_report_burst() -> None:
     nodes = 20
     args = ["--static", "--nodes", str(nodes), "--workers", str(WORKERS)]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "control_plane.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, output
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result, output = _bench(args)
     assert result["mode"] == "static" and result["tick_read_ms"] > 0, output
     # every member but the crashed one wrote its workers' reports as one record
     assert result["report_burst_puts"] == nodes - 1 and result["report_burst_s"] > 0, output

@@ -254,6 +254,13 @@ def worker_id(node: str, local_rank: int) -> str:
     return f"{segment(node, 'node name')}-{int(local_rank)}"
 
 
+def worker_ids(node: str, nproc: int) -> list[str]:
+    """The names of a node's ``nproc`` workers, local rank ascending (the node's name
+    checked once: the controller spells every worker of a plan at each tick)."""
+    name = segment(node, "node name")
+    return [f"{name}-{i}" for i in range(int(nproc))]
+
+
 def rdzv_prefix(run_id: str) -> str:
     return f"{ROOT}/rdzv/{segment(run_id, 'rendezvous id')}/"
 

@@ -166,15 +166,15 @@ def read_reports(
 
 def workers_of(plan: Plan) -> list[str]:
     """Worker ids of every member of ``plan``, in rank order."""
-    return [keys.worker_id(m.node, i) for m in plan.members for i in range(m.nproc)]
+    return [w for m in plan.members for w in keys.worker_ids(m.node, m.nproc)]
 
 
 def silent_members(plan: Plan, reports: dict[str, BreakReport]) -> set[str]:
     """Members of ``plan`` not all of whose workers reported the break."""
-    # the ids as keys.worker_id spells them; a plan's node names were checked when
-    # it was made, and this runs for every worker at every tick of a break
     return {
-        m.node for m in plan.members if not all(f"{m.node}-{i}" in reports for i in range(m.nproc))
+        m.node
+        for m in plan.members
+        if not all(w in reports for w in keys.worker_ids(m.node, m.nproc))
     }
 
 
@@ -191,6 +191,7 @@ class WorldReader:
         self._quiet_probes: dict[str, tuple[float, bool]] = {}
         #: when this run was submitted: older events belong to earlier runs
         self.since = since
+        #: the generation whose break is being handled (reports of it were read)
         self._probed_generation = -1
         self._probed: set[str] = set()
         #: when the break being probed was first reported (monotonic)
@@ -200,8 +201,7 @@ class WorldReader:
         self._reports = (RecordCache(BreakReport), RecordCache(NodeBreakReports))
         self._progress = (RecordCache(ProgressRecord), RecordCache(NodeProgressRecord))
         self._nodes = RecordCache(NodeRecord)
-        #: the generation whose break reports were last seen, and the last progress read
-        self._breaking = -1
+        #: the last read of the workers' progress (monotonic time, records)
         self._progress_read: tuple[float, dict[str, ProgressRecord]] = (-1e9, {})
 
     def commands(self) -> dict[str, CommandRecord]:
@@ -225,8 +225,6 @@ class WorldReader:
             world.checkpoint = records.read(self.client, keys.job_checkpoint(job), CheckpointRecord)
             world.done = records.read_all(self.client, keys.job_done(job), DoneRecord)
             world.reports = read_reports(self.client, job, world.plan.generation, self._reports)
-            if world.reports:
-                self._breaking = world.plan.generation
             world.dead, world.alive = self._probe(world.plan, world.reports, world.nodes)
             world.answering = self._probe_quiet(world.plan, world.progress, world.nodes)
         else:
@@ -248,7 +246,7 @@ class WorldReader:
         mono = time.monotonic()
         if (
             plan is not None
-            and self._breaking == plan.generation
+            and self._probed_generation == plan.generation  # its break is being handled
             and mono - self._progress_read[0] < PROGRESS_REUSE_S
         ):
             return self._progress_read[1]

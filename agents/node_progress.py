@@ -176,8 +176,8 @@ class ProgressRelay:
     Args:
         client: the agent's etcd client.
         progress: the node's records.
-        reports: the node's break reports; None: a worker's report is refused
-            (not answered), and the worker writes its own.
+        reports: the node's break reports; None: a worker's report is answered
+            as not written, and the worker writes its own.
     """
 
     def __init__(
@@ -237,8 +237,10 @@ class ProgressRelay:
                     self._wake.notify()
 
     def _take_report(self, sender: Any, seq: int, worker: str, msg: dict[str, Any]) -> None:
-        """Keep a worker's break report for the node's next write (none: leave it unanswered)."""
+        """Keep a worker's break report for the node's next write (without
+        :class:`NodeReports`: tell the worker at once to write its own)."""
         if self.reports is None:
+            self._reply(sender, seq, written=False)
             return
         generation = int(msg["generation"])
         report = BreakReport.from_dict(msg["report"], f"break report of {worker}")
@@ -274,20 +276,19 @@ class ProgressRelay:
                 self._write_progress()
             except EtcdError as e:
                 if not failing:
-                    log.warning("node progress not written (will retry): %s", e)
+                    log.warning("node progress or reports not written (will retry): %s", e)
                 failing = True
                 self._stop.wait(MIN_WRITE_GAP_S)
                 continue
             if failing:
-                log.info("node progress written again")
+                log.info("node progress and reports written again")
             failing = False
 
     def _write_reports(self) -> None:
         """Write the break reports that are due; answer the workers whose report was written."""
-        due = self._reports_due()
-        if self.reports is None or due is None or due > time.monotonic():
+        written = set(self.reports.write_due(self.client)) if self.reports is not None else set()
+        if not written:
             return
-        written = set(self.reports.write_due(self.client))
         with self._wake:
             answered = [r for r in self._reported if r[2] in written]
             self._reported = [r for r in self._reported if r[2] not in written]

@@ -123,13 +123,18 @@ def test_a_late_worker_is_added_by_another_write(
 def test_a_worker_whose_agent_is_gone_is_told_to_write_its_own(
     etcd_client: EtcdClient, job: str, heartbeat: Callable[..., Heartbeat]
 ) -> None:
+    # an agent that relays progress but keeps no reports says so at once
     relay = ProgressRelay(etcd_client, NodeProgress(job, NODE, heartbeat_interval=2.0))
+    started = time.monotonic()
+    assert heartbeat(relay.address, 2).relay_report(1, _report(3)) is False
+    assert time.monotonic() - started < 0.5  # answered, not waited out
     address = relay.address
     relay.close()  # the agent died: its socket is gone
     hb = heartbeat(address, 0)
     started = time.monotonic()
     assert hb.relay_report(1, _report(3)) is False
     assert time.monotonic() - started < 0.5  # refused at once, not waited out
+    assert read_reports(etcd_client, job, 1) == {}  # nothing was written for them
     no_relay = heartbeat("", 1)  # a worker started without an agent
     assert no_relay.relay_report(1, _report(3)) is False
 

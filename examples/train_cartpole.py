@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--out", help="rank 0 writes the final policy here")
     parser.add_argument("--step-log", help="directory: each worker logs the steps it applied")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)  # the same initial policy everywhere
@@ -127,6 +128,8 @@ def main() -> None:
             loss = buffer.loss(policy)
             loss.backward()
             opt.step()
+            if args.step_time:
+                time.sleep(args.step_time)
         if session.step_failed:
             continue  # the step runs again, with the same episodes, in the next generation
         mean_len = sum(buffer.episode_lengths) / len(buffer.episode_lengths)

@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 pytest.importorskip("gymnasium")
 
-STEPS = 60  # long enough that a kill aimed at step 12 lands before the end (beats come every 0.2 s)
+STEPS = 60
+# A step takes at least STEP_TIME: the run sees the job's step through beats, so
+# without a floor the 60 steps (about 10 ms each) can all be done before a kill
+# aimed at step 12 lands, and nothing is left to recover.
+STEP_TIME = 0.05
 
 
 def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
@@ -37,6 +41,7 @@ def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
                     "--episodes", "2", "--max-len", "60",
                     "--out", str(tmp / "policy.pt"),
                     "--step-log", str(tmp / "steps"),
+                    "--step-time", str(STEP_TIME),
                 ],
                 "env": {"RINGMASTER_LOG_EVERY": "1000"},
             },

@@ -21,12 +21,12 @@ from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.controller import policy
 from orchestrator.controller.job import JobController
-from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.records import NodeRecord, Plan, ProgressRecord
-from orchestrator.spec_loader import load_job_data
+from orchestrator.records import Plan
 from tests.faults.etcd_cluster import EtcdCluster
+from tests.integration.controller_jobs import register_nodes, submit_two_node_job
 
 pytestmark = pytest.mark.integration
 
@@ -37,36 +37,14 @@ def cluster() -> Iterator[EtcdCluster]:
         yield c
 
 
-def _beat(client: EtcdClient, job: str, nodes: list[str]) -> None:
-    now = time.time()
-    for node in nodes:
-        registration = NodeRecord(
-            host=node, address="127.0.0.1", slots=1, pid=1, worker_pids=[1], started=now,
-            labels={"host": node},
-        )  # fmt: skip
-        records.write(client, keys.job_node(job, node), registration)
-        beat = ProgressRecord(
-            step=5, generation=1, rank=0, world_size=2, pid=1, beat=now, step_time=now
-        )
-        records.write(client, keys.job_progress(job) + keys.worker_id(node, 0), beat)
-
-
 def test_no_failure_is_declared_until_a_grace_after_the_outage(
     cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(policy, "OUTAGE_GRACE", timedelta(seconds=1.5))
     job = f"outage-{uuid.uuid4().hex[:8]}"
     client = connect(EtcdOptions(cluster.endpoints, op_timeout=timedelta(seconds=1)))
-    spec = load_job_data(
-        {
-            "name": job,
-            "entrypoint": {"script": "train.py"},
-            "nodes": {"min": 2, "max": 2},
-            "fault_tolerance": {"heartbeat_interval": "500ms"},
-        }
-    )
-    jobs.submit(client, spec)
-    _beat(client, job, ["n1", "n2"])
+    submit_two_node_job(client, job)
+    register_nodes(client, job, ["n1", "n2"])
     jc = JobController(client, job)
     jc.tick()
     assert jc.status.phase is JobPhase.RUNNING
@@ -81,7 +59,7 @@ def test_no_failure_is_declared_until_a_grace_after_the_outage(
     cluster.wait_healthy()
     # n2's registration expired while etcd had no quorum (deleted here to say so)
     retry_unavailable(lambda: client.delete(keys.job_node(job, "n2")), "delete")
-    retry_unavailable(lambda: _beat(client, job, ["n1"]), "beat")
+    retry_unavailable(lambda: register_nodes(client, job, ["n1"]), "beat")
     retry_unavailable(jc.tick, "tick")
     status = jobs.read_status(client, job)
     assert status is not None and status.phase is JobPhase.PAUSED
@@ -94,7 +72,7 @@ def test_no_failure_is_declared_until_a_grace_after_the_outage(
     while jc.status.phase is JobPhase.PAUSED:
         assert time.monotonic() < deadline, "the job never left the pause"
         # the restarted members may still be settling: an etcd hiccup is retried
-        retry_unavailable(lambda: _beat(client, job, ["n1"]), "beat")
+        retry_unavailable(lambda: register_nodes(client, job, ["n1"]), "beat")
         retry_unavailable(jc.tick, "tick")
         time.sleep(0.2)
     # after the grace the missing registration counts (no spare: the job waits for one)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator import jobs, keys, records
+from orchestrator import keys, records
 from orchestrator.controller.job import JobController
 from orchestrator.controller.service import wakes
 from orchestrator.controller.world import (
@@ -35,7 +35,7 @@ from orchestrator.records import (
     ProgressRecord,
     RecordError,
 )
-from orchestrator.spec_loader import load_job_data
+from tests.integration.controller_jobs import register_nodes, submit_two_node_job
 
 pytestmark = pytest.mark.integration
 
@@ -216,23 +216,10 @@ def test_break_reports_are_dropped_two_generations_on(etcd_client: EtcdClient) -
     A real JobController replaces a node whose registration is gone, twice; the
     reports of a generation go when the one two after it is published."""
     job = f"forget-{uuid.uuid4().hex[:8]}"
-    spec = load_job_data(
-        {
-            "name": job,
-            "entrypoint": {"script": "train.py"},
-            "nodes": {"min": 2, "max": 2},
-            "fault_tolerance": {"heartbeat_interval": "500ms"},
-        }
-    )
-    jobs.submit(etcd_client, spec)
+    submit_two_node_job(etcd_client, job)
 
     def register(nodes: list[str]) -> None:
-        now = time.time()
-        for node in nodes:
-            record = NodeRecord(node, "127.0.0.1", 1, 1, [1], now, labels={"host": node})
-            records.write(etcd_client, keys.job_node(job, node), record)
-            beat = ProgressRecord(5, 1, 0, 2, 1, now, now)
-            records.write(etcd_client, keys.job_progress(job) + keys.worker_id(node, 0), beat)
+        register_nodes(etcd_client, job, nodes)
 
     def report(generation: int, node: str) -> None:
         r = BreakReport(5, "peer gone", planned=False, at=time.time())

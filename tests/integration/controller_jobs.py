@@ -1,0 +1,36 @@
+"""A job for a controller under test, with nodes that are plain records.
+
+No training processes: a node is its registration and one worker's beat,
+written by the test as an agent would write them."""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator import jobs, keys, records
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.records import NodeRecord, ProgressRecord
+from orchestrator.spec_loader import load_job_data
+
+
+def submit_two_node_job(client: EtcdClient, job: str) -> None:
+    """Submit a job that trains on exactly 2 nodes, beating every 500 ms."""
+    spec = load_job_data(
+        {
+            "name": job,
+            "entrypoint": {"script": "train.py"},
+            "nodes": {"min": 2, "max": 2},
+            "fault_tolerance": {"heartbeat_interval": "500ms"},
+        }
+    )
+    jobs.submit(client, spec)
+
+
+def register_nodes(client: EtcdClient, job: str, nodes: list[str]) -> None:
+    """Each node registered, with one worker that beats at step 5 of generation 1."""
+    now = time.time()
+    for node in nodes:
+        registration = NodeRecord(node, "127.0.0.1", 1, 1, [1], now, labels={"host": node})
+        records.write(client, keys.job_node(job, node), registration)
+        beat = ProgressRecord(5, 1, 0, 2, 1, now, now)
+        records.write(client, keys.job_progress(job) + keys.worker_id(node, 0), beat)

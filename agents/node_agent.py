@@ -53,6 +53,7 @@ from agents.log_shipper import LogShipper
 from agents.node_progress import ENV_PROGRESS_SOCKET, NodeProgress, ProgressRelay
 from agents.node_reports import NodeReports
 from agents.node_watches import NodeWatches
+from agents.plan_feed import ENV_PLAN_FEED, PlanFeed
 from agents.restart_tier import PendingStore, RestartTier
 from agents.warm_worker import WarmWorker
 from agents.worker_exits import describe_failure, emit_worker_exited
@@ -139,6 +140,8 @@ class NodeAgent(NodeWatches, RestartTier):
         self._liveness: LivenessServer | None = None
         #: in-process tier: relays the workers' heartbeats (agents.node_progress)
         self._progress: ProgressRelay | None = None
+        #: in-process tier: passes the plan and control record on (agents.plan_feed)
+        self._feed: PlanFeed | None = None
         self._role = ""
         self._generation = 0
         #: the job's resolved fault_tolerance.recovery (known once the spec is read)
@@ -199,6 +202,7 @@ class NodeAgent(NodeWatches, RestartTier):
                     NodeProgress(self.job, self.node, interval),
                     NodeReports(self.job, self.node, spec.nproc_per_node),
                 )
+                self._feed = PlanFeed()
                 for i in range(spec.nproc_per_node):
                     self._start_worker(i)
             self._register()
@@ -214,6 +218,7 @@ class NodeAgent(NodeWatches, RestartTier):
                 (self._keep_registered, "registration"),
                 (self._follow_commands, "commands"),
                 (self._follow_plan, "plan"),
+                (self._follow_control, "control"),
             ):
                 threading.Thread(target=target, name=name, daemon=True).start()
             reason = self._supervise_restart() if restart else self._supervise()
@@ -230,6 +235,8 @@ class NodeAgent(NodeWatches, RestartTier):
             self._stop_workers()
             if self._progress is not None:
                 self._progress.close()
+            if self._feed is not None:
+                self._feed.close()
             self._discard_standbys()
             if self._lease is not None:
                 self._lease.revoke()
@@ -406,6 +413,10 @@ class NodeAgent(NodeWatches, RestartTier):
             env[ENV_PROGRESS_SOCKET] = self._progress.address
         else:  # not one inherited from a parent agent
             env.pop(ENV_PROGRESS_SOCKET, None)
+        if self._feed is not None:
+            env[ENV_PLAN_FEED] = self._feed.address
+        else:
+            env.pop(ENV_PLAN_FEED, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env

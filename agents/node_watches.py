@@ -4,7 +4,9 @@
 threads, each a watch renewed after etcd outages.  One executes the
 controller's commands to this node (``kill-worker`` for a hung worker, naming
 its pid, and ``stop``); the other logs this node's role (active in generation
-N, or spare) each time it changes.
+N, or spare) each time it changes.  In the in-process tier the agent also
+passes the plan and the control record on to its workers (:mod:`agents.plan_feed`),
+from these watches and a third one, of the control key.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agents.descriptions import describe_role
+from agents.plan_feed import CONTROL, PLAN, PlanFeed
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import AgentCommand, Plan, RecordError
@@ -37,6 +40,7 @@ class NodeWatches:
     _generation: int
     _role: str | None
     _latest_plan: Plan | None
+    _feed: PlanFeed | None
 
     def request_stop(self, reason: str = "interrupted") -> None:
         raise NotImplementedError
@@ -49,9 +53,20 @@ class NodeWatches:
         """Log this node's role each time it changes (and keep the newest plan)."""
         self._follow(keys.job_plan(self.job), False, self._note_plan)
 
-    def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes], None]) -> None:
-        """``handle(key, value)`` for what is stored at ``key`` (or under it) now and
-        for every later write, until stopped; the watch is renewed after etcd outages."""
+    def _follow_control(self) -> None:
+        """Pass the control record on to the workers (only with a plan feed)."""
+        feed = self._feed
+        if feed is not None:
+            self._follow(
+                keys.job_control(self.job),
+                False,
+                lambda _, value, rev: feed.publish(CONTROL, value, rev),
+            )
+
+    def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes, int], object]) -> None:
+        """``handle(key, value, mod_revision)`` for what is stored at ``key`` (or under
+        it) now and for every later write, until stopped; the watch is renewed after
+        etcd outages."""
         while not self._stop.is_set():
             watch: Any = None
             try:
@@ -59,12 +74,12 @@ class NodeWatches:
                 # what was written while no watch ran
                 for kv in self.client.get_prefix(key) if prefix else [self.client.get(key)]:
                     if kv is not None:
-                        handle(kv.key, kv.value)
+                        handle(kv.key, kv.value, kv.mod_revision)
                 for ev in watch:
                     if self._stop.is_set():
                         break
                     if ev.value is not None:
-                        handle(ev.key, ev.value)
+                        handle(ev.key, ev.value, ev.mod_revision)
             except Exception as e:  # etcd went away, or the watch was cancelled
                 log.debug("watch of %s ended: %s", key, e)
             finally:
@@ -73,7 +88,9 @@ class NodeWatches:
                         watch.cancel()
             self._stop.wait(0.5)
 
-    def _note_plan(self, key: str, value: bytes) -> None:
+    def _note_plan(self, key: str, value: bytes, revision: int) -> None:
+        if self._feed is not None:  # the workers judge it themselves, as read from etcd
+            self._feed.publish(PLAN, value, revision)
         try:
             plan = records.decode(Plan, value, key)
         except RecordError as e:
@@ -88,7 +105,7 @@ class NodeWatches:
             self._role = role
             log.info("[%s] %s", self.node, line)
 
-    def _take(self, key: str, value: bytes) -> None:
+    def _take(self, key: str, value: bytes, revision: int) -> None:
         with contextlib.suppress(Exception):
             if not self.client.delete(key):
                 return  # already executed

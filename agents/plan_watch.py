@@ -7,15 +7,21 @@ step boundary (:class:`~orchestrator.records.ControlRecord`).  A
 threads that watch both keys.  A watch ends when etcd goes away (a member
 killed, quorum lost, the node cut off); each is re-established, after a
 fresh read, until :meth:`PlanWatcher.stop`.
+
+A worker started by a node agent reads both from the agent's plan feed
+(:mod:`agents.plan_feed`) instead, and watches etcd only once that feed ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 from typing import Any
 
+from agents.plan_feed import PLAN, follow_feed
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -23,11 +29,22 @@ from orchestrator.records import ControlRecord, Plan, RecordError
 
 log = logging.getLogger("ringmaster.worker")
 
+#: A worker fed by its agent that waits for a newer plan reads etcd at most this
+#: often (a worker watching etcd itself reads it after every wait that found none).
+FEED_REREAD_S = 10.0
+
 
 class PlanWatcher:
-    """The newest plan and control record of ``job``, kept current from watches."""
+    """The newest plan and control record of ``job``, kept current from watches.
 
-    def __init__(self, client: EtcdClient, job: str) -> None:
+    Args:
+        client: this worker's etcd client (the first read, and the watches).
+        job: the job.
+        feed: the node agent's plan feed (:data:`agents.plan_feed.ENV_PLAN_FEED`'s
+            value); None or empty: watch etcd from the start.
+    """
+
+    def __init__(self, client: EtcdClient, job: str, feed: str | None = None) -> None:
         self._client = client
         self._job = job
         self._plan_key = keys.job_plan(job)
@@ -36,11 +53,37 @@ class PlanWatcher:
         self._plan: Plan | None = None
         self._plan_revision = -1
         self._control = ControlRecord()
+        self._control_revision = -1
+        self._loaded_at = -math.inf
         self._stopped = threading.Event()
         self._watches: dict[str, Any] = {}
+        #: where the plan comes from now: ``feed`` (the node agent's) or ``etcd``
+        self.source = "feed" if feed else "etcd"
         self.load()
+        if feed:
+            threading.Thread(target=self._follow_feed, args=(feed,), daemon=True).start()
+        else:
+            self._watch_etcd()
+
+    def _watch_etcd(self) -> None:
+        self.source = "etcd"
         for key in (self._plan_key, self._control_key):
             threading.Thread(target=self._follow, args=(key,), daemon=True).start()
+
+    def _follow_feed(self, address: str) -> None:
+        """Take what the agent's feed sends; once it ends, watch etcd instead."""
+        try:
+            for kind, revision, value in follow_feed(address, self._stopped):
+                with self._cond:
+                    self._take(
+                        self._plan_key if kind == PLAN else self._control_key, value, revision
+                    )
+                    self._cond.notify_all()
+        except OSError as e:
+            log.info("plan feed of the node agent not readable (%s): watching etcd", e)
+        if not self._stopped.is_set():
+            log.debug("plan feed of the node agent ended: watching etcd")
+            self._watch_etcd()
 
     def load(self) -> None:
         """Read plan and control now.
@@ -48,6 +91,7 @@ class PlanWatcher:
         Raises:
             EtcdError: etcd did not answer.
         """
+        self._loaded_at = time.monotonic()
         kv = self._client.get(self._plan_key)
         control = self._client.get(self._control_key)
         with self._cond:
@@ -56,6 +100,12 @@ class PlanWatcher:
             if control is not None:
                 self._take(self._control_key, control.value, control.mod_revision)
             self._cond.notify_all()
+
+    def _reread_due(self) -> bool:
+        """Whether a wait that found nothing newer should read etcd: always when
+        watching it; fed by the agent (which re-reads after an outage itself),
+        at most every :data:`FEED_REREAD_S`, in case the agent's watch is stuck."""
+        return self.source == "etcd" or time.monotonic() - self._loaded_at >= FEED_REREAD_S
 
     def _load(self) -> None:
         try:
@@ -71,8 +121,9 @@ class PlanWatcher:
                 if self._plan is None or plan.generation > self._plan.generation:
                     self._plan = plan
                     self._plan_revision = revision
-            else:
+            elif revision > self._control_revision:
                 self._control = records.decode(ControlRecord, raw, key)
+                self._control_revision = revision
         except RecordError as e:  # written by something else: keep what we had
             log.warning("ignoring %s", e)
 
@@ -102,7 +153,7 @@ class PlanWatcher:
                 lambda: self._plan is not None and self._plan.generation > generation, timeout
             )
             plan = self._plan
-        if plan is None or plan.generation <= generation:
+        if (plan is None or plan.generation <= generation) and self._reread_due():
             self._load()  # a watch may have missed an event while etcd was away
             plan = self._plan
         return plan if plan is not None and plan.generation > generation else None

@@ -69,6 +69,7 @@ from agents.failures import CollectiveFailures, peer_failure
 from agents.generation import Generations
 from agents.heartbeat import Heartbeat
 from agents.messages import one_line
+from agents.plan_feed import ENV_PLAN_FEED
 from agents.plan_watch import PlanWatcher
 from agents.process_group import Groups, choose_device, quiesce, teardown_group
 from agents.saving import Saving
@@ -151,7 +152,7 @@ class Session:
         self._stop_requested = False
         self.saving = Saving(self)
         self.generations = Generations(self)
-        self.watch = PlanWatcher(client, env.job)
+        self.watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
         ft, comm = spec.fault_tolerance, spec.comm
         self.collective_guard = CollectiveGuard(
             OpTimeout(

@@ -8,8 +8,10 @@ a real controller process (``ringmaster controller --metrics-port 0``, as
 ``--workers`` workers each, in one or a few processes
 (:mod:`benchmarks._control_plane.fleet`: the project's records, keys,
 leases, liveness ports, heartbeat rates and log shipper, with a step every
-``--step-time`` seconds; the plan followed by ``W + 1`` watches of its key
-per node, or by one ``PlanWatcher`` per node with ``--watch plan``).
+``--step-time`` seconds; the plan followed by one watch of its key per
+node, the agent's, which passes it on to its workers through its plan feed,
+or by a ``PlanWatcher`` with ``--watch plan``; ``--watchers-per-node``
+changes the count).
 ``--spares`` of the nodes wait as warm spares.
 
 Measured, in this order:
@@ -147,8 +149,7 @@ def slices_for(args: argparse.Namespace, endpoints: tuple[str, ...]) -> list[Fle
                 log_lines_per_s=args.log_lines,
                 lanes=args.lanes,
                 clients=args.clients,
-                watchers_per_node=args.watchers_per_node
-                or (1 if args.watch == "plan" else args.workers + 1),
+                watchers_per_node=args.watchers_per_node or 1,
                 watch=args.watch,
             )
         )
@@ -559,8 +560,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--watchers-per-node",
         type=int,
         default=0,
-        help="plan watchers per node (0: 1 with --watch plan, workers + 1 with raw, as a "
-        "real node: one per worker and the agent's)",
+        help="plan watchers per node (0: 1, as a real node: the agent watches the plan "
+        "and passes it to its workers through its plan feed; workers + 1: as a node did "
+        "before the feed, one per worker and the agent's)",
     )
     p.add_argument(
         "--static",

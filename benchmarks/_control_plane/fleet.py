@@ -24,7 +24,8 @@ agent and its workers do, through the project's own code:
   etcd; a temporary directory per slice);
 * the plan is followed by :class:`agents.plan_watch.PlanWatcher` (a watch on
   the plan and one on the control key): ``watchers_per_node`` of them per
-  node, which stand for its W workers (a real worker holds one each);
+  node, 1 by default: the agent's, which passes the plan on to its workers
+  (:mod:`agents.plan_feed`; the local socket is not simulated);
 * when a peer crashes, every worker of the surviving members reports its
   :class:`~orchestrator.records.BreakReport` to its agent's
   :class:`agents.node_reports.NodeReports`, which the agent writes as one

@@ -380,11 +380,15 @@ class NodeAgent(NodeWatches, RestartTier):
         records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 
     def _liveness_status(self) -> dict[str, Any]:
-        """What the liveness port answers: which local workers are running."""
-        return {
+        """What the liveness port answers: which local workers are running, and (the
+        in-process tier) the latest beat of each as the agent received it."""
+        status: dict[str, Any] = {
             "node": self.node,
             "workers": {str(r): w.proc.poll() is None for r, w in list(self.workers.items())},
         }
+        if self._progress is not None:
+            status["beats"] = self._progress.progress.beats()
+        return status
 
     # -- workers -----------------------------------------------------------------------
 

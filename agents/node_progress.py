@@ -128,6 +128,12 @@ class NodeProgress:
                 self._urgent = True
             return self._urgent
 
+    def beats(self) -> dict[str, float]:
+        """Each worker's latest beat as received here (what the agent's liveness port
+        tells the controller: a beat stale in etcd may only be waiting for a write)."""
+        with self._lock:
+            return {w: p.beat for w, p in self._workers.items()}
+
     def due_at(self) -> float | None:
         """Monotonic time the next write is due; None when nothing changed since the last."""
         with self._lock:

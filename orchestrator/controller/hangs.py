@@ -1,7 +1,10 @@
 """Which workers hang: a pure rule over heartbeats, used by the controller's policy.
 
 A worker hangs when its heartbeat thread stopped (no beat for ``STALE_BEATS``
-heartbeat intervals) while its node's agent answers its liveness probe.  The
+heartbeat intervals) while its node's agent answers its liveness probe and
+has no newer beat from it either (the agent's answer carries the beats it
+received: a beat stale only in etcd is waiting for the agent's write, held up
+by an etcd leader election, say, and the reader moves it on).  The
 heartbeat is a thread of the worker's own, so a silent one beside a live
 agent means the whole process is frozen (SIGSTOP, a stuck interpreter), not
 a slow step.  Its agent is told to kill it, which turns the hang into a

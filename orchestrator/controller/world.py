@@ -15,10 +15,11 @@ of the snapshot.  A refused connection means the agent is gone.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
@@ -188,7 +189,9 @@ class WorldReader:
         self.job = job
         #: seconds without a heartbeat after which a worker's agent is probed
         self.quiet_after = quiet_after
-        self._quiet_probes: dict[str, tuple[float, bool]] = {}
+        #: node -> (when probed, monotonic; whether its agent answered; the latest beat
+        #: of each of its workers as the agent received it)
+        self._quiet_probes: dict[str, tuple[float, bool, dict[str, float]]] = {}
         #: when this run was submitted: older events belong to earlier runs
         self.since = since
         #: the generation whose break is being handled (reports of it were read)
@@ -226,7 +229,8 @@ class WorldReader:
             world.done = records.read_all(self.client, keys.job_done(job), DoneRecord)
             world.reports = read_reports(self.client, job, world.plan.generation, self._reports)
             world.dead, world.alive = self._probe(world.plan, world.reports, world.nodes)
-            world.answering = self._probe_quiet(world.plan, world.progress, world.nodes)
+            world.answering, beats = self._probe_quiet(world.plan, world.progress, world.nodes)
+            world.progress = with_newer_beats(world.progress, beats)
         else:
             world.startup_failures = self._startup_failures()
         world.silence = self.client.last_silence
@@ -265,8 +269,13 @@ class WorldReader:
 
     def _probe_quiet(
         self, plan: Plan, progress: dict[str, ProgressRecord], nodes: dict[str, NodeRecord]
-    ) -> set[str]:
-        """Probe the agents of members with a quiet worker (at most every second)."""
+    ) -> tuple[set[str], dict[str, float]]:
+        """Probe the agents of members with a quiet worker (at most every second).
+
+        Returns the members whose agent answered, and the latest beat of each of
+        their workers as the agent received it: a worker's beat can be stale in
+        etcd only because its agent's writes wait (on an etcd leader election, say).
+        """
         now, mono = time.time(), time.monotonic()
         quiet = {
             m.node
@@ -282,9 +291,15 @@ class WorldReader:
             if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= 1.0
             and (address := _liveness(nodes, node))
         }
-        for node, verdict in probe_all(due).items():
-            self._quiet_probes[node] = (mono, verdict is Liveness.ALIVE)
-        return {node for node in quiet if self._quiet_probes.get(node, (0.0, False))[1]}
+        for node, (verdict, answer) in probe_answers(due).items():
+            self._quiet_probes[node] = (mono, verdict is Liveness.ALIVE, _agent_beats(answer))
+        answering, beats = set(), {}
+        for node in quiet:
+            _, alive, agent_beats = self._quiet_probes.get(node, (0.0, False, {}))
+            if alive:
+                answering.add(node)
+                beats.update(agent_beats)
+        return answering, beats
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]
@@ -342,8 +357,35 @@ def probe_all(addresses: dict[str, str]) -> dict[str, Liveness]:
     One probe waits up to its timeout for an agent that does not answer; a
     rack gone at once would cost a tick that many timeouts in a row.
     """
+    return {node: verdict for node, (verdict, _) in probe_answers(addresses).items()}
+
+
+def probe_answers(addresses: dict[str, str]) -> dict[str, tuple[Liveness, dict[str, Any]]]:
+    """:func:`probe_all` with each agent's answer beside its verdict."""
     if len(addresses) <= 1:
-        return {node: probe(address)[0] for node, address in addresses.items()}
+        return {node: probe(address) for node, address in addresses.items()}
     with ThreadPoolExecutor(min(PROBE_THREADS, len(addresses))) as pool:
-        verdicts = pool.map(lambda address: probe(address)[0], addresses.values())
-        return dict(zip(addresses, verdicts, strict=True))
+        answers = pool.map(probe, addresses.values())
+        return dict(zip(addresses, answers, strict=True))
+
+
+def _agent_beats(answer: dict[str, Any]) -> dict[str, float]:
+    """The ``beats`` of an agent's liveness answer (worker id -> wall-clock seconds)."""
+    beats = answer.get("beats")
+    if not isinstance(beats, dict):
+        return {}
+    numbers = {str(w): t for w, t in beats.items() if isinstance(t, int | float)}
+    return {w: float(t) for w, t in numbers.items() if math.isfinite(t)}
+
+
+def with_newer_beats(
+    progress: dict[str, ProgressRecord], beats: dict[str, float]
+) -> dict[str, ProgressRecord]:
+    """``progress`` with a worker's beat moved on where its agent received a newer one
+    than etcd holds (a copy: the records read are kept unchanged, for reuse)."""
+    newer = {
+        w: replace(p, beat=beats[w])
+        for w, p in progress.items()
+        if w in beats and beats[w] > p.beat
+    }
+    return {**progress, **newer} if newer else progress

@@ -10,12 +10,13 @@ import time
 from orchestrator import jobs, keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import NodeRecord, ProgressRecord
+from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 
 
-def submit_two_node_job(client: EtcdClient, job: str) -> None:
-    """Submit a job that trains on exactly 2 nodes, beating every 500 ms."""
-    spec = load_job_data(
+def two_node_job(job: str) -> JobSpec:
+    """A job that trains on exactly 2 nodes, beating every 500 ms."""
+    return load_job_data(
         {
             "name": job,
             "entrypoint": {"script": "train.py"},
@@ -23,7 +24,11 @@ def submit_two_node_job(client: EtcdClient, job: str) -> None:
             "fault_tolerance": {"heartbeat_interval": "500ms"},
         }
     )
-    jobs.submit(client, spec)
+
+
+def submit_two_node_job(client: EtcdClient, job: str) -> None:
+    """Submit :func:`two_node_job`."""
+    jobs.submit(client, two_node_job(job))
 
 
 def register_nodes(client: EtcdClient, job: str, nodes: list[str]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator import keys, records
+from orchestrator.controller.hangs import STALE_BEATS, hung_workers
 from orchestrator.controller.job import JobController
 from orchestrator.controller.service import wakes
 from orchestrator.controller.world import (
@@ -35,7 +36,7 @@ from orchestrator.records import (
     ProgressRecord,
     RecordError,
 )
-from tests.integration.controller_jobs import register_nodes, submit_two_node_job
+from tests.integration.controller_jobs import register_nodes, submit_two_node_job, two_node_job
 
 pytestmark = pytest.mark.integration
 
@@ -254,3 +255,38 @@ def test_break_reports_are_dropped_two_generations_on(etcd_client: EtcdClient) -
     assert kept(1) == 0  # two generations on: gone
     # the previous generation's stay, for a look and for the reports still on their way
     assert keys.job_node_reports(job, 2) not in keys.stale_report_prefixes(job, 3)
+
+
+def test_a_beat_stale_only_in_etcd_is_not_a_hang(etcd_client: EtcdClient) -> None:
+    """A worker whose beat is stale in etcd while its agent received fresh ones (the
+    agent's writes wait out an etcd leader election) is not killed; one whose agent
+    has no fresh beat either is.  Real liveness ports; hung_workers decides."""
+    job = f"stale-{uuid.uuid4().hex[:8]}"
+    spec = two_node_job(job)
+    stale_after = STALE_BEATS * 0.5
+    old = time.time() - 2 * stale_after
+    received = {"a": time.time(), "b": old}  # what each agent last received from its worker
+
+    def status(node: str) -> dict[str, object]:
+        return {"node": node, "beats": {keys.worker_id(node, 0): received[node]}}
+
+    servers = {n: LivenessServer("127.0.0.1", lambda n=n: status(n)) for n in ("a", "b")}
+    try:
+        for node, srv in servers.items():
+            registration = NodeRecord(node, "127.0.0.1", 1, 1, [1], 0.0, liveness=srv.address)
+            records.write(etcd_client, keys.job_node(job, node), registration)
+            beat = ProgressRecord(5, 2, 0, 2, 100, old, old)  # stale in etcd for both
+            workers = {keys.worker_id(node, 0): beat}
+            records.write(
+                etcd_client, keys.node_progress(job, node), NodeProgressRecord(old, workers)
+            )
+        plan = Plan(2, [Member("a", 0, 1), Member("b", 1, 1)])
+        records.write(etcd_client, keys.job_plan(job), plan)
+        world = WorldReader(etcd_client, job, quiet_after=stale_after).read()
+        assert world.answering == {"a", "b"}
+        assert world.progress[keys.worker_id("a", 0)].beat == received["a"]
+        kills = hung_workers(spec, plan, world, set())
+        assert [k.worker for k in kills] == [keys.worker_id("b", 0)]
+    finally:
+        for srv in servers.values():
+            srv.close()

@@ -67,7 +67,7 @@ from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import read_spec, read_status, send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.records import CheckpointRecord, NodeRecord, Plan, RecordError
+from orchestrator.records import CheckpointRecord, NodeRecord, RecordError
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
 from orchestrator.spec_loader import resolve_recovery
@@ -118,21 +118,17 @@ class NodeAgent(NodeWatches, RestartTier):
         workdir: str | None = None,
         ttl: timedelta = DEFAULT_NODE_TTL,
     ) -> None:
-        self.client = client
+        NodeWatches.__init__(self, client, job, node, feed=None)
         self.etcd = etcd
-        self.job = job
-        self.node = keys.segment(node, "node name")
         self.labels = dict(labels or {})
         self.labels.setdefault("host", socket.gethostname())
         self.address = address
         self.workdir = workdir or os.getcwd()
         self.ttl = ttl
         self.spec: JobSpec | None = None
-        self.workers: dict[int, _Worker] = {}
         self._lease: Lease | None = None
         self._lease_lost = False
         self._reregister = threading.Event()
-        self._stop = threading.Event()
         self._preempted_at: float | None = None
         #: Why the agent stops, when something other than the workers decided it.
         self._stop_reason = ""
@@ -140,14 +136,9 @@ class NodeAgent(NodeWatches, RestartTier):
         self._liveness: LivenessServer | None = None
         #: in-process tier: relays the workers' heartbeats (agents.node_progress)
         self._progress: ProgressRelay | None = None
-        #: in-process tier: passes the plan and control record on (agents.plan_feed)
-        self._feed: PlanFeed | None = None
-        self._role = ""
-        self._generation = 0
         #: the job's resolved fault_tolerance.recovery (known once the spec is read)
         self.recovery = RecoveryMode.IN_PROCESS
         # the restart tier's state (agents.restart_tier)
-        self._latest_plan: Plan | None = None
         self._standbys: dict[int, WarmWorker] = {}
         self._launched_generation = 0
         self._launched_at: float | None = None
@@ -217,10 +208,9 @@ class NodeAgent(NodeWatches, RestartTier):
             for target, name in (
                 (self._keep_registered, "registration"),
                 (self._follow_commands, "commands"),
-                (self._follow_plan, "plan"),
-                (self._follow_control, "control"),
             ):
                 threading.Thread(target=target, name=name, daemon=True).start()
+            self.watch_plan()
             reason = self._supervise_restart() if restart else self._supervise()
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"

@@ -30,20 +30,33 @@ log = logging.getLogger("ringmaster.agent")
 
 
 class NodeWatches:
-    """The watching half of a node agent (see the module docstring)."""
+    """The watching half of a node agent (see the module docstring).
 
-    client: EtcdClient
-    job: str
-    node: str
-    workers: dict[int, _Worker]
-    _stop: threading.Event
-    _generation: int
-    _role: str | None
-    _latest_plan: Plan | None
-    _feed: PlanFeed | None
+    A :class:`~agents.node_agent.NodeAgent` is one; built alone (a benchmark's
+    simulated node, a test), it has no workers and only passes the plan on.
+    """
+
+    def __init__(self, client: EtcdClient, job: str, node: str, feed: PlanFeed | None) -> None:
+        self.client = client
+        self.job = job
+        self.node = keys.segment(node, "node name")
+        self.workers: dict[int, _Worker] = {}
+        self._stop = threading.Event()
+        self._generation = 0
+        self._role: str | None = None
+        #: the newest plan read (what the restart tier's supervision acts on)
+        self._latest_plan: Plan | None = None
+        #: in-process tier: passes the plan and control record on (agents.plan_feed)
+        self._feed = feed
 
     def request_stop(self, reason: str = "interrupted") -> None:
-        raise NotImplementedError
+        """Stop watching (a node agent also stops its workers and leaves)."""
+        self._stop.set()
+
+    def watch_plan(self) -> None:
+        """Follow the plan (and, with a feed, the control key), each in a daemon thread."""
+        for target, name in ((self._follow_plan, "plan"), (self._follow_control, "control")):
+            threading.Thread(target=target, name=name, daemon=True).start()
 
     def _follow_commands(self) -> None:
         """Execute the controller's commands to this node as they come."""

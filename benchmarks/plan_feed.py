@@ -1,4 +1,4 @@
-"""A new plan reaching every worker of a node: through the agent's feed, or by each worker's own watch.
+"""A new plan reaching every worker of a node: by the agent's feed, or by each worker's watch.
 
 A real etcd (embedded), ``--nodes`` simulated nodes of ``--workers`` workers,
 each worker a real :class:`agents.plan_watch.PlanWatcher`, and a plan of
@@ -26,41 +26,24 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.node_watches import NodeWatches  # noqa: E402
-from agents.plan_feed import PlanFeed  # noqa: E402
-from agents.plan_watch import PlanWatcher  # noqa: E402
-from benchmarks._control_plane.etcd_metrics import scrape  # noqa: E402
-from orchestrator import keys, records  # noqa: E402
-from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
-from orchestrator.etcd.embedded import EmbeddedEtcd  # noqa: E402
-from orchestrator.etcd.options import EtcdOptions  # noqa: E402
-from orchestrator.records import Member, Plan  # noqa: E402
+from agents.node_watches import NodeWatches
+from agents.plan_feed import PlanFeed
+from agents.plan_watch import PlanWatcher
+from benchmarks._control_plane.etcd_metrics import scrape
+from orchestrator import keys, records
+from orchestrator.etcd.client import connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.records import Member, Plan
 
 #: Longest wait for every worker to hold a plan before the run fails loudly.
 DELIVERY_TIMEOUT_S = 60.0
-
-
-class Agent(NodeWatches):
-    """A node agent's watching half: the plan and control watches, and its feed."""
-
-    def __init__(self, client: EtcdClient, job: str, node: str, feed: PlanFeed | None) -> None:
-        self.client, self.job, self.node = client, job, node
-        self.workers = {}
-        self._stop = threading.Event()
-        self._generation, self._role, self._latest_plan = 0, None, None
-        self._feed = feed
-        for target in (self._follow_plan, self._follow_control):
-            threading.Thread(target=target, daemon=True).start()
-
-    def request_stop(self, reason: str = "interrupted") -> None:
-        self._stop.set()
 
 
 def big_plan(generation: int, members: int) -> Plan:
@@ -84,7 +67,9 @@ def run_mode(mode: str, etcd: EmbeddedEtcd, args: argparse.Namespace) -> dict[st
     job = f"feed-bench-{mode}-{uuid.uuid4().hex[:6]}"
     client = connect(EtcdOptions((etcd.endpoint,)))
     feeds = [PlanFeed() if mode == "feed" else None for _ in range(args.nodes)]
-    agents = [Agent(client, job, f"node-{n}", feeds[n]) for n in range(args.nodes)]
+    agents = [NodeWatches(client, job, f"node-{n}", feeds[n]) for n in range(args.nodes)]
+    for a in agents:
+        a.watch_plan()
     workers = [
         PlanWatcher(client, job, feed.address if feed is not None else None)
         for feed in feeds

@@ -8,7 +8,6 @@ feed, open no watch of their own, and fall back to etcd once the feed ends.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -125,27 +124,12 @@ def test_a_feed_that_is_not_one_leaves_the_worker_on_etcd(
     w.stop()
 
 
-class _Agent(NodeWatches):
-    """The watching half of a node agent, with a plan feed and no workers."""
-
-    def __init__(self, client: EtcdClient, job: str, feed: PlanFeed) -> None:
-        self.client, self.job, self.node = client, job, "a"
-        self.workers = {}
-        self._stop = threading.Event()
-        self._generation, self._role, self._latest_plan = 0, None, None
-        self._feed = feed
-        for target in (self._follow_plan, self._follow_control):
-            threading.Thread(target=target, daemon=True).start()
-
-    def request_stop(self, reason: str = "interrupted") -> None:
-        self._stop.set()
-
-
 def test_the_agent_passes_on_what_it_watches_with_etcds_revision(
     etcd_client: EtcdClient, job: str, feed: PlanFeed
 ) -> None:
     first = records.write(etcd_client, keys.job_plan(job), plan_of(1))
-    agent = _Agent(etcd_client, job, feed)
+    agent = NodeWatches(etcd_client, job, "a", feed)  # an agent's watching half alone
+    agent.watch_plan()
     node = watchers(etcd_client, job, feed, 2)
     try:
         for w in node:  # the plan stored before the agent started: from its first read

@@ -14,10 +14,11 @@ a worker does not write to etcd itself: it sends its record to its agent,
 which writes one record for all of the node's workers
 (:mod:`agents.node_progress`).  The agent's replies say whether etcd is away
 for it; when it has been for :data:`~agents.node_progress.AWAY_CHECK_S`, the
-beat reads etcd with the worker's own client (an empty read of the worker's
-progress key), so that the worker's ``EtcdClient.unreachable_for`` sees the
-outage and the runtime pauses at its next step boundary, as it did when the
-heartbeat's own put was the call that noticed.
+beat also writes the worker's own progress key with the worker's own client,
+so that the worker's ``EtcdClient.unreachable_for`` sees the outage and the
+runtime pauses at its next step boundary.  A write, not a read: while etcd
+refuses writes for want of space (its NOSPACE alarm) reads still answer.  The
+controller reads both kinds of record; the newer beat wins.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ class Heartbeat:
             return
         self._relay.send(record, sync=sync)
         if self._relay.agent_away_for() > AWAY_CHECK_S:
-            # etcd is away for the agent: find out with this worker's own client
-            self._client.get(self._key)
+            # etcd is away for the agent: find out with this worker's own client, by a
+            # write (a read answers while etcd refuses writes for want of space)
+            records.write(self._client, self._key, record)
 
     def relay_report(self, generation: int, report: BreakReport) -> bool:
         """Have the node agent write this worker's break report (see

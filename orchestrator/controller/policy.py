@@ -294,7 +294,8 @@ class _Decider:
             self.m.paused_from = phase
         self.phase(
             JobPhase.PAUSED,
-            f"paused: etcd was unavailable (no quorum, unreachable or stalled) for "
+            f"paused: etcd was unavailable (no quorum, unreachable, stalled or out of "
+            f"space) for "
             f"{seconds:.1f}s; workers hold their state at a step boundary. No failures are "
             f"declared for {OUTAGE_GRACE.total_seconds():g}s while nodes re-register",
             outage_s=round(seconds, 2),

@@ -77,6 +77,7 @@ class Controller:
             name="etcd-compactor",
             daemon=True,
         ).start()
+        failing: type | None = None  # the kind of error of the failing ticks, logged once
         try:
             while not stop.is_set():
                 if not self.election.is_leader:
@@ -86,7 +87,13 @@ class Controller:
                 try:
                     self._tick_all()
                 except EtcdError as e:
-                    log.warning("etcd unavailable, retrying: %s", e)
+                    if failing is not type(e):  # a tick every 0.2 s: say it once per kind
+                        log.warning("etcd unavailable, retrying: %s", e)
+                    failing = type(e)
+                else:
+                    if failing is not None:
+                        log.info("etcd answers again")
+                    failing = None
                 current = self._jobs.get(self.job) if self.job else None
                 if exit_when_done and current is not None and current.status.phase.terminal:
                     return

@@ -251,8 +251,18 @@ class EtcdClient:
         finally:
             self._waiting.pop(call_id, None)
         if write:
-            self._no_space_since = None
+            self._end_no_space()
         return result
+
+    def _end_no_space(self) -> None:
+        """etcd takes writes again: a NOSPACE alarm that lasted is a silence
+        (:attr:`last_silence`), as an outage is (the controller pauses the job for it)."""
+        since, self._no_space_since = self._no_space_since, None
+        if since is None:
+            return
+        now = time.monotonic()
+        if now - since > SILENCE_THRESHOLD.total_seconds():
+            self._record_silence(now, now - since)
 
     def _attempt(
         self,
@@ -835,7 +845,7 @@ class EtcdClient:
         raw = self._call(lambda c: list(c.list_alarms()), quorum=False)
         found = [(int(a.member_id), alarm_name(int(a.alarm_type))) for a in raw]
         if not any(kind == "NOSPACE" for _, kind in found):
-            self._no_space_since = None
+            self._end_no_space()
         return found
 
     def no_space(self) -> bool:
@@ -891,7 +901,7 @@ class EtcdClient:
                 return c.disarm_alarm(member_id=member_id)
 
             self._call(disarm, quorum=False)
-        self._no_space_since = None
+        self._end_no_space()
         return len(raised)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
+import time
 from pathlib import Path
 
+from orchestrator import jobs
+from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
@@ -62,6 +65,17 @@ def quiet_run(spec: JobSpec, lines: list[str], **kwargs: object) -> LocalRun:
         print(line, flush=True)
 
     return LocalRun(spec, printer=keep, workdir=str(REPO), **kwargs)  # type: ignore[arg-type]
+
+
+def wait_for_step(run: LocalRun, step: int, timeout: float = 90) -> None:
+    """Wait until the job runs at ``step`` or later (its status, as the controller wrote it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = jobs.read_status(run.client, run.spec.name)
+        if status and status.step >= step and status.phase is JobPhase.RUNNING:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"job did not reach step {step} in {timeout}s")
 
 
 def step_log(tmp: Path) -> dict[str, list[int]]:

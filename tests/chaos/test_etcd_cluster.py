@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.etcd.options import EtcdOptions
-from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary, tiny_job
+from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -53,16 +52,6 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7), f"{k} differs"
-
-
-def wait_for_step(run, step: int, timeout: float = 90) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = jobs.read_status(run._client, run.spec.name)
-        if status and status.step >= step and status.phase is JobPhase.RUNNING:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"job did not reach step {step} in {timeout}s")
 
 
 def test_one_member_killed_training_goes_on(

@@ -149,7 +149,7 @@ def slices_for(args: argparse.Namespace, endpoints: tuple[str, ...]) -> list[Fle
                 log_lines_per_s=args.log_lines,
                 lanes=args.lanes,
                 clients=args.clients,
-                watchers_per_node=args.watchers_per_node or 1,
+                watchers_per_node=args.watchers_per_node,
                 watch=args.watch,
             )
         )
@@ -559,8 +559,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--watchers-per-node",
         type=int,
-        default=0,
-        help="plan watchers per node (0: 1, as a real node: the agent watches the plan "
+        default=1,
+        help="plan watchers per node (1: as a real node: the agent watches the plan "
         "and passes it to its workers through its plan feed; workers + 1: as a node did "
         "before the feed, one per worker and the agent's)",
     )
@@ -573,6 +573,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.spares >= args.nodes:
         p.error(f"--spares ({args.spares}) must be fewer than --nodes ({args.nodes})")
+    if args.watchers_per_node < 1:
+        p.error(f"--watchers-per-node must be 1 or more, not {args.watchers_per_node}")
     return args
 
 
@@ -638,8 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         "compaction_retention": args.compaction,
         "log_lines_per_worker_s": args.log_lines,
         "watch": args.watch,
-        "watchers_per_node": args.watchers_per_node
-        or (1 if args.watch == "plan" else args.workers + 1),
+        "watchers_per_node": args.watchers_per_node,
     }
     if args.static:
         return run_static(args, result)

@@ -280,8 +280,8 @@ class WorldReader:
         quiet = {
             m.node
             for m in plan.members
-            for i in range(m.nproc)
-            if (p := progress.get(keys.worker_id(m.node, i))) is not None
+            for worker in keys.worker_ids(m.node, m.nproc)
+            if (p := progress.get(worker)) is not None
             and p.generation == plan.generation
             and now - p.beat > self.quiet_after
         }

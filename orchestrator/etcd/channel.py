@@ -27,6 +27,10 @@ from orchestrator.etcd.retry import Backoff
 
 #: Pauses between rounds over every endpoint while connecting (jittered, doubling).
 CONNECT_PAUSES = (timedelta(seconds=0.2), timedelta(seconds=1))
+#: TLS probes of an endpoint that fails to connect, one per round at most: a probe
+#: that timed out on a busy machine (the server slow to refuse a handshake) says
+#: nothing, and the next round asks again.
+TLS_PROBES = 3
 
 
 def open_client(options: EtcdOptions) -> Members:
@@ -47,7 +51,7 @@ def open_client(options: EtcdOptions) -> Members:
     deadline = time.monotonic() + options.connect_timeout.total_seconds()
     backoff = Backoff(*CONNECT_PAUSES)
     reasons: dict[str, str] = {}
-    checked: set[str] = set()
+    probes: dict[str, int] = {}  # TLS probes per endpoint (one that timed out says nothing)
     tls_problems: dict[str, str] = {}
     first = start_at(len(options.endpoints))
     order = [*options.endpoints[first:], *options.endpoints[:first]]
@@ -64,8 +68,8 @@ def open_client(options: EtcdOptions) -> Members:
                 raise
             except Exception as e:
                 reasons[ep] = diagnosis.reason(e)
-                if ep not in checked:
-                    checked.add(ep)
+                if ep not in tls_problems and probes.get(ep, 0) < TLS_PROBES:
+                    probes[ep] = probes.get(ep, 0) + 1
                     mismatch = diagnosis.tls_mismatch(options, host, port)
                     if mismatch:
                         tls_problems[ep] = mismatch

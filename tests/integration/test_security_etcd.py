@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from orchestrator.api import EtcdAuthError, JobPhase
+from orchestrator.etcd import diagnosis
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser
 from orchestrator.etcd.options import EtcdOptions
@@ -260,3 +261,25 @@ def test_cli_password_on_the_command_line_works_with_a_warning(
     assert done.returncode == 0, done.stderr
     assert "RINGMASTER_ETCD_PASSWORD" in done.stderr and "visible" in done.stderr
     assert TRAINER_PASSWORD not in done.stdout + done.stderr
+
+
+def test_a_tls_probe_that_timed_out_is_asked_again(
+    auth_server: EmbeddedEtcd, certs: TLSFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine the plain-text server may not refuse the probe's handshake
+    within its second: that probe says nothing, and the next round probes again."""
+    real = diagnosis.tls_mismatch
+    calls: list[str | None] = []
+
+    def slow_first(options: EtcdOptions, host: str, port: int) -> str | None:
+        found = None if not calls else real(options, host, port)  # the first timed out
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(diagnosis, "tls_mismatch", slow_first)
+    options = EtcdOptions(
+        (auth_server.endpoint,), ca_cert=str(certs.ca), connect_timeout=timedelta(seconds=5)
+    )
+    with pytest.raises(EtcdAuthError, match="does not answer TLS"):
+        connect(options)
+    assert len(calls) == 2 and calls[0] is None

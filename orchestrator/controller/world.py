@@ -384,8 +384,8 @@ def with_newer_beats(
     """``progress`` with a worker's beat moved on where its agent received a newer one
     than etcd holds (a copy: the records read are kept unchanged, for reuse)."""
     newer = {
-        w: replace(p, beat=beats[w])
-        for w, p in progress.items()
-        if w in beats and beats[w] > p.beat
+        w: replace(p, beat=beat)
+        for w, beat in beats.items()
+        if (p := progress.get(w)) is not None and beat > p.beat
     }
     return {**progress, **newer} if newer else progress

@@ -208,8 +208,13 @@ def ask(address: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str
             conn.settimeout(timeout)
             if not _read_line(conn, MAX_REQUEST):
                 raise AgentUnreachableError(f"the agent at {address} closed without a status")
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            data = _read_line(conn, MAX_ANSWER)
+            try:
+                conn.sendall(json.dumps(request).encode() + b"\n")
+                data = _read_line(conn, MAX_ANSWER)
+            except (ConnectionResetError, BrokenPipeError):
+                # it closed after its status (a port without requests) before the
+                # request got there: the kernel answers the request with a reset
+                data = b""
     except RequestError as e:
         raise AgentUnreachableError(f"the agent at {address} answered {e}") from e
     except (OSError, ValueError) as e:

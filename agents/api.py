@@ -30,6 +30,17 @@ ENV_RECOVERY = "RINGMASTER_RECOVERY"
 RECOVERY_IN_PROCESS = "in_process"
 RECOVERY_RESTART = "restart"
 
+#: What a warm worker imports before it waits (a standby of the restart tier, a spare of
+#: the in-process tier): what a torchrun script's first DDP or DataLoader would import lazily
+#: (``torch._dynamo`` alone takes about a second here).
+PREIMPORTS = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "torch._dynamo",
+)
+
 
 class AgentError(Exception):
     """Base of every error raised by the ``agents`` package."""

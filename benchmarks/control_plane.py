@@ -67,7 +67,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 # before gRPC is imported: this process starts etcd, the controller and the fleet
 apply_grpc_environment()
 
-from agents.heartbeat import MIN_BEAT_GAP  # noqa: E402
+from agents.runtime.heartbeat import MIN_BEAT_GAP  # noqa: E402
 from benchmarks._control_plane import etcd_metrics, probes  # noqa: E402
 from benchmarks._control_plane.etcd_server import Etcd, running_etcd  # noqa: E402
 from benchmarks._control_plane.fleet import FleetConfig, node_name  # noqa: E402
@@ -302,7 +302,7 @@ class Bench:
         r["controller_cpu_cores"] = round((c1 - c0) / window, 3)
         r["fleet_cpu_cores"] = round(sum(f["cpu_s"] for f in fleet) / window, 2)
         r["fleet_threads"] = sum(f["threads"] for f in fleet)
-        # beats go to the node's agent, not to etcd (agents.node_progress)
+        # beats go to the node's agent, not to etcd (agents.node.progress_relay)
         r["fleet_writes_per_s"] = {
             k: round(v, 1) for k, v in sorted(counts.items()) if k != "beats"
         }

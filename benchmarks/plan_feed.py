@@ -1,14 +1,14 @@
 """A new plan reaching every worker of a node: by the agent's feed, or by each worker's watch.
 
 A real etcd (embedded), ``--nodes`` simulated nodes of ``--workers`` workers,
-each worker a real :class:`agents.plan_watch.PlanWatcher`, and a plan of
+each worker a real :class:`agents.runtime.plan_watch.PlanWatcher`, and a plan of
 ``--plan-members`` members (1,000 by default: 110 KB, the plan of a
 1,000-node job).  The same plans are published, side by side in one run, to:
 
 * ``watch``: every worker watching the plan and control keys in etcd itself
   (what a worker did before the feed), beside its agent's own watch;
-* ``feed``: the agent watching them (:class:`agents.node_watches.NodeWatches`)
-  and passing them to its workers through its :class:`agents.plan_feed.PlanFeed`.
+* ``feed``: the agent watching them (:class:`agents.node.watches.NodeWatches`)
+  and passing them to its workers through its :class:`agents.channels.plan_feed.PlanFeed`.
 
 For each: bytes etcd sent to its clients per plan (its
 ``etcd_network_client_grpc_sent_bytes_total``), etcd watchers, and seconds
@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.node_watches import NodeWatches
-from agents.plan_feed import PlanFeed
-from agents.plan_watch import PlanWatcher
+from agents.channels.plan_feed import PlanFeed
+from agents.node.watches import NodeWatches
+from agents.runtime.plan_watch import PlanWatcher
 from benchmarks._control_plane.etcd_metrics import scrape
 from orchestrator import keys, records
 from orchestrator.etcd.client import connect

@@ -64,7 +64,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
 apply_grpc_environment()
 
-from agents.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
+from agents.recovery.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
 from orchestrator.etcd.embedded import free_port  # noqa: E402
 
 STEPS = 400

@@ -12,7 +12,7 @@ Typical loop (every rank)::
     ckpt.close()
 
 Live state reaches a replacement rank from the survivors
-(:mod:`agents.state_sync`), not from here: a checkpoint is for starting a job
+(:mod:`agents.recovery.state_sync`), not from here: a checkpoint is for starting a job
 again, after every rank is gone or on request.
 
 Controller commands and preemption call :meth:`Checkpointer.request_save`

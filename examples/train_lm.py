@@ -3,7 +3,7 @@
 The flagship example: what a real training loop looks like under ringmaster.
 
 * data: the bytes of a module that ships with Python (``argparse.py``, about
-  100 KB), cut into fixed windows; :class:`agents.data.ElasticLoader` reads each
+  100 KB), cut into fixed windows; :class:`agents.runtime.data.ElasticLoader` reads each
   step's global batch with two worker processes, so a step that runs again
   reads the same batch and a replacement continues at the exact sample;
 * model: a byte-level causal transformer (pre-norm encoder layers with a causal
@@ -39,7 +39,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import Dataset
 
 from agents import runtime
-from agents.data import ElasticLoader
+from agents.runtime.data import ElasticLoader
 
 VOCAB = 256  # bytes
 

@@ -18,7 +18,7 @@ agent lives but whose workers all exited is told apart too.
 The same port answers requests (:func:`ask`): after the status line, a client
 may send one JSON line ``{"op": ..., ...}`` and read one JSON line back.  The
 agent serves its workers' output this way (``ringmaster logs``, see
-:mod:`agents.log_files`).  A probe that just reads the status and closes is
+:mod:`agents.node.log_files`).  A probe that just reads the status and closes is
 answered as before, and a slow or silent client holds only its own thread.
 """
 

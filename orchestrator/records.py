@@ -138,7 +138,7 @@ class NodeRecord(Record):
 
 @dataclass
 class Telemetry(Record):
-    """What a worker measured about itself (see :mod:`agents.telemetry`)."""
+    """What a worker measured about itself (see :mod:`agents.runtime.telemetry`)."""
 
     generation: int = 0
     group_formed_at: float | None = None
@@ -182,7 +182,7 @@ class NodeProgressRecord(Record):
     """A node's workers' heartbeats, written by its agent (one write for all of them).
 
     Each worker's record is its own, beat time included: the agent relays what
-    its workers sent (:mod:`agents.node_progress`) and never refreshes a beat,
+    its workers sent (:mod:`agents.node.progress_relay`) and never refreshes a beat,
     so a frozen worker's time goes stale in here as it would in its own record.
     """
 
@@ -210,7 +210,7 @@ class NodeBreakReports(Record):
     """A node's workers' reports that one generation broke, written by its agent.
 
     At a crash every survivor reports: one write per node instead of one per
-    worker (:mod:`agents.node_reports`).  A worker whose agent does not take
+    worker (:mod:`agents.node.break_reports`).  A worker whose agent does not take
     its report writes its own :class:`BreakReport` under ``reports/``.
     """
 

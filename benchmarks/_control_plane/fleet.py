@@ -10,25 +10,25 @@ agent and its workers do, through the project's own code:
   refreshed every third of it with :meth:`Lease.refresh
   <orchestrator.etcd.kv.Lease.refresh>` (what ``Lease.keep_alive`` does), and
   serves a :class:`~orchestrator.liveness.LivenessServer`;
-* each worker beats at the heartbeat's rate (:mod:`agents.heartbeat`): at
+* each worker beats at the heartbeat's rate (:mod:`agents.runtime.heartbeat`): at
   every step boundary but no closer together than ``MIN_BEAT_GAP``, and at
   least every ``heartbeat_interval`` (a spare beats every interval); its
   :class:`~orchestrator.records.ProgressRecord` goes to its agent's
-  :class:`agents.node_progress.NodeProgress`, which the agent writes as one
+  :class:`agents.node.progress_relay.NodeProgress`, which the agent writes as one
   :class:`~orchestrator.records.NodeProgressRecord` when it is due (a change
   the controller acts on: at once, no closer than ``MIN_WRITE_GAP_S``;
-  otherwise every steady period), as :class:`agents.node_progress.ProgressRelay`
+  otherwise every steady period), as :class:`agents.node.progress_relay.ProgressRelay`
   does (the local socket between a worker and its agent is not simulated);
-* each worker's output goes through an :class:`agents.log_shipper.LogShipper`
+* each worker's output goes through an :class:`agents.node.log_shipper.LogShipper`
   at ``log_lines_per_s`` (its ``write_lines``: to the node's files, not to
   etcd; a temporary directory per slice);
-* the plan is followed by :class:`agents.plan_watch.PlanWatcher` (a watch on
+* the plan is followed by :class:`agents.runtime.plan_watch.PlanWatcher` (a watch on
   the plan and one on the control key): ``watchers_per_node`` of them per
   node, 1 by default: the agent's, which passes the plan on to its workers
-  (:mod:`agents.plan_feed`; the local socket is not simulated);
+  (:mod:`agents.channels.plan_feed`; the local socket is not simulated);
 * when a peer crashes, every worker of the surviving members reports its
   :class:`~orchestrator.records.BreakReport` to its agent's
-  :class:`agents.node_reports.NodeReports`, which the agent writes as one
+  :class:`agents.node.break_reports.NodeReports`, which the agent writes as one
   :class:`~orchestrator.records.NodeBreakReports` (all its workers reported
   at once, so at once), and stops stepping until a newer plan arrives.
 
@@ -68,11 +68,11 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment
 apply_grpc_environment()  # before gRPC is imported, as the CLI does
 
 from agents import log_files  # noqa: E402
-from agents.heartbeat import MIN_BEAT_GAP  # noqa: E402
-from agents.log_shipper import LogShipper  # noqa: E402
-from agents.node_progress import NodeProgress  # noqa: E402
-from agents.node_reports import NodeReports  # noqa: E402
-from agents.plan_watch import PlanWatcher  # noqa: E402
+from agents.node.break_reports import NodeReports  # noqa: E402
+from agents.node.log_shipper import LogShipper  # noqa: E402
+from agents.node.progress_relay import NodeProgress  # noqa: E402
+from agents.runtime.heartbeat import MIN_BEAT_GAP  # noqa: E402
+from agents.runtime.plan_watch import PlanWatcher  # noqa: E402
 from benchmarks._control_plane.lanes import Lanes  # noqa: E402
 from orchestrator import keys, records  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
@@ -399,7 +399,7 @@ class SimNode:
 
 
 class BeatJob:
-    """A worker's heartbeat (:class:`agents.heartbeat.Heartbeat`'s rate)."""
+    """A worker's heartbeat (:class:`agents.runtime.heartbeat.Heartbeat`'s rate)."""
 
     def __init__(self, worker: SimWorker) -> None:
         self.w = worker
@@ -605,7 +605,7 @@ class ReportJob:
 
     def run(self, now: float) -> float | None:
         node = self.node
-        for w in node.workers:  # what each worker sends its agent (agents.generation report)
+        for w in node.workers:  # what each worker sends its agent (Generations.report)
             report = BreakReport(
                 step=node.step(now), reason=self.reason, planned=False, at=time.time()
             )

@@ -17,7 +17,7 @@ else running:
   default);
 * the reads behind ``status``, ``events`` and ``logs``;
 * a crash's burst of break reports: every member but one writes its
-  workers' reports as one record (:func:`agents.node_reports.write_node_reports`,
+  workers' reports as one record (:func:`agents.node.break_reports.write_node_reports`,
   as their agents do), from :data:`BURST_THREADS` threads at once, and the
   tick is timed again with them in etcd.
 """
@@ -29,8 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from agents.log_shipper import TAIL_BYTES, TAIL_LINES
-from agents.node_reports import write_node_reports
+from agents.node.break_reports import write_node_reports
+from agents.node.log_shipper import TAIL_BYTES, TAIL_LINES
 from benchmarks._control_plane.fleet import LOG_LINE, node_labels, node_name
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase
@@ -111,7 +111,7 @@ def snapshot(client: EtcdClient, spec: JobSpec, nodes: int, spares: int) -> dict
             lines = [(now, LOG_LINE.format(step=s, loss=1.1)) for s in range(LINES_PER_WORKER)]
             chunk = LogChunk(name, lr, lines).encode().encode()
             items.append((keys.worker_log_tail(job, name, lr), chunk))
-        # the node's agent writes its workers' progress as one record (agents.node_progress)
+        # the node's agent writes its workers' progress as one record (agents.node.progress_relay)
         record = NodeProgressRecord(now, node_progress)
         items.append((keys.node_progress(job, name), record.encode().encode()))
     client.put_many(items)

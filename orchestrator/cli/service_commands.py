@@ -45,8 +45,8 @@ def agent(
     """
     import logging
 
-    from agents.descriptions import parse_labels
-    from agents.node_agent import JobNotSubmittedError, NodeAgent
+    from agents.node.agent import JobNotSubmittedError, NodeAgent
+    from agents.node.descriptions import parse_labels
 
     level = logging.getLevelName(SETTINGS.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(message)s")

@@ -35,7 +35,7 @@ Per job it:
 * relays stop and checkpoint commands to the workers.
 
 A job in the restart tier (``fault_tolerance.recovery: restart``, plain
-torchrun scripts; see :mod:`agents.restart_tier`) is decided the same way,
+torchrun scripts; see :mod:`agents.node.restart_tier`) is decided the same way,
 with what its agents write in place of the runtime's heartbeats: a node is
 ready once its agent registered (its standbys are started), a break report
 comes from an agent for all its workers when one exits with an error, and a

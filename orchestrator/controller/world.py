@@ -127,7 +127,7 @@ def read_progress(
     """Every worker's latest progress, by worker id (``<node>-<local rank>``).
 
     Agents write one record per node holding their workers' records
-    (:mod:`agents.node_progress`); a worker started without an agent writes
+    (:mod:`agents.node.progress_relay`); a worker started without an agent writes
     its own.  Where both hold a worker, the newer beat wins.
 
     Args:
@@ -151,7 +151,7 @@ def read_reports(
     """Every worker's report that ``generation`` broke, by worker id.
 
     Agents write one record per node for the workers that reported through
-    them (:mod:`agents.node_reports`); a worker whose agent did not take its
+    them (:mod:`agents.node.break_reports`); a worker whose agent did not take its
     report writes its own.  Where both hold a worker, its own is kept.
 
     Args:

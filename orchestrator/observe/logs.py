@@ -1,14 +1,14 @@
 """Worker output for ``ringmaster logs``: from the nodes' agents, else the tails kept in etcd.
 
 A worker's output stays on its node: the agent tees it to its own stdout (the
-kubelet's log) and writes it to rotated files (:mod:`agents.log_files`).  While
+kubelet's log) and writes it to rotated files (:mod:`agents.node.log_files`).  While
 the agent lives, its liveness port (the ``liveness`` address of its
 registration, :mod:`orchestrator.liveness`) answers reads of those files, each
 answer bounded: an index of its workers, a page after a position, the last
 lines.  This module asks every agent of the job and merges the lines by time.
 
 etcd keeps only what a node that is gone can still show: when a worker exits,
-its agent stores its last lines (at most ``agents.log_shipper.TAIL_LINES`` and
+its agent stores its last lines (at most ``agents.node.log_shipper.TAIL_LINES`` and
 ``TAIL_BYTES``) as one :class:`~orchestrator.records.LogChunk`::
 
     /ringmaster/jobs/<job>/logs/<node>/<local_rank>/tail

@@ -3,7 +3,7 @@
 A recovery runs from the failure to the first completed step of the
 generation that replaced the broken one.  It is split into four phases whose
 boundaries come from the controller and from every worker's telemetry
-(:mod:`agents.telemetry`)::
+(:mod:`agents.runtime.telemetry`)::
 
     failure ─detect─► declared ─rendezvous─► formed ─restore─► restored ─first step─► trained
 
@@ -131,7 +131,7 @@ def build_record(
     and summaries (sources, steps lost, what ended the step) of all of them.
 
     Args:
-        workers: worker id → its telemetry (``agents.telemetry``) for ``generation``.
+        workers: worker id → its telemetry (``agents.runtime.telemetry``) for ``generation``.
     """
 
     def last(name: str, floor: float) -> float:

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents import boundary
-from agents.process_group import (
+from agents.runtime import boundary
+from agents.runtime.process_group import (
     NCCL_ERROR_HANDLING,
     abort_groups,
     choose_device,

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agents.collective_guard import CollectiveGuard, OpTimeout
-from agents.process_group import choose_device, form_group, teardown_group
+from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
+from agents.runtime.process_group import choose_device, form_group, teardown_group
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 

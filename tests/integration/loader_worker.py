@@ -1,6 +1,6 @@
 """A training script for the elastic loader's job tests (run by ``ringmaster agent``).
 
-Reads sample ``i`` = ``i`` through :class:`agents.data.ElasticLoader` with two
+Reads sample ``i`` = ``i`` through :class:`agents.runtime.data.ElasticLoader` with two
 worker processes, trains a one-weight model on it, and tracks a counter of
 applied steps besides model and optimizer.  Each worker appends to its own
 file under ``--log``: ``start <step> <counter> <world size>`` when its loop
@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from agents import runtime
-from agents.data import ElasticLoader
+from agents.runtime.data import ElasticLoader
 
 
 class Indexed(Dataset[torch.Tensor]):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.descriptions import describe_role
+from agents.node.descriptions import describe_role
 from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient

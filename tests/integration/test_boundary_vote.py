@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agents import boundary
+from agents.runtime import boundary
 
 pytestmark = pytest.mark.integration
 

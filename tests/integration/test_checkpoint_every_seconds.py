@@ -2,7 +2,7 @@
 
 The job has no ``every_steps``; it trains for several seconds, so with
 ``every_seconds: 2`` the ranks agree (at a step boundary, through the
-control vote of :mod:`agents.boundary`) on at least one periodic save, which
+control vote of :mod:`agents.runtime.boundary`) on at least one periodic save, which
 commits a checkpoint and is recorded in etcd.
 """
 

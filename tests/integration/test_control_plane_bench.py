@@ -39,13 +39,13 @@ def _bench(args: list[str]) -> tuple[dict[str, Any], str]:
 
 def test_short_run_reports_plans_fanout_and_etcd_load() -> None:
     args = ["--nodes", str(NODES), "--workers", str(WORKERS), "--duration", "10"]
-    # the workers' own plan watcher (agents.plan_watch), one per simulated node
+    # the workers' own plan watcher (agents.runtime.plan_watch), one per simulated node
     args += ["--failures", "2", "--failure", "both", "--log-lines", "0.5", "--watch", "plan"]
     result, output = _bench(args)
 
     assert result["nodes"] == NODES and result["workers"] == WORKERS
     # the workers beat at the heartbeat's rate; their agents wrote one record per node,
-    # at most every steady period (agents.node_progress) and on the changes
+    # at most every steady period (agents.node.progress_relay) and on the changes
     assert result["fleet_kept_up"], output
     assert result["progress_beats_per_s"] > 0.5 * result["progress_beats_per_s_intended"]
     assert 0 < result["node_progress_writes_per_s"] <= 1.5 * NODES / 1.0, output

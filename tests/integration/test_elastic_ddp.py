@@ -25,8 +25,8 @@ def _fail_then_retry(rank: int, world_size: int) -> list[float]:
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from agents.elastic_ddp import ElasticDDP
-    from agents.failures import CollectiveFailures
+    from agents.runtime.elastic_ddp import ElasticDDP
+    from agents.runtime.failures import CollectiveFailures
 
     def broken(state: Any, bucket: Any) -> Any:
         raise RuntimeError("peer gone (simulated)")

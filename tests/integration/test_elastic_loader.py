@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from agents.data import DataLoaderError, ElasticLoader, GlobalOrder, share_bounds
+from agents.runtime.data import DataLoaderError, ElasticLoader, GlobalOrder, share_bounds
 
 N = 50  # dataset length: steps straddle epochs with a batch of 12
 BATCH = 12

@@ -4,7 +4,7 @@ With two workers per node, a node loss can leave one survivor waiting in a
 collective on its local peer, which has already left the generation but still
 holds its old group (a pending work, a sharded module, a traceback keep it
 alive).  gloo's ``abort()`` and ``shutdown()`` close no connection, so the wait
-would last the operation timeout; :func:`agents.process_group.hang_up` shuts
+would last the operation timeout; :func:`agents.runtime.process_group.hang_up` shuts
 the group's sockets down and the wait ends at once.
 """
 
@@ -30,7 +30,7 @@ def _leave_while_a_peer_waits(rank: int, world_size: int) -> dict[str, float | s
     import torch
     import torch.distributed as dist
 
-    from agents.process_group import hang_up, socket_inodes, sockets_opened_since
+    from agents.runtime.process_group import hang_up, socket_inodes, sockets_opened_since
 
     before = socket_inodes()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=OP_TIMEOUT_S))
@@ -62,7 +62,7 @@ def test_a_peer_waiting_on_a_survivor_that_hung_up_fails_at_once() -> None:
 
 
 def test_sockets_to_kept_ports_are_not_the_groups() -> None:
-    from agents.process_group import socket_inodes, sockets_opened_since
+    from agents.runtime.process_group import socket_inodes, sockets_opened_since
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -53,8 +53,8 @@ def _accumulate(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from agents.elastic_ddp import ElasticDDP
-    from agents.failures import CollectiveFailures
+    from agents.runtime.elastic_ddp import ElasticDDP
+    from agents.runtime.failures import CollectiveFailures
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))

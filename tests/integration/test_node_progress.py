@@ -1,7 +1,7 @@
 """Workers' heartbeats relayed by their node agent: one etcd record per node, at a bounded rate.
 
-Real parts: a real etcd, the agent's :class:`~agents.node_progress.ProgressRelay`
-on its local socket, and the workers' own :class:`~agents.heartbeat.Heartbeat`
+Real parts: a real etcd, the agent's :class:`~agents.node.progress_relay.ProgressRelay`
+on its local socket, and the workers' own :class:`~agents.runtime.heartbeat.Heartbeat`
 (threads here, processes in a job); the controller's view is
 :func:`orchestrator.controller.world.read_progress`.
 """
@@ -15,8 +15,8 @@ from datetime import timedelta
 
 import pytest
 
-from agents.heartbeat import Heartbeat
-from agents.node_progress import MIN_WRITE_GAP_S, NodeProgress, ProgressRelay
+from agents.node.progress_relay import MIN_WRITE_GAP_S, NodeProgress, ProgressRelay
+from agents.runtime.heartbeat import Heartbeat
 from orchestrator import keys
 from orchestrator.controller.world import read_progress
 from orchestrator.etcd.client import EtcdClient, connect

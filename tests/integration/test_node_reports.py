@@ -1,8 +1,8 @@
 """Break reports relayed by the node agent: one etcd record per node instead of one per worker.
 
-Real parts: a real etcd, the agent's :class:`~agents.node_progress.ProgressRelay`
-with its :class:`~agents.node_reports.NodeReports` on a local socket, and the
-workers' own :class:`~agents.heartbeat.Heartbeat` (threads here, processes in
+Real parts: a real etcd, the agent's :class:`~agents.node.progress_relay.ProgressRelay`
+with its :class:`~agents.node.break_reports.NodeReports` on a local socket, and the
+workers' own :class:`~agents.runtime.heartbeat.Heartbeat` (threads here, processes in
 a job); the controller's view is :func:`orchestrator.controller.world.read_reports`.
 """
 
@@ -16,9 +16,9 @@ from datetime import timedelta
 
 import pytest
 
-from agents.heartbeat import Heartbeat
-from agents.node_progress import NodeProgress, ProgressRelay
-from agents.node_reports import GATHER_S, NodeReports
+from agents.node.break_reports import GATHER_S, NodeReports
+from agents.node.progress_relay import NodeProgress, ProgressRelay
+from agents.runtime.heartbeat import Heartbeat
 from orchestrator import keys, records
 from orchestrator.controller.world import read_reports
 from orchestrator.etcd.client import EtcdClient

@@ -1,8 +1,8 @@
 """A node's workers follow the plan through their agent's feed, not etcd watches.
 
-A real etcd: the agent's side (:class:`agents.node_watches.NodeWatches` with a
-:class:`agents.plan_feed.PlanFeed`) watches the plan and control keys and
-passes them on; workers' :class:`agents.plan_watch.PlanWatcher`\\ s read the
+A real etcd: the agent's side (:class:`agents.node.watches.NodeWatches` with a
+:class:`agents.channels.plan_feed.PlanFeed`) watches the plan and control keys and
+passes them on; workers' :class:`agents.runtime.plan_watch.PlanWatcher`\\ s read the
 feed, open no watch of their own, and fall back to etcd once the feed ends.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from agents import plan_watch
-from agents.node_watches import NodeWatches
-from agents.plan_feed import CONTROL, PLAN, PlanFeed, frame
-from agents.plan_watch import PlanWatcher
+from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed, frame
+from agents.node.watches import NodeWatches
+from agents.runtime import plan_watch
+from agents.runtime.plan_watch import PlanWatcher
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import ControlRecord, Member, Plan

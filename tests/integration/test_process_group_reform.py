@@ -24,7 +24,7 @@ def _survivor(endpoint: str, job: str, results: Any) -> None:
     import torch.distributed as dist
 
     from agents.api import RecoveryError
-    from agents.process_group import form_group, teardown_group
+    from agents.runtime.process_group import form_group, teardown_group
     from orchestrator.etcd.client import connect
     from orchestrator.etcd.options import EtcdOptions
 
@@ -49,7 +49,7 @@ def _newcomer(endpoint: str, job: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from agents.process_group import form_group, teardown_group
+    from agents.runtime.process_group import form_group, teardown_group
     from orchestrator.etcd.client import connect
     from orchestrator.etcd.options import EtcdOptions
 

@@ -2,7 +2,7 @@
 timeout, whatever the abort does (gloo's abort does not interrupt a wait).
 
 Two real processes form a gloo generation with the runtime's ``form_group``
-and guard it with a :class:`~agents.collective_guard.CollectiveGuard`
+and guard it with a :class:`~agents.runtime.collective_guard.CollectiveGuard`
 (tests/faults/stuck_pair.py); rank 1 is SIGSTOPped, the test then
 announces a newer generation, and rank 0 reports what ended its all-reduce.
 The two-GPU NCCL twin of this test (tests/cuda/test_nccl_groups.py) expects

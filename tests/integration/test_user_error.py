@@ -2,7 +2,7 @@
 
 Every rank (or rank 0 only) raises ``RuntimeError("socket timed out ...")`` at step 5: words
 that once looked like a network failure.  The workers record, then vote
-(:mod:`agents.failures`): no collective failed and no newer generation is
+(:mod:`agents.runtime.failures`): no collective failed and no newer generation is
 published, so each reports a ``user_error`` break and exits with the error.
 The controller restarts the job once (``max_restarts: 1``), the error comes
 back, and the job fails with the script's message, without any recovery.
@@ -97,8 +97,8 @@ def _own_error_then_peer_leaves(rank: int, world_size: int) -> list[tuple[int, s
     import torch.nn.functional as F
     from torch import nn
 
-    from agents.elastic_ddp import ElasticDDP
-    from agents.failures import CollectiveFailures, peer_failure
+    from agents.runtime.elastic_ddp import ElasticDDP
+    from agents.runtime.failures import CollectiveFailures, peer_failure
 
     failures = CollectiveFailures()
     model = ElasticDDP(nn.Linear(4, 2), failures=failures)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.warm_worker import WarmWorker
+from agents.node.warm_standby import WarmWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

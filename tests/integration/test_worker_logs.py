@@ -1,7 +1,7 @@
 """Worker output stays on the node; `ringmaster logs` reads it through the agent, else etcd.
 
 Real etcd, real worker processes, and the agent's real liveness port serving
-the files (:func:`agents.log_files.requests`), registered as a node agent
+the files (:func:`agents.node.log_files.requests`), registered as a node agent
 registers it.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from agents import log_files
-from agents.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
+from agents.node import log_files
+from agents.node.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
 from orchestrator import keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from agents.descriptions import parse_labels
+from agents.node.descriptions import parse_labels
 from orchestrator import keys
 from orchestrator.api import SpecError
 from orchestrator.spec_loader import load_job_text

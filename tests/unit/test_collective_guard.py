@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.collective_guard import WARMUP_STEPS, CollectiveGuard, OpTimeout
+from agents.runtime.collective_guard import WARMUP_STEPS, CollectiveGuard, OpTimeout
 
 pytestmark = pytest.mark.unit
 

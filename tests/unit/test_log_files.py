@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import log_files
-from agents.log_files import FILES, WorkerLog, extent, read_after, read_tail
+from agents.node import log_files
+from agents.node.log_files import FILES, WorkerLog, extent, read_after, read_tail
 from orchestrator.liveness import (
     AgentUnreachableError,
     Liveness,

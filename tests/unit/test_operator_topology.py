@@ -93,7 +93,7 @@ def test_read_topology_gives_up_after_the_timeout(tmp_path: Path) -> None:
 def test_main_prints_what_the_agent_parses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agents.descriptions import parse_labels
+    from agents.node.descriptions import parse_labels
 
     path = tmp_path / "annotations"
     path.write_text(

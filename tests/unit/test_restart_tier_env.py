@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.restart_tier import checkpoint_dir, listening, torchrun_env
+from agents.node.restart_tier import checkpoint_dir, listening, torchrun_env
 from orchestrator.records import Member, Plan
 from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
 

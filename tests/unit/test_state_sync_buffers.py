@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from agents.state_sync import join_tensors, split_tensors
+from agents.recovery.state_sync import join_tensors, split_tensors
 
 pytestmark = pytest.mark.unit
 

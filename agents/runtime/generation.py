@@ -3,10 +3,10 @@
 A generation is the controller's plan of who trains (:class:`Plan`).  To join
 one, a worker waits until a plan of at least the generation it needs
 includes its node, forms that generation's process group
-(:mod:`agents.process_group`), opens its checkpointer and brings every rank
-to the freshest live state (:mod:`agents.state_sync`), or to the newest
+(:mod:`agents.runtime.process_group`), opens its checkpointer and brings every rank
+to the freshest live state (:mod:`agents.recovery.state_sync`), or to the newest
 durable checkpoint when no rank holds live state (a fresh or resumed job).
-A sharded model gets its slices instead (:mod:`agents.shard_recovery`).
+A sharded model gets its slices instead (:mod:`agents.recovery.shard_recovery`).
 
 When a generation breaks (a peer is gone, or the controller switched to a
 new plan), the worker drops its DDP and group, reports the break (a
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agents import shard_recovery
 from agents.api import JobEndedError, RecoveryError
-from agents.process_group import (
+from agents.recovery import shard_recovery
+from agents.recovery.state_sync import NO_STATE, sync_state
+from agents.runtime.process_group import (
     form_group,
     hang_up,
     socket_inodes,
     sockets_opened_since,
     teardown_group,
 )
-from agents.state_sync import NO_STATE, sync_state
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.retry import retry_unavailable
@@ -43,7 +43,7 @@ from orchestrator.records import BreakReport, JobStatus, Plan, RecordError
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from agents.runtime import Session
+    from agents.runtime.session import Session
     from orchestrator.etcd.client import EtcdClient
 
 log = logging.getLogger("ringmaster.worker")
@@ -110,7 +110,7 @@ class Generations:
             step=s.step, reason=reason, planned=planned, at=time.time(), user_error=user_error
         )
         if s.heartbeat.relay_report(generation, report):
-            return  # the node agent wrote it, with its other workers' (agents.node_reports)
+            return  # the node agent wrote it, with its other workers' (agents.node.break_reports)
         try:
             records.write(s.client, keys.job_reports(s.env.job, generation) + s.worker, report)
         except EtcdError as e:

@@ -8,7 +8,7 @@ next generation has another rank 0 and another store.  The store is only
 needed while the group forms (gloo then talks peer to peer).
 
 Seen on these machines: after a peer is SIGKILLed, the survivors' gloo calls
-raise at once (a plain ``RuntimeError``, see :mod:`agents.failures`),
+raise at once (a plain ``RuntimeError``, see :mod:`agents.runtime.failures`),
 ``destroy_process_group`` takes well under a millisecond and a new group
 forms in tens of milliseconds, so recovering in-process is cheap.
 

@@ -9,7 +9,7 @@ killed, quorum lost, the node cut off); each is re-established, after a
 fresh read, until :meth:`PlanWatcher.stop`.
 
 A worker started by a node agent reads both from the agent's plan feed
-(:mod:`agents.plan_feed`) instead, and watches etcd only once that feed ends.
+(:mod:`agents.channels.plan_feed`) instead, and watches etcd only once that feed ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from agents.plan_feed import PLAN, follow_feed
+from agents.channels.plan_feed import PLAN, follow_feed
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -40,7 +40,7 @@ class PlanWatcher:
     Args:
         client: this worker's etcd client (the first read, and the watches).
         job: the job.
-        feed: the node agent's plan feed (:data:`agents.plan_feed.ENV_PLAN_FEED`'s
+        feed: the node agent's plan feed (:data:`agents.channels.plan_feed.ENV_PLAN_FEED`'s
             value); None or empty: watch etcd from the start.
     """
 

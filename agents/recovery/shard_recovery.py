@@ -1,10 +1,10 @@
 """Joining a generation with a sharded model: every rank gets its slice, best source first.
 
-Called by :mod:`agents.generation` once the generation's process group has
+Called by :mod:`agents.runtime.generation` once the generation's process group has
 formed.  Each rank lists the slices it holds (its live one; with redundancy,
-its own snapshots and its ward's copy, :mod:`agents.buddy_copies`), the ranks
+its own snapshots and its ward's copy, :mod:`agents.recovery.buddy_copies`), the ranks
 agree on the newest step at which some layout is complete
-(:func:`agents.shard_transfer.plan`), the new sharded module is built on the
+(:func:`agents.recovery.shard_transfer.plan`), the new sharded module is built on the
 generation's mesh and the rows move rank to rank.  Where no complete set is
 held in memory, the newest durable checkpoint is loaded and resharded by DCP
 (each rank reads its own slice); a fresh job takes the script's initial
@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from agents import shard_transfer
 from agents.api import StateLostError
-from agents.sharding import (
+from agents.recovery import shard_transfer
+from agents.recovery.state_sync import NO_STATE, broadcast_state
+from agents.runtime.sharding import (
     PARAM,
     Layout,
     ShardedModel,
@@ -37,12 +38,11 @@ from agents.sharding import (
     optimizers_of,
     others_of,
 )
-from agents.state_sync import NO_STATE, broadcast_state
-from agents.telemetry import WorkerTelemetry
+from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator.records import Telemetry
 
 if TYPE_CHECKING:
-    from agents.runtime import Session
+    from agents.runtime.session import Session
 
 log = logging.getLogger("ringmaster.worker")
 

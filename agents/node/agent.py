@@ -47,16 +47,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from agents import log_files
 from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
-from agents.log_shipper import LogShipper
-from agents.node_progress import ENV_PROGRESS_SOCKET, NodeProgress, ProgressRelay
-from agents.node_reports import NodeReports
-from agents.node_watches import NodeWatches
-from agents.plan_feed import ENV_PLAN_FEED, PlanFeed
-from agents.restart_tier import PendingStore, RestartTier
-from agents.warm_worker import WarmWorker
-from agents.worker_exits import describe_failure, emit_worker_exited
+from agents.channels.plan_feed import ENV_PLAN_FEED, PlanFeed
+from agents.channels.progress import ENV_PROGRESS_SOCKET
+from agents.node import log_files
+from agents.node.break_reports import NodeReports
+from agents.node.log_shipper import LogShipper
+from agents.node.progress_relay import NodeProgress, ProgressRelay
+from agents.node.restart_tier import PendingStore, RestartTier
+from agents.node.warm_standby import WarmWorker
+from agents.node.watches import NodeWatches
+from agents.node.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -134,11 +135,11 @@ class NodeAgent(NodeWatches, RestartTier):
         self._stop_reason = ""
         self._errors_dir: Path | None = None
         self._liveness: LivenessServer | None = None
-        #: in-process tier: relays the workers' heartbeats (agents.node_progress)
+        #: in-process tier: relays the workers' heartbeats (agents.node.progress_relay)
         self._progress: ProgressRelay | None = None
         #: the job's resolved fault_tolerance.recovery (known once the spec is read)
         self.recovery = RecoveryMode.IN_PROCESS
-        # the restart tier's state (agents.restart_tier)
+        # the restart tier's state (agents.node.restart_tier)
         self._standbys: dict[int, WarmWorker] = {}
         self._launched_generation = 0
         self._launched_at: float | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from agents.sharding import Layout, SliceKey, chunk_rows
+from agents.runtime.sharding import Layout, SliceKey, chunk_rows
 
 #: What a rank says it holds: (step, shards, index, has the replicated state).
 Held = tuple[int, int, int, bool]

@@ -5,9 +5,9 @@ hot-swap the runtime forms a new process group.  :class:`ShardedModel` keeps
 a parameterless *blueprint* of the user's module (its structure on the meta
 device) and, for each generation, shards a fresh copy of it on the new mesh;
 the parameters' local slices are then filled from wherever this generation's
-slice lives (:mod:`agents.shard_recovery`): this rank's own memory, a twin rank
+slice lives (:mod:`agents.recovery.shard_recovery`): this rank's own memory, a twin rank
 of another replica group (``hsdp``), a buddy's host-memory copy
-(:mod:`agents.buddy_copies`), or a durable checkpoint.  The optimizers the
+(:mod:`agents.recovery.buddy_copies`), or a durable checkpoint.  The optimizers the
 script built on :meth:`ShardedModel.parameters` keep working: their parameter
 lists are pointed at the new generation's parameters and their state is put
 back under the new ones (:func:`repoint_optimizer`).

@@ -1,49 +1,7 @@
-"""The worker runtime: what a training script imports.
+"""The :class:`Session` a training script holds, and :func:`init`, which makes one.
 
-A torchrun-style script becomes fault tolerant with a few lines::
-
-    from agents import runtime
-
-    session = runtime.init()
-    model = session.wrap(Net())                      # DDP that survives hot-swaps
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    session.track(model=model, optimizer=opt)         # what a replacement receives
-    for step in session.steps(1000):
-        with session.guard():                        # a peer's death is caught here
-            x, y = batch(step, session.rank, session.world_size)
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-        session.report(loss=loss.item())
-
-How recovery works: when a peer dies, the gloo collective inside the step
-raises in the survivors; :meth:`Session.guard` records the error and, at the
-step boundary, :meth:`Session.steps` decides whether a peer is gone
-(:mod:`agents.failures`: the error came from a collective, or the control
-plane published a newer generation).  If so it tears the group down, reports
-to etcd, waits for the controller's next generation (a warm spare in the dead
-node's place), forms a new group in-process and brings every rank to the
-freshest live state (:mod:`agents.generation`, :mod:`agents.state_sync`).  The
-failed step runs again; no completed step is lost or applied twice.
-Survivors never restart and never read object storage.  An error of the
-script's own is reported as such and raised out of :meth:`Session.steps`: the
-worker exits with it, and the controller restarts or fails the job.
-
-At every step boundary the ranks all-reduce a few control integers (known
-generation, checkpoint request, stop, periodic save due; :mod:`agents.boundary`),
-so planned changes (drain, scale, checkpoint-now, stop) and saves happen at
-the same step on every rank.
-
-The runtime's parts: :mod:`agents.generation` (join, recover),
-:mod:`agents.plan_watch` (plan and control keys), :mod:`agents.boundary` (the
-step boundary's vote), :mod:`agents.heartbeat` (progress),
-:mod:`agents.saving` (durable checkpoints), :mod:`agents.failures` (a peer's
-failure or the script's own error).
-
-A spare's workers wait inside :meth:`Session.steps` until a generation
-includes their node; when the job ends first, the loop simply ends
-(``session.finished`` stays False).
+Runs in the training process.  The package's docstring (:mod:`agents.runtime`)
+shows a script's use of it and how recovery works.
 """
 
 from __future__ import annotations
@@ -60,21 +18,28 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from agents import boundary
-from agents.api import RECOVERY_RESTART, JobEndedError, RecoveryError, Stateful, WorkerEnv
-from agents.buddy_copies import BuddyCopies
-from agents.collective_guard import CollectiveGuard, OpTimeout
-from agents.elastic_ddp import ElasticDDP, HookInstaller
-from agents.failures import CollectiveFailures, peer_failure
-from agents.generation import Generations
-from agents.heartbeat import Heartbeat
+from agents.api import (
+    PREIMPORTS,
+    RECOVERY_RESTART,
+    JobEndedError,
+    RecoveryError,
+    Stateful,
+    WorkerEnv,
+)
+from agents.channels.plan_feed import ENV_PLAN_FEED
 from agents.messages import one_line
-from agents.plan_feed import ENV_PLAN_FEED
-from agents.plan_watch import PlanWatcher
-from agents.process_group import Groups, choose_device, quiesce, teardown_group
-from agents.saving import Saving
-from agents.shard_recovery import RecoveryTelemetry
-from agents.sharding import (
+from agents.recovery.buddy_copies import BuddyCopies
+from agents.recovery.shard_recovery import RecoveryTelemetry
+from agents.runtime import boundary
+from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
+from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
+from agents.runtime.failures import CollectiveFailures, peer_failure
+from agents.runtime.generation import Generations
+from agents.runtime.heartbeat import Heartbeat
+from agents.runtime.plan_watch import PlanWatcher
+from agents.runtime.process_group import Groups, choose_device, quiesce, teardown_group
+from agents.runtime.saving import Saving
+from agents.runtime.sharding import (
     ShardedModel,
     check_mode,
     optimizers_of,
@@ -82,9 +47,8 @@ from agents.sharding import (
     raised_in_collective,
     redundancy_ignored,
 )
-from agents.standalone import StandaloneSession
-from agents.telemetry import WorkerTelemetry
-from agents.warm_worker import PREIMPORTS
+from agents.runtime.standalone import StandaloneSession
+from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
@@ -213,14 +177,14 @@ class Session:
                 node's workers, ``nproc_per_node``).
             redundancy_every_steps: ``fsdp`` only: every this many steps each
                 rank's slice is copied to a buddy on the next node
-                (:mod:`agents.buddy_copies`); 0 turns copies off (a lost slice
+                (:mod:`agents.recovery.buddy_copies`); 0 turns copies off (a lost slice
                 then comes from the durable checkpoint).  Default: the job
                 file's ``fault_tolerance.redundancy.every_steps`` (itself 10
                 by default).
 
         Returns:
             An :class:`ElasticDDP` for ``ddp``, a
-            :class:`~agents.sharding.ShardedModel` otherwise; build optimizers
+            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build optimizers
             on its ``parameters()`` after this call.
 
         Raises:
@@ -452,7 +416,7 @@ class Session:
     # -- step boundary -----------------------------------------------------------------
 
     def _boundary(self, step_seconds: float) -> None:
-        """The step boundary: vote when one is due (see :mod:`agents.boundary`), then act."""
+        """The step boundary: vote when one is due (:mod:`agents.runtime.boundary`), then act."""
         if self.step >= self.vote_at:
             agreed = self._vote(step_seconds)
             self.vote_at = self.step + agreed.every
@@ -565,7 +529,7 @@ def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
 
     Launched by ``ringmaster agent`` (``RINGMASTER_JOB`` set), the session
     recovers in-process; launched by plain ``torchrun`` or ``python``, it is a
-    :class:`agents.standalone.StandaloneSession`: the same calls, the usual
+    :class:`agents.runtime.standalone.StandaloneSession`: the same calls, the usual
     process group and DDP, no hot-swap.
 
     Raises:

@@ -43,7 +43,7 @@ class WorkerTelemetry:
         self.wire_bytes = 0
         self.dense_bytes = 0
         #: what ended this worker's last failed generation: ``error`` (a collective
-        #: raised), ``timeout`` or ``abort`` (see :mod:`agents.collective_guard`)
+        #: raised), ``timeout`` or ``abort`` (see :mod:`agents.runtime.collective_guard`)
         self.left_by: str | None = None
 
     # -- generation timeline -----------------------------------------------------------

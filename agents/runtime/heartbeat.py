@@ -9,11 +9,11 @@ generation) without waiting for it; pokes closer together than
 :data:`MIN_BEAT_GAP` are served by one beat, so a fast loop (a step every
 10 ms) writes to etcd a few times a second, not at every step.
 
-Started by a node agent (:data:`agents.node_progress.ENV_PROGRESS_SOCKET` set),
+Started by a node agent (:data:`agents.channels.progress.ENV_PROGRESS_SOCKET` set),
 a worker does not write to etcd itself: it sends its record to its agent,
 which writes one record for all of the node's workers
-(:mod:`agents.node_progress`).  The agent's replies say whether etcd is away
-for it; when it has been for :data:`~agents.node_progress.AWAY_CHECK_S`, the
+(:mod:`agents.node.progress_relay`).  The agent's replies say whether etcd is away
+for it; when it has been for :data:`~agents.channels.progress.AWAY_CHECK_S`, the
 beat also writes the worker's own progress key with the worker's own client,
 so that the worker's ``EtcdClient.unreachable_for`` sees the outage and the
 runtime pauses at its next step boundary.  A write, not a read: while etcd
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from agents.node_progress import AWAY_CHECK_S, ENV_PROGRESS_SOCKET, RelayLink
+from agents.channels.progress import AWAY_CHECK_S, ENV_PROGRESS_SOCKET, RelayLink
 from orchestrator import records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import BreakReport, ProgressRecord
@@ -55,7 +55,7 @@ class Heartbeat:
         progress: builds the record to publish.
         interval: time between beats.
         relay: the node agent's progress socket; None: the one named in the
-            environment (:data:`~agents.node_progress.ENV_PROGRESS_SOCKET`);
+            environment (:data:`~agents.channels.progress.ENV_PROGRESS_SOCKET`);
             empty: none, the worker writes its progress to etcd itself.
     """
 
@@ -129,7 +129,7 @@ class Heartbeat:
 
     def relay_report(self, generation: int, report: BreakReport) -> bool:
         """Have the node agent write this worker's break report (see
-        :meth:`RelayLink.report <agents.node_progress.RelayLink.report>`); False:
+        :meth:`RelayLink.report <agents.channels.progress.RelayLink.report>`); False:
         no agent took it, the caller writes it itself."""
         return self._relay is not None and self._relay.report(generation, report)
 

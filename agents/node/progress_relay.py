@@ -1,10 +1,10 @@
 """A node's progress in one record: the agent relays its workers' heartbeats to etcd.
 
-Each worker's heartbeat (:mod:`agents.heartbeat`) used to put its own
+Each worker's heartbeat (:mod:`agents.runtime.heartbeat`) used to put its own
 :class:`~orchestrator.records.ProgressRecord` up to five times a second:
 16,000 puts/s at 1,000 nodes x 8 workers.  Now a worker sends its record to
 its node agent over a local datagram socket (the agent starts the workers and
-names the socket in :data:`ENV_PROGRESS_SOCKET`), and the agent writes one
+names the socket in :data:`~agents.channels.progress.ENV_PROGRESS_SOCKET`), and the agent writes one
 :class:`~orchestrator.records.NodeProgressRecord` at
 :func:`orchestrator.keys.node_progress` holding all of them:
 
@@ -21,13 +21,16 @@ worker stops sending and its time goes stale in the node's record.
 
 Every reply of the agent says how long etcd has been away for it
 (``EtcdClient.unreachable_for``): a worker no longer calls etcd at every beat,
-so when its agent sees etcd away for :data:`AWAY_CHECK_S` the worker makes a
-call of its own (:class:`RelayLink` and :mod:`agents.heartbeat`), and that
-call is what tells the worker's runtime to pause, as its heartbeat's put did.
+so when its agent sees etcd away for
+:data:`~agents.channels.progress.AWAY_CHECK_S` the worker makes a call of its
+own (:class:`~agents.channels.progress.RelayLink` and
+:mod:`agents.runtime.heartbeat`), and that call is what tells the worker's
+runtime to pause, as its heartbeat's put did.
 
 The same socket carries a worker's report that its generation broke
-(:meth:`RelayLink.report`); the agent writes its workers' reports as one
-record (:mod:`agents.node_reports`) and answers once it is written.
+(:meth:`~agents.channels.progress.RelayLink.report`); the agent writes its
+workers' reports as one record (:mod:`agents.node.break_reports`) and answers
+once it is written.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from agents.node_reports import NodeReports
+from agents.channels.progress import MAX_MESSAGE
+from agents.node.break_reports import NodeReports
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -52,26 +56,10 @@ from orchestrator.records import BreakReport, NodeProgressRecord, ProgressRecord
 
 log = logging.getLogger("ringmaster.agent")
 
-#: The environment variable that names the agent's progress socket (``@`` + an
-#: abstract socket name); without it a worker writes its own progress to etcd.
-ENV_PROGRESS_SOCKET = "RINGMASTER_PROGRESS_SOCKET"
 #: Longest time between two writes of a node's progress in steady state.
 STEADY_WRITE_S = 1.0
 #: Shortest time between two writes: a change the controller acts on waits for it.
 MIN_WRITE_GAP_S = 0.2
-#: A worker whose agent has had etcd away this long checks etcd itself.
-AWAY_CHECK_S = 1.0
-#: How long a worker waits for its agent's reply to a beat (a synchronous one: to the write).
-REPLY_TIMEOUT_S = 0.5
-SYNC_TIMEOUT_S = 10.0
-#: How long a worker waits for its agent to write its break report before it writes its own.
-REPORT_TIMEOUT_S = 2.0
-#: Largest message (a ProgressRecord is under 1 KiB; metrics are a few numbers).
-MAX_MESSAGE = 256 * 1024
-
-
-class RelayError(EtcdError):
-    """A worker's progress did not reach etcd through its node agent in time."""
 
 
 def steady_period(heartbeat_interval: float) -> float:
@@ -331,104 +319,3 @@ class ProgressRelay:
         if self.reports is not None and self.reports.due_at() is not None:
             with contextlib.suppress(EtcdError):
                 self.reports.write_due(self.client)
-
-
-class RelayLink:
-    """A worker's side: sends its records to the agent, learns how etcd is for the agent.
-
-    Args:
-        address: the agent's socket (:data:`ENV_PROGRESS_SOCKET`'s value).
-        worker: this worker's id.
-    """
-
-    def __init__(self, address: str, worker: str) -> None:
-        self.address = "\0" + address[1:] if address.startswith("@") else address
-        self.worker = worker
-        self._sock: socket.socket | None = None
-        self._seq = 0
-        self._lock = threading.Lock()  # a beat_now and the heartbeat thread's beat
-        #: how long etcd had been away for the agent, and when (monotonic) it said so
-        self._away = (0.0, time.monotonic())
-
-    def send(self, record: ProgressRecord, sync: bool) -> None:
-        """Send ``record``; with ``sync``, wait until the agent wrote it to etcd.
-
-        Raises:
-            RelayError: ``sync``, and the agent did not write it within
-                :data:`SYNC_TIMEOUT_S` (etcd is away, or the agent is).
-        """
-        with self._lock:
-            self._send(record, sync)
-
-    def _send(self, record: ProgressRecord, sync: bool) -> None:
-        msg = {"worker": self.worker, "sync": sync, "record": record.to_dict()}
-        try:
-            replied = self._exchange(msg, SYNC_TIMEOUT_S if sync else REPLY_TIMEOUT_S)
-        except OSError as e:  # the agent is gone (its workers die with it) or swamped
-            if sync:
-                raise RelayError(
-                    f"progress of {self.worker} not relayed: the node agent's socket "
-                    f"{self.address[1:]!r} refused it ({e})"
-                ) from e
-            return
-        if sync and replied is None:
-            raise RelayError(
-                f"progress of {self.worker} not written by the node agent within "
-                f"{SYNC_TIMEOUT_S:g}s: etcd or the agent is not answering"
-            )
-
-    def report(self, generation: int, report: BreakReport) -> bool:
-        """Have the agent write this worker's report that ``generation`` broke.
-
-        Returns:
-            True once it is in etcd; False when the agent did not take it within
-            :data:`REPORT_TIMEOUT_S` (the worker then writes its own).
-        """
-        msg = {
-            "kind": "report",
-            "worker": self.worker,
-            "generation": int(generation),
-            "report": report.to_dict(),
-        }
-        with self._lock:
-            try:
-                replied = self._exchange(msg, REPORT_TIMEOUT_S)
-            except OSError:
-                return False
-        return replied is not None and bool(replied.get("written"))
-
-    def _exchange(self, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        """Send ``msg`` (numbered here) and wait up to ``timeout`` for its answer (None: none).
-
-        Raises:
-            OSError: the agent's socket refused it.
-        """
-        if self._sock is None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.bind("")  # an abstract name of the kernel's choice, for the replies
-        self._seq += 1
-        seq = self._seq
-        self._sock.sendto(json.dumps({"seq": seq, **msg}).encode(), self.address)
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            self._sock.settimeout(left)
-            try:
-                reply = json.loads(self._sock.recv(MAX_MESSAGE))
-            except (TimeoutError, OSError, ValueError):
-                return None
-            if int(reply.get("seq", -1)) == seq:
-                self._away = (float(reply.get("away", 0.0)), time.monotonic())
-                return dict(reply)
-        return None
-
-    def agent_away_for(self) -> float:
-        """How long etcd has been away for the agent, as of its last reply (0: all is well)."""
-        away, at = self._away
-        return away + (time.monotonic() - at) if away > 0 else 0.0
-
-    def close(self) -> None:
-        """Close the socket (a later :meth:`send` opens another)."""
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None

@@ -2,10 +2,10 @@
 
 A job whose ``fault_tolerance.recovery`` is ``restart`` runs an ordinary
 torchrun script.  :class:`RestartTier` is the part of
-:class:`~agents.node_agent.NodeAgent` that runs it:
+:class:`~agents.node.agent.NodeAgent` that runs it:
 
 * the agent keeps one pre-imported standby per local slot
-  (:class:`~agents.warm_worker.WarmWorker`), on active and spare nodes alike;
+  (:class:`~agents.node.warm_standby.WarmWorker`), on active and spare nodes alike;
 * for each generation that includes this node it stops the workers it runs
   (SIGTERM, :data:`STOP_GRACE`, SIGKILL) and launches new ones from the
   standbys with torchrun's environment for that generation
@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
-from agents.log_shipper import LogShipper
-from agents.node_reports import write_node_reports
-from agents.warm_worker import WarmWorker
-from agents.worker_exits import describe_failure, emit_worker_exited
+from agents.node.break_reports import write_node_reports
+from agents.node.log_shipper import LogShipper
+from agents.node.warm_standby import WarmWorker
+from agents.node.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
@@ -57,7 +57,7 @@ from orchestrator.records import BreakReport, DoneRecord, Member, Plan
 from orchestrator.spec import JobSpec
 
 if TYPE_CHECKING:
-    from agents.node_agent import _Worker
+    from agents.node.agent import _Worker
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -348,7 +348,7 @@ class RestartTier:
                 self.client.delete(keys.job_done(self.job) + keys.worker_id(self.node, i))
 
     def _launch(self, plan: Plan, member: Member, local_rank: int, master: tuple[str, int]) -> None:
-        from agents.node_agent import _Worker
+        from agents.node.agent import _Worker
 
         assert self.spec is not None and self._errors_dir is not None
         standby = self._standbys.pop(local_rank, None)

@@ -1,7 +1,7 @@
 """A worker that exited with an error, told once: in words and as a ``WorkerExited`` event.
 
-Both node-side supervisors (the in-process tier's :mod:`agents.node_agent` and
-the restart tier's :mod:`agents.restart_tier`) report a failed worker the same
+Both node-side supervisors (the in-process tier's :mod:`agents.node.agent` and
+the restart tier's :mod:`agents.node.restart_tier`) report a failed worker the same
 way; the controller reads the event's ``error`` (see
 :mod:`orchestrator.controller.world`).
 """
@@ -12,8 +12,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from agents.descriptions import describe_exit, read_error_file
-from agents.log_shipper import LogShipper
+from agents.node.descriptions import describe_exit, read_error_file
+from agents.node.log_shipper import LogShipper
 from orchestrator import events
 from orchestrator.etcd.client import EtcdClient
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from agents.api import Stateful
-from agents.process_group import quiesce
+from agents.runtime.process_group import quiesce
 
 log = logging.getLogger("ringmaster.worker")
 

@@ -3,7 +3,7 @@
 One :class:`LogShipper` per worker process.  A reader thread passes every
 byte on to ``sink`` at once (the agent's stdout: the kubelet's log, and a
 local run shows it live) and writes every line, with its time, to the
-worker's rotated files (:mod:`agents.log_files`), which ``ringmaster logs``
+worker's rotated files (:mod:`agents.node.log_files`), which ``ringmaster logs``
 reads through the agent's liveness port while the agent lives.
 
 etcd carries no stream of output: when the worker's output ends (it exited),
@@ -28,8 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO
 
-from agents import log_files
 from agents.messages import one_line
+from agents.node import log_files
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import LogChunk
@@ -57,7 +57,7 @@ class LogShipper:
         job / node / local_rank: whose output it is.
         sink: where every byte is passed on as read (the agent's stdout).
         log_dir: the node's log directory (default
-            :func:`agents.log_files.node_dir` under ``RINGMASTER_LOG_DIR``); the
+            :func:`agents.node.log_files.node_dir` under ``RINGMASTER_LOG_DIR``); the
             worker's files are in ``<log_dir>/<local_rank>/``.
         keep_bytes: bytes of files kept (default ``RINGMASTER_LOG_KEEP_MIB``).
         tail_lines / tail_bytes: the bounds of the tail stored in etcd.

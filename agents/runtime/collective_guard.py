@@ -18,7 +18,7 @@ promises nothing either way.  Two things end such a wait here:
 A wait on a peer that has itself left the generation after a failure (the
 local peer of a survivor, with several workers per node) is ended sooner: a
 worker that leaves shuts down its groups' connections
-(:func:`agents.process_group.hang_up`), and a closed connection ends a gloo
+(:func:`agents.runtime.process_group.hang_up`), and a closed connection ends a gloo
 wait at once.
 
 :class:`OpTimeout` is the pure rule; :class:`CollectiveGuard` applies it to a
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-from agents.process_group import Groups, abort_groups, set_op_timeout
+from agents.runtime.process_group import Groups, abort_groups, set_op_timeout
 
 log = logging.getLogger("ringmaster.worker")
 

@@ -1,11 +1,11 @@
 """What a node agent follows in etcd: the controller's commands to it, and the plan.
 
-:class:`NodeWatches` is a part of :class:`~agents.node_agent.NodeAgent`: two
+:class:`NodeWatches` is a part of :class:`~agents.node.agent.NodeAgent`: two
 threads, each a watch renewed after etcd outages.  One executes the
 controller's commands to this node (``kill-worker`` for a hung worker, naming
 its pid, and ``stop``); the other logs this node's role (active in generation
 N, or spare) each time it changes.  In the in-process tier the agent also
-passes the plan and the control record on to its workers (:mod:`agents.plan_feed`),
+passes the plan and the control record on to its workers (:mod:`agents.channels.plan_feed`),
 from these watches and a third one, of the control key.
 """
 
@@ -17,14 +17,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agents.descriptions import describe_role
-from agents.plan_feed import CONTROL, PLAN, PlanFeed
+from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed
+from agents.node.descriptions import describe_role
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import AgentCommand, Plan, RecordError
 
 if TYPE_CHECKING:
-    from agents.node_agent import _Worker
+    from agents.node.agent import _Worker
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -32,7 +32,7 @@ log = logging.getLogger("ringmaster.agent")
 class NodeWatches:
     """The watching half of a node agent (see the module docstring).
 
-    A :class:`~agents.node_agent.NodeAgent` is one; built alone (a benchmark's
+    A :class:`~agents.node.agent.NodeAgent` is one; built alone (a benchmark's
     simulated node, a test), it has no workers and only passes the plan on.
     """
 
@@ -46,7 +46,7 @@ class NodeWatches:
         self._role: str | None = None
         #: the newest plan read (what the restart tier's supervision acts on)
         self._latest_plan: Plan | None = None
-        #: in-process tier: passes the plan and control record on (agents.plan_feed)
+        #: in-process tier: passes the plan and control record on (agents.channels.plan_feed)
         self._feed = feed
 
     def request_stop(self, reason: str = "interrupted") -> None:

@@ -3,7 +3,7 @@
 Each generation gets a :class:`~checkpoint.Checkpointer` on its own process
 group (creating it is collective).  A fresh job restores from the newest
 committed checkpoint (or from the one a resubmitted job was given); saves
-happen at step boundaries that every rank agreed on (:mod:`agents.boundary`):
+happen at step boundaries that every rank agreed on (:mod:`agents.runtime.boundary`):
 on request, on stop, and periodically, every ``checkpoint.every_steps``
 steps or ``checkpoint.every_seconds`` seconds.  Rank 0 records each commit in
 etcd as a :class:`~orchestrator.records.CheckpointRecord`, through the
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from agents.elastic_ddp import ElasticDDP
 from agents.messages import one_line
-from agents.sharding import ShardedModel
+from agents.runtime.elastic_ddp import ElasticDDP
+from agents.runtime.sharding import ShardedModel
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError
@@ -31,7 +31,7 @@ from orchestrator.records import CheckpointRecord
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from agents.runtime import Session
+    from agents.runtime.session import Session
 
 log = logging.getLogger("ringmaster.worker")
 

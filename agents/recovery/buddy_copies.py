@@ -12,7 +12,7 @@ generation.
 
 When a node dies, its ranks' slices survive in their buddies' memory, and
 every survivor still has its own snapshot of the same step: the new
-generation is rebuilt at that step (:mod:`agents.shard_recovery`), so at most
+generation is rebuilt at that step (:mod:`agents.recovery.shard_recovery`), so at most
 ``every_steps`` completed steps are trained again.  Each rank keeps its last
 two snapshots, so a copy that was in flight when the node died still leaves
 a complete set one exchange earlier.  Host memory per rank: two snapshots of
@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agents.sharding import Layout, Slice, SliceKey, chunk_rows
+from agents.runtime.sharding import Layout, Slice, SliceKey, chunk_rows
 from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS
 
 log = logging.getLogger("ringmaster.worker")

@@ -1,7 +1,7 @@
 """Each worker's output, kept on its node in rotated files, and read back for ``ringmaster logs``.
 
 The node agent writes every line a worker prints to files of its own (see
-:class:`agents.log_shipper.LogShipper`); etcd keeps only the last few lines of
+:class:`agents.node.log_shipper.LogShipper`); etcd keeps only the last few lines of
 a worker that exited.  The layout, under ``RINGMASTER_LOG_DIR`` (default
 ``ringmaster-logs`` in the system's temporary directory)::
 

@@ -9,7 +9,7 @@ passes what it sees to its workers over a local stream socket (named in
 A :class:`PlanFeed` keeps the newest value of each key, by ``mod_revision``,
 and sends it to every connected worker: at once when it changes, and on
 connecting.  A worker reads the feed with :func:`follow_feed`
-(:class:`agents.plan_watch.PlanWatcher` does); when the feed ends (the agent
+(:class:`agents.runtime.plan_watch.PlanWatcher` does); when the feed ends (the agent
 gone, or the worker too slow to read and dropped) the worker watches etcd
 itself, as it does without an agent.
 

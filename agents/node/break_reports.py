@@ -1,11 +1,11 @@
 """A node's break reports in one record: the agent writes them for its workers.
 
 When a member dies, every worker of every surviving node reports that its
-generation broke (:meth:`agents.generation.Generations.report`): 7,992 puts
+generation broke (:meth:`agents.runtime.generation.Generations.report`): 7,992 puts
 in the same second at 1,000 nodes x 8 workers, each a key the controller
 then reads and decodes.  Relayed, a worker sends its
 :class:`~orchestrator.records.BreakReport` to its node agent over the
-progress socket (:class:`agents.node_progress.RelayLink`), and the agent
+progress socket (:class:`agents.channels.progress.RelayLink`), and the agent
 writes one :class:`~orchestrator.records.NodeBreakReports` per node and
 generation at :func:`orchestrator.keys.node_reports`: as soon as every one
 of its workers reported, or :data:`GATHER_S` after the first (a worker that

@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from agents.api import PREIMPORTS
+
 
 class WarmWorker:
     """One standby process (see the module docstring).
@@ -52,7 +54,7 @@ class WarmWorker:
 
         self.launched = False
         self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-            [python, "-m", "agents.warm_worker"],
+            [python, "-m", "agents.node.warm_standby"],
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE,
@@ -117,18 +119,6 @@ def _run(request: dict[str, object]) -> None:
         sys.argv = [argv[0], *argv[1:]]
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
-
-
-#: What a standby imports before it waits: torch, its distributed package, and
-#: what a torchrun script's first DDP or DataLoader would import lazily
-#: (``torch._dynamo`` alone takes about a second here).
-PREIMPORTS = (
-    "torch",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "torch.utils.data",
-    "torch._dynamo",
-)
 
 
 def _exit_code(e: SystemExit) -> int:

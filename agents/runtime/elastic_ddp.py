@@ -7,7 +7,7 @@ each generation, re-registering the comm hook.  ``state_dict()`` is the inner
 module's, without DDP's ``module.`` prefix, so checkpoints load into a plain
 model too.
 
-With a :class:`~agents.failures.CollectiveFailures`, every collective DDP runs
+With a :class:`~agents.runtime.failures.CollectiveFailures`, every collective DDP runs
 records its error there: the comm hook (the job's, the script's or, without
 one, torch's plain all-reduce hook) is wrapped on registration, and so is the
 buffer broadcast of the forward pass.  The runtime then knows that a failed
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from agents.failures import CollectiveFailures
+from agents.runtime.failures import CollectiveFailures
 
 #: ``(ddp) -> None``: registers a comm hook on a freshly built DDP.
 HookInstaller = Callable[[DDP], None]

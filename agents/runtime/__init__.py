@@ -1,0 +1,52 @@
+"""The worker runtime: what a training script imports (runs in the training process).
+
+A torchrun-style script becomes fault tolerant with a few lines::
+
+    from agents import runtime
+
+    session = runtime.init()
+    model = session.wrap(Net())                      # DDP that survives hot-swaps
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session.track(model=model, optimizer=opt)         # what a replacement receives
+    for step in session.steps(1000):
+        with session.guard():                        # a peer's death is caught here
+            x, y = batch(step, session.rank, session.world_size)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        session.report(loss=loss.item())
+
+How recovery works: when a peer dies, the gloo collective inside the step
+raises in the survivors; :meth:`Session.guard` records the error and, at the
+step boundary, :meth:`Session.steps` decides whether a peer is gone
+(:mod:`agents.runtime.failures`: the error came from a collective, or the control
+plane published a newer generation).  If so it tears the group down, reports
+to etcd, waits for the controller's next generation (a warm spare in the dead
+node's place), forms a new group in-process and brings every rank to the
+freshest live state (:mod:`agents.runtime.generation`, :mod:`agents.recovery.state_sync`).  The
+failed step runs again; no completed step is lost or applied twice.
+Survivors never restart and never read object storage.  An error of the
+script's own is reported as such and raised out of :meth:`Session.steps`: the
+worker exits with it, and the controller restarts or fails the job.
+
+At every step boundary the ranks all-reduce a few control integers (known
+generation, checkpoint request, stop, periodic save due; :mod:`agents.runtime.boundary`),
+so planned changes (drain, scale, checkpoint-now, stop) and saves happen at
+the same step on every rank.
+
+The runtime's parts: :mod:`agents.runtime.generation` (join, recover),
+:mod:`agents.runtime.plan_watch` (plan and control keys), :mod:`agents.runtime.boundary` (the
+step boundary's vote), :mod:`agents.runtime.heartbeat` (progress),
+:mod:`agents.runtime.saving` (durable checkpoints), :mod:`agents.runtime.failures` (a peer's
+failure or the script's own error).
+
+A spare's workers wait inside :meth:`Session.steps` until a generation
+includes their node; when the job ends first, the loop simply ends
+(``session.finished`` stays False).
+"""
+
+from agents.runtime.session import Session, init
+from agents.runtime.standalone import StandaloneSession
+
+__all__ = ["Session", "StandaloneSession", "init"]

@@ -81,6 +81,10 @@ class EtcdAuthError(EtcdError):
     """etcd refused the credentials or TLS identity.  Permanent until the config changes."""
 
 
+class JobNotFoundError(OrchestratorError):
+    """No job of that name in etcd (or no run of that number)."""
+
+
 class EmbeddedEtcdError(OrchestratorError):
     """The local etcd binary could not be found or did not start."""
 

@@ -17,6 +17,7 @@ from typing import Any
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import Event
+from orchestrator.runs import list_runs, run_window
 
 __all__ = ["Event", "emit", "list_events", "record"]
 
@@ -54,8 +55,6 @@ def list_events(client: EtcdClient, job: str, run: int | None = None) -> list[Ev
     """
     window = None
     if run is not None:
-        from orchestrator.jobs import list_runs, run_window
-
         window = run_window(list_runs(client, job), run)
     out = []
     for kv in client.get_prefix(keys.job_events(job)):

@@ -21,20 +21,36 @@ import time
 from typing import Any
 
 from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, OrchestratorError
+from orchestrator.api import EtcdError, JobNotFoundError, OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
 from orchestrator.spec import JobSpec
+
+__all__ = [
+    "JobExistsError",
+    "JobNotFoundError",
+    "ResumeRefusedError",
+    "checkpoint_hash",
+    "etcd_warning",
+    "job_names",
+    "list_jobs",
+    "plan_resume",
+    "read_resume",
+    "read_spec",
+    "read_spec_record",
+    "read_status",
+    "request_stop",
+    "resume",
+    "send_command",
+    "spec_hash",
+    "submit",
+]
 
 log = logging.getLogger(__name__)
 
 
 class JobExistsError(OrchestratorError):
     """A job of that name is already submitted (and not finished)."""
-
-
-class JobNotFoundError(OrchestratorError):
-    """No job of that name in etcd."""
 
 
 class ResumeRefusedError(OrchestratorError):
@@ -161,27 +177,6 @@ def _start_run(client: EtcdClient, job: str, record: SpecRecord) -> None:
         resume = record.resume
         message += f", resuming from the checkpoint of step {resume.step} ({resume.url})"
     events.emit(client, job, "Run", message, source="submit", run=record.run)
-
-
-def list_runs(client: EtcdClient, job: str) -> list[RunRecord]:
-    """Every run of ``job``, oldest first."""
-    return sorted(
-        records.read_all(client, keys.job_runs(job), RunRecord).values(), key=lambda r: r.run
-    )
-
-
-def run_window(runs: list[RunRecord], run: int) -> tuple[float, float]:
-    """Wall-clock span of ``run``: from its submit to the next run's (or forever).
-
-    Raises:
-        JobNotFoundError: the job has no such run; the message lists the runs.
-    """
-    for i, r in enumerate(runs):
-        if r.run == run:
-            end = runs[i + 1].submitted_at if i + 1 < len(runs) else float("inf")
-            return r.submitted_at, end
-    known = ", ".join(str(r.run) for r in runs) or "none"
-    raise JobNotFoundError(f"the job has no run {run} (runs: {known})")
 
 
 def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:

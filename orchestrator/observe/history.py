@@ -14,8 +14,8 @@ import time
 
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import list_runs, run_window
 from orchestrator.records import HistorySample
+from orchestrator.runs import list_runs, run_window
 from orchestrator.settings import SETTINGS
 
 #: How often the controller samples a running job.

@@ -35,8 +35,8 @@ from orchestrator import jobs, keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
-from orchestrator.jobs import list_runs, run_window
 from orchestrator.liveness import AgentUnreachableError, RequestError, ask
+from orchestrator.runs import list_runs, run_window
 
 log = logging.getLogger(__name__)
 

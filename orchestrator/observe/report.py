@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import events, keys, records
+from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import JobNotFoundError, list_runs, read_status
+from orchestrator.jobs import read_status
 from orchestrator.observe.history import read_history
 from orchestrator.records import PHASES, HistorySample, JobStatus, RecoveryRecord
+from orchestrator.runs import list_runs
 
 FAILURE, RECOVERY, CHECKPOINT, RUN = "failure", "recovery", "checkpoint", "run"
 _COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4", RUN: "#7f7f7f"}

@@ -34,6 +34,7 @@ from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.records import JobStatus
+from orchestrator.runs import list_runs
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job
 from tests.chaos.test_hot_swap import assert_same_params
 from tests.faults.processes import Services
@@ -194,7 +195,7 @@ def test_submit_kill_stop_resume_finish_resubmit(
         # -- both runs' events, each in its own run ---------------------------------------
         one = events.list_events(client, job, run=1)
         two = events.list_events(client, job, run=2)
-        runs = jobs.list_runs(client, job)
+        runs = list_runs(client, job)
 
         # -- a finished name submitted again starts its next run --------------------------
         assert jobs.submit(client, spec) == 3

@@ -13,10 +13,11 @@ import uuid
 import pytest
 
 from orchestrator import events, jobs, keys, records
-from orchestrator.api import JobPhase
+from orchestrator.api import JobNotFoundError, JobPhase
 from orchestrator.controller.service import Controller
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import Plan, RecoveryRecord, ResumeRequest
+from orchestrator.runs import list_runs
 from orchestrator.spec import EntrypointSpec, JobSpec
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     second = _stop_and_tick(controller, etcd_client, name)  # ... and a stop reaches it
     assert second.phase is JobPhase.STOPPED and second.run == 2
 
-    runs = jobs.list_runs(etcd_client, name)
+    runs = list_runs(etcd_client, name)
     assert [r.run for r in runs] == [1, 2] and runs[1].resume == resume
     kept = records.read_all(etcd_client, keys.job_recoveries(name), RecoveryRecord)
     assert list(kept.values()) == [old]
@@ -69,7 +70,7 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
         "run 2 submitted, resuming from the checkpoint of step 10 (file:///tmp/ck/step-0000000010)"
     )
     assert len(events.list_events(etcd_client, name)) == len(one) + len(two)
-    with pytest.raises(jobs.JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
+    with pytest.raises(JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
         events.list_events(etcd_client, name, run=3)
 
 

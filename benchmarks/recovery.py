@@ -381,8 +381,9 @@ def _tier0_measure(logs: Path, killed_at: float) -> tuple[float, int]:
 
 
 def run_tier0_ringmaster(tmp: Path) -> dict[str, float]:
+    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.local_run import LocalRun
-    from orchestrator.spec_loader import load_job_data, resolve_recovery
+    from orchestrator.spec_loader import load_job_data
 
     logs = tmp / "steps"
     logs.mkdir()

@@ -6,19 +6,18 @@ keyspace; this module is their machinery.  :class:`Record` is their base:
 :func:`decode` check every field against the dataclass's types and raise
 :class:`RecordError`, naming the key, for a missing field, a wrong type or a
 record of a newer format.  :func:`read`, :func:`read_all` and :func:`write`
-are the etcd side of it.
+are the etcd side of it.  The fields and their types come from
+:mod:`orchestrator.dataclass_tree`; this module keeps a record's own rules
+(checks stop at the first problem, unknown keys are left for newer writers).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
-import typing
-from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from orchestrator.api import OrchestratorError
+from orchestrator.dataclass_tree import Shape, fields_of, plain
 
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
@@ -41,7 +40,7 @@ class Record:
     VERSION: ClassVar[int] = FORMAT
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        out: dict[str, Any] = plain(self)
         out["v"] = self.VERSION
         return out
 
@@ -66,36 +65,12 @@ class Record:
                 f"reads ({cls.VERSION}); upgrade ringmaster on this machine"
             )
         values: dict[str, Any] = {}
-        for name, hint, required in _schema(cls):
-            if name in data:
-                values[name] = _convert(data[name], hint, f"{key}: {name}")
-            elif required:
-                raise RecordError(f"{key}: {cls.__name__} is missing the field {name!r}")
+        for f in fields_of(cls):
+            if f.name in data:
+                values[f.name] = _convert(data[f.name], f.shape, f"{key}: {f.name}")
+            elif f.required:
+                raise RecordError(f"{key}: {cls.__name__} is missing the field {f.name!r}")
         return cls(**values)
-
-
-#: Record class → ``(name, type, required)`` of each of its fields (see :func:`_schema`).
-_SCHEMAS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
-
-
-def _schema(cls: type[Record]) -> tuple[tuple[str, Any, bool], ...]:
-    """``(name, type, required)`` for each field of ``cls``, worked out once per class.
-
-    ``typing.get_type_hints`` evaluates every annotation string again on each
-    call; uncached it was 80% of a controller tick at scale.
-    """
-    found = _SCHEMAS.get(cls)
-    if found is None:
-        hints = typing.get_type_hints(cls)
-        found = _SCHEMAS[cls] = tuple(
-            (
-                f.name,
-                hints[f.name],
-                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-            )
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        )
-    return found
 
 
 def decode(cls: type[R], raw: bytes | str | None, key: str) -> R:
@@ -143,73 +118,53 @@ def write(client: EtcdClient, key: str, record: Record, lease: Lease | None = No
 # --------------------------------------------------------------------------- helpers
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Record):
-        out = value.to_dict()
-        out.pop("v", None)  # nested records share their parent's version
-        return out
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    """``value`` checked (and, for nested records and enums, built) as type ``hint``."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _convert(value, inner[0], where)
-        return value
-    if hint is Any:
-        return value
-    if isinstance(hint, type) and issubclass(hint, Record):
+def _convert(value: Any, shape: Shape, where: str) -> Any:
+    """``value`` checked (and, for nested records and enums, built) as a ``shape``."""
+    if value is None and shape.optional:
+        return None
+    kind = shape.kind
+    if kind == "dataclass":
         if not isinstance(value, dict):
             raise RecordError(f"{where}: expected an object, got {_kind(value)}")
-        return hint.from_dict({**value, "v": hint.VERSION}, where)
-    if isinstance(hint, type) and issubclass(hint, Enum):
+        return shape.type.from_dict({**value, "v": shape.type.VERSION}, where)
+    if kind == "enum":
         try:
-            return hint(value)
+            return shape.type(value)
         except ValueError as e:
-            valid = ", ".join(str(m.value) for m in hint)
+            valid = ", ".join(str(m.value) for m in shape.type)
             raise RecordError(f"{where}: {value!r} is not one of {valid}") from e
-    if origin is list:
+    if kind == "list":
         if not isinstance(value, list):
             raise RecordError(f"{where}: expected a list, got {_kind(value)}")
-        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise RecordError(f"{where}: expected {len(args)} values, got {value!r}")
-        return tuple(_convert(v, a, where) for v, a in zip(value, args, strict=True))
-    if origin is dict:
+        (item,) = shape.args
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind == "tuple":
+        if not isinstance(value, (list, tuple)) or len(value) != len(shape.args):
+            raise RecordError(f"{where}: expected {len(shape.args)} values, got {value!r}")
+        return tuple(_convert(v, a, where) for v, a in zip(value, shape.args, strict=True))
+    if kind == "dict":
         if not isinstance(value, dict):
             raise RecordError(f"{where}: expected an object, got {_kind(value)}")
-        return {str(k): _convert(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    if hint is float:
+        (inner,) = shape.args
+        return {str(k): _convert(v, inner, f"{where}.{k}") for k, v in value.items()}
+    if kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise RecordError(f"{where}: expected a number, got {_kind(value)}")
-    if hint is int:
+    if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise RecordError(f"{where}: expected an integer, got {_kind(value)}")
-    if hint is bool:
+    if kind == "bool":
         if isinstance(value, bool):
             return value
         raise RecordError(f"{where}: expected true or false, got {_kind(value)}")
-    if hint is str:
+    if kind == "str":
         if isinstance(value, str):
             return value
         raise RecordError(f"{where}: expected a string, got {_kind(value)}")
-    return value
+    return value  # ``any``

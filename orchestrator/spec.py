@@ -13,7 +13,6 @@ once with the YAML line they come from.  ``JobSpec.validate()`` raises
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +20,7 @@ from enum import Enum
 from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
+from orchestrator.dataclass_tree import nested_problems, plain
 
 Problems = list[tuple[str, str]]
 
@@ -30,20 +30,6 @@ JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 #: URL schemes accepted for durable checkpoints (fsspec protocols).
 CHECKPOINT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "memory")
 _SCHEME_LIST = ", ".join(s + "://" for s in CHECKPOINT_SCHEMES)
-
-
-def _key(name: str) -> dict[str, Any]:
-    """Field metadata: the YAML key when it differs from the Python name."""
-    return {"key": name}
-
-
-def camel_key(key: str) -> str:
-    """The camelCase spelling of a YAML key (``nproc_per_node`` → ``nprocPerNode``).
-
-    A job file may use either spelling; a Kubernetes ``TrainingJob`` uses this one.
-    """
-    head, *rest = key.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
 def _positive(value: timedelta, path: str) -> Problems:
@@ -154,7 +140,7 @@ class CheckpointSpec:
     every_steps: int = 0
     every_seconds: float = 0.0
     keep: int = 3
-    async_: bool = field(default=True, metadata=_key("async"))
+    async_: bool = field(default=True, metadata={"key": "async"})  # the YAML key
 
     def problems(self) -> Problems:
         out: Problems = []
@@ -187,7 +173,7 @@ class RecoveryMode(str, Enum):
     new generation is started again (from a pre-imported standby) with
     torchrun's environment, and the script resumes from its own checkpoint.
     ``auto`` is resolved when the job is validated or submitted by reading the
-    entrypoint (:func:`orchestrator.spec_loader.resolve_recovery`).
+    entrypoint (:func:`orchestrator.entrypoint.resolve_recovery`).
     """
 
     AUTO = "auto"
@@ -435,7 +421,7 @@ class JobSpec:
 
     def all_problems(self) -> Problems:
         """Problems of this spec and every nested section, with full dotted paths."""
-        return _collect(self, "")
+        return nested_problems(self)
 
     def validate(self) -> JobSpec:
         """Raise :class:`SpecError` listing every problem; return self when valid."""
@@ -445,39 +431,12 @@ class JobSpec:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data with YAML key names and durations in seconds (round-trips the loader)."""
-        return dict(_to_plain(self))
+        """Plain data with YAML key names and durations in seconds (round-trips the loader).
 
-
-def _collect(obj: Any, prefix: str) -> Problems:
-    out: Problems = []
-    for path, msg in obj.problems():
-        full = ".".join(p for p in (prefix, path) if p)
-        out.append((full, msg))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            key = f.metadata.get("key", f.name)
-            out += _collect(value, f"{prefix}.{key}" if prefix else key)
-    return out
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {
-            f.metadata.get("key", f.name): _to_plain(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-        }
-        if isinstance(value, CompressionSpec):  # only the parameters of the chosen kind
-            keep = {"type", "inter_node_only", *COMPRESSION_PARAMS[value.type]}
-            out = {k: v for k, v in out.items() if k in keep}
+        Compression parameters are those of the chosen kind only.
+        """
+        out: dict[str, Any] = plain(self)
+        compression = out["comm"]["compression"]
+        keep = {"type", "inter_node_only", *COMPRESSION_PARAMS[self.comm.compression.type]}
+        out["comm"]["compression"] = {k: v for k, v in compression.items() if k in keep}
         return out
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, list):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value

@@ -2,8 +2,9 @@
 
 The loader walks YAML *nodes* (not plain data) so that every problem can name
 the line it comes from.  It is driven by the dataclass tree in
-:mod:`orchestrator.api`: field names, types and defaults come from there, so a
-new field needs no loader change.  It collects every problem before raising,
+:mod:`orchestrator.spec`, read through :mod:`orchestrator.dataclass_tree`:
+field names, types and defaults come from there, so a new field needs no
+loader change.  It collects every problem before raising,
 so a person fixes a file in one pass, and unknown keys get a did-you-mean.
 
 Every key may be written in snake_case (the job file's own spelling) or in
@@ -14,34 +15,48 @@ it, and one field given in both spellings is an error.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import re
-import types
-import typing
 from datetime import timedelta
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from orchestrator.api import SpecError, SpecProblem
+from orchestrator.dataclass_tree import (
+    Shape,
+    camel_key,
+    describe,
+    fields_of,
+    join,
+    snake_key,
+    unknown_key_message,
+)
+from orchestrator.entrypoint import resolve_recovery
 from orchestrator.spec import (
     COMPRESSION_PARAMS,
     CompressionKind,
     CompressionSpec,
     EntrypointSpec,
     JobSpec,
-    RecoveryMode,
     RendezvousSpec,
-    camel_key,
 )
+
+__all__ = [
+    "load_job_data",
+    "load_job_file",
+    "load_job_node",
+    "load_job_text",
+    # imported from here by the node agent; its home is orchestrator.entrypoint
+    "resolve_recovery",
+]
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*\Z", re.ASCII)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _MISSING = object()
+_STR = Shape("str", str)
 #: Longest duration accepted (a century; timedelta itself ends near 2.7 million years).
 _MAX_SECONDS = 100 * 365 * 24 * 3600.0
 
@@ -69,196 +84,6 @@ def load_job_file(path: str | Path) -> JobSpec:
     """
     p = Path(path)
     return load_job_text(p.read_text(encoding="utf-8"), source=str(p))
-
-
-def check_entrypoint(spec: JobSpec, workdir: str | Path, source: str = "<job>") -> None:
-    """Check that the job's entrypoint can be found where its workers will start.
-
-    Workers start in the directory ``ringmaster run`` or ``ringmaster agent``
-    runs in, so a relative ``script`` is looked up there, and a ``module`` on
-    this Python's path with that directory first.  Only what can be seen from
-    here is checked: agents on other machines see their own files.
-
-    Raises:
-        SpecError: naming the field, what was looked for and where.
-    """
-    import importlib.util
-    import sys
-
-    where = Path(workdir).resolve()
-    entry = spec.entrypoint
-    if entry.script is not None:
-        path = Path(entry.script)
-        full = path if path.is_absolute() else where / path
-        if not full.is_file():
-            message = (
-                f"script '{entry.script}' was not found: looked for {full} (workers start "
-                f"in {where}, the directory `ringmaster run` or `ringmaster agent` runs in); "
-                "give a path relative to it or an absolute path"
-            )
-            raise SpecError([SpecProblem("entrypoint.script", message, None, source)])
-        return
-    top = str(entry.module).split(".", 1)[0]
-    sys.path.insert(0, str(where))
-    try:
-        found = importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        found = False
-    finally:
-        sys.path.remove(str(where))
-    if not found:
-        message = (
-            f"module '{entry.module}' cannot be imported: '{top}' is neither in {where} "
-            f"(where workers start) nor installed for {sys.executable}"
-        )
-        raise SpecError([SpecProblem("entrypoint.module", message, None, source)])
-
-
-def entrypoint_file(spec: JobSpec, workdir: str | Path) -> Path | None:
-    """The source file the job's workers run, when it can be found from here.
-
-    A ``script`` is looked up as :func:`check_entrypoint` does; a ``module`` is
-    found on this Python's path with ``workdir`` first (a package runs its
-    ``__main__``).  None when there is no readable Python source.
-    """
-    import importlib.util
-    import sys
-
-    where = Path(workdir).resolve()
-    entry = spec.entrypoint
-    if entry.script is not None:
-        path = Path(entry.script)
-        full = path if path.is_absolute() else where / path
-        return full if full.is_file() else None
-    sys.path.insert(0, str(where))
-    try:
-        found = importlib.util.find_spec(str(entry.module))
-        if found is not None and found.submodule_search_locations:
-            found = importlib.util.find_spec(f"{entry.module}.__main__")
-    except (ImportError, ValueError):
-        found = None
-    finally:
-        sys.path.remove(str(where))
-    origin = getattr(found, "origin", None) if found is not None else None
-    if origin and origin.endswith(".py") and Path(origin).is_file():
-        return Path(origin)
-    return None
-
-
-#: How a script reaches the runtime: ``from agents import runtime``, ``import agents.runtime``...
-_RUNTIME_MODULE = "agents.runtime"
-
-
-def uses_runtime(source: str) -> bool:
-    """Whether Python ``source`` imports the ringmaster worker runtime (``agents.runtime``).
-
-    Read with :mod:`ast` (comments and strings do not count); a file that does
-    not parse is searched as text for the import or a ``runtime.init(`` call.
-    """
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return bool(
-            re.search(r"\bfrom\s+agents\s+import\s+[^\n]*\bruntime\b", source)
-            or re.search(r"\bimport\s+agents\.runtime\b|\bfrom\s+agents\.runtime\b", source)
-            or "runtime.init(" in source
-        )
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            if any(
-                a.name == _RUNTIME_MODULE or a.name.startswith(_RUNTIME_MODULE + ".")
-                for a in node.names
-            ):
-                return True
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            if node.module == "agents" and any(a.name == "runtime" for a in node.names):
-                return True
-            if node.module and (
-                node.module == _RUNTIME_MODULE or node.module.startswith(_RUNTIME_MODULE + ".")
-            ):
-                return True
-    return False
-
-
-def resolve_recovery(
-    spec: JobSpec, workdir: str | Path, source: str = "<job>"
-) -> tuple[JobSpec, str]:
-    """The spec with ``fault_tolerance.recovery`` resolved, and why, in words.
-
-    ``auto`` becomes ``in_process`` when the entrypoint imports the ringmaster
-    runtime and ``restart`` otherwise (also when the source cannot be read
-    here: a script that does use the runtime then refuses to start with one
-    line, where an in-process job for a plain script would hang).
-
-    Raises:
-        SpecError: ``in_process`` was asked for but the entrypoint never uses
-            the runtime (naming the file and what to do).
-    """
-    ft = spec.fault_tolerance
-    path = entrypoint_file(spec, workdir)
-    shown = _shown(spec, path, workdir)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace") if path else None
-    except OSError:
-        text = None
-    calls = text is not None and uses_runtime(text)
-    restart_why = "a peer's failure restarts all workers from the script's own checkpoint"
-    if ft.recovery is RecoveryMode.IN_PROCESS:
-        if text is not None and not calls:
-            message = (
-                f"is 'in_process' but {shown} never calls runtime.init() (it does not import "
-                "agents.runtime), so its workers would wait forever for a process group: set "
-                "'restart' (or 'auto') for a plain torchrun script, or use the runtime "
-                "(see examples/train_tiny.py)"
-            )
-            line = _line_in_file(source, ("fault_tolerance", "recovery"))
-            raise SpecError([SpecProblem("fault_tolerance.recovery", message, line, source)])
-        why = "set in the job file" + ("" if text is not None else f"; {shown} not read here")
-        return spec, f"recovery: in_process ({why})"
-    if ft.recovery is RecoveryMode.RESTART:
-        return spec, f"recovery: restart (set in the job file; {restart_why})"
-    if calls:
-        mode = RecoveryMode.IN_PROCESS
-        why = (
-            f"recovery: in_process ({shown} uses the ringmaster runtime; survivors keep their "
-            "memory and a replacement gets its state from a live peer)"
-        )
-    elif text is None:
-        mode = RecoveryMode.RESTART
-        why = f"recovery: restart ({shown} cannot be read here to look for runtime.init(); "
-        why += restart_why + ")"
-    else:
-        mode = RecoveryMode.RESTART
-        why = f"recovery: restart ({shown} never calls runtime.init(); {restart_why})"
-    resolved = dataclasses.replace(spec, fault_tolerance=dataclasses.replace(ft, recovery=mode))
-    return resolved, why
-
-
-def _line_in_file(source: str, path: tuple[str, ...]) -> int | None:
-    """The line of the key at ``path`` in the job file ``source``, when it can be read."""
-    try:
-        node = yaml.compose(Path(source).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    line = None
-    for key in path:
-        if not isinstance(node, yaml.MappingNode):
-            return line
-        match = next(((k, v) for k, v in node.value if getattr(k, "value", None) == key), None)
-        if match is None:
-            return line
-        line, node = _line(match[0]), match[1]
-    return line
-
-
-def _shown(spec: JobSpec, path: Path | None, workdir: str | Path) -> str:
-    """How a message names the entrypoint: the path as the job file gave it."""
-    entry = spec.entrypoint
-    if entry.script is not None:
-        return str(entry.script)
-    return f"module {entry.module}" + (f" ({path})" if path else "")
 
 
 def load_job_text(text: str, source: str = "<job>") -> JobSpec:
@@ -300,6 +125,7 @@ def load_job_data(data: dict[str, Any], source: str = "<job>") -> JobSpec:
 
 
 def load_job_node(root: yaml.Node | None, source: str) -> JobSpec:
+    """Build a :class:`JobSpec` from a composed YAML document (None: an empty file)."""
     builder = _Builder(source)
     if root is None:
         builder.add("", "the job file is empty; it needs at least 'name' and 'entrypoint'", 1)
@@ -336,15 +162,14 @@ class _Builder:
     def build(self, cls: type, node: yaml.Node, path: str) -> Any:
         self.lines.setdefault(path, node.start_mark.line + 1)
         if cls is EntrypointSpec and isinstance(node, yaml.ScalarNode):
-            script = self.scalar(str, node, path)
+            script = self.scalar(_STR, node, path)
             return EntrypointSpec(script=script) if script is not _MISSING else _MISSING
         if not isinstance(node, yaml.MappingNode):
             self.add(path, f"must be a mapping of fields, got {_describe(node)}", _line(node))
             return _MISSING
         direct_failed: set[str] = set()
         nested_failed: set[str] = set()
-        hints = typing.get_type_hints(cls)
-        fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
+        fields = {f.key: f for f in fields_of(cls)}
         # Every key may also be written in camelCase (the TrainingJob form).
         aliases = {camel_key(k): k for k in fields if camel_key(k) != k}
         given: dict[str, Any] = {}
@@ -354,7 +179,7 @@ class _Builder:
             if not isinstance(key, str):
                 self.add(path, f"keys must be strings, got {_describe(key_node)}", _line(key_node))
                 continue
-            sub = f"{path}.{key}" if path else key
+            sub = join(path, key)
             self.lines[sub] = _line(key_node)
             canonical = aliases.get(key, key)
             self.camel = self.camel or canonical != key
@@ -365,28 +190,25 @@ class _Builder:
             written[canonical] = key
             f = fields.get(canonical)
             if f is None:
-                removed = _REMOVED_KEYS.get((cls, _snake_key(key)))
+                removed = _REMOVED_KEYS.get((cls, snake_key(key)))
                 shown = [camel_key(k) for k in fields] if key != key.lower() else list(fields)
-                message = removed or _unknown_key_message(key, shown)
+                message = removed or unknown_key_message(key, shown)
                 self.add(sub, message, _line(key_node))
                 continue
-            tp = hints[f.name]
-            value = self.value(tp, value_node, sub)
+            value = self.value(f.shape, value_node, sub)
             if value is not _MISSING:
                 given[f.name] = value
-            elif dataclasses.is_dataclass(tp):
+            elif f.shape.kind == "dataclass":
                 nested_failed.add(canonical)
             else:
                 direct_failed.add(canonical)
         seen = set(written)
         for key, f in fields.items():
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if required and f.name not in given:
+            if f.required and f.name not in given:
                 if key not in seen:
-                    sub = f"{path}.{key}" if path else key
-                    self.add(sub, "is required", _line(node))
+                    self.add(join(path, key), "is required", _line(node))
                 if key in nested_failed:
-                    given[f.name] = hints[f.name]()  # placeholder; its problems are reported
+                    given[f.name] = f.shape.type()  # placeholder; its problems are reported
                 else:
                     return _MISSING  # a required scalar is missing: nothing to check
         if cls is CompressionSpec:
@@ -415,7 +237,7 @@ class _Builder:
             return
         allowed = set(COMPRESSION_PARAMS[kind]) | {"type", "inter_node_only"}
         for key in sorted(set(written) - allowed):
-            sub = f"{path}.{written[key]}" if path else written[key]
+            sub = join(path, written[key])
             params = ", ".join(COMPRESSION_PARAMS[kind]) or "none"
             self.add(
                 sub,
@@ -425,44 +247,41 @@ class _Builder:
 
     # -- values ------------------------------------------------------------------------
 
-    def value(self, tp: Any, node: yaml.Node, path: str) -> Any:
-        origin = typing.get_origin(tp)
-        args = typing.get_args(tp)
-        if origin in (typing.Union, types.UnionType):
-            inner = [a for a in args if a is not type(None)]
-            if _is_null(node):
-                return None
-            return self.value(inner[0], node, path)
-        if dataclasses.is_dataclass(tp):
-            return self.build(tp, node, path)  # type: ignore[arg-type]
-        if origin is list:
+    def value(self, shape: Shape, node: yaml.Node, path: str) -> Any:
+        if shape.optional and _is_null(node):
+            return None
+        if shape.kind == "dataclass":
+            return self.build(shape.type, node, path)
+        if shape.kind == "list":
             if not isinstance(node, yaml.SequenceNode):
                 self.add(path, f"must be a list, got {_describe(node)}", _line(node))
                 return _MISSING
-            items = [self.value(args[0], n, f"{path}[{i}]") for i, n in enumerate(node.value)]
+            (item,) = shape.args
+            items = [self.value(item, n, f"{path}[{i}]") for i, n in enumerate(node.value)]
             return _MISSING if _MISSING in items else items
-        if origin is dict:
+        if shape.kind == "dict":
             if not isinstance(node, yaml.MappingNode):
                 self.add(path, f"must be a mapping, got {_describe(node)}", _line(node))
                 return _MISSING
             out: dict[str, Any] = {}
             for k, v in node.value:
-                k_val = self.scalar(str, k, f"{path}.<key>")
-                v_val = self.value(args[1], v, f"{path}.{k.value}")
+                k_val = self.scalar(_STR, k, f"{path}.<key>")
+                v_val = self.value(shape.args[0], v, f"{path}.{k.value}")
                 if k_val is not _MISSING and v_val is not _MISSING:
                     out[k_val] = v_val
             return out
-        return self.scalar(tp, node, path)
+        return self.scalar(shape, node, path)
 
-    def scalar(self, tp: Any, node: yaml.Node, path: str) -> Any:
+    def scalar(self, shape: Shape, node: yaml.Node, path: str) -> Any:
+        kind, tp = shape.kind, shape.type
         if not isinstance(node, yaml.ScalarNode):
             self.add(path, f"must be {_type_name(tp)}, got {_describe(node)}", _line(node))
             return _MISSING
         raw = _construct(node)
         line = _line(node)
-        if tp is timedelta:
+        if kind == "duration":
             return self._duration(raw, path, line)
-        if isinstance(tp, type) and issubclass(tp, Enum):
+        if kind == "enum":
             allowed = [m.value for m in tp]
             if raw not in allowed:
                 hint = difflib.get_close_matches(str(raw), [str(a) for a in allowed], n=1)
@@ -470,13 +289,13 @@ class _Builder:
                 self.add(path, f"'{raw}' is not one of: {', '.join(allowed)}{extra}", line)
                 return _MISSING
             return tp(raw)
-        if tp is bool:
+        if kind == "bool":
             if isinstance(raw, bool):
                 return raw
-        elif tp is int:
+        elif kind == "int":
             if isinstance(raw, int) and not isinstance(raw, bool):
                 return raw
-        elif tp is float:
+        elif kind == "float":
             if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                 try:
                     value = float(raw)
@@ -486,7 +305,7 @@ class _Builder:
                     return value
                 self.add(path, f"must be a finite number, got {raw!r}", line)
                 return _MISSING
-        elif tp is str:
+        elif kind == "str":
             if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
                 return str(raw)
         else:  # pragma: no cover - a field type the loader does not know
@@ -544,13 +363,7 @@ def _describe(node: yaml.Node) -> str:
         return "a mapping"
     if isinstance(node, yaml.SequenceNode):
         return "a list"
-    if _is_null(node):
-        return "nothing (null)"
-    value = _construct(node)
-    kind = {bool: "boolean", int: "integer", float: "number", str: "string"}.get(
-        type(value), type(value).__name__
-    )
-    return f"{kind} {value!r}"
+    return describe(_construct(node))
 
 
 def _type_name(tp: Any) -> str:
@@ -562,17 +375,3 @@ def _type_name(tp: Any) -> str:
         timedelta: "a duration",
     }
     return names.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _snake_key(key: str) -> str:
-    """``closeTimeout`` → ``close_timeout`` (the inverse of :func:`camel_key`)."""
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", lambda m: "_" + m.group(1).lower(), key)
-
-
-def _unknown_key_message(key: str, known: list[str]) -> str:
-    close = (
-        difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        or [k for k in known if k.startswith(key) or key.startswith(k)][:1]
-    )
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown key '{key}'; {hint}known keys here: {', '.join(known)}"

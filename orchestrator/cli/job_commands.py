@@ -46,7 +46,8 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
     """
     import os
 
-    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
+    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
     if not skip_entrypoint_check:

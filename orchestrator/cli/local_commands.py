@@ -24,7 +24,8 @@ def validate(job_file: str) -> None:
     Also prints how the job recovers (``fault_tolerance.recovery`` resolved by
     reading the entrypoint) and why.
     """
-    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
+    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec_loader import load_job_file
 
     try:
         spec = load_job_file(job_file)
@@ -115,11 +116,12 @@ def run(
     Without --from or --resume the job still continues from its own newest
     committed checkpoint when there is one, and starts fresh otherwise.
     """
+    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
     from orchestrator.jobs import plan_resume
     from orchestrator.local_run import LocalRun
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
-    from orchestrator.spec_loader import check_entrypoint, load_job_file, resolve_recovery
+    from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
+from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.api import (
     GPU_RESOURCE,
     GROUP,
@@ -67,7 +68,6 @@ from orchestrator.operator.trainingjob import (
     SecurityContext,
     VolumeMount,
 )
-from orchestrator.spec import camel_key
 
 AGENT_CONTAINER = "agent"
 #: Mount paths whose operator default a template volume may replace, and the default's volume.

@@ -17,25 +17,21 @@ so are not part of the job file:
   ``spec`` with a subset of a PodSpec) merged into every agent pod; see
   :mod:`orchestrator.operator.template` for how it is merged and what conflicts.
 
-The dataclasses are the single description: :mod:`orchestrator.operator.crd`
+The dataclasses are the single description: :mod:`orchestrator.operator.crd_schema`
 derives the CRD's schema from them (keys in camelCase, a description on every
 field: its ``doc``, else the first line of its class's docstring; ``kubectl
 explain`` shows these as written, so they are plain text, no reStructuredText)
-and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with them,
-naming the field path of every problem.
+and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with them
+(:mod:`orchestrator.dict_loader`), naming the field path of every problem.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.spec import camel_key
+from orchestrator.dataclass_tree import fields_of
+from orchestrator.dict_loader import load_dataclass
 
 #: Kubernetes quantities (the API's own pattern): ``500m``, ``2``, ``4Gi``, ``1e3``.
 K8S_QUANTITY_PATTERN = (
@@ -377,7 +373,7 @@ class TrainingJobFields:
 
 
 #: The TrainingJob-only keys of ``spec`` (camelCase), taken out before the job spec loader.
-FIELD_KEYS = tuple(camel_key(f.name) for f in dataclasses.fields(TrainingJobFields))
+FIELD_KEYS = tuple(f.camel for f in fields_of(TrainingJobFields))
 
 
 def split_spec(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -395,133 +391,4 @@ def load_trainingjob_fields(
     Raises:
         SpecError: every problem, each with its field path (``template.spec.tolerations[0]``).
     """
-    problems: list[SpecProblem] = []
-    out = _build(TrainingJobFields, data, "", problems, source)
-    if problems:
-        raise SpecError(problems)
-    assert isinstance(out, TrainingJobFields)
-    return out
-
-
-# --------------------------------------------------------------------------- reading
-
-_BAD = object()
-
-
-def _build(cls: type, data: Any, path: str, problems: list[SpecProblem], source: str) -> Any:
-    if not isinstance(data, dict):
-        problems.append(SpecProblem(path, f"must be a mapping, got {_kind(data)}", None, source))
-        return _BAD
-    hints = typing.get_type_hints(cls)
-    fields = {camel_key(f.name): f for f in dataclasses.fields(cls)}
-    given: dict[str, Any] = {}
-    bad = False
-    for key, value in data.items():
-        sub = f"{path}.{key}" if path else str(key)
-        f = fields.get(str(key))
-        if f is None:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            message = f"unknown field '{key}'; {hint}known fields here: {', '.join(fields)}"
-            problems.append(SpecProblem(sub, message, None, source))
-            bad = True
-            continue
-        got = _value(hints[f.name], f, value, sub, problems, source)
-        if got is _BAD:
-            bad = True
-        else:
-            given[f.name] = got
-    for key, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and f.name not in given and key not in data:
-            problems.append(
-                SpecProblem(f"{path}.{key}" if path else key, "is required", None, source)
-            )
-            bad = True
-    return _BAD if bad else cls(**given)
-
-
-def _value(
-    tp: Any,
-    f: dataclasses.Field[Any],
-    value: Any,
-    path: str,
-    problems: list[SpecProblem],
-    source: str,
-) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        origin = typing.get_origin(tp)
-
-    def fail(what: str) -> Any:
-        problems.append(SpecProblem(path, f"must be {what}, got {_kind(value)}", None, source))
-        return _BAD
-
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, problems, source)  # type: ignore[arg-type]
-    if origin is list:
-        if not isinstance(value, list):
-            return fail("a list")
-        (item,) = typing.get_args(tp)
-        items = [_value(item, f, v, f"{path}[{i}]", problems, source) for i, v in enumerate(value)]
-        return _BAD if _BAD in items else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            return fail("a mapping")
-        inner = typing.get_args(tp)[1]
-        if inner is Any:  # a free-form Kubernetes object (a Volume, an Affinity...)
-            item = (f.metadata.get("schema") or {}).get("items") or {}
-            if "name" in item.get("required", ()) and not isinstance(value.get("name"), str):
-                problems.append(SpecProblem(path, "needs a 'name' (a string)", None, source))
-                return _BAD
-            return dict(value)
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            ok = isinstance(v, str) or (
-                f.metadata.get("quantity")
-                and isinstance(v, int | float)
-                and not isinstance(v, bool)
-            )
-            if not ok:
-                what = "a quantity (2, 500m, 4Gi)" if f.metadata.get("quantity") else "a string"
-                problems.append(
-                    SpecProblem(f"{path}.{k}", f"must be {what}, got {_kind(v)}", None, source)
-                )
-                return _BAD
-            out[str(k)] = str(v)
-        return out
-    if tp is bool:
-        return value if isinstance(value, bool) else fail("true or false")
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            return fail("an integer")
-        low = f.metadata.get("minimum")
-        if low is not None and value < low:
-            problems.append(SpecProblem(path, f"must be {low} or more, got {value}", None, source))
-            return _BAD
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            return fail("a string")
-        allowed = f.metadata.get("enum")
-        if allowed and value not in allowed:
-            problems.append(
-                SpecProblem(path, f"'{value}' is not one of: {', '.join(allowed)}", None, source)
-            )
-            return _BAD
-        return value
-    raise TypeError(f"no reader for field type {tp!r} at {path}")  # pragma: no cover
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    if value is None:
-        return "nothing (null)"
-    names = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    return f"{names.get(type(value), type(value).__name__)} {value!r}"
+    return load_dataclass(TrainingJobFields, data, source)

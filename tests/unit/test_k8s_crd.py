@@ -11,9 +11,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.operator.crd import crd_manifest, render_crd_yaml, spec_schema
+from orchestrator.dataclass_tree import camel_key
+from orchestrator.operator.crd import crd_manifest, render_crd_yaml
+from orchestrator.operator.crd_schema import spec_schema
 from orchestrator.operator.trainingjob import FIELD_KEYS
-from orchestrator.spec import JobSpec, camel_key
+from orchestrator.spec import JobSpec
 
 pytestmark = pytest.mark.unit
 

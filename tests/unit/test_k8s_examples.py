@@ -29,10 +29,11 @@ import pytest
 import yaml
 
 from orchestrator.api import SpecError
+from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.crd import crd_manifest
 from orchestrator.operator.reconcile import job_spec_from_body, reconcile
-from orchestrator.spec import JobSpec, camel_key
+from orchestrator.spec import JobSpec
 
 pytestmark = pytest.mark.unit
 

@@ -223,20 +223,20 @@ PLAIN_SCRIPTS = [
 
 @pytest.mark.parametrize("source", RUNTIME_SCRIPTS)
 def test_uses_runtime_finds_the_import(source: str) -> None:
-    from orchestrator.spec_loader import uses_runtime
+    from orchestrator.entrypoint import uses_runtime
 
     assert uses_runtime(source)
 
 
 @pytest.mark.parametrize("source", PLAIN_SCRIPTS)
 def test_uses_runtime_ignores_comments_strings_and_other_modules(source: str) -> None:
-    from orchestrator.spec_loader import uses_runtime
+    from orchestrator.entrypoint import uses_runtime
 
     assert not uses_runtime(source)
 
 
 def test_uses_runtime_reads_a_file_that_does_not_parse_as_text() -> None:
-    from orchestrator.spec_loader import uses_runtime
+    from orchestrator.entrypoint import uses_runtime
 
     assert uses_runtime("from agents import runtime\nsession = runtime.init(\n")
     assert not uses_runtime("import torch\nx = (\n")
@@ -249,8 +249,8 @@ def _job(tmp_path, script: str, recovery: str | None = None):  # type: ignore[no
 
 
 def test_auto_is_restart_for_a_plain_torchrun_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import resolve_recovery
 
     spec = _job(tmp_path, PLAIN_SCRIPTS[0])
     assert spec.fault_tolerance.recovery is RecoveryMode.AUTO  # the default
@@ -265,8 +265,8 @@ def test_auto_is_restart_for_a_plain_torchrun_script(tmp_path) -> None:  # type:
 
 
 def test_auto_is_in_process_for_a_runtime_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import resolve_recovery
 
     resolved, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0]), tmp_path)
     assert resolved.fault_tolerance.recovery is RecoveryMode.IN_PROCESS
@@ -274,8 +274,8 @@ def test_auto_is_in_process_for_a_runtime_script(tmp_path) -> None:  # type: ign
 
 
 def test_auto_reads_a_module_entrypoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import resolve_recovery
 
     pkg = tmp_path / "rm_restart_pkg_x"
     pkg.mkdir()
@@ -288,7 +288,7 @@ def test_auto_reads_a_module_entrypoint(tmp_path) -> None:  # type: ignore[no-un
 
 
 def test_in_process_for_a_plain_script_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.spec_loader import resolve_recovery
+    from orchestrator.entrypoint import resolve_recovery
 
     with pytest.raises(SpecError) as info:
         resolve_recovery(_job(tmp_path, PLAIN_SCRIPTS[0], "in_process"), tmp_path, "job.yaml")
@@ -299,8 +299,8 @@ def test_in_process_for_a_plain_script_is_one_clear_error(tmp_path) -> None:  # 
 
 
 def test_explicit_choices_are_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import resolve_recovery
 
     spec, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0], "in_process"), tmp_path)
     assert spec.fault_tolerance.recovery is RecoveryMode.IN_PROCESS

@@ -1,6 +1,6 @@
 """A job's training curve in etcd: step, throughput and loss sampled over time.
 
-The controller appends one :class:`~orchestrator.records.HistorySample` every
+The controller appends one :class:`~orchestrator.observe.records.HistorySample` every
 :data:`SAMPLE_EVERY` while the job runs, one key per sample under
 ``/ringmaster/jobs/<job>/history/``.  The history is bounded: past
 :data:`MAX_SAMPLES` keys, every other sample of the older half is dropped, so
@@ -14,7 +14,7 @@ import time
 
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import HistorySample
+from orchestrator.observe.records import HistorySample
 from orchestrator.runs import list_runs, run_window
 from orchestrator.settings import SETTINGS
 

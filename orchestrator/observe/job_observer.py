@@ -23,6 +23,7 @@ from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.history import HistoryWriter
 from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.records import HistorySample, RecoveryRecord
 from orchestrator.observe.recoveries import (
     FailureCause,
     build_record,
@@ -31,12 +32,10 @@ from orchestrator.observe.recoveries import (
 )
 from orchestrator.records import (
     BreakReport,
-    HistorySample,
     JobStatus,
     NodeRecord,
     Plan,
     ProgressRecord,
-    RecoveryRecord,
     SpecRecord,
     Telemetry,
 )

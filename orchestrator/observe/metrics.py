@@ -53,7 +53,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from orchestrator.api import EtcdError, JobPhase, OrchestratorError
-from orchestrator.records import PHASES, RecoveryRecord, Telemetry
+from orchestrator.observe.records import PHASES, RecoveryRecord
+from orchestrator.records import Telemetry
 
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient

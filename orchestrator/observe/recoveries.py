@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from orchestrator.records import PHASES, Event, RecoveryRecord
+from orchestrator.observe.records import PHASES, RecoveryRecord
+from orchestrator.records import Event
 
 #: Workers kept in a recovery's record per phase boundary: the last ones to reach
 #: it (they set the phase).  Every other worker is only counted, so the record
@@ -100,7 +101,7 @@ def ordered_phases(phases: dict[str, Any]) -> dict[str, float]:
     """A recovery's phases in the order they happen.
 
     A stored record's ``phases`` come back in key order (alphabetical); this
-    puts them in the order of :data:`~orchestrator.records.PHASES` (detect,
+    puts them in the order of :data:`~orchestrator.observe.records.PHASES` (detect,
     rendezvous, restore, first step), names unknown to this release last.
     """
     names = [n for n in PHASES if n in phases] + [n for n in phases if n not in PHASES]

@@ -23,7 +23,8 @@ from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_status
 from orchestrator.observe.history import read_history
-from orchestrator.records import PHASES, HistorySample, JobStatus, RecoveryRecord
+from orchestrator.observe.records import PHASES, HistorySample, RecoveryRecord
+from orchestrator.records import JobStatus
 from orchestrator.runs import list_runs
 
 FAILURE, RECOVERY, CHECKPOINT, RUN = "failure", "recovery", "checkpoint", "run"

@@ -25,8 +25,8 @@ from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.local_run import LocalRun, RunResult
+from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.report import CHECKPOINT, FAILURE, RECOVERY, build_report
-from orchestrator.records import PHASES, RecoveryRecord
 from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -20,8 +20,8 @@ import pytest
 
 from orchestrator import events, keys
 from orchestrator.api import JobPhase
+from orchestrator.observe.records import RecoveryRecord
 from orchestrator.observe.report import build_report, render_html
-from orchestrator.records import RecoveryRecord
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary
 from tests.chaos.sharded_jobs import assembled, assert_same_params, fault_free, sharded_job
 

@@ -14,7 +14,8 @@ from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.records import PHASES, JobStatus, LogChunk
+from orchestrator.observe.records import PHASES
+from orchestrator.records import JobStatus, LogChunk
 
 pytestmark = pytest.mark.integration
 

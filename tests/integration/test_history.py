@@ -7,7 +7,7 @@ import pytest
 from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.history import HistoryWriter, read_history
-from orchestrator.records import HistorySample
+from orchestrator.observe.records import HistorySample
 
 pytestmark = pytest.mark.integration
 

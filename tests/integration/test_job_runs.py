@@ -16,7 +16,8 @@ from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobNotFoundError, JobPhase
 from orchestrator.controller.service import Controller
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import Plan, RecoveryRecord, ResumeRequest
+from orchestrator.observe.records import RecoveryRecord
+from orchestrator.records import Plan, ResumeRequest
 from orchestrator.runs import list_runs
 from orchestrator.spec import EntrypointSpec, JobSpec
 

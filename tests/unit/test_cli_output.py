@@ -32,8 +32,9 @@ from orchestrator.cli import job_commands, main, observe_commands, options
 from orchestrator.cli.options import plural
 from orchestrator.etcd.kv import KeyValue
 from orchestrator.local_run import LocalRun
+from orchestrator.observe.records import PHASES
 from orchestrator.observe.recoveries import ordered_phases
-from orchestrator.records import PHASES, JobStatus, LogChunk
+from orchestrator.records import JobStatus, LogChunk
 from orchestrator.spec_loader import load_job_data
 
 pytestmark = pytest.mark.unit

@@ -20,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.api import JobPhase
 from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.records import RecoveryRecord
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.reconcile import reconcile
-from orchestrator.records import RecoveryRecord, Telemetry
+from orchestrator.records import Telemetry
 
 pytestmark = pytest.mark.unit
 

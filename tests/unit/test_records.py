@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator import records
 from orchestrator.api import JobPhase
+from orchestrator.observe.records import RecoveryRecord
 from orchestrator.records import (
     BreakReport,
     JobStatus,
@@ -18,7 +19,6 @@ from orchestrator.records import (
     Plan,
     ProgressRecord,
     RecordError,
-    RecoveryRecord,
     ResumeRequest,
     SpecRecord,
     Telemetry,

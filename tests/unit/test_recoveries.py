@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from orchestrator.api import JobPhase
 from orchestrator.events import Event
 from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.recoveries import (
     SLOWEST_KEPT,
     FailureCause,
@@ -17,7 +18,7 @@ from orchestrator.observe.recoveries import (
     classify_cause,
     effective_time,
 )
-from orchestrator.records import PHASES, RecoveryRecord, Telemetry
+from orchestrator.records import Telemetry
 
 pytestmark = pytest.mark.unit
 

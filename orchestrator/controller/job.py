@@ -30,6 +30,7 @@ from orchestrator.controller.actions import (
     WriteControl,
 )
 from orchestrator.controller.hangs import STALE_BEATS
+from orchestrator.controller.plans import restart_tier
 from orchestrator.controller.world import World, WorldReader
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
@@ -121,7 +122,7 @@ class JobController:
                 )
         elif isinstance(action, Recovered):
             progress = world.progress
-            if policy.restart_tier(self.spec, world.nodes):
+            if restart_tier(self.spec, world.nodes):
                 progress = launched(action.plan, world.nodes)
             record = self.observer.recovered(self.status, action.plan, progress)
             if record is not None:

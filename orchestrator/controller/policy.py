@@ -11,20 +11,17 @@ Per job it:
 
 * starts the job when ``nodes.max`` nodes are warm (or ``nodes.min`` after
   the last-call timeout), in topology order, the rest as warm spares;
-* on a break (workers reported the generation broken) replaces at once the
-  silent members whose agents refused a liveness probe, once every silent
-  member has refused or answered (one that answered is late, not failed, and
-  keeps its place); otherwise waits ``REPORT_GRACE`` for the silent members'
-  reports, then replaces those that neither reported nor answered (or, when
-  every one answered, all of them);
+* on a break (workers reported the generation broken) replaces the members
+  the rules of :mod:`orchestrator.controller.breaks` name (a refused liveness
+  probe at once, a late member never, the rest after ``REPORT_GRACE``);
 * replaces a member whose registration lease expired;
 * kills a worker whose heartbeat stopped for 3 heartbeat intervals (a frozen
   process; not when every heartbeat stopped at once: then their way to etcd
   is stuck, and the workers pause for that);
-* puts a warm spare from the failed node's rack (then zone) in its place,
-  and orders the new members by topology so the ring crosses the fewest
-  boundaries; scales down to ``nodes.min`` when no spare is left and fails
-  the job when fewer than ``nodes.min`` remain for ``rendezvous.join_timeout``;
+* puts a warm spare from the failed node's rack (then zone) in its place
+  (:mod:`orchestrator.controller.plans`); scales down to ``nodes.min`` when no
+  spare is left and fails the job when fewer than ``nodes.min`` remain for
+  ``rendezvous.join_timeout``;
 * treats a step that raised an error of the training script's own (a break
   report with ``user_error``, while no member's agent is gone) as the script's
   failure, not a peer's: the job restarts in a new generation up to
@@ -40,8 +37,7 @@ with what its agents write in place of the runtime's heartbeats: a node is
 ready once its agent registered (its standbys are started), a break report
 comes from an agent for all its workers when one exits with an error, and a
 recovery ends when every member's agent has launched the new generation's
-workers.  The culprit of a script error is the earliest report, and silent
-members (not known dead) get ``REPORT_GRACE`` to report first, so the job's
+workers.  Silent members get ``REPORT_GRACE`` to report first, so the job's
 message names the script's own error rather than a peer's broken collective.
 A stop ends such a job at once (the script has no step boundary to stop at).
 """
@@ -51,9 +47,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from datetime import timedelta
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.controller.actions import (
     Action,
@@ -65,17 +59,24 @@ from orchestrator.controller.actions import (
     PublishPlan,
     Recovered,
 )
+from orchestrator.controller.breaks import culprit, judge_break, reports_pending
 from orchestrator.controller.commands import take_commands
-from orchestrator.controller.hangs import STALE_BEATS, hung_workers
-from orchestrator.controller.placement import nearest_spare, replacement_order, spread_spares
+from orchestrator.controller.hangs import hung_workers
+from orchestrator.controller.plans import (
+    is_warm,
+    make_plan,
+    restart_tier,
+    start_members,
+    startup_failure,
+    swap_in_spares,
+    topology_ordered,
+    trains_again,
+)
 from orchestrator.controller.world import World, silent_members, workers_of
-from orchestrator.records import JobStatus, Member, NodeRecord, Plan
+from orchestrator.records import JobStatus, Plan
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
-from orchestrator.topology import NodeInfo, topology_order
 
-#: After the first failure report, how long to wait for the other survivors' reports.
-REPORT_GRACE = timedelta(seconds=1.0)
 #: After an outage, how long lease expiry and stale heartbeats are not taken as failures
 #: (agents re-register and workers beat again within a lease TTL or two).
 OUTAGE_GRACE = SETTINGS.outage_grace
@@ -112,15 +113,6 @@ class Decision:
     memory: Memory
     status: JobStatus
     actions: list[Action]
-
-
-def restart_tier(spec: JobSpec, nodes: dict[str, NodeRecord]) -> bool:
-    """Whether the job runs in the restart tier: said by the spec, or, for ``auto``
-    (a job submitted without the entrypoint check), by the agents that resolved it."""
-    mode = spec.fault_tolerance.recovery
-    if mode is not RecoveryMode.AUTO:
-        return mode is RecoveryMode.RESTART
-    return any(n.recovery == RecoveryMode.RESTART.value for n in nodes.values())
 
 
 def decide(spec: JobSpec, memory: Memory, status: JobStatus, world: World) -> Decision:
@@ -163,40 +155,10 @@ class _Decider:
         return restart_tier(self.spec, self.w.nodes)
 
     def warm(self, node: str) -> bool:
-        """A registered node whose every worker is alive and beating (ready for a slot).
-
-        In the restart tier, a registered node: its agent registers once its
-        standbys are started, and its workers write no heartbeats.
-        """
-        info = self.w.nodes.get(node)
-        if info is None:
-            return False
-        if self.restart_tier:
-            return True
-        stale = STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds()
-        for i in range(info.slots):
-            p = self.w.progress.get(keys.worker_id(node, i))
-            if p is None or self.w.now - p.beat > stale or p.pid not in info.worker_pids:
-                return False
-        return True
-
-    def node_info(self, node: str) -> NodeInfo:
-        info = self.w.nodes.get(node)
-        slots = info.slots if info is not None else self.spec.nproc_per_node
-        return NodeInfo(node, slots, dict(info.labels) if info is not None else {})
+        return is_warm(self.spec, self.w, node, self.restart_tier)
 
     def make_plan(self, generation: int, order: list[str], spares: list[str], why: str) -> Plan:
-        members, base = [], 0
-        for node in order:
-            info = self.node_info(node)
-            members.append(Member(node, base, info.slots, dict(info.labels)))
-            base += info.slots
-        return Plan(generation, members, spares=list(spares), reason=why)
-
-    def ordered(self, nodes: list[str], previous: list[str] | None = None) -> list[str]:
-        labels = self.spec.comm.topology_labels
-        order = topology_order([self.node_info(n) for n in nodes], labels, previous)
-        return list(order.node_ids)
+        return make_plan(self.spec, self.w, generation, order, spares, why)
 
     def short_too_long(self, what: str, advice: str) -> bool:
         """Fewer nodes than ``nodes.min``: fail the job once that lasted ``join_timeout``."""
@@ -251,33 +213,16 @@ class _Decider:
             )
             return
         self.m.short_since = None
-        ordered = self.ordered(warm)
-        infos = [self.node_info(n) for n in ordered]
-        waiting = set(spread_spares(infos, len(ordered) - need_max, self.spec.comm.topology_labels))
-        active = self.ordered([n for n in ordered if n not in waiting])
-        spares = [n for n in ordered if n in waiting]
+        active, spares = start_members(self.spec, self.w, warm)
         self.actions.append(PublishPlan(self.make_plan(1, active, spares, "start")))
         self.phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
 
     def failed_to_start(self, warm: list[str]) -> bool:
-        """Fail the job when every node's workers failed the same way before any step.
-
-        A script that cannot start (a missing file or module, a syntax error)
-        fails alike on every node; waiting for ``join_timeout`` would not help.
-        """
-        failures = self.w.startup_failures
-        known = set(self.w.nodes) | set(failures)
-        if warm or len(known) < self.spec.nodes.min or set(failures) != known:
-            return False
-        reasons = set(failures.values())
-        if len(reasons) != 1:
-            return False
-        self.phase(
-            JobPhase.FAILED,
-            f"the workers of every node ({', '.join(sorted(known))}) failed before their "
-            f"first step: {reasons.pop()}; fix the entrypoint and submit the job again",
-        )
-        return True
+        """Fail the job when every node's workers failed the same way before any step."""
+        why = startup_failure(self.spec, self.w, warm)
+        if why is not None:
+            self.phase(JobPhase.FAILED, why)
+        return why is not None
 
     def notice_outage(self) -> None:
         silence = self.w.silence
@@ -381,7 +326,7 @@ class _Decider:
         recovering = status.phase is JobPhase.RECOVERING or (
             status.phase is JobPhase.PAUSED and self.m.paused_from is JobPhase.RECOVERING
         )
-        if recovering and self.recovered(plan, workers):
+        if recovering and trains_again(plan, w, self.restart_tier, self.m.recovery_step):
             self.actions.append(Recovered(plan))  # its event says how long it took
             message = f"generation {plan.generation} trains again"
             if self.restart_tier:
@@ -397,40 +342,16 @@ class _Decider:
             self.m.recovery_started = None
 
     def wait_for_reports(self, plan: Plan) -> bool:
-        """Restart tier: give silent members, not known dead, ``REPORT_GRACE`` to report.
-
-        Their reports tell whose failure came first (the script's own error, or
-        the collective it broke on the peers).
-        """
-        w, m = self.w, self.m
-        if m.reported is None or m.reported[0] != plan.generation:
-            m.reported = (plan.generation, w.mono)
-        waiting = silent_members(plan, w.reports) - w.dead
-        return bool(waiting) and w.mono - m.reported[1] < REPORT_GRACE.total_seconds()
-
-    def recovered(self, plan: Plan, workers: list[str]) -> bool:
-        if self.restart_tier:
-            # no step heartbeats: recovered once every member launched the generation
-            return all(
-                (info := self.w.nodes.get(m.node)) is not None
-                and info.generation == plan.generation
-                for m in plan.members
-            )
-        for x in workers:
-            p = self.w.progress.get(x)
-            if p is None or p.generation != plan.generation or p.step <= self.m.recovery_step:
-                return False
-        return True
+        """Restart tier: give silent members, not known dead, time to report first."""
+        if self.m.reported is None or self.m.reported[0] != plan.generation:
+            self.m.reported = (plan.generation, self.w.mono)
+        return reports_pending(plan, self.w, self.m.reported[1])
 
     def user_error(self, plan: Plan) -> None:
         """The training script raised in a step: restart up to max_restarts, then fail."""
         if plan.generation not in self.m.user_errors:
             self.m.user_errors.append(plan.generation)
-        # the earliest report is the culprit: the peers' collectives broke after it
-        worker, report = min(
-            ((x, r) for x, r in self.w.reports.items() if r.user_error),
-            key=lambda item: (item[1].at, item[0]),
-        )
+        worker, report = culprit(self.w.reports)
         limit = self.spec.fault_tolerance.max_restarts
         used = len(self.m.user_errors)
         # the restart tier sees no steps: it names the generation instead
@@ -471,37 +392,10 @@ class _Decider:
                 self.phase(
                     JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
                 )
-        silent = silent_members(plan, w.reports)
         hung = m.hung[1] if m.hung[0] == plan.generation else frozenset()
-        # a refused liveness probe is first-hand: it needs no grace, not even after an
-        # outage; nor does a node whose worker was killed for a hang (it cannot report)
-        known = (w.dead | hung) & silent
-        # a silent member whose agent answered a probe is late, not gone: at a thousand
-        # nodes the survivors' reports take a while to land, and waiting for them, or
-        # replacing the late ones, would make one failure cost many
-        late = (w.alive & silent) - known
-        waiting = silent - known - late
-        # no wait once every silent member is accounted for and one of them is gone
-        if (waiting or (late and not known)) and (
-            w.mono - m.break_seen_at < REPORT_GRACE.total_seconds() or self.in_grace()
-        ):
-            return  # give the other survivors time to report
-        if all(r.planned for r in w.reports.values()) and not silent:
-            return  # a planned switch: the new generation is already published
-        # whoever neither answered nor reported; if every silent member's agent
-        # answers (a worker of theirs died, not the node), those members
-        failed = (silent - late) or silent
-        self.replace(plan, failed, self._why(failed, w.dead, hung), agent_gone=w.dead & failed)
-
-    @staticmethod
-    def _why(failed: set[str], dead: set[str], hung: frozenset[str] | set[str]) -> str:
-        """Why ``failed`` are replaced, in the words of the failure event."""
-        names = ", ".join(sorted(failed))
-        if failed <= dead:
-            return f"agent of {names} gone (liveness port refused)"
-        if hung and failed <= set(hung) | dead:
-            return f"a worker of {names} hung and was killed"
-        return f"no report from {names}"
+        verdict = judge_break(plan, w, hung, m.break_seen_at, self.in_grace())
+        if verdict is not None:
+            self.replace(plan, verdict.failed, verdict.why, agent_gone=verdict.agent_gone)
 
     def replace(
         self, plan: Plan, failed: set[str], why: str, agent_gone: set[str] | None = None
@@ -509,21 +403,10 @@ class _Decider:
         members = [m.node for m in plan.members]
         spares = [
             n
-            for n in self.ordered(list(self.w.nodes))
+            for n in topology_ordered(self.spec, self.w, list(self.w.nodes))
             if n not in members and n not in failed and self.warm(n)
         ]
-        labels = self.spec.comm.topology_labels
-        swaps: dict[str, NodeInfo] = {}
-        for node in [n for n in members if n in failed]:
-            if spares:
-                old = plan.member(node)
-                gone = NodeInfo(node, 1, dict(old.labels) if old is not None else {})
-                spare = nearest_spare(gone, [self.node_info(s) for s in spares], labels)
-                spares.remove(spare.node_id)
-                swaps[node] = spare
-        swapped = [f"{spare.node_id} replaces {node}" for node, spare in swaps.items()]
-        staying = [self.node_info(n) for n in members if n not in failed or n in swaps]
-        order = replacement_order(staying, swaps, labels)
+        order, swapped, spares = swap_in_spares(self.spec, self.w, plan, failed, spares)
         kept = order
         if len(kept) < self.spec.nodes.min:
             if self.short_too_long(

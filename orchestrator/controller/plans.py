@@ -1,0 +1,170 @@
+"""Which nodes can take a slot, and the plans built from them.
+
+Pure functions over the job spec and a :class:`~orchestrator.controller.world.World`,
+used by the policy (:mod:`orchestrator.controller.policy`): it decides *when*
+a generation starts or changes; these say *which* nodes and in *what* order:
+
+* :func:`is_warm`: a node ready for a slot (its workers beat; in the restart
+  tier, its agent registered);
+* :func:`start_members`: the first generation's members and warm spares, in
+  topology order, spares spread over racks;
+* :func:`startup_failure`: every node's workers failed alike before a step;
+* :func:`swap_in_spares`: a warm spare for each failed member, nearest first;
+* :func:`make_plan`: a generation, its members' rank bases in ring order;
+* :func:`trains_again`: every member of a new generation is past the break;
+* :func:`restart_tier`: whether the job's nodes run the restart tier.
+
+Runs in the controller.
+"""
+
+from __future__ import annotations
+
+from orchestrator import keys
+from orchestrator.controller.hangs import STALE_BEATS
+from orchestrator.controller.placement import nearest_spare, replacement_order, spread_spares
+from orchestrator.controller.world import World, workers_of
+from orchestrator.records import Member, NodeRecord, Plan
+from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.topology import NodeInfo, topology_order
+
+__all__ = [
+    "is_warm",
+    "make_plan",
+    "node_info",
+    "restart_tier",
+    "start_members",
+    "startup_failure",
+    "swap_in_spares",
+    "topology_ordered",
+    "trains_again",
+]
+
+
+def restart_tier(spec: JobSpec, nodes: dict[str, NodeRecord]) -> bool:
+    """Whether the job runs in the restart tier: said by the spec, or, for ``auto``
+    (a job submitted without the entrypoint check), by the agents that resolved it."""
+    mode = spec.fault_tolerance.recovery
+    if mode is not RecoveryMode.AUTO:
+        return mode is RecoveryMode.RESTART
+    return any(n.recovery == RecoveryMode.RESTART.value for n in nodes.values())
+
+
+def is_warm(spec: JobSpec, world: World, node: str, restart_tier: bool) -> bool:
+    """A registered node whose every worker is alive and beating (ready for a slot).
+
+    In the restart tier, a registered node: its agent registers once its
+    standbys are started, and its workers write no heartbeats.
+    """
+    info = world.nodes.get(node)
+    if info is None:
+        return False
+    if restart_tier:
+        return True
+    stale = STALE_BEATS * spec.fault_tolerance.heartbeat_interval.total_seconds()
+    for i in range(info.slots):
+        p = world.progress.get(keys.worker_id(node, i))
+        if p is None or world.now - p.beat > stale or p.pid not in info.worker_pids:
+            return False
+    return True
+
+
+def node_info(spec: JobSpec, world: World, node: str) -> NodeInfo:
+    """A node's slots and topology labels (a node gone from etcd: the spec's slots, no labels)."""
+    info = world.nodes.get(node)
+    slots = info.slots if info is not None else spec.nproc_per_node
+    return NodeInfo(node, slots, dict(info.labels) if info is not None else {})
+
+
+def topology_ordered(
+    spec: JobSpec, world: World, nodes: list[str], previous: list[str] | None = None
+) -> list[str]:
+    """``nodes`` in topology order (:func:`orchestrator.topology.topology_order`)."""
+    infos = [node_info(spec, world, n) for n in nodes]
+    return list(topology_order(infos, spec.comm.topology_labels, previous).node_ids)
+
+
+def make_plan(
+    spec: JobSpec, world: World, generation: int, order: list[str], spares: list[str], why: str
+) -> Plan:
+    """Generation ``generation``: the nodes of ``order`` take ranks in that order."""
+    members, base = [], 0
+    for node in order:
+        info = node_info(spec, world, node)
+        members.append(Member(node, base, info.slots, dict(info.labels)))
+        base += info.slots
+    return Plan(generation, members, spares=list(spares), reason=why)
+
+
+def start_members(spec: JobSpec, world: World, warm: list[str]) -> tuple[list[str], list[str]]:
+    """The first generation: (members in ring order, warm spares spread over racks)."""
+    ordered = topology_ordered(spec, world, warm)
+    infos = [node_info(spec, world, n) for n in ordered]
+    labels = spec.comm.topology_labels
+    waiting = set(spread_spares(infos, len(ordered) - spec.nodes.max, labels))
+    active = topology_ordered(spec, world, [n for n in ordered if n not in waiting])
+    return active, [n for n in ordered if n in waiting]
+
+
+def startup_failure(spec: JobSpec, world: World, warm: list[str]) -> str | None:
+    """Why the job fails before it started, when every node's workers failed the same way.
+
+    A script that cannot start (a missing file or module, a syntax error)
+    fails alike on every node; waiting for ``join_timeout`` would not help.
+    None while any node is warm, or the failures differ or are not all in.
+    """
+    failures = world.startup_failures
+    known = set(world.nodes) | set(failures)
+    if warm or len(known) < spec.nodes.min or set(failures) != known:
+        return None
+    reasons = set(failures.values())
+    if len(reasons) != 1:
+        return None
+    return (
+        f"the workers of every node ({', '.join(sorted(known))}) failed before their "
+        f"first step: {reasons.pop()}; fix the entrypoint and submit the job again"
+    )
+
+
+def swap_in_spares(
+    spec: JobSpec, world: World, plan: Plan, failed: set[str], spares: list[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """A spare for each failed member of ``plan``, as long as spares last.
+
+    Args:
+        spares: warm spares in topology order.
+
+    Returns:
+        The next generation's members in ring order, what was swapped in words
+        (``b replaces a``), and the spares left.
+    """
+    spares = list(spares)
+    labels = spec.comm.topology_labels
+    members = [m.node for m in plan.members]
+    swaps: dict[str, NodeInfo] = {}
+    for node in [n for n in members if n in failed]:
+        if spares:
+            old = plan.member(node)
+            gone = NodeInfo(node, 1, dict(old.labels) if old is not None else {})
+            spare = nearest_spare(gone, [node_info(spec, world, s) for s in spares], labels)
+            spares.remove(spare.node_id)
+            swaps[node] = spare
+    swapped = [f"{spare.node_id} replaces {node}" for node, spare in swaps.items()]
+    staying = [node_info(spec, world, n) for n in members if n not in failed or n in swaps]
+    return replacement_order(staying, swaps, labels), swapped, spares
+
+
+def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) -> bool:
+    """Every worker of ``plan`` stepped past ``since_step`` in it (the recovery is over).
+
+    In the restart tier (no step heartbeats): once every member's agent launched it.
+    """
+    if restart_tier:
+        return all(
+            (info := world.nodes.get(m.node)) is not None and info.generation == plan.generation
+            for m in plan.members
+        )
+    for x in workers_of(plan):
+        p = world.progress.get(x)
+        if p is None or p.generation != plan.generation or p.step <= since_step:
+            return False
+    return True

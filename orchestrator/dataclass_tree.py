@@ -235,6 +235,9 @@ def nested_problems(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------- the way back
 
 
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
 def _seconds(value: timedelta) -> Any:
     return value.total_seconds()
 
@@ -246,8 +249,11 @@ def plain(value: Any, duration: Callable[[timedelta], Any] = _seconds) -> Any:
         value: a dataclass tree, or any part of one.
         duration: how a :class:`~datetime.timedelta` is written (default: seconds).
     """
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.key: plain(getattr(value, f.name), duration) for f in fields_of(type(value))}
+    kind = type(value)
+    if kind in _ATOMS:  # most values: checked first, records are encoded on every tick
+        return value
+    if hasattr(kind, "__dataclass_fields__"):
+        return {f.key: plain(getattr(value, f.name), duration) for f in fields_of(kind)}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, timedelta):

@@ -1,7 +1,12 @@
 """The shared etcd core.
 
 * ``client``: :class:`~orchestrator.etcd.client.EtcdClient` and ``connect``;
-  every etcd call goes through it (fail-over, retries, silences).
+  every etcd call goes through it: the key-value facade over the parts below.
+* ``transport``: every call's fail-over between members, retries, named
+  refusals, and the outage bookkeeping (``unreachable_for``, silences, NOSPACE).
+* ``ranges``: reads of a prefix in pages at one revision; trimming the oldest keys.
+* ``transactions``: compare-and-set, fenced writes, many keys at once, write sizes.
+* ``maintenance``: status, database sizes, alarms, compaction, defragmentation.
 * ``options``: ``EtcdOptions`` (endpoints, TLS, credentials, timeouts).
 * ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``, ``Lease``.
 * ``channel``: opening the etcd3 library's client of each member; the connect loop.

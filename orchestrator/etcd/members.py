@@ -61,7 +61,7 @@ MAX_REQUEST_BYTES = 1536 * 1024
 #: :data:`MAX_REQUEST_BYTES` before they are sent.
 MAX_SEND_MESSAGE_BYTES = MAX_REQUEST_BYTES + 512 * 1024
 #: gRPC limit on one answer (gRPC's default is 4 MiB).  Range reads are paged to
-#: about 1 MiB (``orchestrator.etcd.client.PAGE_BYTES``), so this only leaves
+#: about 1 MiB (``orchestrator.etcd.ranges.PAGE_BYTES``), so this only leaves
 #: room for a page of keys that are each near etcd's 1.5 MiB limit; a larger
 #: answer is asked for again in smaller pages.
 MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024

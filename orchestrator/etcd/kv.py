@@ -1,10 +1,11 @@
 """What the etcd client hands out: key-values, watch events, watches and leases.
 
 In whichever process holds a client.  Values are ``bytes``.  A :class:`Lease`
-refreshes itself in a daemon thread once asked to (:meth:`Lease.keep_alive`)
-and rides out etcd outages: etcd extends every lease by its TTL when a new
-raft leader is elected.  A lease reaches etcd only through the client's
-public lease calls (:class:`LeaseCalls`).
+refreshes itself in a daemon thread once asked to (:meth:`Lease.keep_alive`,
+the one keep-alive loop of ringmaster: node registrations, the controller's
+leadership, rendezvous runs) and rides out etcd outages: etcd extends every
+lease by its TTL when a new raft leader is elected.  A lease reaches etcd
+only through the client's public lease calls (:class:`LeaseCalls`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@
 * ``transactions``: compare-and-set, fenced writes, many keys at once, write sizes.
 * ``maintenance``: status, database sizes, alarms, compaction, defragmentation.
 * ``options``: ``EtcdOptions`` (endpoints, TLS, credentials, timeouts).
-* ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``, ``Lease``.
+* ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``,
+  ``Lease`` (with the one lease keep-alive loop).
+* ``watch``: ``KeyFollower``, the one loop that follows a key or prefix through
+  outages, resuming from the revision after the last one it saw.
 * ``channel``: opening the etcd3 library's client of each member; the connect loop.
 * ``members``: the members as a client sees them: which one calls go to, fail-over,
   per-attempt deadlines.

@@ -25,7 +25,8 @@ why, or at once with an :class:`~orchestrator.api.EtcdAuthError` when TLS or
 the credentials cannot work (:mod:`orchestrator.etcd.diagnosis`).
 
 Options are in :mod:`orchestrator.etcd.options`, the values handed out in
-:mod:`orchestrator.etcd.kv`, waiting out outages in
+:mod:`orchestrator.etcd.kv`, following a key through outages in
+:mod:`orchestrator.etcd.watch`, waiting out outages in
 :mod:`orchestrator.etcd.retry`.  Importing this module sets no environment
 variable; the gRPC settings of ringmaster's own processes are in
 :mod:`orchestrator.etcd.grpc_env`.
@@ -307,6 +308,9 @@ class EtcdClient:
 
     def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
         """Watch a key (or every key under a prefix) from ``start_revision`` on.
+
+        To follow a key through etcd's outages, use
+        :class:`~orchestrator.etcd.watch.KeyFollower`.
 
         Raises:
             EtcdCompactedError: ``start_revision`` is compacted away.

@@ -112,6 +112,14 @@ class _Watcher(etcd_watch.Watcher):
     def timeout(self, value: float | None) -> None:
         self._default_timeout = value
 
+    def _handle_response(self, rs: Any) -> None:
+        super()._handle_response(rs)
+        if rs.created and rs.compact_revision != 0:
+            # The library records a watch refused for a compacted start revision
+            # but wakes no one: the caller would wait out its whole deadline.
+            with self._lock:
+                self._new_watch_cond.notify_all()
+
 
 class MemberClient(etcd3.MultiEndpointEtcd3Client):
     """The etcd3 library's client of one member, without the library's fail-over.

@@ -4,9 +4,9 @@ The controller publishes who trains (:class:`~orchestrator.records.Plan`,
 one generation after another) and what the workers should do at the next
 step boundary (:class:`~orchestrator.records.ControlRecord`).  A
 :class:`PlanWatcher` keeps the newest of each in memory, from background
-threads that watch both keys.  A watch ends when etcd goes away (a member
-killed, quorum lost, the node cut off); each is re-established, after a
-fresh read, until :meth:`PlanWatcher.stop`.
+threads that follow both keys (:class:`~orchestrator.etcd.watch.KeyFollower`:
+a watch broken by etcd going away resumes from the revision after the last
+one seen, so no change is missed), until :meth:`PlanWatcher.stop`.
 
 A worker started by a node agent reads both from the agent's plan feed
 (:mod:`agents.channels.plan_feed`) instead, and watches etcd only once that feed ends.
@@ -14,17 +14,17 @@ A worker started by a node agent reads both from the agent's plan feed
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
 import time
-from typing import Any
 
 from agents.channels.plan_feed import PLAN, follow_feed
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.kv import WatchEvent
+from orchestrator.etcd.watch import KeyFollower
 from orchestrator.records import ControlRecord, Plan, RecordError
 
 log = logging.getLogger("ringmaster.worker")
@@ -56,7 +56,7 @@ class PlanWatcher:
         self._control_revision = -1
         self._loaded_at = -math.inf
         self._stopped = threading.Event()
-        self._watches: dict[str, Any] = {}
+        self._followers: list[KeyFollower] = []
         #: where the plan comes from now: ``feed`` (the node agent's) or ``etcd``
         self.source = "feed" if feed else "etcd"
         self.load()
@@ -68,7 +68,8 @@ class PlanWatcher:
     def _watch_etcd(self) -> None:
         self.source = "etcd"
         for key in (self._plan_key, self._control_key):
-            threading.Thread(target=self._follow, args=(key,), daemon=True).start()
+            follower = KeyFollower(self._client, key, self._changed, stop=self._stopped)
+            self._followers.append(follower.start())
 
     def _follow_feed(self, address: str) -> None:
         """Take what the agent's feed sends; once it ends, watch etcd instead."""
@@ -127,24 +128,13 @@ class PlanWatcher:
         except RecordError as e:  # written by something else: keep what we had
             log.warning("ignoring %s", e)
 
-    def _follow(self, key: str) -> None:
-        while not self._stopped.is_set():
-            try:
-                watch = self._client.watch(key)
-                self._watches[key] = watch
-                if self._stopped.is_set():
-                    watch.cancel()
-                    return
-                self._load()  # whatever changed while no watch was running
-                for ev in watch:
-                    if ev.value is None:
-                        continue
-                    with self._cond:
-                        self._take(key, ev.value, ev.mod_revision)
-                        self._cond.notify_all()
-            except Exception as e:  # etcd went away; the loop watches again
-                log.debug("watch of %s ended: %s", key, e)
-            self._stopped.wait(0.5)
+    def _changed(self, event: WatchEvent) -> None:
+        """A follower's event: keep what was stored (a deleted key changes nothing)."""
+        if event.value is None:
+            return
+        with self._cond:
+            self._take(event.key, event.value, event.mod_revision)
+            self._cond.notify_all()
 
     def wait_newer(self, generation: int, timeout: float) -> Plan | None:
         """The current plan if newer than ``generation``, waiting up to ``timeout`` seconds."""
@@ -154,7 +144,7 @@ class PlanWatcher:
             )
             plan = self._plan
         if (plan is None or plan.generation <= generation) and self._reread_due():
-            self._load()  # a watch may have missed an event while etcd was away
+            self._load()  # in case a watch hangs on a connection that died silently
             plan = self._plan
         return plan if plan is not None and plan.generation > generation else None
 
@@ -175,6 +165,5 @@ class PlanWatcher:
 
     def stop(self) -> None:
         self._stopped.set()
-        for w in list(self._watches.values()):
-            with contextlib.suppress(Exception):
-                w.cancel()
+        for follower in list(self._followers):
+            follower.stop()

@@ -314,7 +314,7 @@ class SimNode:
         def add(c: Any) -> int:
             return int(c.add_watch_callback(key, callback))
 
-        return self.client._call(add)
+        return self.client.transport.call(add)
 
     def _arrived(self, index: int, response: Any) -> None:
         """Raw mode: a watch of the plan key delivered ``response`` (or an error)."""
@@ -338,7 +338,7 @@ class SimNode:
             w.stop()
         for watch_id in self.watch_ids:
             with contextlib.suppress(Exception):
-                self.client._raw.cancel_watch(watch_id)
+                self.client.transport.raw.cancel_watch(watch_id)
         self.watch_ids = []
         if revoke and self.lease is not None:
             self.lease.revoke()

@@ -92,7 +92,7 @@ def weigh(client: EtcdClient, prefix: str, single: bool = False) -> dict[str, An
     """Keys under ``prefix`` (or the one key), the bytes of the response that reads them,
     and the largest of them (key and value: about what the put that wrote it carried)."""
     if single:
-        resp = client._call(lambda c: c.get_response(prefix))
+        resp = client.transport.call(lambda c: c.get_response(prefix))
         largest = max((len(kv.key) + len(kv.value) for kv in resp.kvs), default=0)
         return {
             "keys": len(resp.kvs),
@@ -108,7 +108,7 @@ def weigh(client: EtcdClient, prefix: str, single: bool = False) -> dict[str, An
         return c.get_range_response(first, end, sort_order="ascend", limit=PAGE)
 
     while True:
-        resp = client._call(functools.partial(page, first=start))
+        resp = client.transport.call(functools.partial(page, first=start))
         header = resp.header.ByteSize() + 2
         for kv in resp.kvs:
             size = kv.ByteSize()

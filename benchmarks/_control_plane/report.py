@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import IO, Any
 
-from orchestrator.etcd.client import PAGE_BYTES
+from orchestrator.etcd.ranges import PAGE_BYTES
 
 MIB = 1024 * 1024
 

@@ -5,7 +5,8 @@ then ticks a :class:`~orchestrator.controller.job.JobController` per job
 every ``TICK``, and at once when something it must act on changes under the
 jobs prefix (a watch wakes it: registrations, reports, commands, the plan;
 not the steady stream of progress, nor logs, history, events and status,
-which the controller writes itself, see :data:`NO_WAKE`), and compacts etcd's
+which the controller writes itself, see :data:`NO_WAKE`; the watch resumes
+after etcd outages, :class:`~orchestrator.etcd.watch.KeyFollower`), and compacts etcd's
 history every few seconds (:mod:`orchestrator.etcd.compactor`).  Standbys wait;
 one that takes over reads everything back from etcd.  With ``metrics_port``
 it serves Prometheus metrics and publishes their URL.
@@ -13,18 +14,18 @@ it serves Prometheus metrics and publishes their URL.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from datetime import timedelta
-from typing import Any
 
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.compactor import HistoryCompactor
+from orchestrator.etcd.kv import WatchEvent
 from orchestrator.etcd.leader import LeaderElection
+from orchestrator.etcd.watch import KeyFollower
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
 from orchestrator.records import SpecRecord
 
@@ -69,7 +70,15 @@ class Controller:
         if self.metrics_server is not None:
             url = self.metrics_server.start()
             self.client.put(keys.controller_metrics(self.job), url)
-        threading.Thread(target=self._follow, args=(stop,), daemon=True).start()
+        follower = KeyFollower(
+            self.client,
+            keys.jobs_prefix(),
+            self._changed,
+            prefix=True,
+            values=False,  # the tick reads what it needs; a watch only wakes it
+            on_read=self._wake.set,  # after a compaction: what changed is unknown
+        )
+        follower.start("controller-wake")
         compactor = HistoryCompactor(self.client)
         threading.Thread(
             target=compactor.run,
@@ -100,28 +109,15 @@ class Controller:
                 self._wake.wait(TICK.total_seconds())
                 self._wake.clear()
         finally:
+            follower.stop()
             self.election.resign()
             if self.metrics_server is not None:
                 self.metrics_server.stop()
 
-    def _follow(self, stop: threading.Event) -> None:
-        """Wake the loop on any change under the jobs prefix; renew the watch after outages."""
-        while not stop.is_set():
-            watch: Any = None
-            try:
-                watch = self.client.watch(keys.jobs_prefix(), prefix=True)
-                for event in watch:
-                    if wakes(event.key):
-                        self._wake.set()
-                    if stop.is_set():
-                        break
-            except Exception as e:  # etcd gone; the loop's timeout keeps us going
-                log.debug("controller watch ended: %s", e)
-            finally:
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        watch.cancel()
-            stop.wait(0.5)
+    def _changed(self, event: WatchEvent) -> None:
+        """Wake the loop on a change under the jobs prefix that it must act on at once."""
+        if wakes(event.key):
+            self._wake.set()
 
     def _tick_all(self) -> None:
         names = [self.job] if self.job else _job_names(self.client)

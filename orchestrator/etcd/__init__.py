@@ -1,9 +1,17 @@
 """The shared etcd core.
 
 * ``client``: :class:`~orchestrator.etcd.client.EtcdClient` and ``connect``;
-  every etcd call goes through it (fail-over, retries, silences).
+  every etcd call goes through it: the key-value facade over the parts below.
+* ``transport``: every call's fail-over between members, retries, named
+  refusals, and the outage bookkeeping (``unreachable_for``, silences, NOSPACE).
+* ``ranges``: reads of a prefix in pages at one revision; trimming the oldest keys.
+* ``transactions``: compare-and-set, fenced writes, many keys at once, write sizes.
+* ``maintenance``: status, database sizes, alarms, compaction, defragmentation.
 * ``options``: ``EtcdOptions`` (endpoints, TLS, credentials, timeouts).
-* ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``, ``Lease``.
+* ``kv``: what the client hands out: ``KeyValue``, ``WatchEvent``, ``Watch``,
+  ``Lease`` (with the one lease keep-alive loop).
+* ``watch``: ``KeyFollower``, the one loop that follows a key or prefix through
+  outages, resuming from the revision after the last one it saw.
 * ``channel``: opening the etcd3 library's client of each member; the connect loop.
 * ``members``: the members as a client sees them: which one calls go to, fail-over,
   per-attempt deadlines.

@@ -1,24 +1,38 @@
 """What the etcd client hands out: key-values, watch events, watches and leases.
 
-Values are ``bytes``.  A :class:`Lease` refreshes itself in a daemon thread
-once asked to (:meth:`Lease.keep_alive`) and rides out etcd outages: etcd
-extends every lease by its TTL when a new raft leader is elected.
+In whichever process holds a client.  Values are ``bytes``.  A :class:`Lease`
+refreshes itself in a daemon thread once asked to (:meth:`Lease.keep_alive`,
+the one keep-alive loop of ringmaster: node registrations, the controller's
+leadership, rendezvous runs) and rides out etcd outages: etcd extends every
+lease by its TTL when a new raft leader is elected.  A lease reaches etcd
+only through the client's public lease calls (:class:`LeaseCalls`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import etcd3
+import etcd3.exceptions as etcd_exc
 
 from orchestrator.api import EtcdError
+from orchestrator.etcd.diagnosis import EtcdCompactedError
 
-if TYPE_CHECKING:
-    from orchestrator.etcd.client import EtcdClient
+__all__ = [
+    "KeyValue",
+    "Lease",
+    "LeaseCalls",
+    "Watch",
+    "WatchEvent",
+    "compacted_watch",
+    "from_proto",
+    "key_value",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +94,19 @@ class Watch:
         self._cancel = cancel
 
     def __iter__(self) -> Iterator[WatchEvent]:
-        for ev in self._events:
-            value = None if isinstance(ev, etcd3.events.DeleteEvent) else bytes(ev.value)
-            yield WatchEvent(ev.key.decode(), value, int(ev.mod_revision))
+        """The events as they come; ends when the watch is cancelled or its stream ends.
+
+        Raises:
+            EtcdCompactedError: etcd compacted its history past what this watch
+                had still to send (it fell that far behind); the watch is over.
+            Exception: the stream broke (etcd3's connection errors).
+        """
+        try:
+            for ev in self._events:
+                value = None if isinstance(ev, etcd3.events.DeleteEvent) else bytes(ev.value)
+                yield WatchEvent(ev.key.decode(), value, int(ev.mod_revision))
+        except etcd_exc.RevisionCompactedError as e:
+            raise compacted_watch(e) from e
 
     def cancel(self) -> None:
         self._cancel()
@@ -94,76 +118,123 @@ class Watch:
         self.cancel()
 
 
-class Lease:
-    """An etcd lease; keys put with it vanish when it expires or is revoked."""
+def compacted_watch(e: etcd_exc.RevisionCompactedError) -> EtcdCompactedError:
+    """The named error for a watch whose revisions etcd has compacted away."""
+    return EtcdCompactedError(
+        f"etcd compacted its history up to revision {e.compacted_revision}, "
+        "past the revision a watch was to start from"
+    )
 
-    def __init__(self, client: EtcdClient, raw: Any, ttl: int) -> None:
+
+class LeaseCalls(Protocol):
+    """What a :class:`Lease` needs of the client (:class:`~orchestrator.etcd.client.EtcdClient`)."""
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Refresh once; the TTL granted, ``<= 0`` when the lease is gone."""
+        ...
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke the lease: its keys vanish at once."""
+        ...
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds the lease has left, -1 when it is gone."""
+        ...
+
+
+class Lease:
+    """An etcd lease; keys put with it vanish when it expires or is revoked.
+
+    Granted by :meth:`~orchestrator.etcd.client.EtcdClient.lease`.
+    """
+
+    def __init__(self, client: LeaseCalls, lease_id: int, ttl: int) -> None:
         self._client = client
-        self._raw = raw
+        self._id = int(lease_id)
         self.ttl = ttl
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def id(self) -> int:
-        return int(self._raw.id)
+        return self._id
 
     def refresh(self) -> int:
         """Refresh once; returns the TTL granted, ``<= 0`` when the lease is gone."""
-        responses = self._client._call(lambda c: list(c.refresh_lease(self.id)))
-        return int(responses[-1].TTL) if responses else -1
+        return self._client.refresh_lease(self.id)
 
     def revoke(self) -> None:
+        """Stop the keep-alive and revoke the lease (a failure is logged: it expires anyway)."""
         self.stop_keepalive()
         try:
-            self._client._call(lambda c: c.revoke_lease(self.id))
+            self._client.revoke_lease(self.id)
         except EtcdError as e:  # the lease expires on its own anyway
             log.debug("revoking lease %x failed: %s", self.id, e)
 
     def remaining(self) -> int:
         """Seconds left, or -1 when the lease is gone."""
-        info = self._client._call(lambda c: c.get_lease_info(self.id))
-        return int(info.TTL)
+        return self._client.lease_ttl(self.id)
 
     def keep_alive(
-        self, interval: float | None = None, on_lost: Callable[[Lease], None] | None = None
+        self,
+        interval: float | None = None,
+        on_lost: Callable[[Lease], None] | None = None,
+        on_refreshed: Callable[[Lease, float], None] | None = None,
     ) -> None:
         """Refresh in a daemon thread every ``interval`` s (default ttl/3) until stopped.
 
-        Failed refreshes (etcd unreachable, no quorum) are retried: etcd extends
-        every lease by its TTL when a new raft leader is elected, so a lease
-        usually outlives an outage.  When etcd answers that the lease is gone,
-        ``on_lost(lease)`` is called once and the thread ends.
+        Failed refreshes (etcd unreachable, no quorum, a refusal) are retried:
+        etcd extends every lease by its TTL when a new raft leader is elected,
+        so a lease usually outlives an outage, and whether it did is known
+        only once etcd answers.  A holder that must know how long the lease
+        surely lives (a leader) passes ``on_refreshed(lease, sent)``: called
+        after each refresh etcd granted, with the ``time.monotonic()`` at which
+        that refresh was sent (the lease lives at least its TTL from then).
+        When etcd answers that the lease is gone, ``on_lost(lease)`` is called
+        once and the thread ends.  A second call while the thread runs does nothing.
         """
         if self._thread is not None:
             return
         every = interval if interval is not None else max(self.ttl / 3.0, 0.2)
         self._stop.clear()
-
-        def loop() -> None:
-            failing = False
-            while not self._stop.wait(every):
-                try:
-                    ttl = self.refresh()
-                except EtcdError as e:
-                    if not failing:
-                        log.warning("lease %x keep-alive failing (retrying): %s", self.id, e)
-                    failing = True
-                    continue
-                if failing and ttl > 0:
-                    log.warning("lease %x kept alive again", self.id)
-                failing = False
-                if ttl <= 0:
-                    log.warning("lease %x expired", self.id)
-                    if on_lost is not None:
-                        on_lost(self)
-                    return
-
-        self._thread = threading.Thread(target=loop, name=f"lease-{self.id:x}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._keep_alive,
+            args=(every, on_lost, on_refreshed),
+            name=f"lease-{self.id:x}",
+            daemon=True,
+        )
         self._thread.start()
 
+    def _keep_alive(
+        self,
+        every: float,
+        on_lost: Callable[[Lease], None] | None,
+        on_refreshed: Callable[[Lease, float], None] | None,
+    ) -> None:
+        failing = False
+        while not self._stop.wait(every):
+            sent = time.monotonic()
+            try:
+                ttl = self.refresh()
+            except EtcdError as e:
+                if not failing:
+                    log.warning("lease %x keep-alive failing (retrying): %s", self.id, e)
+                failing = True
+                continue
+            if failing and ttl > 0:
+                log.warning("lease %x kept alive again", self.id)
+            failing = False
+            if ttl <= 0:
+                log.warning("lease %x expired", self.id)
+                if on_lost is not None:
+                    on_lost(self)
+                return
+            if on_refreshed is not None and not self._stop.is_set():
+                on_refreshed(self, sent)
+
     def stop_keepalive(self) -> None:
+        """Stop refreshing (waits up to a second for the thread, unless called from it)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)

@@ -7,6 +7,9 @@ TTL), the key vanishes and the first standby to create it leads.  A leader
 that cannot refresh its lease (partitioned, or etcd without quorum) knows it
 is no longer leader by the lease's own deadline and stops acting; it leads
 again if the lease survived once etcd answers, and campaigns afresh if not.
+The lease is kept alive by its own loop (:meth:`~orchestrator.etcd.kv.Lease.keep_alive`),
+which tells the election when each refresh was sent and when the lease is gone.
+Runs in the controller (and in the CLI's local run, which hosts one).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import time
 from datetime import timedelta
 
 from orchestrator import keys
-from orchestrator.api import EtcdError, EtcdUnavailableError
+from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import Lease
 from orchestrator.settings import SETTINGS
+
+__all__ = ["DEFAULT_LEADER_TTL", "LeaderElection"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,6 @@ class LeaderElection:
         self.key = key or keys.controller_leader()
         self._lease: Lease | None = None
         self._valid_until = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -63,7 +66,11 @@ class LeaderElection:
         if self.client.create(self.key, self.identity, lease=lease):
             self._lease = lease
             self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
-            self._start_keepalive()
+            lease.keep_alive(
+                interval=self.ttl.total_seconds() / 3,
+                on_lost=self._lost,
+                on_refreshed=self._refreshed,
+            )
             log.warning("%s is now the leader", self.identity)
             return True
         lease.revoke()
@@ -84,38 +91,24 @@ class LeaderElection:
         kv = self.client.get(self.key)
         return kv.value.decode() if kv else None
 
-    def _start_keepalive(self) -> None:
-        self._stop.clear()
-        interval = self.ttl.total_seconds() / 3
+    def _refreshed(self, lease: Lease, sent: float) -> None:
+        """The lease was refreshed by a request sent at ``sent``: lead until 0.8 TTL past it.
 
-        def loop() -> None:
-            while not self._stop.wait(interval):
-                lease = self._lease
-                if lease is None:
-                    return
-                try:
-                    ttl = lease.refresh()
-                except EtcdUnavailableError as e:
-                    # Not leading while etcd is away (``is_leader`` lapses with the
-                    # deadline), but the lease may well survive the outage: etcd
-                    # extends leases when a new raft leader is elected.  Keep trying.
-                    log.warning("%s cannot refresh the leader lease: %s", self.identity, e)
-                    continue
-                except EtcdError as e:
-                    log.warning("%s lost leadership: %s", self.identity, e)
-                    self._lease = None
-                    return
-                if ttl <= 0:
-                    log.warning("%s lost leadership: the leader lease expired", self.identity)
-                    self._lease = None
-                    return
-                self._valid_until = time.monotonic() + self.ttl.total_seconds() * 0.8
+        While etcd is away no refresh comes, so ``is_leader`` lapses with the
+        deadline; the lease may well survive the outage (etcd extends leases
+        when a new raft leader is elected), and leading resumes with the next refresh.
+        """
+        if lease is self._lease:
+            self._valid_until = sent + self.ttl.total_seconds() * 0.8
 
-        self._thread = threading.Thread(target=loop, name="leader-lease", daemon=True)
-        self._thread.start()
+    def _lost(self, lease: Lease) -> None:
+        """etcd answered that the leader lease is gone: campaign afresh."""
+        if lease is self._lease:
+            log.warning("%s lost leadership: the leader lease expired", self.identity)
+            self._lease = None
 
     def resign(self) -> None:
-        self._stop.set()
+        """Stop leading: revoke the lease, so a standby takes over at once."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.revoke()

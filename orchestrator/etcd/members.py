@@ -61,7 +61,7 @@ MAX_REQUEST_BYTES = 1536 * 1024
 #: :data:`MAX_REQUEST_BYTES` before they are sent.
 MAX_SEND_MESSAGE_BYTES = MAX_REQUEST_BYTES + 512 * 1024
 #: gRPC limit on one answer (gRPC's default is 4 MiB).  Range reads are paged to
-#: about 1 MiB (``orchestrator.etcd.client.PAGE_BYTES``), so this only leaves
+#: about 1 MiB (``orchestrator.etcd.ranges.PAGE_BYTES``), so this only leaves
 #: room for a page of keys that are each near etcd's 1.5 MiB limit; a larger
 #: answer is asked for again in smaller pages.
 MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -111,6 +111,14 @@ class _Watcher(etcd_watch.Watcher):
     @timeout.setter
     def timeout(self, value: float | None) -> None:
         self._default_timeout = value
+
+    def _handle_response(self, rs: Any) -> None:
+        super()._handle_response(rs)
+        if rs.created and rs.compact_revision != 0:
+            # The library records a watch refused for a compacted start revision
+            # but wakes no one: the caller would wait out its whole deadline.
+            with self._lock:
+                self._new_watch_cond.notify_all()
 
 
 class MemberClient(etcd3.MultiEndpointEtcd3Client):

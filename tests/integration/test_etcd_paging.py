@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from orchestrator.etcd import client as client_mod
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.diagnosis import EtcdRequestTooLargeError
 from orchestrator.etcd.members import MAX_REQUEST_BYTES
+from orchestrator.etcd.ranges import FIRST_PAGE_KEYS
+from orchestrator.etcd.transactions import MAX_TXN_OPS, REQUEST_OVERHEAD_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -20,25 +21,25 @@ pytestmark = pytest.mark.integration
 def _ranges(client: EtcdClient) -> list[tuple[int, int | None]]:
     """Record ``(limit, revision)`` of every page the client asks for from now on."""
     seen: list[tuple[int, int | None]] = []
-    original = client._range_page
+    original = client.ranges.page
 
     def spy(start, end, limit, revision, keys_only, what):  # type: ignore[no-untyped-def]
         seen.append((limit, revision))
         return original(start, end, limit, revision, keys_only, what)
 
-    client._range_page = spy  # type: ignore[method-assign]
+    client.ranges.page = spy  # type: ignore[method-assign]
     return seen
 
 
 def test_prefix_with_more_keys_than_a_page(etcd_client: EtcdClient, key_prefix: str) -> None:
-    count = client_mod.FIRST_PAGE_KEYS * 3 + 7
+    count = FIRST_PAGE_KEYS * 3 + 7
     etcd_client.put_many([(f"{key_prefix}k{i:05d}", f"v{i}".encode()) for i in range(count)])
     pages = _ranges(etcd_client)
     got = etcd_client.get_prefix(key_prefix)
     assert [kv.key for kv in got] == [f"{key_prefix}k{i:05d}" for i in range(count)]
     assert [kv.value for kv in got] == [f"v{i}".encode() for i in range(count)]
     # a first page, then pages sized from what it held, all at the first page's revision
-    assert pages[0][0] == client_mod.FIRST_PAGE_KEYS and pages[0][1] is None
+    assert pages[0][0] == FIRST_PAGE_KEYS and pages[0][1] is None
     assert len(pages) >= 2
     assert len({rev for _, rev in pages[1:]}) == 1 and pages[1][1] is not None
     assert etcd_client.get_keys(key_prefix) == [kv.key for kv in got]
@@ -71,9 +72,9 @@ def test_more_than_grpc_default_limit_in_total(etcd_client: EtcdClient, key_pref
 
 def test_a_paged_read_is_one_snapshot(etcd_client: EtcdClient, key_prefix: str) -> None:
     """Writes made between two pages are not seen: every page is read at the first's revision."""
-    count = client_mod.FIRST_PAGE_KEYS * 4
+    count = FIRST_PAGE_KEYS * 4
     etcd_client.put_many([(f"{key_prefix}s{i:05d}", b"old") for i in range(count)])
-    original = etcd_client._range_page
+    original = etcd_client.ranges.page
     calls = 0
 
     def write_between_pages(start, end, limit, revision, keys_only, what):  # type: ignore[no-untyped-def]
@@ -86,17 +87,17 @@ def test_a_paged_read_is_one_snapshot(etcd_client: EtcdClient, key_prefix: str) 
             etcd_client.delete(f"{key_prefix}s{count - 2:05d}")
         return original(start, end, min(limit, 50), revision, keys_only, what)
 
-    etcd_client._range_page = write_between_pages  # type: ignore[method-assign]
+    etcd_client.ranges.page = write_between_pages  # type: ignore[method-assign]
     got = etcd_client.get_prefix(key_prefix)
     assert calls > 2
     assert len(got) == count and {kv.value for kv in got} == {b"old"}
-    etcd_client._range_page = original  # type: ignore[method-assign]
+    etcd_client.ranges.page = original  # type: ignore[method-assign]
     now = {kv.key: kv.value for kv in etcd_client.get_prefix(key_prefix)}
     assert now[f"{key_prefix}s{count - 1:05d}"] == b"new" and len(now) == count
 
 
 def test_get_many_is_one_snapshot(etcd_client: EtcdClient, key_prefix: str) -> None:
-    count = client_mod.MAX_TXN_OPS * 2 + 5
+    count = MAX_TXN_OPS * 2 + 5
     keys = [f"{key_prefix}g{i:05d}" for i in range(count)]
     etcd_client.put_many([(k, b"old") for k in keys])
     stop = threading.Event()
@@ -140,7 +141,7 @@ def test_put_over_etcd_request_limit_is_refused_here(
         etcd_client.create(key, b"x" * MAX_REQUEST_BYTES)
     assert etcd_client.get_prefix(key_prefix) == []  # nothing was written
     # just under the limit goes through
-    fits = b"y" * (MAX_REQUEST_BYTES - client_mod.REQUEST_OVERHEAD_BYTES - len(key))
+    fits = b"y" * (MAX_REQUEST_BYTES - REQUEST_OVERHEAD_BYTES - len(key))
     etcd_client.put(key, fits)
     got = etcd_client.get(key)
     assert got is not None and got.value == fits
@@ -158,7 +159,7 @@ def test_etcd_refusing_a_large_request_is_a_named_permanent_error(
         return c.transaction(compare=[], success=ops, failure=[])
 
     with pytest.raises(EtcdRequestTooLargeError, match=r"request is too large|larger than max"):
-        etcd_client._call(txn, what=" writing two keys")
+        etcd_client.transport.call(txn, what=" writing two keys")
 
 
 def test_keep_newest_trims_the_oldest(etcd_client: EtcdClient, key_prefix: str) -> None:

@@ -63,7 +63,7 @@ def test_every_worker_takes_the_plan_from_the_feed_and_watches_nothing(
         plan = w.wait_newer(1, timeout=5)
         assert plan is not None and plan.generation == 2  # not in etcd: it came by the feed
         assert w.revision_of(2) == 17  # what the fence joins with
-        assert w.source == "feed" and not w._watches  # no watch of etcd
+        assert w.source == "feed" and not w._followers  # no watch of etcd
     control = ControlRecord(checkpoint=3)
     assert feed.publish(CONTROL, control.encode().encode(), 18)
     wait_for(lambda: all(w.control() == control for w in node), "the control record")
@@ -93,7 +93,10 @@ def test_a_worker_watches_etcd_once_the_feed_ends(
     (w,) = watchers(etcd_client, job, feed, 1)
     feed.close()  # the agent is gone
     wait_for(lambda: w.source == "etcd", "the fall-back to etcd")
-    wait_for(lambda: len(w._watches) == 2, "the watches of plan and control")
+    wait_for(
+        lambda: len(w._followers) == 2 and all(f.revision is not None for f in w._followers),
+        "the watches of plan and control",
+    )
     records.write(etcd_client, keys.job_plan(job), plan_of(5))
     plan = w.wait_newer(4, timeout=5)
     assert plan is not None and plan.generation == 5
@@ -140,7 +143,7 @@ def test_the_agent_passes_on_what_it_watches_with_etcds_revision(
             assert plan is not None and plan.generation == 2 and w.revision_of(2) == revision
         records.write(etcd_client, keys.job_control(job), ControlRecord(stop=True))
         wait_for(lambda: all(w.control().stop for w in node), "the stop request")
-        assert all(not w._watches for w in node)
+        assert all(not w._followers for w in node)
     finally:
         agent.request_stop()
         for w in node:

@@ -237,11 +237,11 @@ def test_an_expired_auth_token_is_renewed() -> None:
         options = EtcdOptions((server.endpoint,), user="trainer", password=TRAINER_PASSWORD)
         with connect(options) as client:
             client.put("/ringmaster/renew", b"1")
-            first_token = client._raw.metadata
+            first_token = client.transport.raw.metadata
             time.sleep(3)  # idle past the token's life
             kv = client.get("/ringmaster/renew")
             assert kv is not None and kv.value == b"1"
-            assert client._raw.metadata != first_token  # a new token was obtained
+            assert client.transport.raw.metadata != first_token  # a new token was obtained
 
 
 def test_cli_password_on_the_command_line_works_with_a_warning(

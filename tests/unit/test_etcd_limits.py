@@ -6,7 +6,6 @@ import grpc
 import pytest
 
 from orchestrator.api import EtcdUnavailableError
-from orchestrator.etcd import client as client_mod
 from orchestrator.etcd import diagnosis, health
 from orchestrator.etcd.diagnosis import (
     EtcdCompactedError,
@@ -15,12 +14,15 @@ from orchestrator.etcd.diagnosis import (
     EtcdResponseTooLargeError,
 )
 from orchestrator.etcd.embedded import QUOTA_BACKEND_BYTES
+from orchestrator.etcd.maintenance import alarm_name
 from orchestrator.etcd.members import (
     CHANNEL_OPTIONS,
     MAX_RECEIVE_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SEND_MESSAGE_BYTES,
 )
+from orchestrator.etcd.ranges import PAGE_BYTES
+from orchestrator.etcd.transactions import REQUEST_OVERHEAD_BYTES, check_request_size, write_batches
 from orchestrator.settings import SETTINGS, Settings, SettingsError
 
 pytestmark = pytest.mark.unit
@@ -91,31 +93,29 @@ def test_channel_limits_are_explicit() -> None:
     assert options["grpc.max_receive_message_length"] == MAX_RECEIVE_MESSAGE_BYTES
     assert MAX_SEND_MESSAGE_BYTES == MAX_REQUEST_BYTES + 512 * 1024  # etcd's own gRPC limit
     # a first page of values each near etcd's request limit still fits an answer
-    assert client_mod.PAGE_BYTES + MAX_REQUEST_BYTES < MAX_RECEIVE_MESSAGE_BYTES
+    assert PAGE_BYTES + MAX_REQUEST_BYTES < MAX_RECEIVE_MESSAGE_BYTES
 
 
 def test_request_size_check_names_the_key() -> None:
-    client_mod.check_request_size("/k", b"x" * 1000)
-    limit = MAX_REQUEST_BYTES - client_mod.REQUEST_OVERHEAD_BYTES
-    client_mod.check_request_size("/k", b"x" * (limit - 2))
+    check_request_size("/k", b"x" * 1000)
+    limit = MAX_REQUEST_BYTES - REQUEST_OVERHEAD_BYTES
+    check_request_size("/k", b"x" * (limit - 2))
     with pytest.raises(EtcdRequestTooLargeError, match=f"refusing to write /k: {limit + 1} bytes"):
-        client_mod.check_request_size("/k", b"x" * (limit - 1))
+        check_request_size("/k", b"x" * (limit - 1))
     with pytest.raises(EtcdRequestTooLargeError):
-        client_mod.check_request_size("/k", b"x" * 10, extra=limit)
+        check_request_size("/k", b"x" * 10, extra=limit)
 
 
 def test_write_batches_bounded_by_count_and_bytes() -> None:
     small = [(f"/s{i}", b"v") for i in range(300)]
-    assert [len(b) for b in client_mod._batches(small)] == [128, 128, 44]
+    assert [len(b) for b in write_batches(small)] == [128, 128, 44]
     big = [(f"/b{i}", b"x" * (400 * 1024)) for i in range(5)]
-    batches = client_mod._batches(big)
+    batches = write_batches(big)
     assert [len(b) for b in batches] == [2, 2, 1]
-    assert all(
-        sum(len(k) + len(v) for k, v in b) <= client_mod.PAGE_BYTES or len(b) == 1 for b in batches
-    )
-    huge = [("/h", b"x" * (2 * client_mod.PAGE_BYTES)), ("/s", b"v")]
-    assert [len(b) for b in client_mod._batches(huge)] == [1, 1]
-    assert [item for b in client_mod._batches(big) for item in b] == big
+    assert all(sum(len(k) + len(v) for k, v in b) <= PAGE_BYTES or len(b) == 1 for b in batches)
+    huge = [("/h", b"x" * (2 * PAGE_BYTES)), ("/s", b"v")]
+    assert [len(b) for b in write_batches(huge)] == [1, 1]
+    assert [item for b in write_batches(big) for item in b] == big
 
 
 def test_health_sentences() -> None:
@@ -150,6 +150,6 @@ def test_the_quota_knob_defaults_to_what_the_embedded_etcd_sets() -> None:
 
 
 def test_alarm_names() -> None:
-    assert client_mod.alarm_name(1) == "NOSPACE"
-    assert client_mod.alarm_name(2) == "CORRUPT"
-    assert client_mod.alarm_name(9) == "ALARM9"
+    assert alarm_name(1) == "NOSPACE"
+    assert alarm_name(2) == "CORRUPT"
+    assert alarm_name(9) == "ALARM9"

@@ -1,6 +1,6 @@
-"""How a client records etcd's silences: one outage is one silence.
+"""How a client's transport records etcd's silences: one outage is one silence.
 
-No etcd is needed: the calls given to the client answer at once, and the
+No etcd is needed: the calls given to the transport answer at once, and the
 times at which they were started (during an outage) are given to it.
 """
 
@@ -12,22 +12,22 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator.etcd import client as etcd_client
-from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd import transport as transport_mod
 from orchestrator.etcd.options import EtcdOptions
+from orchestrator.etcd.transport import EtcdTransport
 
 pytestmark = pytest.mark.unit
 
 
-def _answer(client: EtcdClient, started: float) -> None:
+def _answer(client: EtcdTransport, started: float) -> None:
     client._attempt(lambda raw: None, math.inf, started, None)
 
 
 def test_a_shorter_wait_inside_an_outage_does_not_replace_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(etcd_client, "SILENCE_THRESHOLD", timedelta(seconds=0.1))
-    client = EtcdClient(EtcdOptions(endpoints=("127.0.0.1:1",)), raw=object())
+    monkeypatch.setattr(transport_mod, "SILENCE_THRESHOLD", timedelta(seconds=0.1))
+    client = EtcdTransport(EtcdOptions(endpoints=("127.0.0.1:1",)), raw=object())
     now = time.monotonic()
     client._failing_since = now - 1.0  # calls failed for a second
     _answer(client, started=now - 0.5)

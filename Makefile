@@ -59,7 +59,7 @@ clean:
 # torch nor backtrack through other releases.  After the project is installed, the
 # target reads the torch version back, and a dry run of `pip install -e .` with torch
 # left unpinned must plan no torch install: installing ringmaster keeps that torch.
-# On x86_64 PyPI has only CUDA builds of these releases: 3 to 4 GB of wheels on the
+# On x86_64 PyPI has only CUDA builds of these releases: about 3.2 GB of wheels on the
 # first run (the venv is reused after).  See docs/compatibility.md.
 COMPAT_VENV  ?= .venv-compat
 COMPAT_TORCH ?= 2.7.1

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-#: DCP's note when it saves or loads without a process group (wording of torch 2.7 to 2.13).
+#: DCP's note when it saves or loads without a process group (wording of torch 2.7 to 2.14.1).
 SINGLE_PROCESS_NOTE = (
     r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
     r"assuming the intent is to (save|load) in a single process"

@@ -1,4 +1,4 @@
-"""Children that never outlive their parent.
+"""Children that never outlive their parent, and the ports they listen on.
 
 Every long-lived child ringmaster starts (etcd, agents, workers) asks the
 kernel for ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``), which holds
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
@@ -28,3 +29,14 @@ def tie_to_parent() -> Callable[[], None]:
     """A ``preexec_fn`` for ``subprocess.Popen`` that kills the child with this process."""
     parent = os.getpid()
     return lambda: _die_with_parent(parent)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at ``host`` now (bound to 0 and released).
+
+    The child it is for binds it next; another process may take it first, as
+    with any port picked this way.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

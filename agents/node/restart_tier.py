@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from agents.node.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.process_lifetime import free_port
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
 from orchestrator.spec import JobSpec
 
@@ -163,14 +163,6 @@ class PendingStore:
     key: str
     master: tuple[str, int]
     deadline: float
-
-
-def free_port(address: str) -> int:
-    """A port nobody listens on at ``address`` now (the rank-0 worker binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
 
 
 class RestartTier:

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.api import EmbeddedEtcdError
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.process_lifetime import free_port, tie_to_parent
 from orchestrator.settings import SETTINGS
 
 #: How long to wait for a fresh etcd to answer.
@@ -134,13 +134,6 @@ def find_etcdctl(etcd_binary: str) -> str:
     if found:
         return found
     raise EmbeddedEtcdError(f"no etcdctl next to {etcd_binary} or on PATH (needed for auth)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedEtcd:

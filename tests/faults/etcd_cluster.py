@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from orchestrator.etcd.embedded import find_etcd_binary, free_port
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.etcd.embedded import find_etcd_binary
+from orchestrator.process_lifetime import free_port, tie_to_parent
 
 #: How long a starting member (or a whole cluster) may take to become healthy.
 START_TIMEOUT = 30.0

@@ -67,7 +67,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 from benchmarks.recovery import _parent, _store_process  # noqa: E402
-from orchestrator.etcd.embedded import free_port  # noqa: E402
+from orchestrator.process_lifetime import free_port  # noqa: E402
 
 #: the workers' scripts: a directory of their own, since a script's directory comes first
 #: on its sys.path and benchmarks/checkpoint.py would shadow ringmaster's checkpoint package

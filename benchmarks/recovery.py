@@ -65,7 +65,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 from agents.recovery.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
-from orchestrator.etcd.embedded import free_port  # noqa: E402
+from orchestrator.process_lifetime import free_port  # noqa: E402
 
 STEPS = 400
 KILL_AT = 100

@@ -43,7 +43,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.etcd.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from orchestrator.etcd.embedded import EmbeddedEtcd  # noqa: E402
+from orchestrator.process_lifetime import free_port  # noqa: E402
 
 SIZES = (2, 4, 8, 16)
 #: Trials per (backend, N); the median is reported.

@@ -1,14 +1,17 @@
 """``ringmaster run``: a whole job on this machine.
 
 Starts (or uses) etcd, submits the job, starts a controller and
-``nodes.max + nodes.spares`` node agents as separate processes (each agent in
-its own process group, so "killing a node" kills the agent and its workers
-together, as on a real machine), streams their output with a prefix, follows
-the job's events and status, and stops everything when the job ends.
+``nodes.max + nodes.spares`` node agents as separate processes (each in a
+process group of its own, dying with the run: :mod:`orchestrator.process_lifetime`),
+streams their output with a prefix, follows the job's events and status, and
+stops everything when the job ends (the stop sequence: SIGTERM, a grace,
+SIGKILL).
 
 ``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
 to show a warm spare taking over (a restart-tier job reports no steps: the
-run says so and kills nothing).
+run says so and kills nothing).  "Killing a node" kills what a machine's death
+would: its agent and every process descended from it, the workers (each in a
+group of its own) and whatever they started.
 
 The controller serves Prometheus metrics (on a free port unless
 ``metrics_port`` says otherwise); the run prints their URL.  With a
@@ -21,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +40,7 @@ from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.live_view import LiveView
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
 from orchestrator.spec import JobSpec, RecoveryMode
 
 Printer = Callable[[str], None]
@@ -130,14 +132,12 @@ class LocalRun:
         return env
 
     def _spawn(self, name: str, args: list[str]) -> _Proc:
-        popen = subprocess.Popen(
+        popen = start_group(
             [sys.executable, "-m", "orchestrator.cli", *args, *self._cli_args()],
             cwd=self.workdir,
             env=self._env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=tie_to_parent(),
         )
         proc = _Proc(name, popen)
         self.procs[name] = proc
@@ -197,10 +197,10 @@ class LocalRun:
         self._spawn(name, ["controller", "--job", self.spec.name, *metrics])
 
     def kill_node(self, node: str) -> None:
-        """SIGKILL a node: its agent and all its workers (one process group)."""
+        """SIGKILL a node: its agent, its workers and whatever they started, at once."""
         proc = self.procs[node].popen
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            kill_tree(proc.pid)
 
     def signal_node(self, node: str, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -289,24 +289,15 @@ class LocalRun:
         return time.monotonic() - self._agents_gone_at
 
     def stop(self, grace: float = 15.0) -> None:
-        """Let agents finish, then terminate what is left and stop etcd."""
+        """Let agents finish, then stop what is left (an agent that does not stop in
+        time goes as its node would: with every process it started) and stop etcd."""
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             if proc.name.startswith("controller"):
                 continue
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(max(deadline - time.monotonic(), 0.1))
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait()
+        stop_groups([p.popen for p in self.procs.values()], 5.0, whole_tree=True)
         for t in self._threads:
             t.join(timeout=2)
         for proc in self.procs.values():

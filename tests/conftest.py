@@ -32,8 +32,9 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment
 apply_grpc_environment()
 
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
-from orchestrator.etcd.embedded import EmbeddedEtcd, free_port  # noqa: E402
+from orchestrator.etcd.embedded import EmbeddedEtcd  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
+from orchestrator.process_lifetime import free_port  # noqa: E402
 from tests.gloo import run_gloo  # noqa: E402
 
 S3_BUCKET = "ringmaster-test"

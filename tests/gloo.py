@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from orchestrator.etcd.embedded import free_port
+from orchestrator.process_lifetime import free_port
 
 
 class GlooRunError(RuntimeError):

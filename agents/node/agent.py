@@ -1,14 +1,16 @@
 """The node agent (``ringmaster agent``): one per node, supervises its workers.
 
-It registers the node in etcd under a lease (host, address, slots, topology
-labels), starts ``nproc_per_node`` workers with the job's entrypoint and the
-environment of :class:`~agents.api.WorkerEnv`, and then:
+Runs in the agent's own process.  It registers the node in etcd under a lease
+(host, address, slots, topology labels), hands its workers to the job's tier
+(each worker with the job's entrypoint, the environment of
+:class:`~agents.api.WorkerEnv`, in a process group of its own), and then:
 
-* restarts a worker that exits with an error (up to ``max_restarts``),
-  reporting the exit code or signal and the root cause from the worker's
-  error file (torch elastic's ``@record`` format, ``TORCHELASTIC_ERROR_FILE``);
-  the restarted worker rejoins as a spare and gets its state from a live peer;
-* executes the controller's commands (``kill-worker`` for a hung worker, ``stop``);
+* lets the tier supervise them: the in-process tier
+  (:mod:`agents.node.in_process_tier`) restarts a worker that exits with an
+  error, the restart tier (:mod:`agents.node.restart_tier`) launches each
+  generation's workers from warm standbys;
+* executes the controller's commands (``kill-worker`` for a hung worker, ``stop``),
+  which its watches (:mod:`agents.node.watches`) read;
 * rides out etcd outages (a member down, quorum lost, this node cut off):
   workers are never killed for it; the registration is written again when
   etcd answers, under a new lease if the old one expired meanwhile (a node
@@ -25,9 +27,13 @@ SIGTERM or SIGINT while it waits just ends it (there is nothing to save).  Its
 own lifecycle is logged one line per change: waiting, registered, active in
 generation N or spare, leaving (and why).
 
-Workers die with their agent (``PR_SET_PDEATHSIG``), so a SIGKILLed agent
-never leaves half a node behind.  A spare agent is simply an agent whose
-workers wait, warm, for a generation that includes them.
+Workers die with their agent (``PR_SET_PDEATHSIG``, see
+:mod:`orchestrator.process_lifetime`), so a SIGKILLed agent never leaves half a
+node behind.  What a worker started itself goes with the worker's process
+group when the agent stops the worker or sees it exit; only an agent
+SIGKILLed on a machine that lives on leaves those behind (a machine's death
+takes them all).  A spare agent is simply an agent whose workers wait, warm,
+for a generation that includes them.
 """
 
 from __future__ import annotations
@@ -37,12 +43,9 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,27 +54,27 @@ from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
 from agents.channels.plan_feed import ENV_PLAN_FEED, PlanFeed
 from agents.channels.progress import ENV_PROGRESS_SOCKET
 from agents.node import log_files
+from agents.node.api import Tier, TierSetup
 from agents.node.break_reports import NodeReports
-from agents.node.log_shipper import LogShipper
+from agents.node.in_process_tier import InProcessTier
 from agents.node.progress_relay import NodeProgress, ProgressRelay
-from agents.node.restart_tier import PendingStore, RestartTier
-from agents.node.warm_standby import WarmWorker
+from agents.node.restart_tier import RestartTier
 from agents.node.watches import NodeWatches
-from agents.node.worker_exits import describe_failure, emit_worker_exited
 from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, EtcdUnavailableError, JobPhase
+from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.jobs import read_spec, read_status, send_command
+from orchestrator.jobs import read_spec, send_command
 from orchestrator.liveness import LivenessServer
-from orchestrator.process_lifetime import tie_to_parent
-from orchestrator.records import CheckpointRecord, NodeRecord, RecordError
+from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
 from orchestrator.spec_loader import resolve_recovery
+
+__all__ = ["DEFAULT_JOB_WAIT", "DEFAULT_NODE_TTL", "JobNotSubmittedError", "NodeAgent"]
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -79,8 +82,6 @@ log = logging.getLogger("ringmaster.agent")
 DEFAULT_NODE_TTL = SETTINGS.node_ttl
 #: How long an agent waits for its job to be submitted (zero: forever).
 DEFAULT_JOB_WAIT = SETTINGS.job_wait
-#: How often workers are polled.
-POLL = 0.05
 #: How often a waiting agent looks for its job's spec.
 SPEC_POLL = 0.5
 
@@ -89,24 +90,13 @@ class JobNotSubmittedError(AgentError):
     """The job was not submitted within the agent's wait limit (a permanent error)."""
 
 
-@dataclass
-class _Worker:
-    local_rank: int
-    proc: subprocess.Popen[bytes]
-    error_file: Path
-    shipper: LogShipper | None = None
-    restarts: int = 0
-    started_at: float = field(default_factory=time.time)
-    #: restart tier: the generation the worker was launched for
-    generation: int = 0
-    #: restart tier: when it exited (noted by a thread that waits for it)
-    exited_at: float | None = None
-    #: restart tier: its exit was handled (done recorded, or failure reported)
-    exit_seen: bool = False
+class NodeAgent:
+    """Runs one node.  Build it, then :meth:`run` until the job ends or it is stopped.
 
-
-class NodeAgent(NodeWatches, RestartTier):
-    """Runs one node.  Build it, then :meth:`run` until the job ends or it is stopped."""
+    Its parts: the watches of etcd (:class:`~agents.node.watches.NodeWatches`), the
+    tier that runs the workers (:class:`~agents.node.api.Tier`), and, in the
+    in-process tier, the relay of the workers' progress and the plan feed.
+    """
 
     def __init__(
         self,
@@ -119,36 +109,32 @@ class NodeAgent(NodeWatches, RestartTier):
         workdir: str | None = None,
         ttl: timedelta = DEFAULT_NODE_TTL,
     ) -> None:
-        NodeWatches.__init__(self, client, job, node, feed=None)
+        self.client = client
         self.etcd = etcd
+        self.job = job
+        self.node = keys.segment(node, "node name")
         self.labels = dict(labels or {})
         self.labels.setdefault("host", socket.gethostname())
         self.address = address
         self.workdir = workdir or os.getcwd()
         self.ttl = ttl
         self.spec: JobSpec | None = None
+        #: the job's resolved fault_tolerance.recovery (known once the spec is read)
+        self.recovery = RecoveryMode.IN_PROCESS
+        self.exit_code = 0
+        self._stop = threading.Event()
         self._lease: Lease | None = None
         self._lease_lost = False
         self._reregister = threading.Event()
         self._preempted_at: float | None = None
         #: Why the agent stops, when something other than the workers decided it.
         self._stop_reason = ""
-        self._errors_dir: Path | None = None
         self._liveness: LivenessServer | None = None
+        self._tier: Tier | None = None
         #: in-process tier: relays the workers' heartbeats (agents.node.progress_relay)
         self._progress: ProgressRelay | None = None
-        #: the job's resolved fault_tolerance.recovery (known once the spec is read)
-        self.recovery = RecoveryMode.IN_PROCESS
-        # the restart tier's state (agents.node.restart_tier)
-        self._standbys: dict[int, WarmWorker] = {}
-        self._launched_generation = 0
-        self._launched_at: float | None = None
-        self._broken_generation = 0
-        self._refill_at: float | None = None
-        self._pending_store: PendingStore | None = None
-        #: A normal end is logged at INFO; one that lost work or failed, at WARNING.
-        self._leave_level = logging.INFO
-        self.exit_code = 0
+        #: in-process tier: passes the plan and control record on (agents.channels.plan_feed)
+        self._feed: PlanFeed | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -177,17 +163,15 @@ class NodeAgent(NodeWatches, RestartTier):
         self.spec = spec
         self.recovery = spec.fault_tolerance.recovery
         restart = self.recovery is RecoveryMode.RESTART
-        self._errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
-        reason = "stopped"
+        errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
+        reason, level = "stopped", logging.INFO
         try:
             self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
             self._lease.keep_alive(on_lost=self._on_lease_lost)
             self._liveness = LivenessServer(
                 self.address, self._liveness_status, log_files.requests(self.job, self.node)
             )
-            if restart:
-                self._refill_standbys()
-            else:
+            if not restart:
                 interval = spec.fault_tolerance.heartbeat_interval.total_seconds()
                 self._progress = ProgressRelay(
                     self.client,
@@ -195,8 +179,27 @@ class NodeAgent(NodeWatches, RestartTier):
                     NodeReports(self.job, self.node, spec.nproc_per_node),
                 )
                 self._feed = PlanFeed()
-                for i in range(spec.nproc_per_node):
-                    self._start_worker(i)
+            watches = NodeWatches(
+                self.client, self.job, self.node, self._feed, stop=self._stop, commands=self
+            )
+            setup = TierSetup(
+                client=self.client,
+                job=self.job,
+                node=self.node,
+                spec=spec,
+                workdir=self.workdir,
+                errors_dir=errors_dir,
+                stop=self._stop,
+                worker_env=self._worker_env,
+                register=self._safe_register,
+            )
+            if restart:
+                self._tier = RestartTier(setup, self.address, watches)
+            else:
+                self._tier = tier = InProcessTier(setup)
+                if self._preempted_at is not None:  # SIGTERM came while it was being built
+                    tier.preempt(self._preempted_at)
+            self._tier.start()
             self._register()
             log.info(
                 "[%s] registered for job '%s': %d %s, liveness port %s",
@@ -206,32 +209,30 @@ class NodeAgent(NodeWatches, RestartTier):
                 "warm standby(s) (restart tier)" if restart else "worker(s)",
                 self._liveness.address,
             )
-            for target, name in (
-                (self._keep_registered, "registration"),
-                (self._follow_commands, "commands"),
-            ):
-                threading.Thread(target=target, name=name, daemon=True).start()
-            self.watch_plan()
-            reason = self._supervise_restart() if restart else self._supervise()
+            threading.Thread(target=self._keep_registered, name="registration", daemon=True).start()
+            watches.watch_commands()
+            watches.watch_plan()
+            outcome = self._tier.supervise()
+            reason, self.exit_code = outcome.reason, outcome.exit_code
+            if outcome.lost_work or outcome.exit_code:
+                level = logging.WARNING
         except BaseException as e:
-            reason = f"{type(e).__name__}: {e}"
-            self._leave_level = logging.WARNING
+            reason, level = f"{type(e).__name__}: {e}", logging.WARNING
             raise
         finally:
             self._stop.set()
-            level = logging.WARNING if self.exit_code else self._leave_level
             log.log(level, "[%s] leaving: %s", self.node, self._stop_reason or reason)
             if self._liveness is not None:
                 self._liveness.close()
-            self._stop_workers()
+            if self._tier is not None:
+                self._tier.close()
             if self._progress is not None:
                 self._progress.close()
             if self._feed is not None:
                 self._feed.close()
-            self._discard_standbys()
             if self._lease is not None:
                 self._lease.revoke()
-            shutil.rmtree(self._errors_dir, ignore_errors=True)
+            shutil.rmtree(errors_dir, ignore_errors=True)
         return self.exit_code
 
     def request_stop(self, reason: str = "interrupted") -> None:
@@ -255,7 +256,9 @@ class NodeAgent(NodeWatches, RestartTier):
             self.request_stop("preempted (SIGTERM); a spare takes this node's slot")
             return
         self._preempted_at = time.monotonic()
-        grace = self.spec.fault_tolerance.preemption_grace if self.spec else timedelta(0)
+        if isinstance(self._tier, InProcessTier):
+            self._tier.preempt(self._preempted_at)
+        grace = self.spec.fault_tolerance.preemption_grace
         log.warning("[%s] preempted: saving within %.0fs", self.node, grace.total_seconds())
         with contextlib.suppress(Exception):
             events.emit(
@@ -266,6 +269,25 @@ class NodeAgent(NodeWatches, RestartTier):
                 source=self.node,
             )
             send_command(self.client, self.job, "checkpoint", reason=f"preemption of {self.node}")
+
+    def kill_worker(self, local_rank: int, pid: int | None, reason: str) -> None:
+        """The controller's ``kill-worker`` (a hung worker): SIGKILL its process group.
+
+        Nothing is killed when ``pid`` names a worker that was replaced since.
+        """
+        w = self._tier.workers.get(local_rank) if self._tier is not None else None
+        if w is not None and pid is not None and w.pid != pid:
+            log.warning(
+                "[%s] not killing worker %d: pid %s named by the command has already "
+                "been replaced by %d",
+                self.node,
+                local_rank,
+                pid,
+                w.pid,
+            )
+        elif w is not None and w.running():
+            log.warning("[%s] killing worker %d (%s)", self.node, local_rank, reason)
+            w.kill()
 
     def _wait_for_spec(self, limit: timedelta) -> JobSpec | None:
         """The job's spec once it is submitted; None when stopped first.
@@ -354,28 +376,29 @@ class NodeAgent(NodeWatches, RestartTier):
 
     def _register(self) -> None:
         assert self._lease is not None and self.spec is not None
+        tier = self._tier
         registration = NodeRecord(
             host=socket.gethostname(),
             address=self.address,
             slots=self.spec.nproc_per_node,
             pid=os.getpid(),
-            worker_pids=[w.proc.pid for w in self.workers.values()]
-            + [s.pid for s in self._standbys.values()],
+            worker_pids=tier.pids() if tier is not None else [],
             started=time.time(),
             labels=self.labels,
             liveness=self._liveness.address if self._liveness else None,
             recovery=self.recovery.value,
-            generation=self._launched_generation,
-            launched_at=self._launched_at,
+            generation=tier.generation if tier is not None else 0,
+            launched_at=tier.launched_at if tier is not None else None,
         )
         records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 
     def _liveness_status(self) -> dict[str, Any]:
         """What the liveness port answers: which local workers are running, and (the
         in-process tier) the latest beat of each as the agent received it."""
+        workers = self._tier.workers if self._tier is not None else {}
         status: dict[str, Any] = {
             "node": self.node,
-            "workers": {str(r): w.proc.poll() is None for r, w in list(self.workers.items())},
+            "workers": {str(r): w.running() for r, w in list(workers.items())},
         }
         if self._progress is not None:
             status["beats"] = self._progress.progress.beats()
@@ -415,104 +438,3 @@ class NodeAgent(NodeWatches, RestartTier):
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
-
-    def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
-        assert self.spec is not None and self._errors_dir is not None
-        env = self._worker_env(local_rank)
-        error_file = self._errors_dir / f"worker-{local_rank}-{restarts}.json"
-        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
-        proc = subprocess.Popen(
-            [sys.executable, *self.spec.entrypoint.command()],
-            cwd=self.workdir,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=tie_to_parent(),
-        )
-        assert proc.stdout is not None
-        shipper = LogShipper(self.client, self.job, self.node, local_rank, sys.stdout.buffer)
-        shipper.start(proc.stdout)
-        self.workers[local_rank] = _Worker(local_rank, proc, error_file, shipper, restarts)
-        if self._lease is not None:
-            self._safe_register()
-
-    def _supervise(self) -> str:
-        """Watch the workers until the agent should leave; returns why it leaves."""
-        assert self.spec is not None
-        max_restarts = self.spec.fault_tolerance.max_restarts
-        grace = self.spec.fault_tolerance.preemption_grace.total_seconds()
-        while not self._stop.is_set():
-            if self._preempted_at is not None and time.monotonic() - self._preempted_at > grace:
-                self._leave_level = logging.WARNING
-                return f"preempted; no checkpoint committed within the {grace:g}s grace"
-            finished = 0
-            for w in list(self.workers.values()):
-                code = w.proc.poll()
-                if code is None:
-                    continue
-                if code == 0:
-                    finished += 1
-                    continue
-                self._on_worker_failure(w, code, max_restarts)
-            if finished == len(self.workers):
-                phase = self._job_phase()
-                return "workers finished" + (f" (job {phase.value})" if phase else "")
-            if self._preempted_at is not None and self._saved_since_preemption():
-                return "preempted; checkpoint committed"
-            self._stop.wait(POLL)
-        return "stopped"
-
-    def _saved_since_preemption(self) -> bool:
-        key = keys.job_checkpoint(self.job)
-        try:
-            record = records.read(self.client, key, CheckpointRecord)
-        except EtcdError:
-            return False
-        except RecordError as e:  # not proof of a save: wait out the grace period
-            log.warning("[%s] checkpoint record unreadable: %s", self.node, e)
-            return False
-        since = self._preempted_wall
-        return record is not None and since is not None and record.at >= since
-
-    @property
-    def _preempted_wall(self) -> float | None:
-        if self._preempted_at is None:
-            return None
-        return time.time() - (time.monotonic() - self._preempted_at)
-
-    def _on_worker_failure(self, w: _Worker, code: int, max_restarts: int) -> None:
-        what = describe_failure(code, w.error_file, w.shipper)
-        name = keys.worker_id(self.node, w.local_rank)
-        log.warning("[%s] worker %s failed (%s)", self.node, name, what)
-        phase = self._job_phase()
-        emit_worker_exited(self.client, self.job, self.node, name, code, what)
-        if phase is not None and phase.terminal:
-            self.workers.pop(w.local_rank)
-            return
-        if w.restarts >= max_restarts:
-            log.error("[%s] %s exhausted %d restarts", self.node, name, max_restarts)
-            self.exit_code = 1
-            self.request_stop(f"{name} exhausted {max_restarts} restarts")
-            return
-        self._start_worker(w.local_rank, w.restarts + 1)
-
-    def _job_phase(self) -> JobPhase | None:
-        with contextlib.suppress(Exception):
-            status = read_status(self.client, self.job)
-            return status.phase if status else None
-        return None
-
-    def _stop_workers(self, timeout: float = 5.0) -> None:
-        for w in self.workers.values():
-            if w.proc.poll() is None:
-                w.proc.terminate()
-        deadline = time.monotonic() + timeout
-        for w in self.workers.values():
-            try:
-                w.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-        for w in self.workers.values():
-            if w.shipper is not None:
-                w.shipper.join(timeout=2.0)  # the last lines reach etcd

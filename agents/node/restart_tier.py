@@ -1,13 +1,14 @@
 """The node agent's restart tier: any torchrun script, restarted per generation.
 
 A job whose ``fault_tolerance.recovery`` is ``restart`` runs an ordinary
-torchrun script.  :class:`RestartTier` is the part of
-:class:`~agents.node.agent.NodeAgent` that runs it:
+torchrun script.  :class:`RestartTier` runs it for a
+:class:`~agents.node.agent.NodeAgent` (in the agent's process):
 
 * the agent keeps one pre-imported standby per local slot
   (:class:`~agents.node.warm_standby.WarmWorker`), on active and spare nodes alike;
 * for each generation that includes this node it stops the workers it runs
-  (SIGTERM, :data:`STOP_GRACE`, SIGKILL) and launches new ones from the
+  (the stop sequence of their process groups: SIGTERM, :data:`STOP_GRACE`,
+  SIGKILL, so nothing a worker started outlives it) and launches new ones from the
   standbys with torchrun's environment for that generation
   (:func:`torchrun_env`), then starts fresh standbys in the background;
 * ``MASTER_ADDR``/``MASTER_PORT``: the agent of the generation's rank-0 node
@@ -36,28 +37,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
+from agents.node.api import Outcome, PlanSource, TierSetup
 from agents.node.break_reports import write_node_reports
-from agents.node.log_shipper import LogShipper
 from agents.node.warm_standby import WarmWorker
-from agents.node.worker_exits import describe_failure, emit_worker_exited
+from agents.node.worker_exits import emit_worker_exited
+from agents.node.worker_process import WorkerProcess, stop_workers
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, JobPhase
-from orchestrator.etcd.client import EtcdClient
+from orchestrator.process_lifetime import free_port
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
 from orchestrator.spec import JobSpec
 
-if TYPE_CHECKING:
-    from agents.node.agent import _Worker
+__all__ = [
+    "ENV_CHECKPOINT_DIR",
+    "RestartTier",
+    "checkpoint_dir",
+    "listening",
+    "torchrun_env",
+]
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -67,6 +69,8 @@ ENV_CHECKPOINT_DIR = "RINGMASTER_CHECKPOINT_DIR"
 ROLE_NAME = "default"
 #: Seconds a worker gets between SIGTERM and SIGKILL when its generation ends.
 STOP_GRACE = 1.0
+#: Seconds the workers get between SIGTERM and SIGKILL when the agent leaves.
+LEAVE_GRACE = 5.0
 #: Seconds after a launch before the used standbys are replaced (so importing
 #: torch for the next standby does not slow the new workers' start).
 REFILL_DELAY = 1.0
@@ -165,98 +169,92 @@ class PendingStore:
     deadline: float
 
 
-def free_port(address: str) -> int:
-    """A port nobody listens on at ``address`` now (the rank-0 worker binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
 class RestartTier:
-    """The restart tier's half of a node agent (see the module docstring)."""
+    """The restart tier's supervision (see the module docstring).
 
-    client: EtcdClient
-    job: str
-    node: str
-    address: str
-    workdir: str
-    spec: JobSpec | None
-    workers: dict[int, _Worker]
-    exit_code: int
-    _stop: threading.Event
-    _errors_dir: Path | None
-    _latest_plan: Plan | None
-    _standbys: dict[int, WarmWorker]
-    _launched_generation: int
-    _launched_at: float | None
-    _broken_generation: int
-    _refill_at: float | None
-    _pending_store: PendingStore | None
+    Args:
+        setup: what it needs from its agent.
+        address: this node's address (where a rank-0 worker's store listens).
+        plans: where the newest plan is read (the agent's watches).
+    """
 
-    def _worker_env(self, local_rank: int) -> dict[str, str]:
-        raise NotImplementedError
+    def __init__(self, setup: TierSetup, address: str, plans: PlanSource) -> None:
+        self.setup = setup
+        self.address = address
+        self.plans = plans
+        self.workers: dict[int, WorkerProcess] = {}
+        #: the generation whose workers it launched last (or that left this node out)
+        self.generation = 0
+        self.launched_at: float | None = None
+        self._standbys: dict[int, WarmWorker] = {}
+        self._broken_generation = 0
+        self._refill_at: float | None = None
+        self._pending_store: PendingStore | None = None
 
-    def _safe_register(self) -> None:
-        raise NotImplementedError
+    def start(self) -> None:
+        self._refill_standbys()
 
-    def _job_phase(self) -> JobPhase | None:
-        raise NotImplementedError
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers.values()] + [s.pid for s in self._standbys.values()]
+
+    def close(self) -> None:
+        stop_workers(self.workers.values(), LEAVE_GRACE)
+        for w in self.workers.values():
+            if w.shipper is not None:
+                w.shipper.join(timeout=2.0)  # the last lines reach etcd
+        for standby in self._standbys.values():
+            standby.discard()
+        self._standbys.clear()
 
     # -- standbys ----------------------------------------------------------------------
 
     def _refill_standbys(self) -> None:
         """Start a standby for each slot that has none (or whose standby died)."""
-        assert self.spec is not None
-        for i in range(self.spec.nproc_per_node):
+        for i in range(self.setup.spec.nproc_per_node):
             standby = self._standbys.get(i)
             if standby is None or not standby.alive():
                 if standby is not None:
                     standby.discard()
-                self._standbys[i] = WarmWorker(self._worker_env(i), self.workdir)
+                self._standbys[i] = WarmWorker(self.setup.worker_env(i), self.setup.workdir)
         self._refill_at = None
-
-    def _discard_standbys(self) -> None:
-        for standby in self._standbys.values():
-            standby.discard()
-        self._standbys.clear()
 
     # -- supervision -------------------------------------------------------------------
 
-    def _supervise_restart(self) -> str:
-        """Follow the generations until the job ends; returns why the agent leaves."""
+    def supervise(self) -> Outcome:
+        """Follow the generations until the job ends; say why the agent leaves."""
+        setup = self.setup
         next_phase_check = 0.0
-        while not self._stop.is_set():
-            plan = self._latest_plan
-            if plan is not None and plan.generation > self._launched_generation:
+        while not setup.stop.is_set():
+            plan = self.plans.latest_plan
+            if plan is not None and plan.generation > self.generation:
                 self._switch(plan)
                 continue
             self._publish_store()
             self._check_exits()
             if self._refill_at is not None and time.monotonic() >= self._refill_at:
                 self._refill_standbys()
-                self._safe_register()
+                setup.register()
             if time.monotonic() >= next_phase_check:
                 next_phase_check = time.monotonic() + PHASE_POLL
-                phase = self._job_phase()
+                phase = setup.job_phase()
                 if phase is not None and phase.terminal:
-                    if phase is JobPhase.FAILED:
-                        self.exit_code = 1
-                    return f"job {phase.value}"
-            self._stop.wait(0.01)
-        return "stopped"
+                    failed = phase is JobPhase.FAILED
+                    return Outcome(f"job {phase.value}", exit_code=1 if failed else 0)
+            setup.stop.wait(0.01)
+        return Outcome("stopped")
 
     def _switch(self, plan: Plan) -> None:
         """Stop this generation's workers; launch the next one's if it includes this node."""
-        self._stop_running(STOP_GRACE)
+        stop_workers(self.workers.values(), STOP_GRACE)
+        self.workers.clear()
         self._pending_store = None
-        self._launched_generation = plan.generation
-        member = plan.member(self.node)
+        self.generation = plan.generation
+        member = plan.member(self.setup.node)
         if member is None:
-            self._safe_register()
+            self.setup.register()
             return
         self._clear_done(member)
-        key = keys.pg_store(self.job, plan.generation) + "master"
+        key = keys.pg_store(self.setup.job, plan.generation) + "master"
         if member.rank_base == 0:
             master = (self.address, free_port(self.address))
             self._launch(plan, member, 0, master)
@@ -274,16 +272,16 @@ class RestartTier:
     ) -> None:
         for i in slots:
             self._launch(plan, member, i, master)
-        self._launched_at = time.time()
+        self.launched_at = time.time()
         log.info(
             "[%s] generation %d: started %d worker(s) (restart %d; store at %s:%d)",
-            self.node,
+            self.setup.node,
             plan.generation,
             member.nproc,
             max(plan.generation - 1, 0),
             *master,
         )
-        self._safe_register()
+        self.setup.register()
         self._refill_at = time.monotonic() + REFILL_DELAY
 
     def _publish_store(self) -> None:
@@ -292,135 +290,109 @@ class RestartTier:
         pending = self._pending_store
         if pending is None:
             return
-        if self._newer_than(pending.plan):
+        if self._newer_than(pending.plan.generation):
             self._pending_store = None
             return
         port = pending.master[1]
         if not listening(port) and time.monotonic() < pending.deadline:
             return
         try:
-            self.client.put(pending.key, f"{pending.master[0]}:{port}")
+            self.setup.client.put(pending.key, f"{pending.master[0]}:{port}")
         except EtcdError as e:
-            log.warning("[%s] publishing the store address (will retry): %s", self.node, e)
+            log.warning("[%s] publishing the store address (will retry): %s", self.setup.node, e)
             return
         self._pending_store = None
         self._launch_rest(pending.plan, pending.member, range(1, pending.member.nproc),
                           pending.master)  # fmt: skip
 
-    def _stop_running(self, grace: float) -> None:
-        """SIGTERM the running workers, SIGKILL those still there after ``grace``."""
-        running = [w for w in self.workers.values() if w.proc.poll() is None]
-        for w in running:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.terminate()
-        deadline = time.monotonic() + grace
-        for w in running:
-            try:
-                w.proc.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:  # still running after the grace
-                w.proc.kill()
-                w.proc.wait()
-        self.workers.clear()
-
     def _wait_for_store(self, plan: Plan, key: str) -> tuple[str, int] | None:
         """``(host, port)`` of the generation's store once rank 0's agent published it;
         None when a newer generation (or a stop) came first."""
-        while not self._stop.is_set() and not self._newer_than(plan):
+        setup = self.setup
+        while not setup.stop.is_set() and not self._newer_than(plan.generation):
             try:
-                kv = self.client.get(key)
+                kv = setup.client.get(key)
             except EtcdError as e:
-                log.debug("[%s] waiting for %s: %s", self.node, key, e)
+                log.debug("[%s] waiting for %s: %s", setup.node, key, e)
                 kv = None
             if kv is not None:
                 host, _, number = kv.value.decode().rpartition(":")
                 return host, int(number)
-            self._stop.wait(MASTER_POLL)
+            setup.stop.wait(MASTER_POLL)
         return None
 
-    def _newer_than(self, plan: Plan) -> bool:
-        latest = self._latest_plan
-        return latest is not None and latest.generation > plan.generation
+    def _newer_than(self, generation: int) -> bool:
+        latest = self.plans.latest_plan
+        return latest is not None and latest.generation > generation
 
     def _clear_done(self, member: Member) -> None:
         """Forget this node's workers' done records of earlier generations."""
         for i in range(member.nproc):
             with contextlib.suppress(EtcdError):
-                self.client.delete(keys.job_done(self.job) + keys.worker_id(self.node, i))
+                self.setup.client.delete(
+                    keys.job_done(self.setup.job) + keys.worker_id(self.setup.node, i)
+                )
 
     def _launch(self, plan: Plan, member: Member, local_rank: int, master: tuple[str, int]) -> None:
-        from agents.node.agent import _Worker
-
-        assert self.spec is not None and self._errors_dir is not None
+        setup = self.setup
         standby = self._standbys.pop(local_rank, None)
         if standby is None or not standby.alive():
             if standby is not None:
                 standby.discard()
-            log.warning("[%s] no warm standby for slot %d: starting cold", self.node, local_rank)
-            standby = WarmWorker(self._worker_env(local_rank), self.workdir)
-        error_file = self._errors_dir / f"worker-{local_rank}-gen{plan.generation}.json"
-        env = self._worker_env(local_rank)
-        env[ENV_CHECKPOINT_DIR] = checkpoint_dir(self.spec, self.workdir)
+            log.warning("[%s] no warm standby for slot %d: starting cold", setup.node, local_rank)
+            standby = WarmWorker(setup.worker_env(local_rank), setup.workdir)
+        error_file = setup.errors_dir / f"worker-{local_rank}-gen{plan.generation}.json"
+        env = setup.worker_env(local_rank)
+        env[ENV_CHECKPOINT_DIR] = checkpoint_dir(setup.spec, setup.workdir)
         env.update(
             torchrun_env(
-                job=self.job,
+                job=setup.job,
                 plan=plan,
                 member=member,
                 local_rank=local_rank,
                 master=master,
-                max_restarts=self.spec.fault_tolerance.max_restarts,
+                max_restarts=setup.spec.fault_tolerance.max_restarts,
                 error_file=str(error_file),
             )
         )
-        proc = standby.launch(self.spec.entrypoint.command(), env, self.workdir)
-        assert proc.stdout is not None
-        shipper = LogShipper(self.client, self.job, self.node, local_rank, sys.stdout.buffer)
-        shipper.start(proc.stdout)
-        w = _Worker(local_rank, proc, error_file, shipper, generation=plan.generation)
-        self.workers[local_rank] = w
-        threading.Thread(target=_note_exit, args=(w,), name="exit", daemon=True).start()
+        proc = standby.launch(setup.spec.entrypoint.command(), env, setup.workdir)
+        self.workers[local_rank] = WorkerProcess(
+            local_rank, proc, error_file, setup.shipper(local_rank), generation=plan.generation
+        )
 
     def _check_exits(self) -> None:
         """Record finished workers; report a failure of the current generation once."""
+        setup = self.setup
         for w in list(self.workers.values()):
-            if w.exited_at is None or w.exit_seen:
+            if w.exited_at is None or w.exit_handled:
                 continue
-            w.exit_seen = True
-            code = w.proc.returncode
-            name = keys.worker_id(self.node, w.local_rank)
+            w.exit_handled = True
+            code = w.stop(0)  # reaped, and whatever it started goes with it
+            name = keys.worker_id(setup.node, w.local_rank)
             if code == 0:
                 done = DoneRecord(step=0, generation=w.generation, at=w.exited_at)
                 with contextlib.suppress(EtcdError):
-                    records.write(self.client, keys.job_done(self.job) + name, done)
+                    records.write(setup.client, keys.job_done(setup.job) + name, done)
                 continue
-            if self._newer_than_generation(w.generation):
+            if self._newer_than(w.generation):
                 continue  # the generation moved on: not this worker's failure to report
-            what = describe_failure(code, w.error_file, w.shipper)
-            log.warning("[%s] worker %s failed in generation %d (%s)", self.node, name,
+            what = w.describe_exit()
+            log.warning("[%s] worker %s failed in generation %d (%s)", setup.node, name,
                         w.generation, what)  # fmt: skip
             emit_worker_exited(
-                self.client, self.job, self.node, name, code, what, generation=w.generation
+                setup.client, setup.job, setup.node, name, code, what, generation=w.generation
             )
             if self._broken_generation != w.generation:
                 self._broken_generation = w.generation
                 self._report_break(w.generation, what, w.exited_at)
 
-    def _newer_than_generation(self, generation: int) -> bool:
-        latest = self._latest_plan
-        return latest is not None and latest.generation > generation
-
     def _report_break(self, generation: int, reason: str, at: float) -> None:
         """Report the generation broken for every local worker (the node speaks for all)."""
-        assert self.spec is not None
+        setup = self.setup
         report = BreakReport(step=0, reason=reason, planned=False, at=at, user_error=True)
-        workers = range(self.spec.nproc_per_node)
-        reports = {keys.worker_id(self.node, i): report for i in workers}
+        workers = range(setup.spec.nproc_per_node)
+        reports = {keys.worker_id(setup.node, i): report for i in workers}
         try:
-            write_node_reports(self.client, self.job, generation, self.node, reports)
+            write_node_reports(setup.client, setup.job, generation, setup.node, reports)
         except EtcdError as e:
-            log.warning("[%s] could not report the failure: %s", self.node, e)
-
-
-def _note_exit(w: _Worker) -> None:
-    """Wait for the worker and note when it exited (which failure came first matters)."""
-    w.proc.wait()
-    w.exited_at = time.time()
+            log.warning("[%s] could not report the failure: %s", setup.node, e)

@@ -15,7 +15,9 @@ script as ``__main__`` (:mod:`runpy`); its exit code is the script's.  Its
 stdout and stderr (one pipe, :attr:`WarmWorker.proc`'s ``stdout``) carry the
 script's output to whoever launched it.  A standby whose stdin closes before
 a request (its agent discarded it or died) exits 0 without running anything;
-it also dies with its agent (``PR_SET_PDEATHSIG``).
+it also dies with its agent (``PR_SET_PDEATHSIG``).  It runs in a process
+group of its own (:func:`orchestrator.process_lifetime.start_group`), which the
+worker it becomes keeps: stopping the worker stops whatever the script started.
 
 A standby has imported :data:`PREIMPORTS` before it waits.  When the
 script returns or raises, the process ends at once (:func:`_finish`: atexit
@@ -38,6 +40,9 @@ import sys
 from pathlib import Path
 
 from agents.api import PREIMPORTS
+from orchestrator.process_lifetime import start_group, stop_groups
+
+__all__ = ["WarmWorker"]
 
 
 class WarmWorker:
@@ -50,17 +55,14 @@ class WarmWorker:
     """
 
     def __init__(self, env: dict[str, str], cwd: str, python: str = sys.executable) -> None:
-        from orchestrator.process_lifetime import tie_to_parent
-
         self.launched = False
-        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+        self.proc: subprocess.Popen[bytes] = start_group(
             [python, "-m", "agents.node.warm_standby"],
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            preexec_fn=tie_to_parent(),
         )
 
     @property
@@ -72,7 +74,8 @@ class WarmWorker:
         return not self.launched and self.proc.poll() is None
 
     def launch(self, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
-        """Send the launch request; the process then is the worker.
+        """Send the launch request; the process then is the worker (stop it with
+        :func:`orchestrator.process_lifetime.stop_groups`, as a group).
 
         Raises:
             OSError: the standby is gone (its stdin is closed); start another.
@@ -92,9 +95,7 @@ class WarmWorker:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        stop_groups([self.proc], grace=0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 

@@ -1,12 +1,15 @@
 """What a node agent follows in etcd: the controller's commands to it, and the plan.
 
-:class:`NodeWatches` is a part of :class:`~agents.node.agent.NodeAgent`: two
-threads, each a watch renewed after etcd outages.  One executes the
-controller's commands to this node (``kill-worker`` for a hung worker, naming
-its pid, and ``stop``); the other logs this node's role (active in generation
-N, or spare) each time it changes.  In the in-process tier the agent also
-passes the plan and the control record on to its workers (:mod:`agents.channels.plan_feed`),
-from these watches and a third one, of the control key.
+Runs in the node agent.  :class:`NodeWatches` is one of
+:class:`~agents.node.agent.NodeAgent`'s collaborators: threads, each a watch
+renewed after etcd outages (one loop for all, :meth:`NodeWatches._follow`).
+One hands the controller's commands to this node (``kill-worker`` for a hung
+worker, naming its pid, and ``stop``) to a :class:`NodeCommands`; another
+keeps the newest plan (which the restart tier acts on) and logs this node's
+role (active in generation N, or spare) each time it changes.  In the
+in-process tier the agent also passes the plan and the control record on to
+its workers (:mod:`agents.channels.plan_feed`), from these watches and a third
+one, of the control key.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed
 from agents.node.descriptions import describe_role
@@ -23,34 +26,64 @@ from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import AgentCommand, Plan, RecordError
 
-if TYPE_CHECKING:
-    from agents.node.agent import _Worker
+__all__ = ["NodeCommands", "NodeWatches"]
 
 log = logging.getLogger("ringmaster.agent")
 
 
-class NodeWatches:
-    """The watching half of a node agent (see the module docstring).
+class NodeCommands(Protocol):
+    """Who carries out the controller's commands to a node (its agent)."""
 
-    A :class:`~agents.node.agent.NodeAgent` is one; built alone (a benchmark's
-    simulated node, a test), it has no workers and only passes the plan on.
+    def kill_worker(self, local_rank: int, pid: int | None, reason: str) -> None:
+        """SIGKILL worker ``local_rank`` (a hung one), unless ``pid`` names one since replaced."""
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the workers and leave."""
+
+
+class NodeWatches:
+    """A node agent's watches of etcd (see the module docstring).
+
+    Built alone (a benchmark's simulated node, a test) it has no commands to
+    carry out and only keeps and passes the plan on.
+
+    Args:
+        client: etcd.
+        job / node: whose plan and commands.
+        feed: passes the plan and the control record on to the workers (the
+            in-process tier), or None.
+        stop: ends every watch when set (the agent's own); a new one when None.
+        commands: carries out the controller's commands (:meth:`watch_commands`).
     """
 
-    def __init__(self, client: EtcdClient, job: str, node: str, feed: PlanFeed | None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str,
+        node: str,
+        feed: PlanFeed | None = None,
+        *,
+        stop: threading.Event | None = None,
+        commands: NodeCommands | None = None,
+    ) -> None:
         self.client = client
         self.job = job
         self.node = keys.segment(node, "node name")
-        self.workers: dict[int, _Worker] = {}
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
+        self._commands = commands
         self._generation = 0
         self._role: str | None = None
         #: the newest plan read (what the restart tier's supervision acts on)
         self._latest_plan: Plan | None = None
-        #: in-process tier: passes the plan and control record on (agents.channels.plan_feed)
         self._feed = feed
 
+    @property
+    def latest_plan(self) -> Plan | None:
+        """The newest plan read so far (None before the first)."""
+        return self._latest_plan
+
     def request_stop(self, reason: str = "interrupted") -> None:
-        """Stop watching (a node agent also stops its workers and leaves)."""
+        """Stop watching (the threads end at their next event or retry)."""
         self._stop.set()
 
     def watch_plan(self) -> None:
@@ -58,8 +91,11 @@ class NodeWatches:
         for target, name in ((self._follow_plan, "plan"), (self._follow_control, "control")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
+    def watch_commands(self) -> None:
+        """Carry out the controller's commands to this node as they come (a daemon thread)."""
+        threading.Thread(target=self._follow_commands, name="commands", daemon=True).start()
+
     def _follow_commands(self) -> None:
-        """Execute the controller's commands to this node as they come."""
         self._follow(keys.agent_commands(self.job, self.node), True, self._take)
 
     def _follow_plan(self) -> None:
@@ -77,9 +113,9 @@ class NodeWatches:
             )
 
     def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes, int], object]) -> None:
-        """``handle(key, value, mod_revision)`` for what is stored at ``key`` (or under
-        it) now and for every later write, until stopped; the watch is renewed after
-        etcd outages."""
+        """The watch loop: ``handle(key, value, mod_revision)`` for what is stored at
+        ``key`` (or under it) now and for every later write, until stopped; the watch
+        is renewed after etcd outages.  Every watch of the agent runs here."""
         while not self._stop.is_set():
             watch: Any = None
             try:
@@ -131,22 +167,12 @@ class NodeWatches:
 
     def _execute(self, cmd: AgentCommand) -> None:
         name = cmd.command
-        if name == "kill-worker":
-            w = self.workers.get(cmd.local_rank)
-            pid = cmd.pid
-            if w is not None and pid is not None and w.proc.pid != pid:
-                log.warning(
-                    "[%s] not killing worker %d: pid %s named by the command has already "
-                    "been replaced by %d",
-                    self.node,
-                    w.local_rank,
-                    pid,
-                    w.proc.pid,
-                )
-            elif w is not None and w.proc.poll() is None:
-                log.warning("[%s] killing worker %d (%s)", self.node, w.local_rank, cmd.reason)
-                w.proc.kill()
+        commands = self._commands
+        if commands is None:
+            log.warning("[%s] no one to carry out command %r", self.node, name)
+        elif name == "kill-worker":
+            commands.kill_worker(cmd.local_rank, cmd.pid, cmd.reason)
         elif name == "stop":
-            self.request_stop(f"stopped by the controller ({cmd.reason or 'stop command'})")
+            commands.request_stop(f"stopped by the controller ({cmd.reason or 'stop command'})")
         else:
             log.warning("[%s] unknown command %r", self.node, name)

@@ -30,7 +30,7 @@ from benchmarks._control_plane.fleet import FleetConfig, node_name
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.process_lifetime import die_with_parent
 from orchestrator.records import Plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,19 +56,20 @@ class Slice:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks._control_plane.fleet",
-                    "--config",
-                    json.dumps(dataclasses.asdict(cfg)),
-                ],
+                die_with_parent(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks._control_plane.fleet",
+                        "--config",
+                        json.dumps(dataclasses.asdict(cfg)),
+                    ]
+                ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 cwd=REPO,
                 env=env,
-                preexec_fn=tie_to_parent(),
             )
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -142,23 +143,24 @@ class ControllerProcess:
         env = {**grpc_environment(), **os.environ, "RINGMASTER_LOG_LEVEL": "INFO"}
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "orchestrator.cli",
-                    "controller",
-                    "--job",
-                    job,
-                    "--metrics-port",
-                    "0",
-                    "--etcd",
-                    ",".join(etcd.endpoints),
-                ],
+                die_with_parent(
+                    [
+                        sys.executable,
+                        "-m",
+                        "orchestrator.cli",
+                        "controller",
+                        "--job",
+                        job,
+                        "--metrics-port",
+                        "0",
+                        "--etcd",
+                        ",".join(etcd.endpoints),
+                    ]
+                ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
                 env=env,
-                preexec_fn=tie_to_parent(),
             )
 
     def cpu_s(self) -> float:

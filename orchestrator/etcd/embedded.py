@@ -4,10 +4,10 @@
 package on free loopback ports with a temporary data directory, waits until it
 answers its health endpoint, and stops it on exit.
 
-No orphan survives the parent: the child asks the kernel for ``SIGKILL`` when
-its parent dies (``PR_SET_PDEATHSIG``), which holds even when the parent is
-itself SIGKILLed.  The signal follows the *thread* that started the child, so
-start it from a thread that outlives it (the main thread, normally).
+No orphan survives the parent: etcd runs in a process group of its own and
+dies with its parent, even a SIGKILLed one (:mod:`orchestrator.process_lifetime`:
+start it from a thread that outlives it, the main thread normally), and it is
+stopped in the one stop sequence (SIGTERM, a grace, SIGKILL, reap).
 
 Optionally the etcd serves TLS (:class:`ServerTLS`, with or without required
 client certificates) and, once started, can turn on etcd's authentication with
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.api import EmbeddedEtcdError
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.process_lifetime import free_port, signal_group, start_group, stop_groups
 from orchestrator.settings import SETTINGS
 
 #: How long to wait for a fresh etcd to answer.
@@ -136,13 +137,6 @@ def find_etcdctl(etcd_binary: str) -> str:
     raise EmbeddedEtcdError(f"no etcdctl next to {etcd_binary} or on PATH (needed for auth)")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class EmbeddedEtcd:
     """Run a single-member etcd on 127.0.0.1 for as long as the context lasts.
 
@@ -239,12 +233,8 @@ class EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=tie_to_parent(),
+            self.proc = start_group(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
         finally:
             log.close()
@@ -324,14 +314,9 @@ class EmbeddedEtcd:
         raise EmbeddedEtcdError(f"{what} ({' '.join(self.command())}); log tail:\n{tail}")
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop etcd (SIGTERM, then SIGKILL) and remove a temporary data dir."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stop etcd (SIGTERM, up to ``timeout``, SIGKILL) and remove a temporary data dir."""
+        if self.proc is not None:
+            stop_groups([self.proc], timeout)
         self.proc = None
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
@@ -340,8 +325,8 @@ class EmbeddedEtcd:
 
     def kill(self) -> None:
         """SIGKILL etcd, keeping its data (for failure tests)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc is not None and self.proc.returncode is None:
+            signal_group(self.proc, signal.SIGKILL)
             self.proc.wait()
 
     def __enter__(self) -> EmbeddedEtcd:

@@ -24,14 +24,17 @@ def tiny_job(
     hang_timeout: str = "30s",
     extra_args: list[str] | None = None,
     comm: dict[str, object] | None = None,
+    script: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> JobSpec:
-    """2 active nodes + ``spares`` spares running examples/train_tiny.py."""
+    """2 active nodes + ``spares`` spares running examples/train_tiny.py (or ``script``,
+    which takes its arguments, with ``env`` added to the workers' environment)."""
     (tmp / "steps").mkdir(exist_ok=True)
     return load_job_data(
         {
             "name": name,
             "entrypoint": {
-                "script": str(REPO / "examples" / "train_tiny.py"),
+                "script": str(script or REPO / "examples" / "train_tiny.py"),
                 "args": [
                     "--step-time",
                     str(step_time),
@@ -41,7 +44,7 @@ def tiny_job(
                     str(tmp / "steps"),
                     *(extra_args or []),
                 ],
-                "env": {"RINGMASTER_LOG_EVERY": "1000"},
+                "env": {"RINGMASTER_LOG_EVERY": "1000", **(env or {})},
             },
             "nodes": {"min": 2, "max": 2, "spares": spares},
             "max_steps": steps,

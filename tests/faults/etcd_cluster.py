@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from orchestrator.etcd.embedded import find_etcd_binary, free_port
-from orchestrator.process_lifetime import tie_to_parent
+from orchestrator.etcd.embedded import find_etcd_binary
+from orchestrator.process_lifetime import die_with_parent, free_port
 
 #: How long a starting member (or a whole cluster) may take to become healthy.
 START_TIMEOUT = 30.0
@@ -148,11 +148,10 @@ class EtcdCluster:
     def _spawn(self, m: Member, state: str) -> None:
         with open(m.log_path, "ab") as log:
             m.proc = subprocess.Popen(
-                self._command(m, state),
+                die_with_parent(self._command(m, state)),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=tie_to_parent(),
             )
 
     def member_healthy(self, m: Member) -> bool:

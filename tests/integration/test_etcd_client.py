@@ -12,9 +12,9 @@ from orchestrator import records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError
-from orchestrator.etcd.embedded import free_port
 from orchestrator.etcd.kv import WatchEvent
 from orchestrator.etcd.options import EtcdOptions
+from orchestrator.process_lifetime import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.process_lifetime import free_port
 from orchestrator.rendezvous.backend import (
     EtcdRendezvousHandler,
     create_handler,

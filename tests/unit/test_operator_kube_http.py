@@ -26,7 +26,6 @@ from urllib.parse import parse_qs, urlparse
 import kopf
 import pytest
 
-from orchestrator.etcd.embedded import free_port
 from orchestrator.operator import handlers
 from orchestrator.operator.api import (
     OperatorSettings,
@@ -35,6 +34,7 @@ from orchestrator.operator.api import (
 )
 from orchestrator.operator.handlers import Runtime
 from orchestrator.operator.kube import KubeClient
+from orchestrator.process_lifetime import free_port
 
 pytestmark = pytest.mark.unit
 

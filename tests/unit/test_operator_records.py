@@ -14,10 +14,11 @@ import pytest
 from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.etcd.embedded import EmbeddedEtcd, free_port
+from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import RetryableOperatorError
 from orchestrator.operator.records import EtcdJobRecords
+from orchestrator.process_lifetime import free_port
 from orchestrator.records import JobStatus, write
 from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
 

@@ -34,7 +34,6 @@ from orchestrator.dataclass_tree import (
     snake_key,
     unknown_key_message,
 )
-from orchestrator.entrypoint import resolve_recovery
 from orchestrator.spec import (
     COMPRESSION_PARAMS,
     CompressionKind,
@@ -49,8 +48,6 @@ __all__ = [
     "load_job_file",
     "load_job_node",
     "load_job_text",
-    # imported from here by the node agent; its home is orchestrator.entrypoint
-    "resolve_recovery",
 ]
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*\Z", re.ASCII)

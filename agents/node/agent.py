@@ -62,6 +62,7 @@ from agents.node.restart_tier import RestartTier
 from agents.node.watches import NodeWatches
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
+from orchestrator.entrypoint import resolve_recovery
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
@@ -72,7 +73,6 @@ from orchestrator.liveness import LivenessServer
 from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
-from orchestrator.spec_loader import resolve_recovery
 
 __all__ = ["DEFAULT_JOB_WAIT", "DEFAULT_NODE_TTL", "JobNotSubmittedError", "NodeAgent"]
 

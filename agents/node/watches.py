@@ -18,12 +18,13 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed
 from agents.node.descriptions import describe_role
 from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.watch import KeyFollower
 from orchestrator.records import AgentCommand, Plan, RecordError
 
 __all__ = ["NodeCommands", "NodeWatches"]
@@ -114,28 +115,18 @@ class NodeWatches:
 
     def _follow(self, key: str, prefix: bool, handle: Callable[[str, bytes, int], object]) -> None:
         """The watch loop: ``handle(key, value, mod_revision)`` for what is stored at
-        ``key`` (or under it) now and for every later write, until stopped; the watch
-        is renewed after etcd outages.  Every watch of the agent runs here."""
-        while not self._stop.is_set():
-            watch: Any = None
-            try:
-                watch = self.client.watch(key, prefix=prefix)
-                # what was written while no watch ran
-                for kv in self.client.get_prefix(key) if prefix else [self.client.get(key)]:
-                    if kv is not None:
-                        handle(kv.key, kv.value, kv.mod_revision)
-                for ev in watch:
-                    if self._stop.is_set():
-                        break
-                    if ev.value is not None:
-                        handle(ev.key, ev.value, ev.mod_revision)
-            except Exception as e:  # etcd went away, or the watch was cancelled
-                log.debug("watch of %s ended: %s", key, e)
-            finally:
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        watch.cancel()
-            self._stop.wait(0.5)
+        ``key`` (or under it) now and for every later write, until stopped.  Every
+        watch of the agent runs here, on :class:`~orchestrator.etcd.watch.KeyFollower`:
+        after an etcd outage it resumes from the revision after the last one handled
+        (deletions, such as a command taken, are not handed on)."""
+        follower = KeyFollower(
+            self.client,
+            key,
+            lambda ev: None if ev.value is None else handle(ev.key, ev.value, ev.mod_revision),
+            prefix=prefix,
+            stop=self._stop,
+        )
+        follower.run()
 
     def _note_plan(self, key: str, value: bytes, revision: int) -> None:
         if self._feed is not None:  # the workers judge it themselves, as read from etcd

@@ -29,7 +29,6 @@ MAX_LINES = 450
 #: Cycles still being removed: a strongly connected set of modules passes when
 #: all of its modules are in one of these sets.
 KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"agents.node.agent", "agents.node.restart_tier", "agents.node.watches"}),
     frozenset(
         {
             "agents.recovery.shard_recovery",
@@ -42,7 +41,6 @@ KNOWN_CYCLES: tuple[frozenset[str], ...] = (
 #: Modules over the limit still being split (paths from the repository root).
 KNOWN_LARGE = frozenset(
     {
-        "agents/node/agent.py",
         "agents/runtime/session.py",
     }
 )

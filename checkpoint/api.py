@@ -42,6 +42,18 @@ MANIFEST_FORMAT = 1
 #: theirs, and older ones written with ``"crc32"`` still verify.
 CHECKSUM_ALGORITHM = "crc32c"
 
+#: Marker object written beside the manifest once every object matched its checksum.
+VERIFIED_MARKER = "verified.json"
+
+#: Marker object written beside the manifest when an object did not match (or is
+#: missing): the checkpoint then counts for neither restore nor retention.  It is
+#: never deleted for it; ``ringmaster checkpoints verify`` checks it again.
+FAILED_MARKER = "verification-failed.json"
+
+#: fsspec protocols a checkpoint root may use: local disks, the object stores
+#: (their fsspec packages installed), and ``memory://`` for one process's tests.
+CHECKPOINT_PROTOCOLS = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "memory")
+
 
 # Timeouts are plain defaults: this package reads no environment variable.  A
 # caller passes its own (ringmaster's worker runtime passes the
@@ -141,6 +153,9 @@ class Manifest:
         samples_seen: global data position (samples consumed by all ranks).
         format: manifest format version.
         checksum_algorithm: how ``ObjectEntry.checksum`` was computed.
+        run_id: the run that wrote it, its lineage: retention removes only
+            checkpoints of its own run ("" when unknown: written before runs
+            were recorded, or by a checkpointer given no run id).
     """
 
     step: int
@@ -151,10 +166,25 @@ class Manifest:
     samples_seen: int = 0
     format: int = MANIFEST_FORMAT
     checksum_algorithm: str = CHECKSUM_ALGORITHM
+    run_id: str = ""
 
     @property
     def total_bytes(self) -> int:
         return sum(o.size for o in self.objects)
+
+
+class Verification(str, Enum):
+    """What is known of a committed checkpoint's objects, from the markers beside it.
+
+    ``NOT_VERIFIED``: no one has read its objects back since it was written.
+    ``VERIFIED``: every object matched the manifest when last read back
+    (:data:`VERIFIED_MARKER`).  ``FAILED``: an object was missing or did not
+    match (:data:`FAILED_MARKER`); restore and retention pass it over.
+    """
+
+    NOT_VERIFIED = "not verified"
+    VERIFIED = "verified"
+    FAILED = "failed verification"
 
 
 @dataclass(frozen=True)
@@ -167,6 +197,8 @@ class CheckpointInfo:
         step: step parsed from the name (or the manifest when committed).
         manifest: the manifest when the checkpoint is committed, else None.
         problem: why it does not count as committed, when it does not.
+        verification: what the markers beside the manifest say (listing
+            reads no object to know it).
     """
 
     url: str
@@ -174,10 +206,16 @@ class CheckpointInfo:
     step: int
     manifest: Manifest | None = None
     problem: str | None = None
+    verification: Verification = Verification.NOT_VERIFIED
 
     @property
     def committed(self) -> bool:
         return self.manifest is not None
+
+    @property
+    def usable(self) -> bool:
+        """Committed and not known to be corrupt: a candidate for restore and retention."""
+        return self.manifest is not None and self.verification is not Verification.FAILED
 
 
 @dataclass(frozen=True)

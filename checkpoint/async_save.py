@@ -18,7 +18,6 @@ sizes and checksums are gathered to rank 0, which writes the manifest last
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -41,7 +40,7 @@ from checkpoint.api import (
     ObjectEntry,
     SaveStatus,
 )
-from checkpoint.commit import step_dir_name, write_manifest
+from checkpoint.commit import new_token, step_dir_name, write_manifest
 from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, assign_owners, layout_digest, owned_keys
 from checkpoint.fsspec_storage import ChecksummingWriter, Location
@@ -115,6 +114,8 @@ class AsyncSaver:
         job_spec_hash: recorded in manifests.
         thread_count: writer threads per rank.
         fence: checked right before each commit (see :func:`checkpoint.commit.write_manifest`).
+        run_id: this run's lineage: in each directory's token and manifest;
+            retention removes only checkpoints of this lineage.
     """
 
     def __init__(
@@ -126,8 +127,10 @@ class AsyncSaver:
         job_spec_hash: str = "",
         thread_count: int = 1,
         fence: CommitFence | None = None,
+        run_id: str = "",
     ) -> None:
         self.root = root
+        self.run_id = run_id
         self.fence = fence
         self.coord = coord
         self.keep = keep
@@ -203,7 +206,7 @@ class AsyncSaver:
             step=step,
             busy=self.inflight is not None,
             digest=layout_digest(flat),
-            token=secrets.token_hex(4),
+            token=new_token(self.run_id),
         )
         everyone: list[_Agreement] = self.coord.all_gather(mine, self.coord.control)
         if any(a.busy for a in everyone):
@@ -264,6 +267,7 @@ class AsyncSaver:
                     created_at=time.time(),
                     objects=tuple(sorted((o for objs in gathered for o in objs), key=_by_path)),
                     samples_seen=samples_seen,
+                    run_id=self.run_id,
                 )
                 try:
                     write_manifest(directory, manifest, self.fence)
@@ -294,7 +298,7 @@ class AsyncSaver:
         if coord.is_coordinator:
             # Before the handle completes, so the next save never overlaps retention.
             try:
-                apply_retention(self.root, self.keep)
+                apply_retention(self.root, self.keep, run_id=self.run_id)
             except (CheckpointError, OSError) as e:
                 log.warning(
                     "retention under %s failed (will retry next save): %s", self.root.url, e

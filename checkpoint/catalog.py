@@ -3,7 +3,10 @@
 ``ringmaster checkpoints list|verify|gc URL`` call these and print the
 result; they run in one process and need no process group.  A URL is either
 a checkpoint root (``s3://bucket/run``) or one checkpoint directory under it
-(``s3://bucket/run/step-0000000100-1a2b3c4d``).
+(``s3://bucket/run/step-0000000100-1a2b3c4d``), with one of the protocols in
+:data:`~checkpoint.api.CHECKPOINT_PROTOCOLS`; any other is refused before
+anything is contacted.  Verifying records its outcome beside the manifest
+(:mod:`checkpoint.verification`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import re
 from typing import Any
 
 from checkpoint.api import (
+    CHECKPOINT_PROTOCOLS,
+    CheckpointCorruptError,
     CheckpointInfo,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -27,6 +32,22 @@ from checkpoint.commit import (
 )
 from checkpoint.fsspec_storage import Location
 from checkpoint.retention import RetentionResult, apply_retention
+from checkpoint.verification import failure_note, mark_failed, mark_verified
+
+__all__ = [
+    "check_protocol",
+    "check_spec_hash",
+    "checkpoints",
+    "failure_reason",
+    "gc",
+    "latest",
+    "open_root",
+    "redact",
+    "resume_point",
+    "scrub",
+    "verify",
+    "verify_all",
+]
 
 _USERINFO_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
 _SECRET_PAIR_RE = re.compile(r"[^\s/@'\"():]+:[^\s/@'\"]+@")
@@ -42,13 +63,40 @@ def scrub(text: str) -> str:
     return _SECRET_PAIR_RE.sub("***@", text)
 
 
+def check_protocol(url: str) -> None:
+    """Refuse a URL whose protocol checkpoints cannot use, before contacting anything.
+
+    Raises:
+        CheckpointStorageError: naming the URL and the protocols that work.
+    """
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol not in CHECKPOINT_PROTOCOLS:
+        usable = ", ".join(f"{p}://" for p in CHECKPOINT_PROTOCOLS)
+        raise CheckpointStorageError(
+            f"{redact(url)}: protocol {protocol!r} cannot hold checkpoints; "
+            f"use a local path or one of {usable}"
+        )
+
+
+def _location(url: str, storage_options: dict[str, Any] | None) -> Location:
+    try:
+        return Location.from_url(url, storage_options)
+    except CheckpointStorageError as e:
+        raise CheckpointStorageError(scrub(str(e).replace(url, redact(url)))) from e
+    except Exception as e:  # a filesystem that connects when made (resolving a host...)
+        raise CheckpointStorageError(
+            scrub(f"checkpoint storage {redact(url)} is not reachable ({type(e).__name__}: {e})")
+        ) from e
+
+
 def _split(url: str, storage_options: dict[str, Any] | None) -> tuple[Location, str | None]:
     """(root, checkpoint name or None) for a root URL or a checkpoint directory URL."""
+    check_protocol(url)
     trimmed = url.rstrip("/")
     parent, _, name = trimmed.rpartition("/")
     if parse_step_dir(name) is not None:
-        return Location.from_url(parent, storage_options), name
-    return Location.from_url(trimmed, storage_options), None
+        return _location(parent, storage_options), name
+    return _location(trimmed, storage_options), None
 
 
 def _describe_unreachable(root: Location, error: BaseException) -> str:
@@ -111,10 +159,19 @@ def resume_point(url: str, storage_options: dict[str, Any] | None = None) -> Che
             raise CheckpointNotFoundError(
                 f"{redact(info.url)} is not a committed checkpoint: {info.problem}"
             )
+        if not info.usable:
+            raise CheckpointNotFoundError(
+                f"{redact(info.url)} failed verification ({failure_reason(root, name)}); "
+                f"`ringmaster checkpoints verify {redact(info.url)}` checks it again"
+            )
         return info
     newest = latest_committed(root)
     if newest is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {redact(root.url)}")
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint that passed verification under {redact(root.url)}"
+            if any(i.committed for i in list_checkpoints(root))
+            else f"no committed checkpoint under {redact(root.url)}"
+        )
     return newest
 
 
@@ -148,20 +205,59 @@ def latest(url: str, storage_options: dict[str, Any] | None = None) -> Checkpoin
     return latest_committed(root)
 
 
+def failure_reason(root: Location, name: str) -> str:
+    """Why a checkpoint marked as failed failed, as its marker recorded it."""
+    return scrub(failure_note(root.child(name)) or "the reason was not recorded")
+
+
+def _verify_and_mark(directory: Location) -> VerifyReport:
+    """Verify a committed checkpoint and record the outcome beside it.
+
+    Raises:
+        CheckpointCorruptError: no valid manifest to verify against.
+        CheckpointStorageError: objects or the marker could not be read or written.
+    """
+    report = verify_checkpoint(directory)
+    if report.ok:
+        mark_verified(directory)
+    else:
+        mark_failed(directory, report.problems)
+    return report
+
+
 def verify(url: str, storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Verify one checkpoint directory, or the newest committed one under a root.
+
+    The outcome is recorded beside the manifest: a directory that verifies
+    again after it had failed becomes a candidate for restore again.
 
     Raises:
         CheckpointNotFoundError: a root without any committed checkpoint.
         CheckpointCorruptError: the directory has no valid manifest.
+        CheckpointStorageError: reading, or recording the outcome, failed.
     """
     root, name = _split(url, storage_options)
     if name is None:
         newest = latest_committed(root)
         if newest is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {root.url}")
+            raise CheckpointNotFoundError(f"no committed checkpoint under {redact(root.url)}")
         name = newest.name
-    return verify_checkpoint(root.child(name))
+    return _verify_and_mark(root.child(name))
+
+
+def verify_all(root: Location) -> list[CheckpointInfo]:
+    """Verify every committed checkpoint under ``root`` (reads all of them), then list.
+
+    Raises:
+        CheckpointStorageError: reading, or recording an outcome, failed.
+    """
+    for info in list_checkpoints(root):
+        if info.committed:
+            try:
+                _verify_and_mark(root.child(info.name))
+            except CheckpointCorruptError:
+                pass  # its manifest went meanwhile: the listing below says so
+    return list_checkpoints(root)
 
 
 def gc(
@@ -170,7 +266,12 @@ def gc(
     storage_options: dict[str, Any] | None = None,
     *,
     all_uncommitted: bool = False,
+    run_id: str | None = None,
 ) -> RetentionResult:
-    """Apply retention under a root (``all_uncommitted`` only when no save is running)."""
+    """Apply retention under a root (``all_uncommitted`` only when no save is running).
+
+    Each lineage (the checkpoints of one run) keeps its own newest ``keep``;
+    ``run_id`` limits it to that run's.
+    """
     root, _ = _split(url, storage_options)
-    return apply_retention(root, keep, all_uncommitted=all_uncommitted)
+    return apply_retention(root, keep, run_id=run_id, all_uncommitted=all_uncommitted)

@@ -112,6 +112,11 @@ class Checkpointer:
         fence: checked right before each commit; raises
             :class:`~checkpoint.api.CommitFencedError` when this saver no longer
             belongs to the job's current generation (the save stays uncommitted).
+        run_id: the run this saver belongs to, the same in every generation
+            and restart of it: recorded in each manifest, and retention
+            removes only this run's checkpoints (and never another run's
+            save in progress under the same root).  "": saves without a run
+            id form one lineage of their own.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class Checkpointer:
         collective_timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         check_storage: bool = True,
         fence: CommitFence | None = None,
+        run_id: str = "",
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -144,6 +150,7 @@ class Checkpointer:
             job_spec_hash=job_spec_hash,
             thread_count=thread_count,
             fence=fence,
+            run_id=run_id,
         )
         if check_storage:
             problem = None
@@ -351,7 +358,9 @@ class Checkpointer:
 
     def gc(self, *, all_uncommitted: bool = False) -> RetentionResult:
         """Apply retention now."""
-        return apply_retention(self.root, self.keep, all_uncommitted=all_uncommitted)
+        return apply_retention(
+            self.root, self.keep, run_id=self.saver.run_id, all_uncommitted=all_uncommitted
+        )
 
     def close(self, timeout: timedelta = DEFAULT_SAVE_TIMEOUT) -> None:
         """Wait for the save in flight and release staging memory."""

@@ -9,14 +9,23 @@ it lists is present with the listed size.  ``latest`` is found by listing
 those directories; there is no pointer object that could run ahead of data.
 
 ``verify`` reads objects back and compares checksums; it can be split across
-ranks (each checks every ``world``-th object).
+ranks (each checks every ``world``-th object).  What it found is kept beside
+the manifest (:mod:`checkpoint.verification`); a checkpoint that failed is
+listed but is no candidate for ``latest``.
+
+A directory's token says whose it is before any manifest exists: a saver
+with a run id starts each token with :func:`lineage_tag` of it (the manifest
+then records the run id in full), so retention can tell its own saves,
+finished or not, from those of another run writing to the same root.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -34,6 +43,7 @@ from checkpoint.api import (
 )
 from checkpoint.fsspec_storage import Location
 from checkpoint.manifest import decode_manifest, encode_manifest
+from checkpoint.verification import verification_of
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,30 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a checkpoint directory name, or None if it is not one."""
     m = _STEP_DIR_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+#: Hex digits of a token that are random; a run's tag of as many digits comes first.
+_RANDOM_HEX = 8
+
+
+def lineage_tag(run_id: str) -> str | None:
+    """The 8 hex digits that begin the tokens of ``run_id``'s saves (None for no run id)."""
+    if not run_id:
+        return None
+    return hashlib.sha256(run_id.encode()).hexdigest()[:_RANDOM_HEX]
+
+
+def new_token(run_id: str = "") -> str:
+    """A fresh directory token: ``<lineage tag><8 random hex>``, or 8 random hex without a run."""
+    return (lineage_tag(run_id) or "") + secrets.token_hex(_RANDOM_HEX // 2)
+
+
+def lineage_of(name: str) -> str | None:
+    """The lineage tag in a checkpoint directory's name (None: saved without a run id)."""
+    m = _STEP_DIR_RE.match(name)
+    if m is None or len(m.group(2)) != 2 * _RANDOM_HEX:
+        return None
+    return m.group(2)[:_RANDOM_HEX]
 
 
 def write_manifest(
@@ -102,6 +136,7 @@ def read_manifest(directory: Location) -> Manifest:
 
 
 def _sizes(directory: Location) -> dict[str, int]:
+    """Size of every object under ``directory``, by path relative to it (one listing)."""
     out: dict[str, int] = {}
     for entry in directory.fs.find(directory.root, detail=True).values():
         name = str(entry["name"])
@@ -110,9 +145,14 @@ def _sizes(directory: Location) -> dict[str, int]:
     return out
 
 
-def completeness_problem(directory: Location, manifest: Manifest) -> str | None:
-    """Why the objects listed in ``manifest`` are not all there, or None if they are."""
-    sizes = _sizes(directory)
+def completeness_problem(
+    directory: Location, manifest: Manifest, sizes: dict[str, int] | None = None
+) -> str | None:
+    """Why the objects listed in ``manifest`` are not all there, or None if they are.
+
+    ``sizes`` is the listing of ``directory`` when the caller has it already.
+    """
+    sizes = _sizes(directory) if sizes is None else sizes
     for obj in manifest.objects:
         if obj.path not in sizes:
             return f"object {obj.path} is missing"
@@ -122,7 +162,8 @@ def completeness_problem(directory: Location, manifest: Manifest) -> str | None:
 
 
 def inspect_checkpoint(root: Location, name: str) -> CheckpointInfo:
-    """Look at one checkpoint directory under ``root`` and say whether it is committed."""
+    """Look at one checkpoint directory under ``root``: committed or not, and what is known
+    of its verification (from the markers; no object is read)."""
     step = parse_step_dir(name)
     if step is None:
         raise ValueError(f"{name!r} is not a checkpoint directory name")
@@ -137,10 +178,13 @@ def inspect_checkpoint(root: Location, name: str) -> CheckpointInfo:
         return CheckpointInfo(
             directory.url, name, step, problem=f"manifest says step {manifest.step}"
         )
-    problem = completeness_problem(directory, manifest)
+    sizes = _sizes(directory)
+    problem = completeness_problem(directory, manifest, sizes)
     if problem is not None:
         return CheckpointInfo(directory.url, name, step, problem=problem)
-    return CheckpointInfo(directory.url, name, step, manifest=manifest)
+    return CheckpointInfo(
+        directory.url, name, step, manifest=manifest, verification=verification_of(sizes)
+    )
 
 
 def list_checkpoints(root: Location) -> list[CheckpointInfo]:
@@ -175,12 +219,12 @@ def list_checkpoints(root: Location) -> list[CheckpointInfo]:
 
 
 def committed_checkpoints(root: Location) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``root``, newest first."""
-    return [i for i in reversed(list_checkpoints(root)) if i.committed]
+    """Committed checkpoints under ``root`` that did not fail verification, newest first."""
+    return [i for i in reversed(list_checkpoints(root)) if i.usable]
 
 
 def latest_committed(root: Location) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``root``, or None."""
+    """The newest committed checkpoint under ``root`` not marked as failed, or None."""
     committed = committed_checkpoints(root)
     return committed[0] if committed else None
 

@@ -3,9 +3,13 @@
 Rank 0 lists committed checkpoints and tells the others; every rank then
 checks its share of the candidate's objects against the manifest (so the
 read cost of verification is spread), and all ranks agree before loading.  A
-candidate that fails (a flipped byte, a missing object) is logged and the
-previous committed checkpoint is tried.  Loading uses DCP, which reshards:
-the checkpoint's world size need not match the current one.
+candidate that fails (a flipped byte, a missing object) is logged, marked as
+failed beside its manifest (:mod:`checkpoint.verification`; from then on no
+restore or retention counts it), and the previous committed checkpoint is
+tried; one that verifies is marked verified.  A candidate that could not be
+read (storage unreachable) is passed over without a mark: that is no finding
+about its objects.  Loading uses DCP, which reshards: the checkpoint's world
+size need not match the current one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint import dcp_calls
 from checkpoint.api import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointStorageError,
@@ -33,6 +38,7 @@ from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, check_fits, is_rank_key
 from checkpoint.fsspec_storage import Location, LocationReader
 from checkpoint.groups import Coordination
+from checkpoint.verification import record
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +95,24 @@ def _candidates(root: Location, url: str | None) -> list[str]:
     info = inspect_checkpoint(root, name)
     if not info.committed:
         raise CheckpointNotFoundError(f"{url} is not committed: {info.problem}")
+    if not info.usable:
+        raise CheckpointNotFoundError(
+            f"{url} failed verification before (it is marked so); "
+            f"`ringmaster checkpoints verify {url}` checks it again"
+        )
     return [name]
+
+
+def _check_share(directory: Location, coord: Coordination) -> tuple[list[str], bool]:
+    """This rank's problems with its share of ``directory``, and whether they are findings
+    about the objects (True) rather than storage that could not be read (False)."""
+    try:
+        report = verify_checkpoint(directory, rank=coord.rank, world_size=coord.world_size)
+    except CheckpointCorruptError as e:  # a manifest gone meanwhile is no finding either
+        return [str(e)], not isinstance(e.__cause__, FileNotFoundError)
+    except (CheckpointError, OSError) as e:
+        return [str(e)], False
+    return list(report.problems), True
 
 
 def restore_durable(
@@ -118,12 +141,11 @@ def restore_durable(
     skipped: list[str] = []
     for name in names:
         directory = root.child(name)
-        try:
-            report = verify_checkpoint(directory, rank=coord.rank, world_size=coord.world_size)
-            problems = list(report.problems)
-        except (CheckpointError, OSError) as e:
-            problems = [str(e)]
-        all_problems = [p for ps in coord.all_gather(problems, coord.control) for p in ps]
+        shares = coord.all_gather(_check_share(directory, coord), coord.control)
+        all_problems = [p for ps, _ in shares for p in ps]
+        corrupt = [p for ps, finding in shares if finding for p in ps]
+        if coord.is_coordinator and (corrupt or not all_problems):
+            record(directory, corrupt)  # an unreadable share alone is no finding
         if all_problems:
             reason = "; ".join(all_problems)
             log.warning("checkpoint %s failed verification, trying an older one: %s", name, reason)

@@ -36,7 +36,7 @@ def crc32_hex(data: bytes) -> str:
 
 
 def _body(manifest: Manifest) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "format": manifest.format,
         "step": manifest.step,
         "world_size": manifest.world_size,
@@ -48,6 +48,10 @@ def _body(manifest: Manifest) -> dict[str, Any]:
             {"path": o.path, "size": o.size, "checksum": o.checksum} for o in manifest.objects
         ],
     }
+    # Only when known: a manifest without a run id is byte for byte what it always was.
+    if manifest.run_id:
+        body["run_id"] = manifest.run_id
+    return body
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -111,6 +115,9 @@ def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
     spec_hash = raw.get("job_spec_hash")
     if not isinstance(spec_hash, str):
         raise CheckpointCorruptError(f"{where}: job_spec_hash {spec_hash!r} is not text")
+    run_id = raw.get("run_id", "")  # absent from manifests written before runs were recorded
+    if not isinstance(run_id, str):
+        raise CheckpointCorruptError(f"{where}: run_id {run_id!r} is not text")
     return Manifest(
         step=_int(raw, "step", where, minimum=0),
         world_size=_int(raw, "world_size", where, minimum=1),
@@ -120,6 +127,7 @@ def decode_manifest(data: bytes, where: str = "<manifest>") -> Manifest:
         samples_seen=_int(raw, "samples_seen", where, minimum=0),
         format=fmt,
         checksum_algorithm=algorithm,
+        run_id=run_id,
     )
 
 

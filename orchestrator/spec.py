@@ -21,6 +21,7 @@ from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
 from orchestrator.dataclass_tree import nested_problems, plain
+from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, too_large
 
 Problems = list[tuple[str, str]]
 
@@ -77,6 +78,8 @@ class NodesSpec:
             out.append(("spares", f"must be 0 or more, got {self.spares}"))
         if self.min > self.max:
             out.append(("min", f"nodes.min ({self.min}) is larger than nodes.max ({self.max})"))
+        if (total := self.max + max(self.spares, 0)) > MAX_NODES:
+            out.append(("max", too_large(total, MAX_NODES, "nodes")))
         return out
 
 
@@ -413,10 +416,15 @@ class JobSpec:
                     "and '-', starting and ending with a letter or digit",
                 )
             )
-        if self.nproc_per_node < 1:
-            out.append(("nproc_per_node", f"must be at least 1, got {self.nproc_per_node}"))
+        nproc = self.nproc_per_node
+        if nproc < 1:
+            out.append(("nproc_per_node", f"must be at least 1, got {nproc}"))
+        elif nproc > MAX_NPROC_PER_NODE:
+            out.append(("nproc_per_node", too_large(nproc, MAX_NPROC_PER_NODE, "nproc")))
         if self.max_steps < 0:
             out.append(("max_steps", f"must be 0 (unbounded) or more, got {self.max_steps}"))
+        elif self.max_steps > INT64_MAX:
+            out.append(("max_steps", too_large(self.max_steps, INT64_MAX, "steps")))
         return out
 
     def all_problems(self) -> Problems:

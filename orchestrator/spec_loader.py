@@ -42,6 +42,7 @@ from orchestrator.spec import (
     JobSpec,
     RendezvousSpec,
 )
+from orchestrator.spec_bounds import INT64_MAX, out_of_int64
 
 __all__ = [
     "load_job_data",
@@ -76,11 +77,29 @@ def load_job_file(path: str | Path) -> JobSpec:
     """Read and validate a job file.
 
     Raises:
-        SpecError: with every problem found, each naming its field path and line.
+        SpecError: with every problem found, each naming its field path and line
+            (a file that is not UTF-8 text: the first byte that is not, and its line).
         OSError: when the file cannot be read.
     """
     p = Path(path)
-    return load_job_text(p.read_text(encoding="utf-8"), source=str(p))
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError([_not_utf8(data, e, str(p))]) from e
+    return load_job_text(text, source=str(p))
+
+
+def _not_utf8(data: bytes, error: UnicodeDecodeError, source: str) -> SpecProblem:
+    line = data.count(b"\n", 0, error.start) + 1
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    return SpecProblem(
+        "",
+        f"the file is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} "
+        f"(line {line}, column {column}) is not valid UTF-8; save the file as UTF-8",
+        line,
+        source,
+    )
 
 
 def load_job_text(text: str, source: str = "<job>") -> JobSpec:
@@ -291,7 +310,10 @@ class _Builder:
                 return raw
         elif kind == "int":
             if isinstance(raw, int) and not isinstance(raw, bool):
-                return raw
+                if abs(raw) <= INT64_MAX:
+                    return raw
+                self.add(path, out_of_int64(raw), line)
+                return _MISSING
         elif kind == "float":
             if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                 try:

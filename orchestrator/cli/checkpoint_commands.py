@@ -75,29 +75,46 @@ def checkpoints() -> None:
 
 @checkpoints.command("list")
 @click.argument("url")
+@click.option(
+    "--verify",
+    "check",
+    is_flag=True,
+    help="read back every committed checkpoint and compare checksums first (reads all of "
+    "them; the outcome is recorded beside each one)",
+)
 @json_option
 @wide_option
 @handle_checkpoint_errors
-def list_cmd(url: str, as_json: bool, wide: bool) -> None:
-    """Every checkpoint under URL, oldest first, committed or not."""
-    from checkpoint.catalog import open_root, redact, scrub
+def list_cmd(url: str, check: bool, as_json: bool, wide: bool) -> None:
+    """Every checkpoint under URL, oldest first, committed or not.
+
+    The status of a committed checkpoint is what is known of its objects
+    without reading them: "verified" (read back and matched its manifest),
+    "failed verification" (an object was missing or did not match: restore
+    and retention pass it over) or "not verified" (nobody has read it back
+    yet).  Restores, retention and `checkpoints verify` record what they find;
+    --verify checks every committed checkpoint now.
+    """
+    from checkpoint.catalog import open_root, redact, verify_all
     from checkpoint.commit import list_checkpoints
 
     root, _ = open_root(_local_url(url))
-    infos = list_checkpoints(root)
+    infos = verify_all(root) if check else list_checkpoints(root)
     if as_json:
         for info in infos:
-            click.echo(json.dumps(_info_dict(info)))
+            click.echo(json.dumps(_info_dict(root, info)))
         return
     if not infos:
         console.print(f"no checkpoints under {redact(root.url)}", highlight=False)
         return
+    runs = any(i.manifest and i.manifest.run_id for i in infos)
     out = table(
         column("step", wrap=False, justify="right"),
         column("size", wrap=False, justify="right"),
         column("time (UTC)"),
         column("world", wrap=False, justify="right"),
-        column("committed"),
+        *([column("run")] if runs else []),
+        column("status"),
         column("directory", wrap=False),
     )
     for info in infos:
@@ -107,24 +124,47 @@ def list_cmd(url: str, as_json: bool, wide: bool) -> None:
             _size(m.total_bytes) if m else "-",
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at)) if m else "-",
             str(m.world_size) if m else "-",
-            "yes" if m else escape(f"no: {scrub(str(info.problem))}"),
+            *([escape(m.run_id or "-") if m else "-"] if runs else []),
+            escape(_status(root, info)),
             escape(info.name),
         )
     print_table(out, wide)
 
 
-def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
+def _status(root: Any, info: CheckpointInfo) -> str:
+    """The status column: verification for a committed checkpoint, else why it is not one."""
+    from checkpoint.api import Verification
+    from checkpoint.catalog import failure_reason, scrub
+
+    if info.manifest is None:
+        return f"not committed: {scrub(str(info.problem))}"
+    if info.verification is Verification.FAILED:
+        return f"{info.verification.value}: {failure_reason(root, info.name)}"
+    return info.verification.value
+
+
+def _info_dict(root: Any, info: CheckpointInfo) -> dict[str, Any]:
     """One checkpoint as JSON: the table's columns, sizes in bytes, times in UNIX seconds."""
-    from checkpoint.catalog import redact, scrub
+    from checkpoint.api import Verification
+    from checkpoint.catalog import failure_reason, redact, scrub
 
     m = info.manifest
+    failed = m is not None and info.verification is Verification.FAILED
     return {
         "step": info.step,
         "size_bytes": m.total_bytes if m else None,
         "created_at": m.created_at if m else None,
         "world_size": m.world_size if m else None,
+        "run_id": m.run_id if m else None,
         "committed": m is not None,
-        "problem": scrub(info.problem) if info.problem else None,
+        "verification": info.verification.value if m else None,
+        "problem": (
+            failure_reason(root, info.name)
+            if failed
+            else scrub(info.problem)
+            if info.problem
+            else None
+        ),
         "directory": info.name,
         "url": redact(info.url),
     }
@@ -137,7 +177,10 @@ def verify_cmd(url: str) -> None:
     """Read back every object of a checkpoint and compare sizes and checksums.
 
     URL is one checkpoint directory, or a root (its newest committed
-    checkpoint).  Exits 1 and names each bad object when one fails.
+    checkpoint).  Exits 1 and names each bad object when one fails.  The
+    outcome is recorded beside the checkpoint: one that fails is passed over
+    by restore and retention from then on; one that verifies again (after a
+    repair) counts again.
     """
     from checkpoint.catalog import open_root, redact, verify
 
@@ -163,16 +206,27 @@ def verify_cmd(url: str) -> None:
     help="also remove uncommitted directories newer than the newest committed checkpoint "
     "(only when no job is saving to URL: one of them may be a save in progress)",
 )
+@click.option(
+    "--run",
+    "run_id",
+    help="only the checkpoints of this run id (the run column of `checkpoints list`); "
+    "default: every run's, each keeping its own --keep",
+)
 @handle_checkpoint_errors
-def gc_cmd(url: str, keep: int, include_newer: bool) -> None:
+def gc_cmd(url: str, keep: int, include_newer: bool, run_id: str | None) -> None:
     """Remove uncommitted directories and committed checkpoints beyond --keep.
 
-    The newest committed checkpoint is never removed.
+    Checkpoints are kept per run: each run's newest committed checkpoint is
+    never removed, and nothing valid is removed while a checkpoint kept in
+    its place is unverified (those are read back first) or failed
+    verification (those are not counted).
     """
     from checkpoint.catalog import gc, open_root, redact
 
     open_root(_local_url(url))
-    result = gc(_local_url(url), keep, all_uncommitted=include_newer)
+    result = gc(_local_url(url), keep, all_uncommitted=include_newer, run_id=run_id)
+    for name in result.failed:
+        console.print(f"failed verification (marked, kept): {name}", highlight=False)
     for name in result.deleted:
         console.print(f"deleted {name}", highlight=False)
     for name in result.cleaned:

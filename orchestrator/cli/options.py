@@ -12,6 +12,7 @@ that makes the table; ``--json`` prints the records themselves.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -96,6 +97,36 @@ def print_table(out: Table, wide: bool = False) -> None:
     ).print(out)
 
 
+class Seconds(click.ParamType):
+    """A duration option in seconds: a finite number above 0 and at most ``maximum``.
+
+    ``float`` alone lets ``nan``, ``inf`` and ``-1`` through, to fail later as
+    a traceback (``timedelta(seconds=nan)``) or as a wait that ends at once.
+    """
+
+    name = "seconds"
+
+    def __init__(self, maximum: float = 86400.0) -> None:
+        self.maximum = maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            try:
+                number = float(str(value).strip())
+            except ValueError:
+                number = math.nan
+        if not (math.isfinite(number) and 0 < number <= self.maximum):
+            self.fail(
+                f"{value!r} is not a number of seconds above 0 and at most {self.maximum:g} "
+                "(for example 5 or 0.5)",
+                param,
+                ctx,
+            )
+        return number
+
+
 def fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
@@ -121,10 +152,11 @@ def etcd_options(fn: F) -> F:
         ),
         click.option(
             "--etcd-timeout",
-            type=float,
+            type=Seconds(),
             default=SETTINGS.etcd_connect_timeout.total_seconds(),
             show_default=True,
-            help="seconds to wait for etcd to answer (default: RINGMASTER_ETCD_CONNECT_TIMEOUT)",
+            help="seconds to wait for etcd to answer, above 0 and at most a day "
+            "(default: RINGMASTER_ETCD_CONNECT_TIMEOUT)",
         ),
     ]
     for opt in reversed(options):

@@ -79,11 +79,11 @@ def test_list_shows_committed_and_uncommitted(backend: tuple[str, dict[str, Any]
         for line in result.output.splitlines()
         if "step-" in line
     ]
-    # step, size, time, world, committed, directory
+    # step, size, time, world, status, directory
     assert [(r[0], r[3], r[4]) for r in rows] == [
-        ("10", "1", "yes"),
-        ("20", "1", "yes"),
-        ("30", "-", "no: no manifest (never committed)"),
+        ("10", "1", "not verified"),
+        ("20", "1", "not verified"),
+        ("30", "-", "not committed: no manifest (never committed)"),
     ]
     assert rows[0][1].endswith("KiB") and rows[0][2].startswith("20")
     assert rows[2][5] == dead

@@ -33,6 +33,21 @@ def test_round_trip() -> None:
     assert m.total_bytes == 13
 
 
+def test_run_id_round_trips_and_is_absent_when_unknown() -> None:
+    m = _manifest()
+    assert "run_id" not in json.loads(encode_manifest(m))  # written as before runs had ids
+    named = Manifest(**{**m.__dict__, "run_id": "job/run-2/1764000000.0"})
+    assert decode_manifest(encode_manifest(named)) == named
+    raw = json.loads(encode_manifest(named))
+    raw["run_id"] = 7
+    body = {k: v for k, v in raw.items() if k != "self_checksum"}
+    raw["self_checksum"] = crc32_hex(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    )
+    with pytest.raises(CheckpointCorruptError, match="run_id 7 is not text"):
+        decode_manifest(json.dumps(raw).encode())
+
+
 def test_truncated_manifest_is_not_a_commit() -> None:
     data = encode_manifest(_manifest())
     for cut in (0, 1, len(data) // 2, len(data) - 2):

@@ -307,10 +307,11 @@ def test_checkpoints_list_json_has_the_fields_of_the_table(
     ]
     assert rows[0]["size_bytes"] > 0 and rows[0]["created_at"] > 0
     assert rows[2]["directory"] == dead and "manifest" in rows[2]["problem"]
+    assert [r["verification"] for r in rows] == ["not verified", "not verified", None]
 
     table = _cli("checkpoints", "list", url).output
     _fits(table)
-    _cells_are_whole(table, dead, "no: no manifest (never committed)")
+    _cells_are_whole(table, dead, "not committed: no manifest (never committed)")
 
 
 # -- logs -------------------------------------------------------------------------------

@@ -103,12 +103,75 @@ def secure_credentials(options: EtcdOptions) -> Any:
         return None
     if not options.ca_cert:
         raise EtcdError("https etcd endpoints need a CA certificate (--etcd-ca)")
+    check_tls_files(options)
     try:
         return etcd3.MultiEndpointEtcd3Client.get_secure_creds(
             options.ca_cert, options.key, options.cert
         )
     except OSError as e:
         raise EtcdError(f"cannot read etcd TLS file: {e}") from e
+
+
+#: PEM block labels: what a certificate file and a private key file begin with.
+_CERT_LABEL = b"-----BEGIN CERTIFICATE-----"
+_KEY_LABEL = b"PRIVATE KEY-----"
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise EtcdError(f"cannot read the etcd TLS file {path!r} ({flag}): {e.strerror}") from e
+
+
+def check_tls_files(options: EtcdOptions) -> None:
+    """Refuse TLS files that cannot work, in one line, before gRPC sees them.
+
+    gRPC aborts the whole process on a client certificate without its key (or a key
+    without its certificate), and prints raw log lines of its own for a file that is
+    not PEM; each of these is a mistake in the options, so it is named here instead.
+
+    Raises:
+        EtcdError: a certificate without its key or the other way round, a file that
+            cannot be read, or one that holds no PEM block of the kind it should.
+    """
+    if bool(options.cert) != bool(options.key):
+        given, missing = (
+            ("--etcd-cert", "--etcd-key")
+            if options.cert
+            else (
+                "--etcd-key",
+                "--etcd-cert",
+            )
+        )
+        raise EtcdError(
+            f"{given} was given without {missing}: a client certificate and its private "
+            "key go together (give both, or neither for server-only TLS)"
+        )
+    assert options.ca_cert is not None  # checked by the caller
+    if _CERT_LABEL not in _read_pem(options.ca_cert, "--etcd-ca"):
+        raise EtcdError(
+            f"the etcd CA file {options.ca_cert!r} (--etcd-ca) holds no PEM certificate "
+            "(a file starting with '-----BEGIN CERTIFICATE-----')"
+        )
+    if options.cert and options.key:
+        cert = _read_pem(options.cert, "--etcd-cert")
+        key = _read_pem(options.key, "--etcd-key")
+        if _KEY_LABEL in cert and _CERT_LABEL in key:
+            raise EtcdError(
+                f"--etcd-cert {options.cert!r} holds a private key and --etcd-key "
+                f"{options.key!r} a certificate: the two look swapped"
+            )
+        if _CERT_LABEL not in cert:
+            raise EtcdError(
+                f"the etcd client certificate {options.cert!r} (--etcd-cert) holds no PEM "
+                "certificate"
+            )
+        if _KEY_LABEL not in key:
+            raise EtcdError(
+                f"the etcd client key {options.key!r} (--etcd-key) holds no PEM private key"
+            )
 
 
 def authenticate(raw: Any, options: EtcdOptions) -> None:

@@ -283,3 +283,46 @@ def test_a_tls_probe_that_timed_out_is_asked_again(
     with pytest.raises(EtcdAuthError, match="does not answer TLS"):
         connect(options)
     assert len(calls) == 2 and calls[0] is None
+
+
+@pytest.mark.parametrize(
+    ("case", "check"),
+    [
+        ("certificate without its key", "--etcd-key"),
+        ("key without its certificate", "--etcd-cert"),
+        ("a CA file that is not PEM", "--etcd-ca"),
+        ("certificate and key swapped", "swapped"),
+    ],
+)
+def test_cli_tls_files_that_cannot_work_give_one_clear_line(
+    tls_server: EmbeddedEtcd, certs: TLSFiles, tmp_path: Path, case: str, check: str
+) -> None:
+    """Checked before gRPC sees them: it aborts the process on a certificate without a
+    key, and logs raw lines of its own for files that are not PEM."""
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("this is not a certificate\n")
+    options = {
+        "certificate without its key": [
+            "--etcd-ca",
+            str(certs.ca),
+            "--etcd-cert",
+            str(certs.client_cert),
+        ],
+        "key without its certificate": [
+            "--etcd-ca",
+            str(certs.ca),
+            "--etcd-key",
+            str(certs.client_key),
+        ],
+        "a CA file that is not PEM": ["--etcd-ca", str(not_pem)],
+        "certificate and key swapped": [
+            "--etcd-ca",
+            str(certs.ca),
+            "--etcd-cert",
+            str(certs.client_key),
+            "--etcd-key",
+            str(certs.client_cert),
+        ],
+    }[case]
+    done = ringmaster(["status", "--etcd", tls_server.endpoint, "--etcd-timeout", "3", *options])
+    assert_one_clear_line(done, check)

@@ -46,7 +46,8 @@ includes their node; when the job ends first, the loop simply ends
 (``session.finished`` stays False).
 """
 
-from agents.runtime.session import Session, init
+from agents.runtime.session import Session
 from agents.runtime.standalone import StandaloneSession
+from agents.runtime.startup import init
 
 __all__ = ["Session", "StandaloneSession", "init"]

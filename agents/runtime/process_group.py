@@ -31,6 +31,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -263,7 +264,7 @@ def _connections() -> dict[int, int]:
     return ports
 
 
-def sockets_opened_since(before: set[int], keep_ports: set[int]) -> frozenset[int]:
+def sockets_opened_since(before: AbstractSet[int], keep_ports: set[int]) -> frozenset[int]:
     """TCP connections opened since ``before`` was taken, but for those to ``keep_ports``.
 
     Taken around the forming of a generation's groups (the data group, the

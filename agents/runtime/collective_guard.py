@@ -43,6 +43,13 @@ from agents.runtime.process_group import Groups, abort_groups, set_op_timeout
 if TYPE_CHECKING:
     from orchestrator.spec import JobSpec
 
+__all__ = [
+    "WARMUP_ABORT_GRACE",
+    "WARMUP_STEPS",
+    "CollectiveGuard",
+    "OpTimeout",
+]
+
 log = logging.getLogger("ringmaster.worker")
 
 #: Steps of a generation before the timeout adapts: the first steps of every

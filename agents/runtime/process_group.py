@@ -46,6 +46,22 @@ from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.fencing import FencedError, GenerationFence
 
+__all__ = [
+    "DEFAULT_FORM_TIMEOUT",
+    "NCCL_ERROR_HANDLING",
+    "QUIESCE_S",
+    "Groups",
+    "abort_groups",
+    "choose_device",
+    "form_group",
+    "hang_up",
+    "quiesce",
+    "set_op_timeout",
+    "socket_inodes",
+    "sockets_opened_since",
+    "teardown_group",
+]
+
 log = logging.getLogger(__name__)
 
 #: How long forming a group may take before the generation is given up.

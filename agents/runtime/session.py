@@ -184,32 +184,27 @@ class Session:
         Args:
             module: the model, built the same way (same seed) on every rank.
             hook_installer: a DDP comm hook of the script's own (``ddp`` only).
-            sharding: ``ddp`` (every rank holds the whole model; DDP), ``fsdp``
-                (FSDP2's ``fully_shard`` over every rank: a lost slice comes from
-                a buddy's copy, see ``redundancy_every_steps``, else from the
-                newest durable checkpoint) or ``hsdp`` (shard within groups of
-                ``shard_size`` neighbouring ranks, replicate across the groups:
-                a lost slice comes from its twin in another group).
-            shard_size: ``hsdp`` only: ranks per shard group (default: one
-                node's workers, ``nproc_per_node``).
+            sharding: ``ddp`` (every rank holds the whole model), ``fsdp`` (FSDP2
+                over every rank: a lost slice comes from a buddy's copy, else from
+                the durable checkpoint) or ``hsdp`` (shard within groups of
+                ``shard_size`` ranks, replicate across them: a lost slice comes
+                from its twin); see docs/sharded-models.md.
+            shard_size: ``hsdp`` only: ranks per shard group (default: a node's).
             redundancy_every_steps: ``fsdp`` only: every this many steps each
-                rank's slice is copied to a buddy on the next node
-                (:mod:`agents.recovery.buddy_copies`); 0 turns copies off (a lost slice
-                then comes from the durable checkpoint).  Default: the job
-                file's ``fault_tolerance.redundancy.every_steps`` (itself 10
-                by default).
+                rank's slice is copied to a buddy on the next node (0: off).
+                Default: the job file's ``fault_tolerance.redundancy.every_steps``.
 
         Returns:
-            An :class:`ElasticDDP` for ``ddp``, a
-            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build optimizers
-            on its ``parameters()`` after this call.
+            An :class:`~agents.runtime.elastic_ddp.ElasticDDP` for ``ddp``, a
+            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build
+            optimizers on its ``parameters()`` after this call.
 
         Raises:
             ValueError: an unknown mode, options of another mode, or a second
                 sharded model in one session.
 
-        On a GPU worker the module moves to :attr:`device` (the local rank's
-        CUDA device) and DDP gets ``device_ids``, as in a torchrun script.
+        On a GPU worker the module moves to :attr:`device` and DDP gets
+        ``device_ids``, as in a torchrun script.
         """
         models = self._models
         return models.wrap(module, hook_installer, sharding, shard_size, redundancy_every_steps)

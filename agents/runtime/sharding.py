@@ -38,6 +38,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+__all__ = [
+    "PARAM",
+    "SHARDING_MODES",
+    "Layout",
+    "ShardedModel",
+    "Slice",
+    "SliceKey",
+    "build_mesh",
+    "check_hsdp_world",
+    "check_mode",
+    "chunk_rows",
+    "layout_of",
+    "optimizers_of",
+    "others_of",
+    "raised_in_collective",
+    "redundancy_ignored",
+    "repoint_optimizer",
+]
+
 #: The values of ``sharding=``.
 SHARDING_MODES = ("ddp", "fsdp", "hsdp")
 

@@ -8,8 +8,10 @@ agree on the newest step at which some layout is complete
 generation's mesh and the rows move rank to rank.  Where no complete set is
 held in memory, the newest durable checkpoint is loaded and resharded by DCP
 (each rank reads its own slice); a fresh job takes the script's initial
-values.  What served, and how many completed steps were lost, goes into the
-worker's telemetry and from there into the recovery record.
+values.  :func:`join` returns what served and how many completed steps were
+lost (:class:`ShardsRestored`); the caller puts it into the worker's telemetry
+(:class:`RecoveryTelemetry`) and from there it reaches the recovery record.
+Runs in the training process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Joining a generation, and leaving a broken one for the next.
+"""Joining a generation, and leaving a broken one for the next (in the training process).
 
 A generation is the controller's plan of who trains (:class:`Plan`).  To join
 one, a worker waits until a plan of at least the generation it needs
@@ -7,13 +7,17 @@ includes its node, forms that generation's process group
 to the freshest live state (:mod:`agents.recovery.state_sync`), or to the newest
 durable checkpoint when no rank holds live state (a fresh or resumed job).
 A sharded model gets its slices instead (:mod:`agents.recovery.shard_recovery`).
+:meth:`Generations.join_next` returns what was joined (:class:`Joined`: the
+plan, this worker's rank, the groups, the step and where the state came
+from); the session applies it and rebuilds its DDP on the new group.
 
 When a generation breaks (a peer is gone, or the controller switched to a
-new plan), the worker drops its DDP and group, reports the break (a
-:class:`BreakReport`, keyed by generation, so a late report can never affect
-a newer one: through its node agent, which writes one record for its
-workers, or under the generation's ``reports/`` prefix itself) and joins the
-next.  A group that does not form is reported like a broken generation.
+new plan), the session drops its DDP and group, :class:`Generations` reports
+the break (a :class:`BreakReport`, keyed by generation, so a late report can
+never affect a newer one: through its node agent, which writes one record
+for its workers, or under the generation's ``reports/`` prefix itself) and
+joins the next.  A group that does not form is reported like a broken
+generation.
 """
 
 from __future__ import annotations

@@ -5,13 +5,48 @@ The node agent starts workers with the environment described by
 worker runtime never imports the controller: the two meet only through etcd
 keys (:mod:`orchestrator.keys`) and the records stored there
 (:mod:`orchestrator.records`).
+
+Inside the training process, the session (:class:`agents.runtime.Session`)
+owns one record of where its worker stands (``WorkerState``); its parts
+(joining a generation, durable saves, the sharded recovery tiers) read it
+through :class:`WorkerView` and return what changed, which the session
+applies.  :class:`DurableState` is what joining a generation needs of the
+durable checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ENV_ADDRESS",
+    "ENV_ETCD",
+    "ENV_ETCD_CA",
+    "ENV_ETCD_CERT",
+    "ENV_ETCD_KEY",
+    "ENV_ETCD_PASSWORD",
+    "ENV_ETCD_USER",
+    "ENV_JOB",
+    "ENV_LOCAL_RANK",
+    "ENV_LOCAL_WORLD_SIZE",
+    "ENV_NODE",
+    "ENV_RECOVERY",
+    "PREIMPORTS",
+    "RECOVERY_IN_PROCESS",
+    "RECOVERY_RESTART",
+    "AgentError",
+    "DurableState",
+    "JobEndedError",
+    "RecoveryError",
+    "Resumed",
+    "StateLostError",
+    "Stateful",
+    "WorkerEnv",
+    "WorkerView",
+]
 
 # Environment variables the agent sets for each worker.
 ENV_JOB = "RINGMASTER_JOB"
@@ -124,3 +159,73 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class WorkerView(Protocol):
+    """One worker as the runtime's parts read it; they never write it.
+
+    The session's ``WorkerState`` (:mod:`agents.runtime.worker_state`) is one.
+    A part that changes where the worker stands returns the change (a joined
+    generation, a restored step) and the session applies it.
+    """
+
+    @property
+    def rank(self) -> int:
+        """Global rank in the current generation (-1 before the first)."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current generation (0 before the first)."""
+        ...
+
+    @property
+    def step(self) -> int:
+        """Steps completed (the step the worker trains next)."""
+        ...
+
+    @property
+    def has_state(self) -> bool:
+        """The tracked objects hold the state of :attr:`step` (a spare's hold none)."""
+        ...
+
+    @property
+    def tracked(self) -> Mapping[str, Stateful]:
+        """What the script tracked (``session.track``): model, optimizer, ..."""
+        ...
+
+    @property
+    def hook(self) -> Any:
+        """The current generation's comm hook (with per-rank state), or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A durable checkpoint that a generation's ranks restored."""
+
+    #: the step it holds (the step the worker trains next)
+    step: int
+    #: where it was read from
+    url: str | None
+
+
+class DurableState(Protocol):
+    """What joining a generation needs of durable checkpoints (the runtime's ``Saving``)."""
+
+    @property
+    def url(self) -> str:
+        """Where the job's durable checkpoints go (the job file's ``checkpoint.url``)."""
+        ...
+
+    def open(self, first: bool) -> None:
+        """Open the generation's checkpointer (collective); ``first``: the job's first."""
+        ...
+
+    def can_resume(self) -> bool:
+        """The tracked objects make a checkpoint's state (a ``model`` is tracked)."""
+        ...
+
+    def resume(self, world_size: int) -> Resumed | None:
+        """Load the newest durable state on every rank (collective), if there is one."""
+        ...

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from agents.runtime.sharding import Layout, Slice, SliceKey, chunk_rows
 from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS
 
+__all__ = ["DEFAULT_EVERY_STEPS", "STOP_WAIT_S", "BuddyCopies"]
+
 log = logging.getLogger("ringmaster.worker")
 
 #: ``sharding="fsdp"``: copy slices to the buddy every this many steps unless the job

@@ -8,8 +8,10 @@ agree on the newest step at which some layout is complete
 generation's mesh and the rows move rank to rank.  Where no complete set is
 held in memory, the newest durable checkpoint is loaded and resharded by DCP
 (each rank reads its own slice); a fresh job takes the script's initial
-values.  What served, and how many completed steps were lost, goes into the
-worker's telemetry and from there into the recovery record.
+values.  :func:`join` returns what served and how many completed steps were
+lost (:class:`ShardsRestored`); the caller puts it into the worker's telemetry
+(:class:`RecoveryTelemetry`) and from there it reaches the recovery record.
+Runs in the training process.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from agents.api import StateLostError
+from agents.api import DurableState, StateLostError, WorkerView
 from agents.recovery import shard_transfer
 from agents.recovery.state_sync import NO_STATE, broadcast_state
 from agents.runtime.sharding import (
@@ -42,7 +44,22 @@ from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator.records import Telemetry
 
 if TYPE_CHECKING:
-    from agents.runtime.session import Session
+    from agents.recovery.buddy_copies import BuddyCopies
+
+__all__ = [
+    "SOURCE_BUDDY",
+    "SOURCE_DURABLE",
+    "SOURCE_INITIAL",
+    "SOURCE_LIVE",
+    "SOURCE_PEER",
+    "SOURCE_SNAPSHOT",
+    "SOURCE_TWIN",
+    "Placement",
+    "RecoveryTelemetry",
+    "ShardsRestored",
+    "join",
+    "layouts",
+]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -57,6 +74,31 @@ SOURCE_INITIAL = "initial"
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where this rank trains in the generation being joined."""
+
+    rank: int
+    world_size: int
+    #: workers of one node (the default ``hsdp`` shard group)
+    node_size: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ShardsRestored:
+    """The state a sharded model's slices were brought to (the caller applies it)."""
+
+    #: the step the slices hold (the step trained next)
+    step: int
+    #: what served them (one of the ``SOURCE_*`` names)
+    source: str
+    #: completed steps lost (the newest live step minus ``step``)
+    lost: int
+    #: the durable checkpoint read, when that served
+    restored_from: str | None = None
+
+
+@dataclass(frozen=True)
 class _Holding:
     """One slice this rank can serve, and what kind it is."""
 
@@ -64,27 +106,44 @@ class _Holding:
     slice: Slice
 
 
-def shard_size(s: Session, model: ShardedModel) -> int:
-    assert s.plan is not None
-    return model.shard_size or s.plan.members[0].nproc
+def shard_size(model: ShardedModel, placement: Placement) -> int:
+    return model.shard_size or placement.node_size
 
 
-def layouts(s: Session, model: ShardedModel) -> list[Layout]:
-    """Every rank's layout in the current generation."""
-    size = shard_size(s, model)
-    return [layout_of(model.mode, r, s.world_size, size) for r in range(s.world_size)]
+def layouts(model: ShardedModel, placement: Placement) -> list[Layout]:
+    """Every rank's layout in the generation being joined."""
+    size, world = shard_size(model, placement), placement.world_size
+    return [layout_of(model.mode, r, world, size) for r in range(world)]
 
 
-def join(s: Session, model: ShardedModel, control: dist.ProcessGroup | None) -> None:
+def join(
+    held: WorkerView,
+    holds_state: bool,
+    model: ShardedModel,
+    buddies: BuddyCopies | None,
+    placement: Placement,
+    durable: DurableState,
+    control: dist.ProcessGroup | None,
+) -> ShardsRestored:
     """Bring this rank's slice of ``model`` (and the optimizers) to the newest state.
+
+    Args:
+        held: the worker as it stands (its step and tracked objects).
+        holds_state: the tracked objects hold the state of ``held.step``.
+        model: the sharded model.
+        buddies: its buddy copies, if redundancy is on.
+        placement: this rank in the generation being joined.
+        durable: the durable checkpoints, read when no complete set is in memory.
+        control: the generation's gloo group (None: the default group).
 
     Raises:
         StateLostError: state was lost in memory and no durable checkpoint exists.
     """
-    size = shard_size(s, model)
-    new = layouts(s, model)
-    mesh = build_mesh(model.mode, s.world_size, size, s.device.type)
-    holdings = _holdings(s, model)
+    rank, world = placement.rank, placement.world_size
+    size = shard_size(model, placement)
+    new = layouts(model, placement)
+    mesh = build_mesh(model.mode, world, size, placement.device.type)
+    holdings = _holdings(held, holds_state, model, buddies)
     mine = [
         (h.slice.step, h.slice.layout.shards, h.slice.layout.index, h.slice.replicated is not None)
         for h in holdings
@@ -95,17 +154,16 @@ def join(s: Session, model: ShardedModel, control: dist.ProcessGroup | None) -> 
         for h in holdings
         if h.slice.replicated is not None
     }
-    live_step = s.step if s.has_state else NO_STATE
-    gathered: list[Any] = [None] * s.world_size
+    live_step = held.step if holds_state else NO_STATE
+    gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, kinds, structures, live_step), group=control)
-    held = [g[0] for g in gathered]
+    held_slices = [g[0] for g in gathered]
     best_live = max(g[3] for g in gathered)
-    tp = shard_transfer.plan(held, new)
-    optimizers = optimizers_of(s.tracked)
-    fresh = model.build(mesh, new[s.rank], s.device)
+    tp = shard_transfer.plan(held_slices, new)
+    optimizers = optimizers_of(held.tracked)
+    fresh = model.build(mesh, new[rank], placement.device)
     if tp is None:
-        _from_storage(s, model, fresh, optimizers, best_live)
-        return
+        return _from_storage(model, fresh, optimizers, best_live, durable, world)
     structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
     targets, states = _targets(model, fresh, structure, optimizers)
 
@@ -118,21 +176,18 @@ def join(s: Session, model: ShardedModel, control: dist.ProcessGroup | None) -> 
 
     with torch.no_grad():
         received = shard_transfer.execute(
-            tp, s.rank, new, model.rows, structure, serve, targets, group=control
+            tp, rank, new, model.rows, structure, serve, targets, group=control
         )
-    source_of_rest = s.rank == tp.replicated_from
+    source_of_rest = rank == tp.replicated_from
     replicated = broadcast_state(
         (lambda: _replicated_of(holdings, tp.step, tp.old)) if source_of_rest else None,
         tp.replicated_from,
         control,
     )
-    _apply_replicated(fresh, optimizers, others_of(s.tracked, model), states, replicated)
+    _apply_replicated(fresh, optimizers, others_of(held.tracked, model), states, replicated)
     model.adopt(optimizers, states)
     source = _source(model.mode, tp, gathered, new, model.rows)
     lost = max(0, best_live - tp.step)
-    s.step = tp.step
-    s.has_state = True
-    _record(s, source, lost)
     log.warning(
         "slices of step %d restored from %s (%d bytes received here, %d steps lost)",
         tp.step,
@@ -140,19 +195,21 @@ def join(s: Session, model: ShardedModel, control: dist.ProcessGroup | None) -> 
         received,
         lost,
     )
+    return ShardsRestored(tp.step, source, lost)
 
 
-def _holdings(s: Session, model: ShardedModel) -> list[_Holding]:
+def _holdings(
+    held: WorkerView, holds_state: bool, model: ShardedModel, buddies: BuddyCopies | None
+) -> list[_Holding]:
     out = []
-    if s.has_state and model.layout is not None:
-        others = others_of(s.tracked, model)
-        live = model.capture(s.step, optimizers_of(s.tracked), others)
+    if holds_state and model.layout is not None:
+        others = others_of(held.tracked, model)
+        live = model.capture(held.step, optimizers_of(held.tracked), others)
         out.append(_Holding("live", live))
-    copies = s.buddies
-    if copies is not None:
-        for sl in copies.own_snapshots():
+    if buddies is not None:
+        for sl in buddies.own_snapshots():
             out.append(_Holding("snapshot", sl))
-        ward = copies.held_copy()
+        ward = buddies.held_copy()
         if ward is not None:
             out.append(_Holding("buddy", ward))
     return out
@@ -256,12 +313,13 @@ def _source(
 
 
 def _from_storage(
-    s: Session,
     model: ShardedModel,
     fresh: torch.nn.Module,
     optimizers: dict[str, torch.optim.Optimizer],
     best_live: int,
-) -> None:
+    durable: DurableState,
+    world_size: int,
+) -> ShardsRestored:
     """No complete set of slices in memory: the script's initial values, then durable."""
     layout = model.building.layout
     initial = model.initial
@@ -279,35 +337,24 @@ def _from_storage(
                 model.local_rows(name, fresh).zero_()
     model.adopt(optimizers, {})
     lost_state = best_live != NO_STATE
-    restored = s.saving.train_state() is not None and s.saving.resume()
-    if restored:
-        lost = max(0, best_live - s.step) if lost_state else 0
-        _record(s, SOURCE_DURABLE, lost)
+    resumed = durable.resume(world_size) if durable.can_resume() else None
+    if resumed is not None:
+        lost = max(0, best_live - resumed.step) if lost_state else 0
         if lost_state:
             log.warning(
                 "no complete set of slices in memory: resumed from the durable checkpoint "
                 "of step %d, %d steps lost",
-                s.step,
+                resumed.step,
                 lost,
             )
-        return
+        return ShardsRestored(resumed.step, SOURCE_DURABLE, lost, resumed.url)
     if lost_state:
         raise StateLostError(
             f"a slice of the sharded model was lost with every copy of it (newest live step "
-            f"{best_live}) and no durable checkpoint exists under {s.spec.checkpoint.url}; set "
+            f"{best_live}) and no durable checkpoint exists under {durable.url}; set "
             "checkpoint.every_steps, use sharding='hsdp', or turn on redundancy"
         )
-    s.step = 0
-    _record(s, SOURCE_INITIAL, 0)
-
-
-def _record(s: Session, source: str, lost: int) -> None:
-    if s.buddies is not None:
-        s.buddies.forget_after(s.step)
-    t = s.telemetry
-    if isinstance(t, RecoveryTelemetry):
-        t.restored_from = source
-        t.steps_lost = lost
+    return ShardsRestored(0, SOURCE_INITIAL, 0)
 
 
 class RecoveryTelemetry(WorkerTelemetry):
@@ -322,6 +369,11 @@ class RecoveryTelemetry(WorkerTelemetry):
         super().group_formed(generation)
         self.restored_from = None
         self.steps_lost = 0
+
+    def state_source(self, source: str, lost: int) -> None:
+        """The sharded model's slices came from ``source``; ``lost`` completed steps were lost."""
+        self.restored_from = source
+        self.steps_lost = lost
 
     def record(self) -> Telemetry:
         return dataclasses.replace(

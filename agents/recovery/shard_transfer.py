@@ -22,6 +22,15 @@ import torch.distributed as dist
 
 from agents.runtime.sharding import Layout, SliceKey, chunk_rows
 
+__all__ = [
+    "Held",
+    "Piece",
+    "TransferPlan",
+    "execute",
+    "pieces",
+    "plan",
+]
+
 #: What a rank says it holds: (step, shards, index, has the replicated state).
 Held = tuple[int, int, int, bool]
 

@@ -25,6 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+__all__ = [
+    "NO_STATE",
+    "SyncResult",
+    "agree_on_source",
+    "broadcast_state",
+    "join_tensors",
+    "split_tensors",
+    "sync_state",
+]
+
 log = logging.getLogger(__name__)
 
 NO_STATE = -1

@@ -35,18 +35,25 @@ generation, checkpoint request, stop, periodic save due; :mod:`agents.runtime.bo
 so planned changes (drain, scale, checkpoint-now, stop) and saves happen at
 the same step on every rank.
 
-The runtime's parts: :mod:`agents.runtime.generation` (join, recover),
-:mod:`agents.runtime.plan_watch` (plan and control keys), :mod:`agents.runtime.boundary` (the
-step boundary's vote), :mod:`agents.runtime.heartbeat` (progress),
-:mod:`agents.runtime.saving` (durable checkpoints), :mod:`agents.runtime.failures` (a peer's
-failure or the script's own error).
+The session owns one record of where its worker stands
+(:mod:`agents.runtime.worker_state`) and the runtime's parts, which read it
+and return what changed for the session to apply:
+:mod:`agents.runtime.generation` (join a generation, leave a broken one),
+:mod:`agents.runtime.boundary` (the step boundary's vote and what it
+decides), :mod:`agents.runtime.saving` (durable checkpoints),
+:mod:`agents.runtime.wrapping` (what ``wrap`` builds),
+:mod:`agents.runtime.plan_watch` (plan and control keys),
+:mod:`agents.runtime.heartbeat` (progress), :mod:`agents.runtime.failures`
+(a peer's failure or the script's own error), and the live-state tiers of
+:mod:`agents.recovery`.  :mod:`agents.runtime.data` reads a step's batch.
 
 A spare's workers wait inside :meth:`Session.steps` until a generation
 includes their node; when the job ends first, the loop simply ends
 (``session.finished`` stays False).
 """
 
-from agents.runtime.session import Session, init
+from agents.runtime.session import Session
 from agents.runtime.standalone import StandaloneSession
+from agents.runtime.startup import init
 
 __all__ = ["Session", "StandaloneSession", "init"]

@@ -16,14 +16,40 @@ training, the fewest any rank asks for), and the boundaries in between decide
 only what needs no vote (a save due by step count).  Planned changes wait at
 most one such interval; failures never wait for a vote (a failed collective
 ends the step).
+
+Whether a save is due is decided by the checkpoint library's one rule
+(:meth:`checkpoint.SaveTrigger.decide`), fed with what the ranks agreed: the
+controller's request counter and the clock of ``checkpoint.every_seconds``,
+due when it is due on any rank.  :class:`StepBoundary` keeps a worker's place
+in this schedule and turns an agreement into a :class:`Decision` that the
+session carries out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from checkpoint.triggers import SaveTrigger
+    from orchestrator.records import ControlRecord
+
+__all__ = [
+    "MAX_STEPS_BETWEEN_VOTES",
+    "SAVE_PERIODIC",
+    "SAVE_REQUESTED",
+    "SAVE_STOP",
+    "VOTE_INTERVAL_S",
+    "Agreement",
+    "Decision",
+    "Proposal",
+    "StepBoundary",
+    "agree",
+    "steps_between_votes",
+]
 
 # Indices of the vector all-reduced (MAX) at a voting step boundary.
 _GENERATION, _CHECKPOINT, _SEEN, _STOP, _ETCD_LOST, _SAVE_DUE, _NEG_EVERY, _LEN = range(8)
@@ -86,10 +112,6 @@ class Agreement:
         """A request no rank has served yet (a replacement has seen none, its peers have)."""
         return self.checkpoint_requested > self.checkpoint_served
 
-    def periodic_save_due(self, step: int, every_steps: int) -> bool:
-        """``every_steps`` divides ``step``, or ``every_seconds`` passed on some rank."""
-        return bool(every_steps and step % every_steps == 0) or self.save_due_by_time
-
 
 def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
     """All-reduce ``mine`` with every rank's (a collective: every rank calls it).
@@ -115,3 +137,105 @@ def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
         save_due_by_time=bool(vec[_SAVE_DUE]),
         every=-int(vec[_NEG_EVERY]),
     )
+
+
+#: Why the runtime saves (the ``reason`` an ``on_save`` callback and a checkpoint record get).
+SAVE_REQUESTED, SAVE_PERIODIC, SAVE_STOP = "requested", "periodic", "stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a step boundary decided, the same on every rank; the session carries it out."""
+
+    #: the newest generation some rank knows of (newer than the current: leave for it)
+    generation: int
+    #: saves to make now, in order (``requested``, ``periodic``, ``stop``)
+    saves: tuple[str, ...]
+    #: the controller asks the job to stop (after the saves)
+    stop: bool
+    #: etcd is away for some rank: pause until it is back
+    pause: bool
+    #: the controller's checkpoint requests served once the saves are made
+    served: int
+
+
+class StepBoundary:
+    """One worker's vote schedule and the control requests it served.
+
+    The first boundary of every generation votes (:meth:`joined`); each vote
+    agrees on how many steps pass before the next.
+    """
+
+    def __init__(self) -> None:
+        self._vote_at = 0
+        self._served = 0
+
+    def joined(self) -> None:
+        """A generation was joined: its first boundary votes, on every rank."""
+        self._vote_at = 0
+
+    def votes_at(self, step: int) -> bool:
+        """The boundary after ``step`` casts a vote."""
+        return step >= self._vote_at
+
+    def propose(
+        self,
+        *,
+        generation: int,
+        control: ControlRecord,
+        etcd_lost: bool,
+        time_due: bool,
+        step_seconds: float,
+    ) -> Proposal:
+        """This rank's proposal from what it knows (see :class:`Proposal`)."""
+        return Proposal(
+            generation=generation,
+            checkpoint_requested=control.checkpoint,
+            checkpoint_served=self._served,
+            stop=control.stop,
+            etcd_lost=etcd_lost,
+            save_due_by_time=time_due,
+            every=steps_between_votes(step_seconds),
+        )
+
+    def decide(
+        self, step: int, generation: int, agreed: Agreement | None, schedule: SaveTrigger
+    ) -> Decision:
+        """What the boundary after ``step`` does.
+
+        Args:
+            step: the step just completed.
+            generation: the worker's current generation.
+            agreed: the vote's outcome; None at a boundary without a vote (no
+                request, no stop, no outage, no save by time).
+            schedule: the periodic save rule and its clock (``checkpoint.every_*``).
+        """
+        if agreed is None:
+            agreed = Agreement.quiet(generation, self._served)
+        else:
+            self._vote_at = step + agreed.every
+        # Every rank decides from the same reduced numbers (a replacement has seen
+        # no request yet, its peers have): a request is new only if no rank served it.
+        due = schedule.decide(
+            step,
+            requested=SAVE_REQUESTED if agreed.checkpoint_request_new else None,
+            time_due=agreed.save_due_by_time,
+        )
+        saves = [] if due is None else [SAVE_REQUESTED if due.requested else SAVE_PERIODIC]
+        if agreed.stop:
+            saves.append(SAVE_STOP)
+        return Decision(
+            generation=agreed.generation,
+            saves=tuple(saves),
+            stop=agreed.stop,
+            pause=agreed.etcd_lost,
+            served=max(agreed.checkpoint_requested, agreed.checkpoint_served),
+        )
+
+    def served(self, decision: Decision) -> None:
+        """``decision``'s saves were made: its requests count as served.
+
+        Not before: a save that breaks with the group (a peer left, e.g. the
+        first of several preempted nodes) is asked again in the next generation.
+        """
+        self._served = decision.served

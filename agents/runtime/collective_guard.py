@@ -36,8 +36,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from agents.runtime.process_group import Groups, abort_groups, set_op_timeout
+
+if TYPE_CHECKING:
+    from orchestrator.spec import JobSpec
+
+__all__ = [
+    "WARMUP_ABORT_GRACE",
+    "WARMUP_STEPS",
+    "CollectiveGuard",
+    "OpTimeout",
+]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -59,6 +70,17 @@ class OpTimeout:
         self.ceiling = max(ceiling, floor)
         self._recent: deque[float] = deque(maxlen=window)
         self._seen = 0  # steps of the current generation
+
+    @classmethod
+    def of_job(cls, spec: JobSpec) -> OpTimeout:
+        """The job file's: ``comm.op_timeout_floor`` and ``op_timeout_multiple``, and
+        twice ``fault_tolerance.hang_timeout`` as the ceiling."""
+        comm = spec.comm
+        return cls(
+            floor=comm.op_timeout_floor.total_seconds(),
+            multiple=comm.op_timeout_multiple,
+            ceiling=2 * spec.fault_tolerance.hang_timeout.total_seconds(),
+        )
 
     def new_generation(self) -> None:
         """A generation starts: the ceiling applies again until it has warmed up."""

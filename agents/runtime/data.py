@@ -1,12 +1,13 @@
 """Data for elastic training: every step reads its global batch, whoever the ranks are.
 
-A step's data is addressed by the step, not by an iterator's hidden
-position.  Step ``s`` consumes the global positions ``[s * B, (s + 1) * B)``
-of one endless stream (``B`` is the fixed global batch size); position ``p``
-is the sample ``perm(epoch)[p % N]`` with ``epoch = p // N``, ``N`` the
-dataset's length and ``perm(e)`` a permutation seeded by ``seed + e`` (the
-same on every rank).  Each rank takes a contiguous share of the step's
-positions by its rank and world size in the current generation.  So:
+Runs in the training process.  A step's data is addressed by the step, not
+by an iterator's hidden position.  Step ``s`` consumes the global positions
+``[s * B, (s + 1) * B)`` of one endless stream (``B`` is the fixed global
+batch size), dealt out round-robin by rank and world size in the current
+generation: rank ``r`` of ``w`` takes ``s * B + r``, ``s * B + r + w``, ...
+The stream and the deal are ringmaster's one sample-position convention,
+:mod:`checkpoint.data_position`, which :class:`checkpoint.ElasticSampler`
+follows too (see docs/training-loops.md).  So:
 
 * a step that runs again after a recovery reads the same global batch;
 * after a change of world size the step's positions are dealt out anew,
@@ -44,6 +45,10 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from checkpoint.data_position import GlobalOrder, rank_positions, share_size
+
+__all__ = ["DataLoaderError", "ElasticLoader", "Placement"]
+
 log = logging.getLogger("ringmaster.worker")
 
 
@@ -59,58 +64,6 @@ class Placement(Protocol):
 
 class DataLoaderError(ValueError):
     """The loader was set up or asked for something it cannot serve."""
-
-
-def share_bounds(batch: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The slice ``[lo, hi)`` of a step's ``batch`` positions that ``rank`` takes.
-
-    Contiguous shares as ``torch.tensor_split`` makes them: the first
-    ``batch % world_size`` ranks take one position more.
-    """
-    base, extra = divmod(batch, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
-class GlobalOrder:
-    """The endless stream of dataset indices: one seeded permutation per epoch.
-
-    Args:
-        length: samples in the dataset.
-        seed: base seed; epoch ``e`` is permuted with ``seed + e``.
-        shuffle: False keeps every epoch in dataset order.
-    """
-
-    def __init__(self, length: int, seed: int = 0, shuffle: bool = True) -> None:
-        if length < 1:
-            raise DataLoaderError(f"the dataset is empty (length {length}); give it samples")
-        self.length = length
-        self.seed = seed
-        self.shuffle = shuffle
-        self._epoch = -1
-        self._perm = torch.arange(length)
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        """The order of ``epoch`` as a tensor of indices (the last one asked for is kept)."""
-        if epoch != self._epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + epoch)
-                self._perm = torch.randperm(self.length, generator=g)
-            else:
-                self._perm = torch.arange(self.length)
-            self._epoch = epoch
-        return self._perm
-
-    def indices(self, start: int, stop: int) -> list[int]:
-        """Dataset indices at global positions ``[start, stop)``, across epochs."""
-        out: list[int] = []
-        position = start
-        while position < stop:
-            epoch, within = divmod(position, self.length)
-            take = min(stop - position, self.length - within)
-            out += self.permutation(epoch)[within : within + take].tolist()
-            position += take
-        return out
 
 
 class _RankBatches:
@@ -131,10 +84,10 @@ class _RankBatches:
     def __iter__(self) -> Iterator[list[int]]:
         step, rank, world = self.start, self.rank, self.world_size
         order = GlobalOrder(self.order.length, self.order.seed, self.order.shuffle)
-        lo, hi = share_bounds(self.global_batch_size, rank, world)
+        batch = self.global_batch_size
         while True:
-            first = step * self.global_batch_size
-            yield order.indices(first + lo, first + hi)
+            share = rank_positions(step * batch, (step + 1) * batch, rank, world)
+            yield order.indices(share.start, share.stop, share.step)
             step += 1
 
 
@@ -188,6 +141,8 @@ class ElasticLoader:
                 f"ElasticLoader sets {', '.join(own)} itself (from global_batch_size and seed); "
                 "leave them out"
             )
+        if len(dataset) < 1:
+            raise DataLoaderError(f"the dataset is empty (length {len(dataset)}); give it samples")
         self.placement = placement
         self.global_batch_size = global_batch_size
         self.order = GlobalOrder(len(dataset), seed, shuffle)
@@ -223,17 +178,14 @@ class ElasticLoader:
         rank = self.placement.rank if rank is None else rank
         world = self.placement.world_size if world_size is None else world_size
         self._check_placement(rank, world)
-        lo, hi = share_bounds(self.global_batch_size, rank, world)
-        first = step * self.global_batch_size
-        return self.order.indices(first + lo, first + hi)
+        batch = self.global_batch_size
+        share = rank_positions(step * batch, (step + 1) * batch, rank, world)
+        return self.order.indices(share.start, share.stop, share.step)
 
     @property
     def share(self) -> int:
         """Samples this rank reads per step now (the ranks' shares differ by one at most)."""
-        lo, hi = share_bounds(
-            self.global_batch_size, self.placement.rank, self.placement.world_size
-        )
-        return hi - lo
+        return share_size(self.global_batch_size, self.placement.rank, self.placement.world_size)
 
     @property
     def loss_scale(self) -> float:

@@ -33,6 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from agents.runtime.failures import CollectiveFailures
 
+__all__ = ["ElasticDDP", "HookInstaller"]
+
 #: ``(ddp) -> None``: registers a comm hook on a freshly built DDP.
 HookInstaller = Callable[[DDP], None]
 

@@ -48,6 +48,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+__all__ = ["PEER_SETTLE_S", "CollectiveFailures", "peer_failure"]
+
+#: After a step failed without a failed collective, how long the worker waits for
+#: the control plane to publish a newer generation before taking the error as the
+#: script's own.
+PEER_SETTLE_S = 0.2
+
 
 class CollectiveFailures:
     """The first error raised by a collective of the current step (thread safe).

@@ -1,4 +1,4 @@
-"""Joining a generation, and leaving a broken one for the next.
+"""Joining a generation, and leaving a broken one for the next (in the training process).
 
 A generation is the controller's plan of who trains (:class:`Plan`).  To join
 one, a worker waits until a plan of at least the generation it needs
@@ -7,13 +7,17 @@ includes its node, forms that generation's process group
 to the freshest live state (:mod:`agents.recovery.state_sync`), or to the newest
 durable checkpoint when no rank holds live state (a fresh or resumed job).
 A sharded model gets its slices instead (:mod:`agents.recovery.shard_recovery`).
+:meth:`Generations.join_next` returns what was joined (:class:`Joined`: the
+plan, this worker's rank, the groups, the step and where the state came
+from); the session applies it and rebuilds its DDP on the new group.
 
 When a generation breaks (a peer is gone, or the controller switched to a
-new plan), the worker drops its DDP and group, reports the break (a
-:class:`BreakReport`, keyed by generation, so a late report can never affect
-a newer one: through its node agent, which writes one record for its
-workers, or under the generation's ``reports/`` prefix itself) and joins the
-next.  A group that does not form is reported like a broken generation.
+new plan), the session drops its DDP and group, :class:`Generations` reports
+the break (a :class:`BreakReport`, keyed by generation, so a late report can
+never affect a newer one: through its node agent, which writes one record
+for its workers, or under the generation's ``reports/`` prefix itself) and
+joins the next.  A group that does not form is reported like a broken
+generation.
 """
 
 from __future__ import annotations
@@ -22,29 +26,41 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agents.api import JobEndedError, RecoveryError
+from agents.api import DurableState, JobEndedError, RecoveryError, Stateful, WorkerEnv, WorkerView
 from agents.recovery import shard_recovery
 from agents.recovery.state_sync import NO_STATE, sync_state
 from agents.runtime.process_group import (
+    Groups,
     form_group,
-    hang_up,
     socket_inodes,
     sockets_opened_since,
     teardown_group,
 )
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
+from orchestrator.etcd.fencing import FencedError
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.records import BreakReport, JobStatus, Plan, RecordError
+from orchestrator.records import BreakReport, DoneRecord, JobStatus, Plan, RecordError
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from agents.runtime.session import Session
+    from agents.recovery.buddy_copies import BuddyCopies
+    from agents.recovery.shard_recovery import RecoveryTelemetry
+    from agents.runtime.heartbeat import Heartbeat
+    from agents.runtime.plan_watch import PlanWatcher
+    from agents.runtime.sharding import ShardedModel
+    from agents.runtime.wrapping import WrappedModels
     from orchestrator.etcd.client import EtcdClient
+    from orchestrator.etcd.fencing import GenerationFence
+    from orchestrator.spec import JobSpec
+
+__all__ = ["MAX_FAILURES_PER_STEP", "Generations", "Joined", "publish_environment"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -52,211 +68,286 @@ log = logging.getLogger("ringmaster.worker")
 MAX_FAILURES_PER_STEP = 5
 
 
-class Generations:
-    """Moves one worker from generation to generation (see the module docstring)."""
+@dataclass(frozen=True)
+class Joined:
+    """A generation this worker joined, and the state it holds there (the session applies it)."""
 
-    def __init__(self, session: Session) -> None:
-        self._s = session
-        self.failures_at_step = 0
+    plan: Plan
+    #: this worker's global rank in it
+    rank: int
+    groups: Groups
+    #: the step every rank trains next
+    step: int
+    #: the tracked objects hold the state of ``step``
+    has_state: bool
+    #: the durable checkpoint the state was resumed from (None: from memory, or fresh)
+    restored_from: str | None
+    #: sockets open before the group formed (see :meth:`Generations.settled`)
+    sockets_before: frozenset[int]
+
+    @property
+    def generation(self) -> int:
+        return self.plan.generation
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+
+class Generations:
+    """Moves one worker from generation to generation (see the module docstring).
+
+    Args:
+        env: the worker's environment (job, node, local rank, address).
+        client: the worker's etcd client.
+        spec: the job's spec.
+        fence: the worker's generation fence (joined here, left when fenced out).
+        watch: the plan watcher.
+        heartbeat: relays break reports through the node agent.
+        telemetry: records when groups formed and where sharded state came from.
+        durable: the durable checkpoints (opened per generation, resumed from).
+        backend: the data plane's backend (``gloo``, ``nccl``).
+        device: this worker's device.
+    """
+
+    def __init__(
+        self,
+        env: WorkerEnv,
+        client: EtcdClient,
+        spec: JobSpec,
+        fence: GenerationFence,
+        watch: PlanWatcher,
+        heartbeat: Heartbeat,
+        telemetry: RecoveryTelemetry,
+        durable: DurableState,
+        backend: str,
+        device: torch.device,
+    ) -> None:
+        self._env = env
+        self._client = client
+        self._spec = spec
+        self._fence = fence
+        self._watch = watch
+        self._heartbeat = heartbeat
+        self._telemetry = telemetry
+        self._durable = durable
+        self._backend = backend
+        self._device = device
+        self._failures_at_step = 0
+        #: ``(generation, rank, world size)`` of the generation being joined, from the
+        #: start of a join until it :meth:`settled` (the worker's progress names it)
+        self.joining: tuple[int, int, int] | None = None
+
+    @property
+    def _worker(self) -> str:
+        return keys.worker_id(self._env.node, self._env.local_rank)
 
     # -- leaving -----------------------------------------------------------------------
 
-    def recover(self, reason: str, planned: bool = False) -> None:
-        """Leave the current generation and join the next one.
+    def count_break(self, step: int, reason: str, planned: bool) -> None:
+        """Count a generation left at ``step`` (a planned change counts nothing).
 
         Raises:
-            RecoveryError: the same step failed too often, or no generation came.
-            JobEndedError: the job ended while this worker waited.
+            RecoveryError: the same step failed too often.
         """
-        s = self._s
-        started = time.monotonic()
-        self.failures_at_step += 0 if planned else 1
-        if self.failures_at_step > MAX_FAILURES_PER_STEP:
+        self._failures_at_step += 0 if planned else 1
+        if self._failures_at_step > MAX_FAILURES_PER_STEP:
             raise RecoveryError(
-                f"step {s.step} failed {self.failures_at_step} times in a row; last: {reason}"
+                f"step {step} failed {self._failures_at_step} times in a row; last: {reason}"
             )
-        s.recoveries += 0 if planned else 1
-        log.warning("generation %d ends: %s", s.generation, reason)
-        s.hook = None
-        s.collective_guard.detach()
-        for w in s.wrapped:
-            w.drop()
-        if s.sharded is not None:
-            s.sharded.drop()
-        if not planned and s.groups is not None:
-            # a local survivor may wait on this rank in a collective: end its wait now
-            # (hang_up), not at its operation timeout
-            hang_up(s.groups.sockets)
-        if s.buddies is not None:
-            s.buddies.stop()  # before the group goes: its exchange may wait on the dead peer
-        teardown_group()
-        s.groups = None
-        self.report(s.generation, reason, planned)
-        self.join_next(s.generation + 1)
-        s.last_recovery_s = time.monotonic() - started
-        log.warning(
-            "rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
-            s.rank,
-            s.world_size,
-            s.generation,
-            s.step,
-            s.last_recovery_s,
-        )
 
-    def report(self, generation: int, reason: str, planned: bool, user_error: bool = False) -> None:
-        """Tell the controller that ``generation`` broke here (best effort)."""
-        s = self._s
+    def step_completed(self) -> None:
+        """A step completed: the count of failures of one step starts again."""
+        self._failures_at_step = 0
+
+    def report(
+        self, generation: int, step: int, reason: str, planned: bool, user_error: bool = False
+    ) -> None:
+        """Tell the controller that ``generation`` broke here at ``step`` (best effort)."""
         report = BreakReport(
-            step=s.step, reason=reason, planned=planned, at=time.time(), user_error=user_error
+            step=step, reason=reason, planned=planned, at=time.time(), user_error=user_error
         )
-        if s.heartbeat.relay_report(generation, report):
+        if self._heartbeat.relay_report(generation, report):
             return  # the node agent wrote it, with its other workers' (agents.node.break_reports)
         try:
-            records.write(s.client, keys.job_reports(s.env.job, generation) + s.worker, report)
+            records.write(
+                self._client, keys.job_reports(self._env.job, generation) + self._worker, report
+            )
         except EtcdError as e:
             log.warning("could not report the end of generation %d: %s", generation, e)
 
     # -- joining -----------------------------------------------------------------------
 
-    def join_next(self, min_generation: int) -> None:
+    def join_next(self, min_generation: int, held: WorkerView, models: WrappedModels) -> Joined:
         """Join the first generation from ``min_generation`` on whose group forms.
 
-        A group that does not form (a member died or came too late) is
-        reported like a broken generation, and the worker waits for the next.
+        A group that does not form is reported like a broken generation, and
+        the worker waits for the next.  The session's DDP is not rebuilt
+        here: the session does it, then calls :meth:`settled`.
+
+        Args:
+            min_generation: the first generation to join.
+            held: the worker as it stands (its step, whether it holds state).
+            models: what the script wrapped (a sharded model gets its slices here,
+                and its buddy copies start on the new group).
+
+        Raises:
+            RecoveryError: no generation including this worker came in time.
+            JobEndedError: the job ended while this worker waited.
         """
+        holds_state = held.has_state
         while True:
-            plan = self._await_plan(min_generation)
+            plan, holds_state = self._await_plan(min_generation, held.step, holds_state)
             try:
-                self._join(plan)
-                return
+                return self._join(plan, held, holds_state, models.sharded, models.buddies)
             except RecoveryError as e:
                 log.warning("%s", e)
-                self.report(plan.generation, str(e), False)
+                self.report(plan.generation, held.step, str(e), False)
                 min_generation = plan.generation + 1
 
-    def _await_plan(self, min_generation: int) -> Plan:
-        """Block until a plan of at least ``min_generation`` that includes this worker."""
-        s = self._s
+    def settled(self, joined: Joined) -> Groups:
+        """``joined``'s groups with the sockets they opened (once the DDP is rebuilt on them).
+
+        Those are the sockets a failed generation hangs up on
+        (:func:`~agents.runtime.process_group.hang_up`); etcd's are kept.
+        """
+        self.joining = None
+        opened = sockets_opened_since(joined.sockets_before, _etcd_ports(self._client))
+        return dataclasses.replace(joined.groups, sockets=opened)
+
+    def _await_plan(self, min_generation: int, step: int, holds_state: bool) -> tuple[Plan, bool]:
+        """Block until a plan of at least ``min_generation`` that includes this worker.
+
+        Returns:
+            The plan, and whether this worker still holds state (it drops it when
+            a newer generation left it out: it was replaced while away).
+        """
         timeout = SETTINGS.plan_timeout.total_seconds()
         deadline = time.monotonic() + timeout
+        joined_before = min_generation > 1
         while True:
-            plan = s.watch.wait_newer(min_generation - 1, timeout=1.0)
+            plan = self._watch.wait_newer(min_generation - 1, timeout=1.0)
             if plan is not None:
-                member = plan.member(s.env.node)
-                if member is not None and s.env.local_rank < member.nproc:
-                    return plan
-                if s.has_state and s.generation > 0:
+                member = plan.member(self._env.node)
+                if member is not None and self._env.local_rank < member.nproc:
+                    return plan, holds_state
+                if holds_state and joined_before:
                     # Replaced while away (partitioned, or too slow): the state held
                     # here is stale.  Drop it and wait as a spare that gets live state.
                     log.warning(
                         "fenced out: generation %d does not include this node; "
                         "dropping the state of step %d and waiting as a spare",
                         plan.generation,
-                        s.step,
+                        step,
                     )
-                    s.has_state = False
-                    s.fence.leave()
+                    holds_state = False
+                    self._fence.leave()
                 min_generation = plan.generation + 1  # not in it: wait as a spare
             status = self._job_status()
             if status is not None and status.phase.terminal:
-                raise JobEndedError(f"job {s.env.job} is {status.phase.value}")
+                raise JobEndedError(f"job {self._env.job} is {status.phase.value}")
             if time.monotonic() > deadline:
                 raise RecoveryError(
-                    f"no generation >= {min_generation} including {s.worker} within "
+                    f"no generation >= {min_generation} including {self._worker} within "
                     f"{timeout:g}s (RINGMASTER_PLAN_TIMEOUT)"
                 )
 
     def _job_status(self) -> JobStatus | None:
-        s = self._s
         try:
-            return records.read(s.client, keys.job_status(s.env.job), JobStatus)
+            return records.read(self._client, keys.job_status(self._env.job), JobStatus)
         except (EtcdError, RecordError) as e:
             log.debug("job phase unknown: %s", e)
             return None
 
-    def _join(self, plan: Plan) -> None:
-        s = self._s
-        member = plan.member(s.env.node)
+    def _join(
+        self,
+        plan: Plan,
+        held: WorkerView,
+        holds_state: bool,
+        sharded: ShardedModel | None,
+        buddies: BuddyCopies | None,
+    ) -> Joined:
+        member = plan.member(self._env.node)
         assert member is not None
-        s.generation = plan.generation
-        s.plan = plan
-        s.rank = member.rank_base + s.env.local_rank
-        s.world_size = plan.world_size
-        s.fence.join(plan.generation, s.watch.revision_of(plan.generation))
-        sockets_before = socket_inodes()
+        rank = member.rank_base + self._env.local_rank
+        self.joining = (plan.generation, rank, plan.world_size)
+        self._fence.join(plan.generation, self._watch.revision_of(plan.generation))
+        sockets_before = frozenset(socket_inodes())
         groups = form_group(
-            s.client,
-            s.env.job,
+            self._client,
+            self._env.job,
             plan.generation,
-            s.rank,
-            s.world_size,
-            s.env.address,
-            collective_timeout=s.spec.fault_tolerance.hang_timeout * 2,
-            fence=s.fence,
-            backend=s.backend,
-            device=s.device,
+            rank,
+            plan.world_size,
+            self._env.address,
+            collective_timeout=self._spec.fault_tolerance.hang_timeout * 2,
+            fence=self._fence,
+            backend=self._backend,
+            device=self._device,
         )
-        s.groups = groups
-        s.telemetry.group_formed(plan.generation)
-        _publish_environment(plan, s.env.node, s.rank, *groups.store)
+        self._telemetry.group_formed(plan.generation)
+        publish_environment(plan, self._env.node, rank, *groups.store)
+        step, has_state, restored_from = held.step, holds_state, None
         try:
-            s.saving.open(first=plan.generation == 1)
-            if s.sharded is not None:
-                shard_recovery.join(s, s.sharded, groups.control)
-                if s.buddies is not None:
-                    s.buddies.start(
-                        s.rank,
-                        s.world_size,
+            self._durable.open(first=plan.generation == 1)
+            if sharded is not None:
+                placement = shard_recovery.Placement(
+                    rank, plan.world_size, plan.members[0].nproc, self._device
+                )
+                got = shard_recovery.join(
+                    held, holds_state, sharded, buddies, placement, self._durable, groups.control
+                )
+                step, restored_from = got.step, got.restored_from
+                has_state = holds_state or got.source != shard_recovery.SOURCE_INITIAL
+                self._telemetry.state_source(got.source, got.lost)
+                if buddies is not None:
+                    buddies.forget_after(got.step)
+                    buddies.start(
+                        rank,
+                        plan.world_size,
                         member.nproc,
-                        shard_recovery.layouts(s, s.sharded),
-                        s.sharded.rows,
-                        s.spec.fault_tolerance.hang_timeout,
+                        shard_recovery.layouts(sharded, placement),
+                        sharded.rows,
+                        self._spec.fault_tolerance.hang_timeout,
                     )
             else:
-                mine = s.step if s.has_state else NO_STATE
-                result = sync_state(mine, self._capture, self._restore, group=groups.control)
+                mine = held.step if holds_state else NO_STATE
+                result = sync_state(
+                    mine,
+                    lambda: _capture(held.step, held.tracked),
+                    lambda state: _restore(held.tracked, state),
+                    group=groups.control,
+                )
                 if result.step != NO_STATE:
-                    s.step = result.step
-                    s.has_state = True
-                elif s.saving.train_state() is not None:
-                    s.saving.resume()
+                    step, has_state = result.step, True
+                elif self._durable.can_resume():
+                    resumed = self._durable.resume(plan.world_size)
+                    if resumed is not None:
+                        step, has_state, restored_from = resumed.step, True, resumed.url
         except RuntimeError as e:  # the new group broke already: a member is gone again
             teardown_group()
             raise RecoveryError(
                 f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
             ) from e
-        s.telemetry.state_restored(s.step)
-        s.vote_at = 0  # a generation votes at its first boundary, on every rank
-        for w in s.wrapped:
-            w.rebuild()
-        groups = dataclasses.replace(
-            groups, sockets=sockets_opened_since(sockets_before, _etcd_ports(s.client))
-        )
-        s.groups = groups
-        s.heartbeat.start()
-        s.heartbeat.poke()
-        s.collective_guard.attach(groups, plan.generation)
+        return Joined(plan, rank, groups, step, has_state, restored_from, sockets_before)
 
-    def _capture(self) -> dict[str, Any]:
-        s = self._s
-        return {
-            "step": s.step,
-            "tracked": {name: obj.state_dict() for name, obj in s.tracked.items()},
-            "rng": torch.get_rng_state(),
-        }
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        s = self._s
-        for name, obj in s.tracked.items():
-            if name in state["tracked"]:
-                obj.load_state_dict(state["tracked"][name])
-        torch.set_rng_state(state["rng"])
-        s.step = int(state["step"])
-        s.has_state = True
+    def record_done(self, step: int, generation: int) -> None:
+        """Record that this worker finished training (through the fence: a fenced-out
+        process records nothing)."""
+        done = DoneRecord(step=step, generation=generation, at=time.time())
+        key = keys.job_done(self._env.job) + self._worker
+        try:
+            retry_unavailable(
+                lambda: self._fence.put(key, done.encode()),
+                "recording the end of training",
+                max_wait=SETTINGS.plan_timeout,
+            )
+        except FencedError as e:
+            log.warning("not recording the end of training: %s", e)
 
     # -- etcd outages ------------------------------------------------------------------
 
-    def pause_for_etcd(self) -> None:
+    def wait_for_etcd(self, step: int) -> None:
         """Wait, state kept, until etcd answers again (every rank pauses at this step).
 
         Training on without etcd would go unnoticed by the controller and could
@@ -265,33 +356,41 @@ class Generations:
         Raises:
             RecoveryError: etcd stayed away for ``RINGMASTER_PLAN_TIMEOUT``.
         """
-        s = self._s
         started = time.monotonic()
-        s.paused = f"etcd unreachable at step {s.step}"
-        log.warning("%s: pausing until etcd is back", s.paused)
+        log.warning("etcd unreachable at step %d: pausing until etcd is back", step)
+        client, watch = self._client, self._watch
+
+        def back() -> None:
+            _check_writable(client)  # a read answers under NOSPACE; wait for writes
+            watch.load()
+
         try:
-
-            def back() -> None:
-                _check_writable(s.client)  # a read answers under NOSPACE; wait for writes
-                s.watch.load()
-
-            retry_unavailable(
-                back,
-                f"paused at step {s.step}",
-                max_wait=SETTINGS.plan_timeout,
-            )
+            retry_unavailable(back, f"paused at step {step}", max_wait=SETTINGS.plan_timeout)
         except EtcdError as e:
             raise RecoveryError(
                 f"etcd stayed unreachable for {SETTINGS.plan_timeout.total_seconds():g}s "
-                f"(RINGMASTER_PLAN_TIMEOUT) while paused at step {s.step}: {e}"
+                f"(RINGMASTER_PLAN_TIMEOUT) while paused at step {step}: {e}"
             ) from e
-        finally:
-            s.paused = None
         log.warning(
-            "etcd is back; resuming at step %d after %.1fs",
-            s.step,
-            time.monotonic() - started,
+            "etcd is back; resuming at step %d after %.1fs", step, time.monotonic() - started
         )
+
+
+def _capture(step: int, tracked: Mapping[str, Stateful]) -> dict[str, Any]:
+    """This rank's live state, to send to the ranks behind it."""
+    return {
+        "step": step,
+        "tracked": {name: obj.state_dict() for name, obj in tracked.items()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _restore(tracked: Mapping[str, Stateful], state: dict[str, Any]) -> None:
+    """Load a live state sent by the most advanced rank into the tracked objects."""
+    for name, obj in tracked.items():
+        if name in state["tracked"]:
+            obj.load_state_dict(state["tracked"][name])
+    torch.set_rng_state(state["rng"])
 
 
 def _check_writable(client: EtcdClient) -> None:
@@ -320,7 +419,7 @@ def _etcd_ports(client: EtcdClient) -> set[int]:
     return ports
 
 
-def _publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:
+def publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:
     """Keep torchrun's variables true for this generation, for libraries that read them.
 
     After a hot-swap a worker's global rank, the world size and the store's

@@ -35,6 +35,8 @@ from orchestrator import records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import BreakReport, ProgressRecord
 
+__all__ = ["MIN_BEAT_GAP", "Heartbeat", "ProgressSource"]
+
 #: ``(beat, step_time) -> record``: the worker's progress as of ``beat``
 #: (wall-clock seconds), whose step counter last moved at ``step_time``.
 ProgressSource = Callable[[float, float], ProgressRecord]

@@ -31,6 +31,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -44,6 +45,22 @@ from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.fencing import FencedError, GenerationFence
+
+__all__ = [
+    "DEFAULT_FORM_TIMEOUT",
+    "NCCL_ERROR_HANDLING",
+    "QUIESCE_S",
+    "Groups",
+    "abort_groups",
+    "choose_device",
+    "form_group",
+    "hang_up",
+    "quiesce",
+    "set_op_timeout",
+    "socket_inodes",
+    "sockets_opened_since",
+    "teardown_group",
+]
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +280,7 @@ def _connections() -> dict[int, int]:
     return ports
 
 
-def sockets_opened_since(before: set[int], keep_ports: set[int]) -> frozenset[int]:
+def sockets_opened_since(before: AbstractSet[int], keep_ports: set[int]) -> frozenset[int]:
     """TCP connections opened since ``before`` was taken, but for those to ``keep_ports``.
 
     Taken around the forming of a generation's groups (the data group, the

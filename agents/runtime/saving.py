@@ -5,7 +5,10 @@ group (creating it is collective).  A fresh job restores from the newest
 committed checkpoint (or from the one a resubmitted job was given); saves
 happen at step boundaries that every rank agreed on (:mod:`agents.runtime.boundary`):
 on request, on stop, and periodically, every ``checkpoint.every_steps``
-steps or ``checkpoint.every_seconds`` seconds.  Rank 0 records each commit in
+steps or ``checkpoint.every_seconds`` seconds (the rule is
+:meth:`checkpoint.SaveTrigger.decide`; :attr:`Saving.trigger` keeps this
+worker's clock of it, which starts with the job's first generation and
+restarts at every save).  Rank 0 records each commit in
 etcd as a :class:`~orchestrator.records.CheckpointRecord`, through the
 generation fence, so a fenced-out process never claims a checkpoint; the
 commit itself is fenced too (:meth:`Saving.check_commit`).  A save may take
@@ -17,21 +20,29 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from agents.api import Resumed, WorkerEnv, WorkerView
 from agents.messages import one_line
 from agents.runtime.elastic_ddp import ElasticDDP
 from agents.runtime.sharding import ShardedModel
+from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError
-from orchestrator.etcd.fencing import FencedError
+from orchestrator.etcd.fencing import FencedError, GenerationFence
 from orchestrator.records import CheckpointRecord
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from agents.runtime.session import Session
+    from checkpoint import TrainState
+    from checkpoint.triggers import SaveTrigger
+    from orchestrator.etcd.client import EtcdClient
+    from orchestrator.spec import JobSpec
+
+__all__ = ["HOOK_STATE", "Saving"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -43,45 +54,84 @@ _OWN_FIELDS = ("model", "optimizer", "scheduler")
 
 
 class Saving:
-    """One worker's checkpointer, its pending save and its periodic schedule."""
+    """One worker's checkpointer, its pending save and its periodic schedule.
 
-    def __init__(self, session: Session) -> None:
-        self._s = session
+    Args:
+        env: the worker's environment (its job).
+        client: the worker's etcd client (resume requests).
+        spec: the job's spec (its ``checkpoint`` section).
+        fence: the generation fence: commits and records go through it.
+        telemetry: records how long saves blocked and uploaded.
+        held: the worker (its step, rank, tracked objects and comm hook).
+    """
+
+    def __init__(
+        self,
+        env: WorkerEnv,
+        client: EtcdClient,
+        spec: JobSpec,
+        fence: GenerationFence,
+        telemetry: WorkerTelemetry,
+        held: WorkerView,
+    ) -> None:
+        self._env = env
+        self._client = client
+        self._spec = spec
+        self._fence = fence
+        self._telemetry = telemetry
+        self._held = held
         self._ckpt: Any = None
         self._pending: Any = None
         self._commit_refused: str | None = None
+        self._before_save: Callable[[str], None] | None = None
         #: comm hook state restored from a checkpoint, for the next hook built
-        self.hook_resume: dict[str, Any] | None = None
-        self._last_save = time.monotonic()
+        self._hook_resume: dict[str, Any] | None = None
+        self._trigger: SaveTrigger | None = None
 
-    def save_due_by_time(self) -> bool:
-        """``checkpoint.every_seconds`` passed since this worker's last save (or its first
-        generation's start)."""
-        every = self._s.spec.checkpoint.every_seconds
-        return every > 0 and time.monotonic() - self._last_save >= every
+    @property
+    def trigger(self) -> SaveTrigger:
+        """When a save is due: the step boundary decides with it (its vote agrees on the
+        clock).  Exists once the first generation opened its checkpointer."""
+        assert self._trigger is not None, "no generation was joined yet"
+        return self._trigger
+
+    @property
+    def url(self) -> str:
+        """Where the job's durable checkpoints go (``checkpoint.url``)."""
+        return self._spec.checkpoint.url
+
+    def call_before_save(self, fn: Callable[[str], None] | None) -> None:
+        """Call ``fn(reason)`` on every rank before each save (the script's ``on_save``)."""
+        self._before_save = fn
+
+    def take_hook_state(self) -> dict[str, Any] | None:
+        """The comm hook state a resume restored, once (the next hook built loads it)."""
+        state, self._hook_resume = self._hook_resume, None
+        return state
 
     # -- per generation ----------------------------------------------------------------
 
     def open(self, first: bool) -> None:
         """A checkpointer on this generation's group (creating it is collective)."""
-        from checkpoint import Checkpointer
+        from checkpoint import Checkpointer, SaveTrigger
         from orchestrator.jobs import checkpoint_hash
 
-        s = self._s
         previous = self._ckpt
         self._ckpt = None
         self._pending = None
-        cfg = s.spec.checkpoint
+        cfg = self._spec.checkpoint
         url = cfg.url if "://" in cfg.url else f"file://{os.path.abspath(cfg.url)}"
+        # The runtime's checkpointer has no schedule of its own: its ranks vote on
+        # when a save is due (agents.runtime.boundary), by ``self.trigger``'s rule.
         self._ckpt = Checkpointer(
             url,
             keep=cfg.keep,
-            job_spec_hash=checkpoint_hash(s.spec),
+            job_spec_hash=checkpoint_hash(self._spec),
             check_storage=first,
             fence=self.check_commit,
         )
         if previous is None:
-            self._last_save = time.monotonic()  # the periodic clock starts with training
+            self._trigger = SaveTrigger.from_spec(cfg)  # the periodic clock starts with training
         else:
             # Same model, and usually the same share: the first save of this
             # generation then copies into existing buffers instead of allocating.
@@ -92,12 +142,16 @@ class Saving:
         from checkpoint.api import CommitFencedError
 
         try:
-            self._s.fence.check()
+            self._fence.check()
         except FencedError as e:
             self._commit_refused = str(e)
             raise CommitFencedError(f"checkpoint not committed: {e}") from e
 
-    def train_state(self) -> Any:
+    def can_resume(self) -> bool:
+        """A ``model`` is tracked: there is a checkpoint's state to restore into."""
+        return self.train_state() is not None
+
+    def train_state(self) -> TrainState | None:
         """Everything tracked as a ``TrainState`` (None without a tracked ``model``).
 
         ``model``, ``optimizer`` and ``scheduler`` fill their own fields; every
@@ -108,96 +162,83 @@ class Saving:
         """
         from checkpoint import TrainState
 
-        s = self._s
-        model = s.tracked.get("model")
+        held = self._held
+        model = held.tracked.get("model")
         if isinstance(model, ElasticDDP | ShardedModel):
             # the plain (or the fully_shard-ed) module: checkpoints load without ringmaster
             model = model.module
         if not isinstance(model, nn.Module):
             return None
         rank_state = {}
-        if s.hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
-            rank_state[HOOK_STATE] = {"world_size": s.world_size, "state": s.hook.state_dict()}
+        if held.hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
+            rank_state[HOOK_STATE] = {
+                "world_size": held.world_size,
+                "state": held.hook.state_dict(),
+            }
         return TrainState(
             model=model,
-            optimizer=s.tracked.get("optimizer"),  # type: ignore[arg-type]
-            scheduler=s.tracked.get("scheduler"),
-            samples_seen=s.step,
+            optimizer=held.tracked.get("optimizer"),  # type: ignore[arg-type]
+            scheduler=held.tracked.get("scheduler"),
+            samples_seen=held.step,
             rank_state=rank_state,
-            objects={k: v for k, v in s.tracked.items() if k not in _OWN_FIELDS},
+            objects={k: v for k, v in held.tracked.items() if k not in _OWN_FIELDS},
         )
 
-    def resume(self) -> bool:
+    def resume(self, world_size: int) -> Resumed | None:
         """Restore the newest durable state, if there is one (every rank, collectively).
 
+        Args:
+            world_size: the world size of the generation that resumes.
+
         Returns:
-            True when a checkpoint was loaded.
+            The checkpoint loaded, or None (there is none: a fresh start).
         """
         from orchestrator.jobs import read_resume
 
-        s = self._s
+        client, job = self._client, self._env.job
         # A resubmitted job (`ringmaster resume`, `run --from`) starts from the checkpoint
         # it was given, until it has committed one of its own; every rank reads the same
         # records, as no save can happen before all ranks have restored.
-        request = read_resume(s.client, s.env.job)
-        if request is not None and s.client.get(keys.job_checkpoint(s.env.job)) is None:
+        request = read_resume(client, job)
+        if request is not None and client.get(keys.job_checkpoint(job)) is None:
             url: str | None = request.url
         else:
             url = None
         state = self.train_state()
+        assert state is not None, "resume() without a tracked model (see can_resume)"
         result = self._ckpt.restore(state, url=url)
-        self.hook_resume = self._saved_hook_state(state.rank_state.get(HOOK_STATE))
-        if result.step is not None:
-            s.step = int(result.step)
-            s.has_state = True
-            s.restored_from = result.url
-            log.warning("resumed from %s at step %d", result.url, s.step)
-            return True
-        return False
-
-    def _saved_hook_state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The comm hook state to load, or None to start the hook fresh (and say why)."""
-        s = self._s
-        if saved is None:
+        self._hook_resume = _saved_hook_state(state.rank_state.get(HOOK_STATE), world_size)
+        if result.step is None:
             return None
-        if int(saved["world_size"]) != s.world_size:
-            # Residuals belong to a rank's share of the data; at another world size
-            # they would not, and ranks would disagree on warm-up counters.
-            log.warning(
-                "checkpoint was saved by %d ranks, now %d: the comm hook starts fresh",
-                int(saved["world_size"]),
-                s.world_size,
-            )
-            return None
-        log.warning("comm hook state restored from the checkpoint")
-        return dict(saved["state"])
+        log.warning("resumed from %s at step %d", result.url, result.step)
+        return Resumed(int(result.step), result.url)
 
     # -- saving ------------------------------------------------------------------------
 
     def save(self, reason: str) -> None:
         """Save now (every rank at the same boundary): periodic saves may run async."""
-        s = self._s
-        self._last_save = time.monotonic()
-        if s.save_fn is not None:
-            s.save_fn(s, reason)
+        self.trigger.saved()  # the clock restarts with any save, as it starts
+        if self._before_save is not None:
+            self._before_save(reason)
         state = self.train_state()
         if self._ckpt is None or state is None:
             return
         started = time.perf_counter()
-        if reason == "periodic" and s.spec.checkpoint.async_:
-            job = self._ckpt.save_async(s.step, state)
-            s.telemetry.checkpoint_blocked(time.perf_counter() - started)
+        step = self._held.step
+        if reason == "periodic" and self._spec.checkpoint.async_:
+            job = self._ckpt.save_async(step, state)
+            self._telemetry.checkpoint_blocked(time.perf_counter() - started)
             if job is not None:
                 self._pending = job
             return
         try:
-            manifest = self._ckpt.save_now(s.step, state, timeout=SETTINGS.checkpoint_save_timeout)
+            manifest = self._ckpt.save_now(step, state, timeout=SETTINGS.checkpoint_save_timeout)
         except Exception as e:
             if not self._refused_commit(e):
                 raise
             return
-        s.telemetry.checkpoint_blocked(time.perf_counter() - started)
-        s.telemetry.checkpoint_uploaded(time.perf_counter() - started)
+        self._telemetry.checkpoint_blocked(time.perf_counter() - started)
+        self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
         self._record(manifest.step, reason)
 
     def poll(self) -> None:
@@ -211,7 +252,7 @@ class Saving:
                 if not self._refused_commit(e):
                     raise
                 return
-            self._s.telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
+            self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
             self._record(manifest.step, "periodic")
 
     def _refused_commit(self, e: BaseException) -> bool:
@@ -223,13 +264,12 @@ class Saving:
         return True
 
     def _record(self, step: int, reason: str) -> None:
-        s = self._s
-        if s.rank != 0:
+        if self._held.rank != 0:
             return
-        url = s.spec.checkpoint.url
+        url = self._spec.checkpoint.url
         record = CheckpointRecord(url=url, step=step, reason=reason, at=time.time())
         try:
-            s.fence.put(keys.job_checkpoint(s.env.job), record.encode())
+            self._fence.put(keys.job_checkpoint(self._env.job), record.encode())
         except (FencedError, EtcdError) as e:
             log.warning("checkpoint of step %d not recorded: %s", step, e)
 
@@ -243,3 +283,20 @@ class Saving:
             self._record(job.wait(timeout).step, "periodic")
         self._ckpt.close(timeout)
         self._ckpt = None
+
+
+def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str, Any] | None:
+    """The comm hook state to load, or None to start the hook fresh (and say why)."""
+    if saved is None:
+        return None
+    if int(saved["world_size"]) != world_size:
+        # Residuals belong to a rank's share of the data; at another world size
+        # they would not, and ranks would disagree on warm-up counters.
+        log.warning(
+            "checkpoint was saved by %d ranks, now %d: the comm hook starts fresh",
+            int(saved["world_size"]),
+            world_size,
+        )
+        return None
+    log.warning("comm hook state restored from the checkpoint")
+    return dict(saved["state"])

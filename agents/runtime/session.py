@@ -1,7 +1,10 @@
-"""The :class:`Session` a training script holds, and :func:`init`, which makes one.
+"""The :class:`Session` a training script holds (build it with :func:`agents.runtime.init`).
 
 Runs in the training process.  The package's docstring (:mod:`agents.runtime`)
-shows a script's use of it and how recovery works.
+shows a script's use of it and how recovery works.  The session owns one
+:class:`~agents.runtime.worker_state.WorkerState` and the runtime's parts;
+the parts read the state and return what changed (a generation joined, a
+boundary's decision), and the session applies it.
 """
 
 from __future__ import annotations
@@ -15,141 +18,155 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.api import (
-    PREIMPORTS,
-    RECOVERY_RESTART,
-    JobEndedError,
-    RecoveryError,
-    Stateful,
-    WorkerEnv,
-)
+from agents.api import PREIMPORTS, JobEndedError, RecoveryError, Stateful, WorkerEnv
 from agents.channels.plan_feed import ENV_PLAN_FEED
 from agents.messages import one_line
-from agents.recovery.buddy_copies import BuddyCopies
 from agents.recovery.shard_recovery import RecoveryTelemetry
-from agents.runtime import boundary
+from agents.runtime.boundary import Agreement, StepBoundary, agree
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
-from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
-from agents.runtime.failures import CollectiveFailures, peer_failure
-from agents.runtime.generation import Generations
+from agents.runtime.elastic_ddp import HookInstaller
+from agents.runtime.failures import PEER_SETTLE_S, CollectiveFailures, peer_failure
+from agents.runtime.generation import Generations, Joined
 from agents.runtime.heartbeat import Heartbeat
 from agents.runtime.plan_watch import PlanWatcher
-from agents.runtime.process_group import Groups, choose_device, quiesce, teardown_group
+from agents.runtime.process_group import Groups, choose_device, hang_up, quiesce, teardown_group
 from agents.runtime.saving import Saving
-from agents.runtime.sharding import (
-    ShardedModel,
-    check_mode,
-    optimizers_of,
-    others_of,
-    raised_in_collective,
-    redundancy_ignored,
-)
-from agents.runtime.standalone import StandaloneSession
-from agents.runtime.telemetry import WorkerTelemetry
+from agents.runtime.sharding import raised_in_collective
+from agents.runtime.worker_state import WorkerState
+from agents.runtime.wrapping import WrappedModels, install_spec_hook
 from orchestrator import keys
 from orchestrator.api import EtcdError
-from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.fencing import FencedError, GenerationFence
-from orchestrator.etcd.options import EtcdOptions, parse_endpoints
-from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.own_packages import check_own_packages
-from orchestrator.records import DoneRecord, Plan, ProgressRecord
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.fencing import GenerationFence
+from orchestrator.records import ProgressRecord
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, JobSpec
+from orchestrator.spec import JobSpec
+
+__all__ = ["SaveFn", "Session"]
 
 log = logging.getLogger("ringmaster.worker")
 
-#: After a step failed without a failed collective, how long the worker waits for
-#: the control plane to publish a newer generation before taking the error as the
-#: script's own.
-PEER_SETTLE_S = 0.2
-
+#: ``fn(session, reason)``: a script's callback before each durable save.
 SaveFn = Callable[["Session", str], None]
 
 
 class Session:
-    """One worker's view of the job; build it with :func:`init`.
+    """One worker's view of the job, across generations; build it with :func:`~agents.runtime.init`.
 
-    The attributes without a leading underscore that are not documented in
-    the module docstring (``plan``, ``hook``, ``tracked``, ``wrapped``,
-    ``telemetry``, ``fence``, ``watch``, ``heartbeat``, ``saving``,
-    ``save_fn``) are shared with the runtime's parts, not part of the API.
+    Args:
+        env: what the node agent told the worker (job, node, local rank, etcd).
+        client: the worker's etcd client (closed by :meth:`close`).
+        spec: the job's spec.
     """
 
     def __init__(self, env: WorkerEnv, client: EtcdClient, spec: JobSpec) -> None:
-        self.env = env
-        self.client = client
-        self.spec = spec
-        self.rank = -1
-        self.world_size = 0
-        self.generation = 0
-        self.step = 0
-        self.has_state = False
-        self.recoveries = 0
-        self.finished = False
-        self.last_recovery_s: float | None = None
-        self.restored_from: str | None = None
-        self.paused: str | None = None
-        self.plan: Plan | None = None
-        self.hook: Any = None
-        self.tracked: dict[str, Stateful] = {}
-        self.wrapped: list[ElasticDDP] = []
-        self.save_fn: SaveFn | None = None
-        self.backend, self.device = choose_device(spec.comm.backend.value, env.local_rank)
-        self.groups: Groups | None = None
-        self.telemetry: WorkerTelemetry = RecoveryTelemetry()
-        #: the sharded model (``wrap(..., sharding="fsdp"|"hsdp")``), if any
-        self.sharded: ShardedModel | None = None
-        #: ``fsdp`` with redundancy: this rank's snapshots and its ward's copy
-        self.buddies: BuddyCopies | None = None
-        self.fence = GenerationFence(client, env.job)
+        self._env = env
+        self._client = client
+        self._spec = spec
+        self._state = WorkerState()
+        self._finished = False
+        self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
+        self._failures = CollectiveFailures()
+        self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
+        self._groups: Groups | None = None
+        self._telemetry = RecoveryTelemetry()
+        self._fence = GenerationFence(client, env.job)
         self._metrics: dict[str, float] = {}
         self._step_error: BaseException | None = None
-        #: the first step boundary that votes (0: the next one; set again at every vote
-        #: and when a generation is joined, the same on every rank)
-        self.vote_at = 0
-        self._failures = CollectiveFailures()
-        self._control_seen = 0
         self._stop_requested = False
-        self.saving = Saving(self)
-        self.generations = Generations(self)
-        self.watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
-        ft, comm = spec.fault_tolerance, spec.comm
-        self.collective_guard = CollectiveGuard(
-            OpTimeout(
-                floor=comm.op_timeout_floor.total_seconds(),
-                multiple=comm.op_timeout_multiple,
-                ceiling=2 * ft.hang_timeout.total_seconds(),
-            ),
-            self.watch.latest_generation,
-        )
-        self.heartbeat = Heartbeat(
+        self._votes = StepBoundary()
+        self._saving = Saving(env, client, spec, self._fence, self._telemetry, self._state)
+        self._watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
+        self._guard = CollectiveGuard(OpTimeout.of_job(spec), self._watch.latest_generation)
+        self._heartbeat = Heartbeat(
             client,
             keys.job_progress(env.job) + self.worker,
-            lambda: self.step,
-            self.progress,
+            lambda: self._state.step,
+            self._progress,
             spec.fault_tolerance.heartbeat_interval,
         )
+        self._generations = Generations(
+            env, client, spec, self._fence, self._watch, self._heartbeat, self._telemetry,
+            self._saving, self._backend, self._device,
+        )  # fmt: skip
         # What the first DDP of a generation imports lazily (torch._dynamo: about a second
         # alone, several on a loaded machine) is imported before the first beat: a node
         # counts as a warm spare only once joining costs it no import.
         for name in PREIMPORTS:
             importlib.import_module(name)
-        self.heartbeat.start()
-        self.heartbeat.beat_now()  # a waiting worker is a warm one: the controller counts it
+        self._heartbeat.start()
+        self._heartbeat.beat_now()  # a waiting worker is a warm one: the controller counts it
 
-    # -- identity ----------------------------------------------------------------------
+    # -- what a script reads -----------------------------------------------------------
 
     @property
-    def worker(self) -> str:
-        return keys.worker_id(self.env.node, self.env.local_rank)
+    def rank(self) -> int:
+        """This worker's global rank in the current generation (-1 before the first)."""
+        return self._state.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current generation (0 before the first)."""
+        return self._state.world_size
 
     @property
     def local_rank(self) -> int:
-        return self.env.local_rank
+        """This worker's rank on its node (``LOCAL_RANK``); it never changes."""
+        return self._env.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker trains: its local rank's CUDA device under NCCL, else the CPU."""
+        return self._device
+
+    @property
+    def step(self) -> int:
+        """Steps completed: the step trained next (restored after a recovery or resume)."""
+        return self._state.step
+
+    @property
+    def generation(self) -> int:
+        """The generation (the controller's plan of who trains) this worker is in."""
+        return self._state.generation
+
+    @property
+    def finished(self) -> bool:
+        """:meth:`steps` reached its end (False when the job ended or stopped first)."""
+        return self._finished
+
+    @property
+    def worker(self) -> str:
+        """This worker's name: ``<node>-<local rank>`` (it keys its logs and progress)."""
+        return keys.worker_id(self._env.node, self._env.local_rank)
+
+    @property
+    def spec(self) -> JobSpec:
+        """The job's spec, as submitted (``max_steps``, ``checkpoint``, ...)."""
+        return self._spec
+
+    @property
+    def recoveries(self) -> int:
+        """Generations this worker left because of a failure."""
+        return self._state.recoveries
+
+    @property
+    def last_recovery_s(self) -> float | None:
+        """Seconds the last recovery took, from leaving a generation to joining the next."""
+        return self._state.last_recovery_s
+
+    @property
+    def restored_from(self) -> str | None:
+        """The durable checkpoint this worker's state was last resumed from, if any."""
+        return self._state.restored_from
+
+    @property
+    def step_failed(self) -> bool:
+        """True after a :meth:`guard` body whose step failed (it will run again)."""
+        return self._step_error is not None
 
     # -- what the script registers -----------------------------------------------------
 
@@ -167,144 +184,55 @@ class Session:
         Args:
             module: the model, built the same way (same seed) on every rank.
             hook_installer: a DDP comm hook of the script's own (``ddp`` only).
-            sharding: ``ddp`` (every rank holds the whole model; DDP), ``fsdp``
-                (FSDP2's ``fully_shard`` over every rank: a lost slice comes from
-                a buddy's copy, see ``redundancy_every_steps``, else from the
-                newest durable checkpoint) or ``hsdp`` (shard within groups of
-                ``shard_size`` neighbouring ranks, replicate across the groups:
-                a lost slice comes from its twin in another group).
-            shard_size: ``hsdp`` only: ranks per shard group (default: one
-                node's workers, ``nproc_per_node``).
+            sharding: ``ddp`` (every rank holds the whole model), ``fsdp`` (FSDP2
+                over every rank: a lost slice comes from a buddy's copy, else from
+                the durable checkpoint) or ``hsdp`` (shard within groups of
+                ``shard_size`` ranks, replicate across them: a lost slice comes
+                from its twin); see docs/sharded-models.md.
+            shard_size: ``hsdp`` only: ranks per shard group (default: a node's).
             redundancy_every_steps: ``fsdp`` only: every this many steps each
-                rank's slice is copied to a buddy on the next node
-                (:mod:`agents.recovery.buddy_copies`); 0 turns copies off (a lost slice
-                then comes from the durable checkpoint).  Default: the job
-                file's ``fault_tolerance.redundancy.every_steps`` (itself 10
-                by default).
+                rank's slice is copied to a buddy on the next node (0: off).
+                Default: the job file's ``fault_tolerance.redundancy.every_steps``.
 
         Returns:
-            An :class:`ElasticDDP` for ``ddp``, a
-            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build optimizers
-            on its ``parameters()`` after this call.
+            An :class:`~agents.runtime.elastic_ddp.ElasticDDP` for ``ddp``, a
+            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build
+            optimizers on its ``parameters()`` after this call.
 
         Raises:
             ValueError: an unknown mode, options of another mode, or a second
                 sharded model in one session.
 
-        On a GPU worker the module moves to :attr:`device` (the local rank's
-        CUDA device) and DDP gets ``device_ids``, as in a torchrun script.
+        On a GPU worker the module moves to :attr:`device` and DDP gets
+        ``device_ids``, as in a torchrun script.
         """
-        ignored = redundancy_ignored(
-            check_mode(sharding),
-            self.spec.fault_tolerance.redundancy.every_steps,
-            DEFAULT_REDUNDANCY_EVERY_STEPS,
-        )
-        if ignored is not None:
-            log.warning("%s", ignored)
-        if sharding != "ddp":
-            return self._wrap_sharded(
-                module, sharding, shard_size, redundancy_every_steps, hook_installer
-            )
-        if shard_size is not None:
-            raise ValueError("shard_size is an option of sharding='hsdp'")
-        if redundancy_every_steps is not None:
-            raise ValueError("redundancy_every_steps is an option of sharding='fsdp'")
-        comm = self.spec.comm
-        if hook_installer is None and (comm.hierarchical or comm.compression.type.value != "none"):
-            hook_installer = self._install_spec_hook
-        placement: dict[str, Any] = {}
-        if self.device.type == "cuda":
-            module = module.to(self.device)
-            placement["device_ids"] = [self.device.index]
-        wrapped = ElasticDDP(
-            module,
-            hook_installer=hook_installer,
-            failures=self._failures,
-            bucket_cap_mb=self.spec.comm.bucket_cap_mb,
-            **placement,
-        )
-        self.wrapped.append(wrapped)
-        if dist.is_initialized():
-            wrapped.rebuild()
-        return wrapped
-
-    def _wrap_sharded(
-        self,
-        module: nn.Module,
-        sharding: str,
-        shard_size: int | None,
-        every_steps: int | None,
-        hook_installer: HookInstaller | None,
-    ) -> ShardedModel:
-        if every_steps is not None and sharding != "fsdp":
-            raise ValueError(
-                f"redundancy_every_steps is an option of sharding='fsdp'; {sharding!r} keeps "
-                "each slice in its twin of another replica group"
-            )
-        if every_steps is not None and every_steps < 0:
-            raise ValueError(f"redundancy_every_steps must be 0 (off) or more, got {every_steps}")
-        if hook_installer is not None:
-            raise ValueError(f"a DDP comm hook cannot be installed with sharding={sharding!r}")
-        if shard_size is not None and sharding != "hsdp":
-            raise ValueError(f"shard_size is an option of sharding='hsdp', not {sharding!r}")
-        if self.sharded is not None:
-            raise ValueError("this session already has a sharded model; wrap one model per job")
-        if dist.is_initialized():
-            raise ValueError(f"wrap(sharding={sharding!r}) before the first session.steps()")
-        comm = self.spec.comm
-        if comm.hierarchical or comm.compression.type.value != "none":
-            raise ValueError(
-                f"comm.compression and comm.hierarchical are DDP comm hooks; sharding={sharding!r} "
-                "reduce-scatters gradients itself: remove them from the job file"
-            )
-        if self.device.type == "cuda":
-            module = module.to(self.device)
-        wrapped = ShardedModel(module, sharding, shard_size)
-        self.sharded = wrapped
-        if sharding == "fsdp":
-            every = self.spec.fault_tolerance.redundancy.every_steps
-            if every_steps is not None:  # the script's own choice wins over the job file
-                every = every_steps
-            self.buddies = BuddyCopies(every) if every > 0 else None
-        return wrapped
+        models = self._models
+        return models.wrap(module, hook_installer, sharding, shard_size, redundancy_every_steps)
 
     def _install_spec_hook(self, ddp: Any) -> None:
-        """Register the job's comm hook on a DDP built for this generation."""
-        from agents.comm import NodeLayout, build_comm_hook
-
-        assert self.plan is not None
-        node_of_rank = [i for i, m in enumerate(self.plan.members) for _ in range(m.nproc)]
-        hook = build_comm_hook(
-            self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
-        )
-        # Every rank starts the generation with a fresh hook: a replacement has no
-        # hook state, and ranks whose warm-up counters differ would run different
-        # collectives.  Error-feedback residuals of the old generation are dropped;
-        # after a durable resume at the same world size, every rank loads its own.
-        state, self.saving.hook_resume = self.saving.hook_resume, None
-        if state is not None:
-            from agents.comm.api import HookStateError
-
-            try:
-                hook.load_state_dict(state)
-            except HookStateError as e:  # resumed with --force under another compression
-                log.warning("%s: the comm hook starts fresh", e)
-                hook = build_comm_hook(
-                    self.spec.comm, ddp, layout=NodeLayout.from_node_ranks(node_of_rank), seed=0
-                )
-        hook.register(ddp)
-        self.hook = hook
+        resumed = self._saving.take_hook_state()
+        self._state.hook = install_spec_hook(self._spec.comm, ddp, self._state.plan, resumed)
 
     def track(self, **objects: Stateful) -> None:
-        """Register state a replacement must receive (model, optimizer, scheduler, data)."""
+        """Register state a replacement must receive (model, optimizer, scheduler, data).
+
+        The same objects go into durable checkpoints (see docs/training-loops.md).
+
+        Raises:
+            TypeError: an object has no ``state_dict()``/``load_state_dict()``.
+        """
         for name, obj in objects.items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"{name} has no state_dict()/load_state_dict()")
-            self.tracked[name] = obj
+            self._state.tracked[name] = obj
 
     def on_save(self, fn: SaveFn) -> None:
-        """Call ``fn(session, reason)`` on every rank when a durable save is due."""
-        self.save_fn = fn
+        """Call ``fn(session, reason)`` on every rank when a durable save is due.
+
+        ``reason`` is ``requested`` (``ringmaster checkpoint``), ``periodic``
+        (``checkpoint.every_steps``/``every_seconds``) or ``stop``.
+        """
+        self._saving.call_before_save(lambda reason: fn(self, reason))
 
     def report(self, **metrics: float) -> None:
         """Record metrics of the last step (published with progress).
@@ -319,62 +247,53 @@ class Session:
     def steps(self, total: int | None = None) -> Iterator[int]:
         """Yield step numbers from the restored step to ``total``, recovering as needed.
 
+        Args:
+            total: the step to end before (default: the job file's ``max_steps``,
+                else no end).
+
         Raises:
             Exception: the script's own error, raised in a step (inside
                 :meth:`guard`) or at a step boundary (an ``on_save`` callback),
                 after it was reported to the controller.
             RecoveryError: the job could not be recovered in-process.
         """
-        limit = total if total is not None else (self.spec.max_steps or math.inf)
+        limit = total if total is not None else (self._spec.max_steps or math.inf)
         try:
-            self.generations.join_next(1)
+            self._apply(self._generations.join_next(1, self._state, self._models))
             yield from self._loop(limit)
         except JobEndedError as e:
             log.warning("%s; leaving", e)
             self.close()
             return
-        self.finished = True
+        self._finished = True
         self._finish()
 
     def _loop(self, limit: float) -> Iterator[int]:
-        while self.step < limit and not self._stop_requested:
+        st = self._state
+        while st.step < limit and not self._stop_requested:
             self._step_error = None
             self._failures.clear()
-            current = self.step
+            current = st.step
             started = time.monotonic()
             yield current
             if self._step_error is not None:
                 self._failed(self._step_error, f"step {current}")
                 continue
             try:
-                if self.hook is not None:
+                if st.hook is not None:
                     with self._failures.collective():
-                        for w in self.wrapped:
-                            self.hook.after_optimizer_step(w.module)  # local SGD averages here
-                self.step = current + 1
-                self.has_state = True
-                if self.buddies is not None and self.sharded is not None:
-                    self.buddies.after_step(self.step, self._capture_slice)
-                self.telemetry.step_done(self.hook, self.wrapped)
-                self.generations.failures_at_step = 0
+                        for w in self._models.ddps:
+                            st.hook.after_optimizer_step(w.module)  # local SGD averages here
+                st.step, st.has_state = current + 1, True
+                self._models.after_step(st.step, st.tracked)
+                self._telemetry.step_done(st.hook, self._models.ddps)
+                self._generations.step_completed()
                 self._boundary(time.monotonic() - started)
-                self.collective_guard.step_ended(time.monotonic() - started)
+                self._guard.step_ended(time.monotonic() - started)
             except (RecoveryError, JobEndedError):
                 raise
             except Exception as e:
-                self._failed(e, f"step boundary {self.step}")
-
-    def _capture_slice(self) -> Any:
-        assert self.sharded is not None
-        tracked = self.tracked
-        return self.sharded.capture(
-            self.step, optimizers_of(tracked), others_of(tracked, self.sharded)
-        )
-
-    @property
-    def step_failed(self) -> bool:
-        """True after a :meth:`guard` body whose step failed (it will run again)."""
-        return self._step_error is not None
+                self._failed(e, f"step boundary {st.step}")
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -390,187 +309,153 @@ class Session:
 
     def _failed(self, error: BaseException, where: str) -> None:
         """Record, then vote: recover when a peer is gone, else raise the script's error."""
-        plan = self.watch.wait_newer(self.generation, timeout=PEER_SETTLE_S)
+        plan = self._watch.wait_newer(self._state.generation, timeout=PEER_SETTLE_S)
         recorded = self._failures.take()
-        if recorded is None and self.sharded is not None and raised_in_collective(error):
+        if recorded is None and self._models.sharded is not None and raised_in_collective(error):
             recorded = error  # FSDP's collectives run in its hooks, where none is wrapped
         why = peer_failure(error, recorded, plan.generation if plan is not None else None)
         if why is not None:
-            ended_by = self.collective_guard.ended_by(error)
-            self.telemetry.left_by = ended_by
-            self.generations.recover(
-                f"{where} failed: {one_line(error)} ({why}; ended by {ended_by})"
-            )
+            ended_by = self._guard.ended_by(error)
+            self._telemetry.left_by = ended_by
+            self._recover(f"{where} failed: {one_line(error)} ({why}; ended by {ended_by})")
             return
         reason = f"{where} raised {type(error).__name__}: {one_line(error)}"
         log.warning("%s; the error is the script's own: leaving", reason)
-        self.generations.report(self.generation, reason, planned=False, user_error=True)
-        self.heartbeat.stop()
-        self.watch.stop()
-        self.collective_guard.close()
-        if self.buddies is not None:
-            self.buddies.stop()
-        teardown_group()
+        st = self._state
+        self._generations.report(st.generation, st.step, reason, planned=False, user_error=True)
+        self._stop_parts()
         raise error
+
+    # -- generations -------------------------------------------------------------------
+
+    def _recover(self, reason: str, planned: bool = False) -> None:
+        """Leave the current generation and join the next one.
+
+        Raises:
+            RecoveryError: the same step failed too often, or no generation came.
+            JobEndedError: the job ended while this worker waited.
+        """
+        st = self._state
+        started = time.monotonic()
+        self._generations.count_break(st.step, reason, planned)
+        st.recoveries += 0 if planned else 1
+        log.warning("generation %d ends: %s", st.generation, reason)
+        st.hook = None
+        self._guard.detach()
+        self._models.drop()
+        if not planned and self._groups is not None:
+            # a local survivor may wait on this rank in a collective: end its wait now
+            # (hang_up), not at its operation timeout
+            hang_up(self._groups.sockets)
+        self._models.stop_copies()  # before the group goes: it may wait on the dead peer
+        teardown_group()
+        self._groups = None
+        self._generations.report(st.generation, st.step, reason, planned)
+        self._apply(self._generations.join_next(st.generation + 1, st, self._models))
+        st.last_recovery_s = time.monotonic() - started
+        log.warning(
+            "rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
+            st.rank, st.world_size, st.generation, st.step, st.last_recovery_s,
+        )  # fmt: skip
+
+    def _apply(self, joined: Joined) -> None:
+        """Take ``joined`` as this worker's generation: its place, its state, its DDP."""
+        st = self._state
+        st.plan, st.generation = joined.plan, joined.generation
+        st.rank, st.world_size = joined.rank, joined.world_size
+        st.step, st.has_state = joined.step, joined.has_state
+        if joined.restored_from is not None:
+            st.restored_from = joined.restored_from
+        self._telemetry.state_restored(st.step)
+        self._votes.joined()
+        self._models.rebuild()
+        self._groups = self._generations.settled(joined)
+        self._heartbeat.start()
+        self._heartbeat.poke()
+        self._guard.attach(self._groups, st.generation)
 
     # -- step boundary -----------------------------------------------------------------
 
     def _boundary(self, step_seconds: float) -> None:
         """The step boundary: vote when one is due (:mod:`agents.runtime.boundary`), then act."""
-        if self.step >= self.vote_at:
-            agreed = self._vote(step_seconds)
-            self.vote_at = self.step + agreed.every
-            if agreed.etcd_lost:
-                self.generations.pause_for_etcd()
-        else:
-            agreed = boundary.Agreement.quiet(self.generation, self._control_seen)
-        self.heartbeat.poke()
-        self.saving.poll()
-        # Every rank decides from the same reduced numbers (a replacement has seen
-        # no request yet, its peers have): a request is new only if no rank served it.
-        # Served once the saves below are made: a save that breaks with the group
-        # (a peer left, e.g. the first of several preempted nodes) is asked again in
-        # the next generation instead of counting as done.
-        seen = max(agreed.checkpoint_requested, agreed.checkpoint_served)
-        saves = []
-        if agreed.checkpoint_request_new:
-            saves.append("requested")
-        elif agreed.periodic_save_due(self.step, self.spec.checkpoint.every_steps):
-            saves.append("periodic")
-        if agreed.stop:
-            saves.append("stop")
-        if saves:  # a save's collectives may wait on rank 0's storage: no learnt timeout
-            with self.collective_guard.relaxed():
-                for reason in saves:
-                    self.saving.save(reason)
-        self._control_seen = seen
-        if agreed.stop:
+        st = self._state
+        agreed = self._vote(step_seconds) if self._votes.votes_at(st.step) else None
+        decision = self._votes.decide(st.step, st.generation, agreed, self._saving.trigger)
+        if decision.pause:
+            st.paused = f"etcd unreachable at step {st.step}"
+            try:
+                self._generations.wait_for_etcd(st.step)
+            finally:
+                st.paused = None
+        self._heartbeat.poke()
+        self._saving.poll()
+        if decision.saves:  # a save's collectives may wait on rank 0's storage: no learnt timeout
+            with self._guard.relaxed():
+                for reason in decision.saves:
+                    self._saving.save(reason)
+        self._votes.served(decision)
+        if decision.stop:
             self._stop_requested = True
             return
-        if agreed.generation > self.generation:
-            self.telemetry.left_by = None  # this step ended well: nothing had to end it
-            self.generations.recover(f"generation {agreed.generation} published", planned=True)
+        if decision.generation > st.generation:
+            self._telemetry.left_by = None  # this step ended well: nothing had to end it
+            self._recover(f"generation {decision.generation} published", planned=True)
 
-    def _vote(self, step_seconds: float) -> boundary.Agreement:
-        control = self.watch.control()
+    def _vote(self, step_seconds: float) -> Agreement:
         contact = SETTINGS.etcd_contact_timeout.total_seconds()
+        mine = self._votes.propose(
+            generation=self._watch.latest_generation(),
+            control=self._watch.control(),
+            etcd_lost=self._client.unreachable_for() > contact,
+            time_due=self._saving.trigger.time_due(),
+            step_seconds=step_seconds,
+        )
         with self._failures.collective():
-            return boundary.agree(
-                boundary.Proposal(
-                    generation=self.watch.latest_generation(),
-                    checkpoint_requested=control.checkpoint,
-                    checkpoint_served=self._control_seen,
-                    stop=control.stop,
-                    etcd_lost=self.client.unreachable_for() > contact,
-                    save_due_by_time=self.saving.save_due_by_time(),
-                    every=boundary.steps_between_votes(step_seconds),
-                ),
-                group=self.groups.control if self.groups is not None else None,
-            )
+            return agree(mine, group=self._groups.control if self._groups is not None else None)
 
     # -- the end -----------------------------------------------------------------------
 
     def _finish(self) -> None:
-        self.saving.close()
+        st = self._state
+        self._saving.close()
         with contextlib.suppress(EtcdError):
-            self.heartbeat.beat_now()
-        done = DoneRecord(step=self.step, generation=self.generation, at=time.time())
-        try:
-            retry_unavailable(
-                lambda: self.fence.put(keys.job_done(self.env.job) + self.worker, done.encode()),
-                "recording the end of training",
-                max_wait=SETTINGS.plan_timeout,
-            )
-        except FencedError as e:
-            log.warning("not recording the end of training: %s", e)
-        self.heartbeat.stop()
+            self._heartbeat.beat_now()
+        self._generations.record_done(st.step, st.generation)
+        self._heartbeat.stop()
         try:
             last = quiesce()  # held until the group is gone (see quiesce)
         except RuntimeError as e:  # a peer left at the very end: nothing to wait for
             log.debug("no barrier before leaving: %s", e)
             last = None
-        self.collective_guard.close()
-        for w in self.wrapped:
-            w.drop()
-        if self.buddies is not None:
-            self.buddies.stop()
+        self._guard.close()
+        self._models.drop(gradients=False)  # a script may still read its model
+        self._models.stop_copies()
         teardown_group()
         del last
 
-    def progress(self, beat: float, step_time: float) -> ProgressRecord:
-        """This worker's progress as of ``beat``, for its heartbeat."""
-        return ProgressRecord(
-            step=self.step,
-            generation=self.generation,
-            rank=self.rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            beat=beat,
-            step_time=step_time,
-            recoveries=self.recoveries,
-            last_recovery_s=self.last_recovery_s,
-            paused=self.paused,
-            metrics=dict(self._metrics),
-            telemetry=self.telemetry.record(),
+    def _progress(self, beat: float, step_time: float) -> ProgressRecord:
+        """This worker's progress as of ``beat``, for its heartbeat (the heartbeat's thread)."""
+        return self._state.progress(
+            beat,
+            step_time,
+            metrics=self._metrics,
+            telemetry=self._telemetry.record(),
+            joining=self._generations.joining,
         )
+
+    def _stop_parts(self) -> None:
+        """Stop the threads and the group (the etcd client stays open)."""
+        self._heartbeat.stop()
+        self._watch.stop()
+        self._guard.close()
+        self._models.stop_copies()
+        teardown_group()
 
     def close(self) -> None:
-        self.heartbeat.stop()
-        self.watch.stop()
-        self.collective_guard.close()
-        if self.buddies is not None:
-            self.buddies.stop()
-        teardown_group()
-        self.client.close()
+        """Leave: stop the heartbeat, the watches and the group, close the etcd client.
 
-
-def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
-    """Start the runtime in a worker.
-
-    Launched by ``ringmaster agent`` (``RINGMASTER_JOB`` set), the session
-    recovers in-process; launched by plain ``torchrun`` or ``python``, it is a
-    :class:`agents.runtime.standalone.StandaloneSession`: the same calls, the usual
-    process group and DDP, no hot-swap.
-
-    Raises:
-        RecoveryError: the job runs with ``fault_tolerance.recovery: restart``,
-            which starts workers as torchrun does and has no use for the runtime.
-        PackageClashError: another distribution's ``agents``, ``checkpoint`` or
-            ``orchestrator`` package shadows ringmaster's.
-    """
-    check_own_packages()
-    env = env or WorkerEnv.from_environ()
-    if env is None:
-        logging.basicConfig(level=SETTINGS.log_level, format="%(asctime)s %(message)s")
-        return StandaloneSession()
-    if env.recovery == RECOVERY_RESTART:
-        raise RecoveryError(
-            f"job {env.job} runs in the restart tier (fault_tolerance.recovery: restart, or "
-            "auto with an entrypoint that does not import agents.runtime itself, such as a "
-            "wrapper); runtime.init() needs fault_tolerance.recovery: in_process in the job file"
-        )
-    # One prefix per line: whoever shows this output already names the node
-    # (`ringmaster run` prints `[node]`, `ringmaster logs` prints `[node/local rank]`),
-    # so the worker adds its local rank only where a node runs several workers.
-    who = f"local rank {env.local_rank}: " if env.local_world_size > 1 else ""
-    logging.basicConfig(level=SETTINGS.log_level, format=f"%(asctime)s {who}%(message)s")
-    options = EtcdOptions(
-        endpoints=parse_endpoints(env.etcd_endpoints),
-        ca_cert=env.etcd_ca,
-        cert=env.etcd_cert,
-        key=env.etcd_key,
-        user=env.etcd_user,
-        password=env.etcd_password,
-    )
-    # A worker (re)started while etcd is away waits for it rather than failing.
-    client = retry_unavailable(
-        lambda: connect(options),
-        "connecting to etcd",
-        max_wait=SETTINGS.plan_timeout,
-    )
-    from orchestrator.jobs import read_spec
-
-    spec, _ = retry_unavailable(
-        lambda: read_spec(client, env.job), "reading the job spec", max_wait=SETTINGS.plan_timeout
-    )
-    return Session(env, client, spec)
+        :meth:`steps` calls it when the job ended first; a script calls it after
+        its loop (a finished loop has already recorded the end of training).
+        """
+        self._stop_parts()
+        self._client.close()

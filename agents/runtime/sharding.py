@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "PARAM",
+    "SHARDING_MODES",
+    "Layout",
+    "ShardedModel",
+    "Slice",
+    "SliceKey",
+    "build_mesh",
+    "check_hsdp_world",
+    "check_mode",
+    "chunk_rows",
+    "layout_of",
+    "optimizers_of",
+    "others_of",
+    "raised_in_collective",
+    "redundancy_ignored",
+    "repoint_optimizer",
+]
 
 #: The values of ``sharding=``.
 SHARDING_MODES = ("ddp", "fsdp", "hsdp")
@@ -354,12 +373,12 @@ def repoint_optimizer(
             opt.state[new[n]] = st
 
 
-def optimizers_of(tracked: dict[str, Any]) -> dict[str, torch.optim.Optimizer]:
+def optimizers_of(tracked: Mapping[str, Any]) -> dict[str, torch.optim.Optimizer]:
     """The tracked optimizers, by their tracked name."""
     return {n: o for n, o in tracked.items() if isinstance(o, torch.optim.Optimizer)}
 
 
-def others_of(tracked: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+def others_of(tracked: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
     """Tracked objects other than the model and the optimizers (replicated state)."""
     return {
         n: o

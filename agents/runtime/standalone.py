@@ -31,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from agents.api import Stateful
 from agents.runtime.process_group import quiesce
 
+__all__ = ["StandaloneSession"]
+
 log = logging.getLogger("ringmaster.worker")
 
 #: torchrun's default collective timeout is torch's; kept as is.

@@ -28,6 +28,8 @@ from torch import nn
 
 from orchestrator.records import Telemetry
 
+__all__ = ["WorkerTelemetry"]
+
 
 class WorkerTelemetry:
     """Timestamps and totals of one worker process (see the module docstring)."""

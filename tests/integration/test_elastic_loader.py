@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from agents.runtime.data import DataLoaderError, ElasticLoader, GlobalOrder, share_bounds
+from agents.runtime.data import DataLoaderError, ElasticLoader
+from checkpoint.data_position import ElasticSampler, GlobalOrder, rank_positions, share_size
 
 N = 50  # dataset length: steps straddle epochs with a batch of 12
 BATCH = 12
@@ -56,14 +57,36 @@ def stream(positions: int, seed: int) -> list[int]:
     return order.indices(0, positions)
 
 
+def in_position_order(shares: list[list[int]]) -> list[int]:
+    """A step's global batch in the order of its positions, from the ranks' shares
+    (dealt round-robin: rank ``r`` of ``w`` holds positions ``r``, ``r + w``, ...)."""
+    world = len(shares)
+    out: list[int] = [-1] * sum(len(s) for s in shares)
+    for rank, share in enumerate(shares):
+        out[rank::world] = share
+    return out
+
+
 @pytest.mark.unit
 def test_shares_cover_each_step_once() -> None:
     for world in range(1, 8):
-        bounds = [share_bounds(BATCH, r, world) for r in range(world)]
-        assert bounds[0][0] == 0 and bounds[-1][1] == BATCH
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-        sizes = [hi - lo for lo, hi in bounds]
-        assert max(sizes) - min(sizes) <= 1
+        shares = [rank_positions(BATCH, 2 * BATCH, r, world) for r in range(world)]
+        assert sorted(p for share in shares for p in share) == list(range(BATCH, 2 * BATCH))
+        sizes = [share_size(BATCH, r, world) for r in range(world)]
+        assert sizes == [len(share) for share in shares]
+        assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.unit
+def test_the_loader_and_the_checkpoint_sampler_deal_alike() -> None:
+    """One convention: from samples_seen = s * B, ElasticSampler with a per-rank batch of
+    B / w gives every rank what the loader gives it at step s."""
+    world, step = 3, 5
+    loader = ElasticLoader(Indexed(N), Where(0, world), BATCH, seed=3)
+    for rank in range(world):
+        sampler = ElasticSampler(N, rank, world, step * BATCH, seed=3)
+        first = list(itertools.islice(iter(sampler), 2 * BATCH // world))
+        assert first == loader.indices(step, rank, world) + loader.indices(step + 1, rank, world)
 
 
 @pytest.mark.unit
@@ -83,7 +106,7 @@ def test_world_size_changes_skip_and_repeat_nothing() -> None:
     consumed: list[int] = []
     for step in range(13):  # 156 positions: three epochs and a bit
         world = 2 if step < 4 else 3 if step < 9 else 1
-        consumed += [i for r in range(world) for i in loader.indices(step, r, world)]
+        consumed += in_position_order([loader.indices(step, r, world) for r in range(world)])
     assert consumed == stream(13 * BATCH, seed=3)
     counts = collections.Counter(consumed[: 3 * N])
     assert set(counts.values()) == {3}, "each sample once per epoch"
@@ -212,5 +235,6 @@ def test_durable_resume_at_another_world_size_continues_at_the_exact_sample(
     )
     assert sorted(steps) == list(range(9))
     assert all(len(steps[s]) == (2 if s < 4 else 1) for s in steps)
-    consumed = [i for s in range(9) for r in sorted(steps[s]) for i in steps[s][r]]
+    batches = [in_position_order([steps[s][r] for r in sorted(steps[s])]) for s in range(9)]
+    consumed = [i for batch in batches for i in batch]
     assert consumed == stream(9 * BATCH, seed=7), "a sample was skipped or read twice"

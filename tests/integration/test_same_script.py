@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
-from agents.runtime.generation import _publish_environment
+from agents.runtime.generation import publish_environment
 from orchestrator.records import Member, Plan
 
 pytestmark = pytest.mark.integration
@@ -97,7 +97,7 @@ def test_torchrun_variables_follow_the_generation(monkeypatch: pytest.MonkeyPatc
             Member(node="spare", rank_base=2, nproc=2),
         ],
     )
-    _publish_environment(plan, "spare", 3, "10.0.0.7", 29411)
+    publish_environment(plan, "spare", 3, "10.0.0.7", 29411)
     assert os.environ["RANK"] == "3"
     assert os.environ["WORLD_SIZE"] == "4"
     assert os.environ["GROUP_RANK"] == "1"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from checkpoint.triggers import SaveTrigger, request_on_signal
+from checkpoint.triggers import SaveDue, SaveTrigger, request_on_signal
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +59,19 @@ def test_sigterm_requests_a_save_instead_of_exiting() -> None:
         assert t.due(3) == "preemption (SIGTERM)"
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_agreed_inputs_decide_in_place_of_this_process() -> None:
+    """The runtime's ranks agree on a request and on the clock; the rule is the same."""
+    clock = _Clock()
+    t = SaveTrigger(every_steps=10, every_seconds=30, clock=clock)
+    t.request("mine")
+    assert t.decide(3, requested="agreed") == SaveDue("agreed", requested=True)
+    t.saved()
+    clock.now += 31
+    assert t.time_due()
+    assert t.decide(3, time_due=False) is None  # due here, not agreed
+    assert t.decide(10, time_due=False) == SaveDue("every 10 steps", requested=False)
+    t.saved()
+    assert not t.time_due()
+    assert t.decide(3, time_due=True) == SaveDue("every 30s", requested=False)  # due elsewhere

@@ -1,0 +1,255 @@
+"""What ``session.wrap`` builds: a DDP that survives generations, or a sharded model.
+
+Runs in the training process.  :class:`WrappedModels` holds what a session's
+script wrapped and drops and rebuilds it with each generation.
+:func:`wrap_ddp` checks the options of ``sharding="ddp"`` and builds an
+:class:`~agents.runtime.elastic_ddp.ElasticDDP`; :func:`wrap_sharded` checks
+those of ``fsdp`` and ``hsdp`` and builds a
+:class:`~agents.runtime.sharding.ShardedModel` (with its buddy copies for
+``fsdp`` with redundancy); :func:`install_spec_hook` registers the job file's
+comm hook (compression, hierarchical all-reduce) on each generation's DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agents.recovery.buddy_copies import BuddyCopies
+from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
+from agents.runtime.failures import CollectiveFailures
+from agents.runtime.sharding import (
+    ShardedModel,
+    check_mode,
+    optimizers_of,
+    others_of,
+    redundancy_ignored,
+)
+from orchestrator.records import Plan
+from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
+
+__all__ = ["WrappedModels", "install_spec_hook", "uses_spec_hook", "wrap_ddp", "wrap_sharded"]
+
+log = logging.getLogger("ringmaster.worker")
+
+
+class WrappedModels:
+    """What a session's script wrapped: DDPs, or one sharded model and its buddy copies.
+
+    Args:
+        spec: the job's spec (``comm``, ``fault_tolerance.redundancy``).
+        device: the worker's device.
+        failures: records a failed collective of the DDPs' comm hooks.
+        spec_hook: installs the job file's comm hook on a DDP, for a ``ddp``
+            wrap without a hook of the script's own when the job file asks for one.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        device: torch.device,
+        failures: CollectiveFailures,
+        spec_hook: HookInstaller,
+    ) -> None:
+        self._spec = spec
+        self._device = device
+        self._failures = failures
+        self._spec_hook = spec_hook
+        self.ddps: list[ElasticDDP] = []
+        #: the sharded model (``sharding="fsdp"|"hsdp"``), if any
+        self.sharded: ShardedModel | None = None
+        #: ``fsdp`` with redundancy: this rank's snapshots and its ward's copy
+        self.buddies: BuddyCopies | None = None
+
+    def wrap(
+        self,
+        module: nn.Module,
+        hook_installer: HookInstaller | None,
+        sharding: str,
+        shard_size: int | None,
+        redundancy_every_steps: int | None,
+    ) -> ElasticDDP | ShardedModel:
+        """See :meth:`agents.runtime.Session.wrap`."""
+        ignored = redundancy_ignored(
+            check_mode(sharding),
+            self._spec.fault_tolerance.redundancy.every_steps,
+            DEFAULT_REDUNDANCY_EVERY_STEPS,
+        )
+        if ignored is not None:
+            log.warning("%s", ignored)
+        if sharding != "ddp":
+            self.sharded, self.buddies = wrap_sharded(
+                module, sharding, shard_size, redundancy_every_steps, hook_installer,
+                spec=self._spec, device=self._device, has_sharded=self.sharded is not None,
+            )  # fmt: skip
+            return self.sharded
+        if hook_installer is None and uses_spec_hook(self._spec.comm):
+            hook_installer = self._spec_hook
+        wrapped = wrap_ddp(
+            module, hook_installer, shard_size=shard_size,
+            redundancy_every_steps=redundancy_every_steps, spec=self._spec,
+            device=self._device, failures=self._failures,
+        )  # fmt: skip
+        self.ddps.append(wrapped)
+        if dist.is_initialized():
+            wrapped.rebuild()
+        return wrapped
+
+    def rebuild(self) -> None:
+        """Build the DDPs on the generation just joined (the sharded model is built there)."""
+        for w in self.ddps:
+            w.rebuild()
+
+    def drop(self, *, gradients: bool = True) -> None:
+        """Let go of the generation's DDPs (the group is going).
+
+        Args:
+            gradients: also forget the sharded model's gradients (a failed step's).
+        """
+        for w in self.ddps:
+            w.drop()
+        if gradients and self.sharded is not None:
+            self.sharded.drop()
+
+    def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
+        """A step completed: the buddy copies take a snapshot when one is due."""
+        sharded = self.sharded
+        if self.buddies is None or sharded is None:
+            return
+        self.buddies.after_step(
+            step,
+            lambda: sharded.capture(step, optimizers_of(tracked), others_of(tracked, sharded)),
+        )
+
+    def stop_copies(self) -> None:
+        """Stop the buddy copies' exchange (before the group goes: it may wait on a peer)."""
+        if self.buddies is not None:
+            self.buddies.stop()
+
+
+def uses_spec_hook(comm: CommSpec) -> bool:
+    """The job file asks for a comm hook of its own (compression or hierarchical)."""
+    return comm.hierarchical or comm.compression.type.value != "none"
+
+
+def wrap_ddp(
+    module: nn.Module,
+    hook_installer: HookInstaller | None,
+    *,
+    shard_size: int | None,
+    redundancy_every_steps: int | None,
+    spec: JobSpec,
+    device: torch.device,
+    failures: CollectiveFailures,
+) -> ElasticDDP:
+    """``module`` as an :class:`ElasticDDP` (on ``device``'s GPU, if it is one).
+
+    Raises:
+        ValueError: an option of another mode was given.
+    """
+    if shard_size is not None:
+        raise ValueError("shard_size is an option of sharding='hsdp'")
+    if redundancy_every_steps is not None:
+        raise ValueError("redundancy_every_steps is an option of sharding='fsdp'")
+    placement: dict[str, Any] = {}
+    if device.type == "cuda":
+        module = module.to(device)
+        placement["device_ids"] = [device.index]
+    return ElasticDDP(
+        module,
+        hook_installer=hook_installer,
+        failures=failures,
+        bucket_cap_mb=spec.comm.bucket_cap_mb,
+        **placement,
+    )
+
+
+def wrap_sharded(
+    module: nn.Module,
+    sharding: str,
+    shard_size: int | None,
+    every_steps: int | None,
+    hook_installer: HookInstaller | None,
+    *,
+    spec: JobSpec,
+    device: torch.device,
+    has_sharded: bool,
+) -> tuple[ShardedModel, BuddyCopies | None]:
+    """``module`` as a :class:`ShardedModel`, and its buddy copies (``fsdp`` with redundancy).
+
+    Args:
+        has_sharded: the session already wrapped a sharded model.
+
+    Raises:
+        ValueError: an option of another mode, a comm hook, a second sharded
+            model, or a wrap after the first generation was joined.
+    """
+    if every_steps is not None and sharding != "fsdp":
+        raise ValueError(
+            f"redundancy_every_steps is an option of sharding='fsdp'; {sharding!r} keeps "
+            "each slice in its twin of another replica group"
+        )
+    if every_steps is not None and every_steps < 0:
+        raise ValueError(f"redundancy_every_steps must be 0 (off) or more, got {every_steps}")
+    if hook_installer is not None:
+        raise ValueError(f"a DDP comm hook cannot be installed with sharding={sharding!r}")
+    if shard_size is not None and sharding != "hsdp":
+        raise ValueError(f"shard_size is an option of sharding='hsdp', not {sharding!r}")
+    if has_sharded:
+        raise ValueError("this session already has a sharded model; wrap one model per job")
+    if dist.is_initialized():
+        raise ValueError(f"wrap(sharding={sharding!r}) before the first session.steps()")
+    if uses_spec_hook(spec.comm):
+        raise ValueError(
+            f"comm.compression and comm.hierarchical are DDP comm hooks; sharding={sharding!r} "
+            "reduce-scatters gradients itself: remove them from the job file"
+        )
+    if device.type == "cuda":
+        module = module.to(device)
+    wrapped = ShardedModel(module, sharding, shard_size)
+    buddies = None
+    if sharding == "fsdp":
+        every = spec.fault_tolerance.redundancy.every_steps
+        if every_steps is not None:  # the script's own choice wins over the job file
+            every = every_steps
+        buddies = BuddyCopies(every) if every > 0 else None
+    return wrapped, buddies
+
+
+def install_spec_hook(
+    comm: CommSpec, ddp: Any, plan: Plan | None, resumed: dict[str, Any] | None
+) -> Any:
+    """Register the job's comm hook on a DDP built for ``plan``'s generation; returns the hook.
+
+    Args:
+        comm: the job file's ``comm`` section.
+        ddp: the generation's ``DistributedDataParallel``.
+        plan: the generation (its nodes give the hierarchical layout).
+        resumed: hook state restored from a durable checkpoint at the same world
+            size, or None.
+    """
+    from agents.comm import NodeLayout, build_comm_hook
+
+    assert plan is not None
+    node_of_rank = [i for i, m in enumerate(plan.members) for _ in range(m.nproc)]
+    layout = NodeLayout.from_node_ranks(node_of_rank)
+    hook = build_comm_hook(comm, ddp, layout=layout, seed=0)
+    # Every rank starts the generation with a fresh hook: a replacement has no
+    # hook state, and ranks whose warm-up counters differ would run different
+    # collectives.  Error-feedback residuals of the old generation are dropped;
+    # after a durable resume at the same world size, every rank loads its own.
+    if resumed is not None:
+        from agents.comm.api import HookStateError
+
+        try:
+            hook.load_state_dict(resumed)
+        except HookStateError as e:  # resumed with --force under another compression
+            log.warning("%s: the comm hook starts fresh", e)
+            hook = build_comm_hook(comm, ddp, layout=layout, seed=0)
+    hook.register(ddp)
+    return hook

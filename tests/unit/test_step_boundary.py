@@ -1,0 +1,50 @@
+"""What a step boundary decides from the ranks' agreement (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.runtime.boundary import Agreement, StepBoundary
+from checkpoint.triggers import SaveTrigger
+from orchestrator.records import ControlRecord
+
+pytestmark = pytest.mark.unit
+
+
+def _served(b: StepBoundary) -> int:
+    mine = b.propose(
+        generation=1, control=ControlRecord(), etcd_lost=False, time_due=False, step_seconds=1.0
+    )
+    return mine.checkpoint_served
+
+
+def test_a_boundary_acts_on_the_agreement_and_schedules_the_next_vote() -> None:
+    b, every_5 = StepBoundary(), SaveTrigger(every_steps=5)
+    assert b.votes_at(1)
+    agreed = Agreement(
+        generation=2,
+        checkpoint_requested=3,
+        checkpoint_served=2,
+        stop=True,
+        etcd_lost=False,
+        save_due_by_time=False,
+        every=4,
+    )
+    d = b.decide(5, 1, agreed, every_5)
+    assert d.saves == ("requested", "stop"), "a request wins over the periodic save"
+    assert (d.generation, d.stop, d.pause, d.served) == (2, True, False, 3)
+    assert not b.votes_at(8) and b.votes_at(9)
+    assert _served(b) == 0, "requests count as served once their saves are made"
+    b.served(d)
+    assert _served(b) == 3
+    quiet = b.decide(10, 2, None, every_5)  # no vote: steps alone decide
+    assert quiet.saves == ("periodic",) and not quiet.stop and quiet.generation == 2
+    assert b.decide(11, 2, None, every_5).saves == ()
+    b.joined()
+    assert b.votes_at(0), "a generation's first boundary votes"
+
+
+def test_time_is_due_when_it_is_due_on_some_rank() -> None:
+    b = StepBoundary()
+    agreed = Agreement(1, 0, 0, False, False, save_due_by_time=True)
+    assert b.decide(3, 1, agreed, SaveTrigger(every_seconds=60)).saves == ("periodic",)

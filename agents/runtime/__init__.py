@@ -52,8 +52,31 @@ includes their node; when the job ends first, the loop simply ends
 (``session.finished`` stays False).
 """
 
-from agents.runtime.session import Session
-from agents.runtime.standalone import StandaloneSession
-from agents.runtime.startup import init
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agents.runtime.session import Session
+    from agents.runtime.standalone import StandaloneSession
+    from agents.runtime.startup import init
 
 __all__ = ["Session", "StandaloneSession", "init"]
+
+#: Where each public name lives.  They are imported on first use, not with the
+#: package: the runtime's own modules and the live-state tiers (:mod:`agents.recovery`)
+#: import the package's modules, and an eager import of the session here would import
+#: them back half-initialised.
+_HOMES = {
+    "Session": "agents.runtime.session",
+    "StandaloneSession": "agents.runtime.standalone",
+    "init": "agents.runtime.startup",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'agents.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

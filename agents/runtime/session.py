@@ -5,6 +5,9 @@ shows a script's use of it and how recovery works.  The session owns one
 :class:`~agents.runtime.worker_state.WorkerState` and the runtime's parts;
 the parts read the state and return what changed (a generation joined, a
 boundary's decision), and the session applies it.
+
+Over the 450 lines a module is held to: every name a script reads is a documented
+property here, and the loop that leaves and joins generations reads best whole.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ class Saving:
         #: comm hook state restored from a checkpoint, for the next hook built
         self._hook_resume: dict[str, Any] | None = None
         self._trigger: SaveTrigger | None = None
+        self._lineage_id: str | None = None
 
     @property
     def trigger(self) -> SaveTrigger:
@@ -109,6 +110,25 @@ class Saving:
         state, self._hook_resume = self._hook_resume, None
         return state
 
+    def _lineage(self) -> str:
+        """The checkpoints' lineage: the job and when its first run was submitted.
+
+        A resumed run continues its job's lineage (its retention may remove what
+        earlier runs saved); another job of the same name (a second ``ringmaster
+        run`` with an etcd of its own) is another lineage, whose checkpoints this
+        one's retention never touches.
+        """
+        if self._lineage_id is None:
+            from orchestrator.jobs import read_spec_record
+            from orchestrator.runs import list_runs
+
+            runs = list_runs(self._client, self._env.job)
+            first = runs[0].submitted_at if runs else None
+            if first is None:  # a job submitted before runs were recorded
+                first = read_spec_record(self._client, self._env.job).submitted_at
+            self._lineage_id = f"{self._env.job}@{first:.6f}"
+        return self._lineage_id
+
     # -- per generation ----------------------------------------------------------------
 
     def open(self, first: bool) -> None:
@@ -129,6 +149,7 @@ class Saving:
             job_spec_hash=checkpoint_hash(self._spec),
             check_storage=first,
             fence=self.check_commit,
+            run_id=self._lineage(),
         )
         if previous is None:
             self._trigger = SaveTrigger.from_spec(cfg)  # the periodic clock starts with training

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint.catalog import checkpoints
 from orchestrator import events, jobs
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
@@ -231,6 +232,11 @@ def test_submit_kill_stop_resume_finish_resubmit(
     assert any(e.type == "Phase" and e.message.startswith("Stopped:") for e in three), three
     assert [r.run for r in runs] == [1, 2], runs
     assert runs[0].resume is None and runs[1].resume == request, runs
+    # the checkpoints are of the job's lineage: its name and its first run's submission
+    saved = [c for c in checkpoints(f"file://{tmp_path}/ckpt") if c.committed]
+    lineages = {c.manifest.run_id for c in saved if c.manifest is not None}
+    assert saved and len(lineages) == 1, saved
+    assert lineages.pop() == f"{job}@{runs[0].submitted_at:.6f}", saved
     # across both runs every step was applied, none twice by one worker
     assert_exactly_once(tmp_path, STEPS)
     assert_same_params(torch.load(tmp_path / "final.pt"), reference)

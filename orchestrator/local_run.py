@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_reach import record_event, script_checkpoint
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
@@ -171,6 +172,10 @@ class LocalRun:
         self._client = connect(self.etcd_options)
         jobs.submit(self._client, self.spec, resume=self.resume)
         self.print(f"[run] submitted job '{self.spec.name}'")
+        if self.spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+            # every agent of this run starts here, on this machine
+            found = script_checkpoint(self.spec, self.workdir, one_machine=True)
+            record_event(self._client, self.spec.name, found, source="run")
         if (
             self.kill_node_at_step is not None
             and self.spec.fault_tolerance.recovery is RecoveryMode.RESTART

@@ -40,24 +40,35 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
     """Submit a job to the cluster's controller through etcd.
 
     The entrypoint is looked for in this directory, where agents started here
-    run their workers, and read to resolve ``fault_tolerance.recovery: auto``.
+    run their workers, and read to resolve ``fault_tolerance.recovery: auto``;
+    in the restart tier, where the script keeps its own checkpoint goes into
+    the job's events (a ``Warning`` when a node may not find it).
     A finished job's name starts its next run; the earlier runs' events, logs
     and history stay (``--run N`` on ``events`` and ``logs``).
     """
     import os
 
+    from orchestrator.checkpoint_reach import record_event, script_checkpoint
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec import RecoveryMode
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
+    found = None
     if not skip_entrypoint_check:
         check_entrypoint(spec, os.getcwd(), job_file)
         # without the check, fault_tolerance.recovery 'auto' is resolved by each agent
         spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
+        if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+            found = script_checkpoint(spec, os.getcwd())
     with connect_client(kw) as client:
         run = jobs.submit(client, spec)
+        if found is not None:
+            record_event(client, spec.name, found, source="submit")
     what = f"run {run} of job '{spec.name}'" if run > 1 else f"job '{spec.name}'"
     console.print(f"submitted {what}", highlight=False)
+    if found is not None and found.warning:
+        click.echo(f"warning: the script's checkpoint: {found.where}; {found.warning}", err=True)
 
 
 @click.command()

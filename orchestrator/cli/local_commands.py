@@ -22,9 +22,13 @@ def validate(job_file: str) -> None:
     """Check a job file and that its entrypoint is here; print OK or every problem (exit 2).
 
     Also prints how the job recovers (``fault_tolerance.recovery`` resolved by
-    reading the entrypoint) and why.
+    reading the entrypoint) and why, and, in the restart tier, where the script
+    keeps its own checkpoint (or that it cannot tell) with a warning when a node
+    whose agent starts elsewhere would not find it.
     """
+    from orchestrator.checkpoint_reach import script_checkpoint
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec import RecoveryMode
     from orchestrator.spec_loader import load_job_file
 
     try:
@@ -39,6 +43,13 @@ def validate(job_file: str) -> None:
         return
     console.print(f"OK: job '{spec.name}' ({job_file})", highlight=False)
     console.print(recovery, highlight=False, soft_wrap=True)
+    if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+        found = script_checkpoint(spec, os.getcwd())
+        lines = [f"checkpoint: {found.where}"] + (
+            [f"warning: {found.warning}"] * bool(found.warning)
+        )
+        for line in lines:
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @click.command("etcd")

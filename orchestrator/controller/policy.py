@@ -39,6 +39,9 @@ comes from an agent for all its workers when one exits with an error, and a
 recovery ends when every member's agent has launched the new generation's
 workers.  Silent members get ``REPORT_GRACE`` to report first, so the job's
 message names the script's own error rather than a peer's broken collective.
+When a spare replaces a member, rank 0 stays on a survivor
+(:func:`~orchestrator.controller.plans.survivor_first`): a script's DDP
+broadcasts rank 0's weights, and a spare may have no checkpoint to restore.
 A stop ends such a job at once (the script has no step boundary to stop at).
 """
 
@@ -68,6 +71,7 @@ from orchestrator.controller.plans import (
     restart_tier,
     start_members,
     startup_failure,
+    survivor_first,
     swap_in_spares,
     topology_ordered,
     trains_again,
@@ -407,6 +411,8 @@ class _Decider:
             if n not in members and n not in failed and self.warm(n)
         ]
         order, swapped, spares = swap_in_spares(self.spec, self.w, plan, failed, spares)
+        if self.restart_tier:  # a spare may have no checkpoint to broadcast from
+            order = survivor_first(order, members, failed)
         kept = order
         if len(kept) < self.spec.nodes.min:
             if self.short_too_long(

@@ -18,13 +18,14 @@ from orchestrator.cli.options import (
     connect_client,
     console,
     etcd_options,
+    fail,
     handle_errors,
     json_option,
     print_table,
     table,
     wide_option,
 )
-from orchestrator.observe.recoveries import ordered_phases, phase_label
+from orchestrator.observe.recoveries import ordered_phases, phase_label, restart_phases
 
 
 @click.command()
@@ -207,7 +208,11 @@ def _last_recovery(s: jobs.JobStatus) -> str:
         return "-"
     text = f"{last.get('cause', '?')}: {float(last.get('total_s', 0.0)):.2f}s"
     phases = last.get("phases")
-    if isinstance(phases, dict) and phases:
+    if isinstance(phases, dict) and phases and s.recovery == "restart":
+        named = restart_phases(phases)
+        text += " (" + ", ".join(f"{k} {v:.2f}s" for k, v in named.items())
+        text += ")" if "to first output" in named else "; the script's progress not reported)"
+    elif isinstance(phases, dict) and phases:
         timings = ordered_phases(phases).items()
         text += " (" + ", ".join(f"{phase_label(k)} {v:.2f}s" for k, v in timings) + ")"
     return text
@@ -257,7 +262,8 @@ def logs(
     A node whose agent is gone shows the last lines each of its workers
     printed before it exited (kept in etcd); its whole output is in the
     agent's stdout (the pod's log) and in the files under RINGMASTER_LOG_DIR
-    on that host.
+    on that host.  Without an etcd (after ``ringmaster run``, whose etcd ended
+    with it) the files of this machine are read.
     """
     from orchestrator.observe.logs import LogLine, check_target, follow_logs, iter_logs
 
@@ -272,6 +278,19 @@ def logs(
     def note(text: str) -> None:
         click.echo(f"note: {text}", err=True)
 
+    if not kw.get("etcd_endpoints"):
+        from orchestrator.observe.local_logs import iter_local_logs, local_job_dir
+
+        if follow or run is not None:
+            fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        lines = iter_local_logs(job, node=node, tail=tail)
+        first = next(lines, None)  # raises before the note when there is nothing here
+        note(f"no etcd given: reading this machine's files in {local_job_dir(job)}")
+        for line in [first] if first is not None else []:
+            show(line)
+        for line in lines:
+            show(line)
+        return
     with connect_client(kw) as client:
         check_target(client, job, node)
         if not follow or run is not None:

@@ -184,11 +184,15 @@ def survivor_first(order: list[str], previous: list[str], failed: set[str]) -> l
 def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) -> bool:
     """Every worker of ``plan`` stepped past ``since_step`` in it (the recovery is over).
 
-    In the restart tier (no step heartbeats): once every member's agent launched it.
+    In the restart tier (no step heartbeats): once every member's agent launched
+    it and, where the agent reports it, the workers showed progress (their first
+    line of output: ``NodeRecord.progress_at``).
     """
     if restart_tier:
         return all(
-            (info := world.nodes.get(m.node)) is not None and info.generation == plan.generation
+            (info := world.nodes.get(m.node)) is not None
+            and info.generation == plan.generation
+            and info.progress_at != 0
             for m in plan.members
         )
     for x in workers_of(plan):

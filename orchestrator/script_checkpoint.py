@@ -70,11 +70,6 @@ class Save:
         """The environment variable the path starts with, if any."""
         return self.parts[0].text if self.parts and self.parts[0].kind == "env" else None
 
-    @property
-    def readable(self) -> bool:
-        """Whether where it starts is known (a constant or a variable, not a hole)."""
-        return bool(self.parts) and self.parts[0].kind != "hole"
-
 
 @dataclass
 class _Module:
@@ -144,6 +139,13 @@ def _last_name(node: ast.expr) -> str | None:
 
 
 def _index(tree: ast.Module, file: str, module: _Module) -> None:
+    methods = {
+        id(item)
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef)
+        for item in c.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             for target in node.targets:
@@ -160,8 +162,7 @@ def _index(tree: ast.Module, file: str, module: _Module) -> None:
                     else:
                         _index_params(item, item.name, 1, True, module)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if not any(node in getattr(c, "body", ()) for c in ast.walk(tree)
-                       if isinstance(c, ast.ClassDef)):  # fmt: skip
+            if id(node) not in methods:
                 _index_params(node, node.name, 0, False, module)
         elif isinstance(node, ast.Call):
             _index_call(node, file, module)

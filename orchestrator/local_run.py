@@ -13,6 +13,11 @@ run says so and kills nothing).  "Killing a node" kills what a machine's death
 would: its agent and every process descended from it, the workers (each in a
 group of its own) and whatever they started.
 
+In the restart tier, what the survivors print after a node's death (their
+tracebacks from the collective it left) comes after that node's
+``NodeFailed`` event, folded into one line per node
+(:class:`~orchestrator.observe.consequences.ConsequenceFolder`).
+
 The controller serves Prometheus metrics (on a free port unless
 ``metrics_port`` says otherwise); the run prints their URL.  With a
 :class:`~orchestrator.observe.live_view.LiveView` the run draws a progress bar and
@@ -35,10 +40,12 @@ from typing import IO, Any
 
 from orchestrator import events, jobs, keys
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_reach import record_event, script_checkpoint
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
+from orchestrator.observe.consequences import ConsequenceFolder
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
 from orchestrator.spec import JobSpec, RecoveryMode
@@ -65,6 +72,10 @@ class RunResult:
     events: list[events.Event] = field(default_factory=list)
     metrics_url: str | None = None
     effective_fraction: float = 0.0
+    #: the recovery tier the job ran in (``in_process``, ``restart``; empty if it never ran)
+    recovery: str = ""
+    #: nodes the controller declared failed (killed by this run or from outside)
+    failed_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +118,9 @@ class LocalRun:
         self._embedded: EmbeddedEtcd | None = None
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
+        self.folder: ConsequenceFolder | None = None
+        if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+            self.folder = ConsequenceFolder(spec.name, self.print, self._print_event)
 
     # -- processes ---------------------------------------------------------------------
 
@@ -157,7 +171,16 @@ class LocalRun:
         again = re.compile(rf"^({_LOG_TIME} )?\[{re.escape(name)}\] ")
         for raw in iter(stream.readline, b""):
             line = again.sub(r"\1", raw.decode(errors="replace").rstrip(), count=1)
-            self.print(f"[{name}] {line}")
+            if self.folder is not None:
+                self.folder.output(name, line)
+            else:
+                self.print(f"[{name}] {line}")
+
+    def _print_event(self, ev: events.Event) -> None:
+        if self.view is not None:
+            self.view.event(ev)
+        else:
+            self.print(f"[event] {ev.type}: {ev.message}")
 
     def node_names(self) -> list[str]:
         count = self.spec.nodes.max + self.spec.nodes.spares
@@ -171,6 +194,10 @@ class LocalRun:
         self._client = connect(self.etcd_options)
         jobs.submit(self._client, self.spec, resume=self.resume)
         self.print(f"[run] submitted job '{self.spec.name}'")
+        if self.spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+            # every agent of this run starts here, on this machine
+            found = script_checkpoint(self.spec, self.workdir, one_machine=True)
+            record_event(self._client, self.spec.name, found, source="run")
         if (
             self.kill_node_at_step is not None
             and self.spec.fault_tolerance.recovery is RecoveryMode.RESTART
@@ -207,6 +234,11 @@ class LocalRun:
             os.kill(self.procs[node].popen.pid, sig)
 
     @property
+    def etcd_embedded(self) -> bool:
+        """Whether the run started its own etcd (it ends with the run)."""
+        return self._embedded is not None
+
+    @property
     def client(self) -> EtcdClient:
         """The run's etcd client (between :meth:`start` and :meth:`stop`)."""
         if self._client is None:
@@ -235,11 +267,13 @@ class LocalRun:
             status = jobs.read_status(self._client, self.spec.name) or status
             log = events.list_events(self._client, self.spec.name)
             for ev in log[seen:]:
-                if self.view is not None:
-                    self.view.event(ev)
+                if self.folder is not None:
+                    self.folder.event(ev)
                 else:
-                    self.print(f"[event] {ev.type}: {ev.message}")
+                    self._print_event(ev)
             seen = len(log)
+            if self.folder is not None:
+                self.folder.tick()
             self._check_metrics_url()
             if self.view is not None:
                 self.view.update(status)
@@ -267,6 +301,8 @@ class LocalRun:
             time.sleep(0.1)
         else:
             self.print(f"[run] timed out after {self.timeout.total_seconds():g}s")
+        if self.folder is not None:
+            self.folder.flush()
         return RunResult(
             phase=status.phase,
             step=status.step,
@@ -277,6 +313,8 @@ class LocalRun:
             events=events.list_events(self._client, self.spec.name),
             metrics_url=self.metrics_url,
             effective_fraction=status.effective_fraction,
+            recovery=status.recovery,
+            failed_nodes=list(status.failed_nodes),
         )
 
     def _agents_gone_for(self) -> float:
@@ -300,6 +338,8 @@ class LocalRun:
         stop_groups([p.popen for p in self.procs.values()], 5.0, whole_tree=True)
         for t in self._threads:
             t.join(timeout=2)
+        if self.folder is not None:
+            self.folder.flush()
         for proc in self.procs.values():
             if proc.popen.stdout is not None:
                 proc.popen.stdout.close()

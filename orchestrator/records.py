@@ -134,6 +134,10 @@ class NodeRecord(Record):
     generation: int = 0
     #: restart tier: when it started them (wall-clock seconds)
     launched_at: float | None = None
+    #: restart tier: when every worker of ``generation`` on the node first showed
+    #: progress (its first line of output), wall-clock seconds; 0 while one has not
+    #: yet; None from agents that do not report it (the launch then ends a recovery)
+    progress_at: float | None = None
 
 
 @dataclass

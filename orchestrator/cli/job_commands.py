@@ -18,13 +18,14 @@ from orchestrator.cli.options import (
     connect_client,
     console,
     etcd_options,
+    fail,
     handle_errors,
     json_option,
     print_table,
     table,
     wide_option,
 )
-from orchestrator.observe.recoveries import ordered_phases, phase_label
+from orchestrator.observe.recoveries import ordered_phases, phase_label, restart_phases
 
 
 @click.command()
@@ -40,24 +41,35 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
     """Submit a job to the cluster's controller through etcd.
 
     The entrypoint is looked for in this directory, where agents started here
-    run their workers, and read to resolve ``fault_tolerance.recovery: auto``.
+    run their workers, and read to resolve ``fault_tolerance.recovery: auto``;
+    in the restart tier, where the script keeps its own checkpoint goes into
+    the job's events (a ``Warning`` when a node may not find it).
     A finished job's name starts its next run; the earlier runs' events, logs
     and history stay (``--run N`` on ``events`` and ``logs``).
     """
     import os
 
+    from orchestrator.checkpoint_reach import record_event, script_checkpoint
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec import RecoveryMode
     from orchestrator.spec_loader import load_job_file
 
     spec = load_job_file(job_file)
+    found = None
     if not skip_entrypoint_check:
         check_entrypoint(spec, os.getcwd(), job_file)
         # without the check, fault_tolerance.recovery 'auto' is resolved by each agent
         spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
+        if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+            found = script_checkpoint(spec, os.getcwd())
     with connect_client(kw) as client:
         run = jobs.submit(client, spec)
+        if found is not None:
+            record_event(client, spec.name, found, source="submit")
     what = f"run {run} of job '{spec.name}'" if run > 1 else f"job '{spec.name}'"
     console.print(f"submitted {what}", highlight=False)
+    if found is not None and found.warning:
+        click.echo(f"warning: the script's checkpoint: {found.where}; {found.warning}", err=True)
 
 
 @click.command()
@@ -196,7 +208,11 @@ def _last_recovery(s: jobs.JobStatus) -> str:
         return "-"
     text = f"{last.get('cause', '?')}: {float(last.get('total_s', 0.0)):.2f}s"
     phases = last.get("phases")
-    if isinstance(phases, dict) and phases:
+    if isinstance(phases, dict) and phases and s.recovery == "restart":
+        named = restart_phases(phases)
+        text += " (" + ", ".join(f"{k} {v:.2f}s" for k, v in named.items())
+        text += ")" if "to first output" in named else "; the script's progress not reported)"
+    elif isinstance(phases, dict) and phases:
         timings = ordered_phases(phases).items()
         text += " (" + ", ".join(f"{phase_label(k)} {v:.2f}s" for k, v in timings) + ")"
     return text
@@ -246,7 +262,8 @@ def logs(
     A node whose agent is gone shows the last lines each of its workers
     printed before it exited (kept in etcd); its whole output is in the
     agent's stdout (the pod's log) and in the files under RINGMASTER_LOG_DIR
-    on that host.
+    on that host.  Without an etcd (after ``ringmaster run``, whose etcd ended
+    with it) the files of this machine are read.
     """
     from orchestrator.observe.logs import LogLine, check_target, follow_logs, iter_logs
 
@@ -261,6 +278,19 @@ def logs(
     def note(text: str) -> None:
         click.echo(f"note: {text}", err=True)
 
+    if not kw.get("etcd_endpoints"):
+        from orchestrator.observe.local_logs import iter_local_logs, local_job_dir
+
+        if follow or run is not None:
+            fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        lines = iter_local_logs(job, node=node, tail=tail)
+        first = next(lines, None)  # raises before the note when there is nothing here
+        note(f"no etcd given: reading this machine's files in {local_job_dir(job)}")
+        for line in [first] if first is not None else []:
+            show(line)
+        for line in lines:
+            show(line)
+        return
     with connect_client(kw) as client:
         check_target(client, job, node)
         if not follow or run is not None:

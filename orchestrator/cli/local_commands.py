@@ -7,13 +7,29 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.api import SpecError
-from orchestrator.cli.options import build_etcd_options, console, etcd_options, fail, handle_errors
+from orchestrator.cli.options import (
+    build_etcd_options,
+    column,
+    console,
+    etcd_options,
+    fail,
+    handle_errors,
+    print_table,
+    table,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.local_run import RunResult
+
+#: What the restart tier shows where the script would have to report (steps, progress).
+NOT_REPORTED = "not reported by the script"
 
 
 @click.command()
@@ -22,9 +38,13 @@ def validate(job_file: str) -> None:
     """Check a job file and that its entrypoint is here; print OK or every problem (exit 2).
 
     Also prints how the job recovers (``fault_tolerance.recovery`` resolved by
-    reading the entrypoint) and why.
+    reading the entrypoint) and why, and, in the restart tier, where the script
+    keeps its own checkpoint (or that it cannot tell) with a warning when a node
+    whose agent starts elsewhere would not find it.
     """
+    from orchestrator.checkpoint_reach import script_checkpoint
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec import RecoveryMode
     from orchestrator.spec_loader import load_job_file
 
     try:
@@ -39,6 +59,13 @@ def validate(job_file: str) -> None:
         return
     console.print(f"OK: job '{spec.name}' ({job_file})", highlight=False)
     console.print(recovery, highlight=False, soft_wrap=True)
+    if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+        found = script_checkpoint(spec, os.getcwd())
+        lines = [f"checkpoint: {found.where}"] + (
+            [f"warning: {found.warning}"] * bool(found.warning)
+        )
+        for line in lines:
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @click.command("etcd")
@@ -153,16 +180,51 @@ def run(
         if report_path:
             html_out, png_out, _ = write_report(local.client, spec.name, report_path)
             view.print(f"[run] report: {html_out} and {png_out}")
-    table = Table("job", "phase", "steps", "recoveries", "node killed", "wall time", "effective")
-    table.add_row(
-        spec.name,
-        result.phase.value,
-        str(result.step),
-        str(result.recoveries),
-        f"{result.killed_node} at step {result.killed_at_step}" if result.killed_node else "-",
-        f"{result.wall_s:.1f}s",
-        f"{result.effective_fraction:.0%}",
-    )
-    console.print(table)
+    print_table(run_table(spec.name, result))
+    if local.etcd_embedded:
+        from orchestrator.observe.local_logs import local_job_dir
+
+        console.print(
+            f"the run's etcd ended with it: `ringmaster logs {spec.name}` reads the workers' "
+            f"output from {local_job_dir(spec.name)} on this machine",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
     if result.phase.value != "Succeeded":
         sys.exit(1)
+
+
+def run_table(job: str, result: RunResult) -> Table:
+    """How a local run ended, as one row that wraps (never cuts) to fit the output.
+
+    A restart-tier script reports no steps: its steps and effective training
+    read "not reported by the script" rather than 0.  The failed nodes are the
+    ones the controller declared failed (killed by ``--kill-node-at-step`` or
+    from outside).
+    """
+    restart = result.recovery == "restart"
+    out = table(
+        column("job"),
+        column("phase", wrap=False),
+        column("steps"),
+        column("recoveries", wrap=False, justify="right"),
+        column("nodes failed"),
+        column("wall time", wrap=False, justify="right"),
+        column("effective"),
+    )
+    if result.killed_node:
+        failed = f"{result.killed_node} (killed at step {result.killed_at_step})"
+        failed = ", ".join([failed, *(n for n in result.failed_nodes if n != result.killed_node)])
+    else:
+        failed = ", ".join(result.failed_nodes) or "-"
+    out.add_row(
+        escape(job),
+        result.phase.value,
+        NOT_REPORTED if restart else str(result.step),
+        str(result.recoveries),
+        escape(failed),
+        f"{result.wall_s:.1f}s",
+        NOT_REPORTED if restart else f"{result.effective_fraction:.0%}",
+    )
+    return out

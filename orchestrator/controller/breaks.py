@@ -20,7 +20,15 @@ from datetime import timedelta
 from orchestrator.controller.world import World, silent_members
 from orchestrator.records import BreakReport, Plan
 
-__all__ = ["REPORT_GRACE", "Verdict", "culprit", "failure_reason", "judge_break", "reports_pending"]
+__all__ = [
+    "REPORT_GRACE",
+    "Verdict",
+    "consequences",
+    "culprit",
+    "failure_reason",
+    "judge_break",
+    "reports_pending",
+]
 
 #: After the first failure report, how long to wait for the other survivors' reports.
 REPORT_GRACE = timedelta(seconds=1.0)
@@ -93,3 +101,16 @@ def failure_reason(failed: Set[str], dead: Set[str], hung: Set[str]) -> str:
     if hung and failed <= set(hung) | dead:
         return f"a worker of {names} hung and was killed"
     return f"no report from {names}"
+
+
+def consequences(why: str, reports: dict[str, BreakReport], failed: Set[str]) -> str:
+    """Restart tier: ``" (<why>); the errors reported by a, b followed from it"``, or "".
+
+    The survivors' workers died on the collectives the failed members left:
+    their errors (gloo's ``Connection reset by peer``) are a consequence, and
+    the phase's message says so rather than quote them as the cause.
+    """
+    reporters = sorted({worker.rsplit("-", 1)[0] for worker in reports} - set(failed))
+    if not reporters:
+        return ""
+    return f" ({why}); the errors reported by {', '.join(reporters)} followed from it"

@@ -10,6 +10,7 @@ a generation starts or changes; these say *which* nodes and in *what* order:
   topology order, spares spread over racks;
 * :func:`startup_failure`: every node's workers failed alike before a step;
 * :func:`swap_in_spares`: a warm spare for each failed member, nearest first;
+* :func:`survivor_first`: the restart tier's ring turned so that rank 0 is a survivor;
 * :func:`make_plan`: a generation, its members' rank bases in ring order;
 * :func:`trains_again`: every member of a new generation is past the break;
 * :func:`restart_tier`: whether the job's nodes run the restart tier.
@@ -34,6 +35,7 @@ __all__ = [
     "restart_tier",
     "start_members",
     "startup_failure",
+    "survivor_first",
     "swap_in_spares",
     "topology_ordered",
     "trains_again",
@@ -153,14 +155,44 @@ def swap_in_spares(
     return replacement_order(staying, swaps, labels), swapped, spares
 
 
+def survivor_first(order: list[str], previous: list[str], failed: set[str]) -> list[str]:
+    """``order`` turned so that its first node, rank 0, is a survivor of ``previous``.
+
+    The restart tier's scripts are ordinary torchrun scripts: they restore
+    from their own checkpoint and DDP then broadcasts rank 0's parameters to
+    every rank.  A spare that took a dead node's slot may see no checkpoint at
+    all (a node-local disk, a path relative to where its agent started): as
+    rank 0 it would broadcast freshly initialised weights over what the
+    survivors restored, and the job's progress would be gone without a word.
+    Rank 0 therefore goes to the survivor that held the lowest rank before.
+    Turning a ring keeps every neighbour, so the ring crosses no more rack or
+    zone boundaries than before.  With no survivor (every member replaced),
+    ``order`` is returned as it is.
+
+    Args:
+        order: the next generation's nodes in ring order.
+        previous: the broken generation's nodes in rank order.
+        failed: the nodes of ``previous`` that are replaced.
+    """
+    survivors = [n for n in previous if n not in failed and n in order]
+    if not survivors or order[0] in survivors:
+        return list(order)
+    at = order.index(survivors[0])
+    return order[at:] + order[:at]
+
+
 def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) -> bool:
     """Every worker of ``plan`` stepped past ``since_step`` in it (the recovery is over).
 
-    In the restart tier (no step heartbeats): once every member's agent launched it.
+    In the restart tier (no step heartbeats): once every member's agent launched
+    it and, where the agent reports it, the workers showed progress (their first
+    line of output: ``NodeRecord.progress_at``).
     """
     if restart_tier:
         return all(
-            (info := world.nodes.get(m.node)) is not None and info.generation == plan.generation
+            (info := world.nodes.get(m.node)) is not None
+            and info.generation == plan.generation
+            and info.progress_at != 0
             for m in plan.members
         )
     for x in workers_of(plan):

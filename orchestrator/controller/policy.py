@@ -38,7 +38,8 @@ ready once its agent registered (its standbys are started), a break report
 comes from an agent for all its workers when one exits with an error, and a
 recovery ends when every member's agent has launched the new generation's
 workers.  Silent members get ``REPORT_GRACE`` to report first, so the job's
-message names the script's own error rather than a peer's broken collective.
+message names the script's own error rather than a peer's broken collective; a
+node's failure is told before the errors it caused; rank 0 stays on a survivor.
 A stop ends such a job at once (the script has no step boundary to stop at).
 """
 
@@ -59,7 +60,7 @@ from orchestrator.controller.actions import (
     PublishPlan,
     Recovered,
 )
-from orchestrator.controller.breaks import culprit, judge_break, reports_pending
+from orchestrator.controller.breaks import consequences, culprit, judge_break, reports_pending
 from orchestrator.controller.commands import take_commands
 from orchestrator.controller.hangs import hung_workers
 from orchestrator.controller.plans import (
@@ -68,6 +69,7 @@ from orchestrator.controller.plans import (
     restart_tier,
     start_members,
     startup_failure,
+    survivor_first,
     swap_in_spares,
     topology_ordered,
     trains_again,
@@ -389,9 +391,12 @@ class _Decider:
             m.recovery_step = first.step
             if not all(r.planned for r in w.reports.values()):
                 self.actions.append(FailureSeen(dict(w.reports), m.recovery_step))
-                self.phase(
-                    JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
-                )
+                if self.restart_tier:  # the phase names the failed node, after the verdict
+                    self.status.message = f"generation {plan.generation} broke"
+                else:
+                    self.phase(
+                        JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
+                    )
         hung = m.hung[1] if m.hung[0] == plan.generation else frozenset()
         verdict = judge_break(plan, w, hung, m.break_seen_at, self.in_grace())
         if verdict is not None:
@@ -407,6 +412,8 @@ class _Decider:
             if n not in members and n not in failed and self.warm(n)
         ]
         order, swapped, spares = swap_in_spares(self.spec, self.w, plan, failed, spares)
+        if self.restart_tier:  # a spare may have no checkpoint to broadcast from
+            order = survivor_first(order, members, failed)
         kept = order
         if len(kept) < self.spec.nodes.min:
             if self.short_too_long(
@@ -438,4 +445,5 @@ class _Decider:
         self.actions.append(
             DeclareFailed(frozenset(failed), why, self.status.step, frozenset(agent_gone or ()))
         )
-        self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}")
+        after = consequences(why, self.w.reports, failed) if self.restart_tier else ""
+        self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}{after}")

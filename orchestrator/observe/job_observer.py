@@ -29,6 +29,7 @@ from orchestrator.observe.recoveries import (
     build_record,
     classify_cause,
     effective_time,
+    recovered_message,
 )
 from orchestrator.records import (
     BreakReport,
@@ -288,10 +289,7 @@ class JobObserver:
             self.client,
             self.job,
             "Recovered",
-            f"generation {plan.generation} trains again {record.total_s:.2f}s after the "
-            f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
-            f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
-            f"{phases['first_step']:.2f}s"
+            recovered_message(record, status.recovery == "restart")
             + (f"; the failed step ended by {record.ended_by}" if record.ended_by else "")
             + _sharded_state(record),
             generation=plan.generation,

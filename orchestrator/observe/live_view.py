@@ -47,6 +47,8 @@ def event_line(ev: Event) -> str:
         return f"[bold red]{text}[/]"
     if ev.type in RECOVERY_EVENTS:
         return f"[bold green]{text}[/]"
+    if ev.type == "Warning":
+        return f"[bold yellow]{text}[/]"
     if ev.type == "Checkpoint":
         return f"[cyan]{text}[/]"
     return text

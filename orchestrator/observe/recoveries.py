@@ -14,7 +14,13 @@ boundaries come from the controller and from every worker's telemetry
   to reach that point.
 
 Each boundary is clamped to be no earlier than the one before, so the phases
-are never negative and always add up to the total.  Also here: the failure
+are never negative and always add up to the total.
+
+In the restart tier the scripts report no steps: the boundaries are the
+agents' (:func:`recovered_message` words them): *declared*, then *relaunched*
+(the last agent started the new workers: the group-formed boundary), then the
+script's next progress, its first line of output (the restored and trained
+boundaries), when the agents report it.  Also here: the failure
 causes and the effective training time (the share of wall time spent making
 progress).
 """
@@ -169,6 +175,48 @@ def build_record(
         ),
         most_steps_lost=max([int(t.get("steps_lost") or 0) for t in workers.values()] or [0]),
     )
+
+
+def recovered_message(record: RecoveryRecord, restart_tier: bool) -> str:
+    """The ``Recovered`` event's message.
+
+    In the restart tier it names what was measured: the relaunch, and the
+    script's next progress (its first line of output) when the agents
+    reported it, rather than steps the script never reported.
+    """
+    phases = record.phases
+    if not restart_tier:
+        return (
+            f"generation {record.generation} trains again {record.total_s:.2f}s after the "
+            f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
+            f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
+            f"{phases['first_step']:.2f}s"
+        )
+    relaunch = phases["detect"] + phases["rendezvous"]
+    progress = phases["restore"] + phases["first_step"]
+    timings = f"detect {phases['detect']:.2f}s, relaunch {phases['rendezvous']:.2f}s"
+    if record.first_step_at <= record.group_formed_at:  # the agents reported no output
+        return (
+            f"generation {record.generation}: every worker relaunched {relaunch:.2f}s after "
+            f"the failure ({record.cause}): {timings}; the script's next progress was not "
+            "reported (its steps are its own)"
+        )
+    return (
+        f"generation {record.generation}: the script made progress again (its first line "
+        f"of output) {record.total_s:.2f}s after the failure ({record.cause}): {timings}, "
+        f"to the first output {progress:.2f}s"
+    )
+
+
+def restart_phases(phases: dict[str, Any]) -> dict[str, float]:
+    """A restart-tier recovery's phases under the names of what they measured:
+    detect, relaunch, and the script's first output (absent when not reported)."""
+    out = {"detect": float(phases.get("detect", 0.0))}
+    out["relaunch"] = float(phases.get("rendezvous", 0.0))
+    progress = float(phases.get("restore", 0.0)) + float(phases.get("first_step", 0.0))
+    if progress > 0:
+        out["to first output"] = progress
+    return out
 
 
 def _slowest(workers: dict[str, dict[str, Any]]) -> set[str]:

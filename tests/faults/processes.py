@@ -42,12 +42,14 @@ class Services:
         args: list[str],
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start ``ringmaster <args>`` as ``name`` (behind ``prefix`` if given)."""
+        """Start ``ringmaster <args>`` as ``name`` (behind ``prefix`` if given), in ``cwd``
+        (default: the repository; an agent's workers start where it does)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         argv = [*(prefix or []), sys.executable, "-m", "orchestrator.cli", *args]
         popen = start_group(
-            argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            argv, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         self.procs[name] = popen
         t = threading.Thread(target=self._pump, args=(name, popen.stdout), daemon=True)

@@ -142,6 +142,23 @@ def test_sigkill_node_spare_restarts_script_from_its_checkpoint(
     assert len(generations) == 2 and "replaces" in generations[1].message, generations
     # no script error was counted: the peer's broken collective was the node's death
     assert "Restart" not in kinds, kinds
+    # what a person reads: the failed node first, the survivor's traceback folded after it
+    victim = killed[0][0]
+    failed_at = next(i for i, x in enumerate(lines) if x.startswith("[event] NodeFailed:"))
+    assert f"[event] NodeFailed: {victim}: agent of {victim} gone" in lines[failed_at], lines
+    before = "\n".join(lines[:failed_at])
+    assert "Traceback" not in before and "[event] WorkerExited" not in before, before[-3000:]
+    assert "[event] Phase: Recovering" not in before, before[-3000:]
+    folded = [x for x in lines if f"after {victim} failed (a consequence, not the cause)" in x]
+    assert len(folded) == 1 and "Connection reset by peer" in folded[0], folded
+    (recovering,) = [e.message for e in result.events if e.message.startswith("Recovering")]
+    assert f"replaces {victim}" in recovering and "RuntimeError" not in recovering, recovering
+    (recovered,) = [e.message for e in result.events if e.type == "Recovered"]
+    assert "every worker relaunched" in recovered and "first step" not in recovered, recovered
+    # rank 0 stayed on the survivor (a spare may have no checkpoint to broadcast)
+    first, second = ([n.strip() for n in g.message.split(": ", 1)[1].split(" (")[0].split(",")]
+                     for g in generations)  # fmt: skip
+    assert second[0] in first and second[0] != victim, generations
     steps = _steps(tmp_path)
     rank0 = steps["rank-0"]
     before = [s for s, _, r in rank0 if r == 0]

@@ -100,6 +100,8 @@ def etcd(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryEtcd]:
     memory = MemoryEtcd()
     for module in (job_commands, observe_commands):
         monkeypatch.setattr(module, "connect_client", lambda kw: memory)
+    # an etcd is given (the fake one answers): `logs` without one reads this machine's files
+    monkeypatch.setenv("RINGMASTER_ETCD", "127.0.0.1:2379")
     narrow = Console(width=80)  # writes to sys.stdout when it prints: CliRunner's
     for module in (job_commands, observe_commands, options):
         monkeypatch.setattr(module, "console", narrow)

@@ -500,6 +500,45 @@ def restart_tier_dead_node_is_replaced_not_counted_as_a_script_error() -> None:
     assert run.status.recoveries == 1 and run.memory.user_errors == []
 
 
+def restart_tier_a_spare_never_takes_rank_0_from_a_survivor() -> None:
+    # a (rank 0) dies; c, from a's rack, takes its slot, but a script's DDP broadcasts
+    # rank 0's weights and c may have no checkpoint: b, the survivor, becomes rank 0
+    broken = _report(step=0, user_error=True, reason="b-0 exit code 1: RuntimeError: reset")
+    world = _restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1,
+                           reports={"b-0": broken}, dead={"a"})  # fmt: skip
+    run = Run(_restart_spec())
+    run.tick(world)
+    (new,) = run.plans()
+    assert _order(new) == ["b", "c"] and "c replaces a" in new.reason
+    assert new.member("b") == Member("b", 0, 1, {"zone": "z", "rack": "r2", "host": "b"})
+    # the in-process tier keeps the slot: a live peer sends the replacement its state
+    in_process = Run(_spec())
+    in_process.tick(_world(["b", "c"], _plan(1, "a", "b"), reports={"b-0": _report()},
+                           dead={"a"}))  # fmt: skip
+    (kept,) = in_process.plans()
+    assert _order(kept) == ["c", "b"]
+
+
+def restart_tier_names_the_dead_node_before_the_survivors_error() -> None:
+    run = Run(_restart_spec())
+    broken = _report(step=0, user_error=True, reason="exit code 1: RuntimeError: reset by peer")
+    # a reported; b, silent, not known dead yet: nothing is said about the break yet
+    run.tick(_restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1, mono=50.0,
+                            reports={"a-0": broken}))  # fmt: skip
+    assert run.of(PhaseChanged) == [] and run.status.phase is JobPhase.RUNNING
+    # b's agent refused its probe: b's failure first, a's error after it as its consequence
+    run.tick(_restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1, mono=50.1,
+                            reports={"a-0": broken}, dead={"b"}))  # fmt: skip
+    kinds = [type(a).__name__ for a in run.actions]
+    assert kinds[-3:] == ["PublishPlan", "DeclareFailed", "PhaseChanged"], kinds
+    (phase,) = run.of(PhaseChanged)
+    assert phase.message == (
+        "generation 2: c replaces b (agent of b gone (liveness port refused)); the errors "
+        "reported by a followed from it"
+    )
+    assert "RuntimeError" not in phase.message
+
+
 def restart_tier_recovers_once_every_member_launched() -> None:
     run = Run(_restart_spec(), status=JobStatus("job", JobPhase.RECOVERING))
     plan = _plan(2, "a", "c")
@@ -510,6 +549,18 @@ def restart_tier_recovers_once_every_member_launched() -> None:
     run.tick(_restart_world(["a", "c"], plan, launched=2))
     assert run.of(Recovered) == [Recovered(plan)]
     assert run.status.phase is JobPhase.RUNNING and "every worker restarted" in run.status.message
+
+
+def restart_tier_recovery_ends_at_the_scripts_first_output() -> None:
+    run = Run(_restart_spec(), status=JobStatus("job", JobPhase.RECOVERING))
+    plan = _plan(2, "a", "c")
+    world = _restart_world(["a", "c"], plan, launched=2)
+    world.nodes["c"] = dataclasses.replace(world.nodes["c"], progress_at=0.0)  # launched, silent
+    run.tick(world)
+    assert run.of(Recovered) == [] and run.status.phase is JobPhase.RECOVERING
+    world.nodes["c"] = dataclasses.replace(world.nodes["c"], progress_at=NOW + 0.3)
+    run.tick(world)
+    assert run.of(Recovered) == [Recovered(plan)] and run.status.phase is JobPhase.RUNNING
 
 
 def restart_tier_script_error_names_the_first_report_and_restarts() -> None:
@@ -598,7 +649,10 @@ SCENARIOS: list[Callable[[], None]] = [
     restart_tier_starts_without_heartbeats,
     restart_tier_auto_is_told_by_the_agents,
     restart_tier_dead_node_is_replaced_not_counted_as_a_script_error,
+    restart_tier_a_spare_never_takes_rank_0_from_a_survivor,
+    restart_tier_names_the_dead_node_before_the_survivors_error,
     restart_tier_recovers_once_every_member_launched,
+    restart_tier_recovery_ends_at_the_scripts_first_output,
     restart_tier_script_error_names_the_first_report_and_restarts,
     restart_tier_silent_member_after_the_grace_is_a_restart,
     restart_tier_finishes_when_every_worker_exited_0,

@@ -17,6 +17,8 @@ from orchestrator.observe.recoveries import (
     build_record,
     classify_cause,
     effective_time,
+    recovered_message,
+    restart_phases,
 )
 from orchestrator.records import Telemetry
 
@@ -225,3 +227,32 @@ def test_a_record_stored_before_the_summary_fields_still_reads() -> None:
     }  # fmt: skip
     r = RecoveryRecord.from_dict(old)
     assert (r.source, r.steps_lost, r.total_s) == ("buddy", 2, 4.0)
+
+
+def test_a_restart_tier_recovery_says_what_it_measured() -> None:
+    """The restart tier's scripts report no steps: the message names the relaunch and,
+    when the agents report it, the script's first output; never a 'first step'."""
+
+    def record(first_output: float | None) -> RecoveryRecord:
+        at = first_output or 10.5
+        workers = {"b-0": {"group_formed_at": 10.5, "restored_at": at, "first_step_at": at}}
+        return build_record(generation=2, cause="agent_gone", nodes=["a"], reason="r",
+                            failure_at=10.0, declared_at=10.1, workers=workers, step=0,
+                            observed_s=0.6)  # fmt: skip
+
+    relaunched = recovered_message(record(None), restart_tier=True)
+    assert relaunched == (
+        "generation 2: every worker relaunched 0.50s after the failure (agent_gone): detect "
+        "0.10s, relaunch 0.40s; the script's next progress was not reported (its steps are "
+        "its own)"
+    )
+    progressed = recovered_message(record(10.8), restart_tier=True)
+    assert progressed == (
+        "generation 2: the script made progress again (its first line of output) 0.80s after "
+        "the failure (agent_gone): detect 0.10s, relaunch 0.40s, to the first output 0.30s"
+    )
+    assert "first step" not in relaunched + progressed
+    assert recovered_message(record(10.8), restart_tier=False).startswith(
+        "generation 2 trains again 0.80s after the failure (agent_gone): detect 0.10s"
+    )
+    assert restart_phases(record(None).phases) == pytest.approx({"detect": 0.1, "relaunch": 0.4})

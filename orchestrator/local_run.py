@@ -112,6 +112,7 @@ class LocalRun:
         self._metrics_revision = 0
         self.workdir = workdir or os.getcwd()
         self.timeout = timeout
+        self._followed_since: float | None = None
         self.controllers = controllers
         self.procs: dict[str, _Proc] = {}
         self._agents_gone_at: float | None = None
@@ -256,9 +257,26 @@ class LocalRun:
             self.metrics_url = kv.value.decode()
             self.print(f"[run] metrics at {self.metrics_url}")
 
+    def interrupt(self) -> RunResult:
+        """Stop the job as ``ringmaster stop`` does, after a SIGINT or SIGTERM to the run.
+
+        Every rank saves at one step and leaves; the run follows the job to its end
+        for at most ``fault_tolerance.preemption_grace`` (the processes left then go
+        by :meth:`stop`).
+        """
+        grace = self.spec.fault_tolerance.preemption_grace
+        self.print(
+            f"[run] interrupted: the job saves and stops (within {grace.total_seconds():g}s, "
+            "fault_tolerance.preemption_grace)"
+        )
+        jobs.request_stop(self.client, self.spec.name)
+        self.timeout = grace
+        return self.wait()
+
     def wait(self) -> RunResult:
         assert self._client is not None
         started = time.monotonic()
+        self._followed_since = self._followed_since or started  # wall time spans both waits
         seen = 0
         killed: str | None = None
         killed_at: int | None = None
@@ -307,7 +325,7 @@ class LocalRun:
             phase=status.phase,
             step=status.step,
             recoveries=status.recoveries,
-            wall_s=time.monotonic() - started,
+            wall_s=time.monotonic() - self._followed_since,
             killed_node=killed,
             killed_at_step=killed_at,
             events=events.list_events(self._client, self.spec.name),

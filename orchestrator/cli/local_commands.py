@@ -176,7 +176,11 @@ def run(
             resume=resume,
         ) as local,
     ):
-        result = local.wait()
+        received = _interrupt_on_sigterm()
+        try:
+            result = local.wait()
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM (a scheduler, `timeout`, systemd)
+            result = local.interrupt()
         if report_path:
             html_out, png_out, _ = write_report(local.client, spec.name, report_path)
             view.print(f"[run] report: {html_out} and {png_out}")
@@ -191,8 +195,27 @@ def run(
             soft_wrap=True,
             markup=False,
         )
+    if received:  # the shell's convention for a process ended by a signal
+        sys.exit(128 + received[-1])
     if result.phase.value != "Succeeded":
         sys.exit(1)
+
+
+def _interrupt_on_sigterm() -> list[int]:
+    """Make SIGTERM end a run as Ctrl-C does (a final save, then a clean stop).
+
+    Returns:
+        The signals received since (SIGINT or SIGTERM), filled in as they come.
+    """
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    return received
 
 
 def run_table(job: str, result: RunResult) -> Table:

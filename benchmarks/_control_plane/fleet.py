@@ -67,7 +67,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment
 
 apply_grpc_environment()  # before gRPC is imported, as the CLI does
 
-from agents import log_files  # noqa: E402
+from agents.node import log_files  # noqa: E402
 from agents.node.break_reports import NodeReports  # noqa: E402
 from agents.node.log_shipper import LogShipper  # noqa: E402
 from agents.node.progress_relay import NodeProgress  # noqa: E402

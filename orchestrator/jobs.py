@@ -34,8 +34,10 @@ __all__ = [
     "etcd_warning",
     "job_names",
     "list_jobs",
+    "load_spec",
     "plan_resume",
     "read_resume",
+    "read_run",
     "read_spec",
     "read_spec_record",
     "read_status",
@@ -185,10 +187,34 @@ def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:
     Raises:
         JobNotFoundError: nothing submitted under that name.
     """
+    record = read_spec_record(client, job)
+    return load_spec(record, job), record.hash
+
+
+def load_spec(record: SpecRecord, job: str) -> JobSpec:
+    """The spec of a submitted record (validated as a job file is)."""
     from orchestrator.spec_loader import load_job_data
 
-    record = read_spec_record(client, job)
-    return load_job_data(record.spec, source=f"etcd:{keys.job_spec(job)}"), record.hash
+    return load_job_data(record.spec, source=f"etcd:{keys.job_spec(job)}")
+
+
+def read_run(client: EtcdClient, job: str) -> tuple[SpecRecord, JobStatus | None] | None:
+    """The submitted record and the job's status, read at one revision.
+
+    The record's ``run`` says which run was submitted last; the status says how far
+    that run got (its ``run`` differs while a resubmit is under way).  None when
+    nothing is submitted under that name.
+
+    Raises:
+        RecordError: a stored record is malformed.
+    """
+    spec_key, status_key = keys.job_spec(job), keys.job_status(job)
+    found = client.get_many([spec_key, status_key])
+    if spec_key not in found:
+        return None
+    record = records.decode(SpecRecord, found[spec_key].value, spec_key)
+    status = found.get(status_key)
+    return record, None if status is None else records.decode(JobStatus, status.value, status_key)
 
 
 def read_spec_record(client: EtcdClient, job: str) -> SpecRecord:

@@ -21,9 +21,13 @@ Runs in the agent's own process.  It registers the node in etcd under a lease
   lease, so the controller sees the node gone at once).
 
 An agent may start before its job is submitted (a pod scheduled before
-``ringmaster submit``): it says so once and waits, up to ``--wait-for-job``
+``ringmaster submit``), or after the job's last run ended (between ``stop``
+and ``resume``): it says so once and waits for a run it may join
+(:mod:`agents.node.job_wait`), up to ``--wait-for-job``
 (``RINGMASTER_JOB_WAIT``, default forever), writing nothing to etcd meanwhile;
-SIGTERM or SIGINT while it waits just ends it (there is nothing to save).  Its
+SIGTERM or SIGINT while it waits just ends it (there is nothing to save).  It
+serves that one run: when the run is over (its phase final, or a newer run
+started) the agent leaves.  Its
 own lifecycle is logged one line per change: waiting, registered, active in
 generation N or spare, leaving (and why).
 
@@ -50,25 +54,26 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from agents.api import ENV_RECOVERY, AgentError, WorkerEnv
+from agents.api import ENV_RECOVERY, WorkerEnv
 from agents.channels.plan_feed import ENV_PLAN_FEED, PlanFeed
 from agents.channels.progress import ENV_PROGRESS_SOCKET
 from agents.node import log_files
-from agents.node.api import Tier, TierSetup
+from agents.node.api import JobNotSubmittedError, Tier, TierSetup
 from agents.node.break_reports import NodeReports
 from agents.node.in_process_tier import InProcessTier
+from agents.node.job_wait import wait_for_run
 from agents.node.progress_relay import NodeProgress, ProgressRelay
 from agents.node.restart_tier import RestartTier
 from agents.node.watches import NodeWatches
 from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, EtcdUnavailableError
+from orchestrator.api import EtcdError
 from orchestrator.entrypoint import resolve_recovery
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.jobs import read_spec, send_command
+from orchestrator.jobs import send_command
 from orchestrator.liveness import LivenessServer
 from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
@@ -82,12 +87,6 @@ log = logging.getLogger("ringmaster.agent")
 DEFAULT_NODE_TTL = SETTINGS.node_ttl
 #: How long an agent waits for its job to be submitted (zero: forever).
 DEFAULT_JOB_WAIT = SETTINGS.job_wait
-#: How often a waiting agent looks for its job's spec.
-SPEC_POLL = 0.5
-
-
-class JobNotSubmittedError(AgentError):
-    """The job was not submitted within the agent's wait limit (a permanent error)."""
 
 
 class NodeAgent:
@@ -119,6 +118,8 @@ class NodeAgent:
         self.workdir = workdir or os.getcwd()
         self.ttl = ttl
         self.spec: JobSpec | None = None
+        #: the run of the job it joined (known once it has one to join)
+        self.job_run = 0
         #: the job's resolved fault_tolerance.recovery (known once the spec is read)
         self.recovery = RecoveryMode.IN_PROCESS
         self.exit_code = 0
@@ -142,20 +143,21 @@ class NodeAgent:
         """Wait for the job, register, start workers, supervise.
 
         Args:
-            wait_for_job: how long to wait for the job to be submitted (zero: forever).
+            wait_for_job: how long to wait for a run of the job to join (zero: forever).
 
         Returns:
             The process exit code: 0 when the workers finished or the agent was
             stopped (also while it waited), 1 when a worker exhausted its restarts.
 
         Raises:
-            JobNotSubmittedError: the job was not submitted within ``wait_for_job``.
+            JobNotSubmittedError: no run of the job to join came within ``wait_for_job``.
             EtcdError: etcd failed otherwise than by being unavailable for a while.
         """
-        spec = self._wait_for_spec(wait_for_job)
-        if spec is None or self._stop.is_set():
+        joined = wait_for_run(self.client, self.job, self.node, self._stop, wait_for_job)
+        if joined is None or self._stop.is_set():
             log.info("[%s] leaving: %s", self.node, self._stop_reason or "stopped")
             return 0
+        spec, self.job_run = joined.spec, joined.run
         if spec.fault_tolerance.recovery is RecoveryMode.AUTO:
             # submitted without the entrypoint check: the script is read here
             spec, why = resolve_recovery(spec, self.workdir)
@@ -186,6 +188,7 @@ class NodeAgent:
                 client=self.client,
                 job=self.job,
                 node=self.node,
+                run=joined.run,
                 spec=spec,
                 workdir=self.workdir,
                 errors_dir=errors_dir,
@@ -288,59 +291,6 @@ class NodeAgent:
         elif w is not None and w.running():
             log.warning("[%s] killing worker %d (%s)", self.node, local_rank, reason)
             w.kill()
-
-    def _wait_for_spec(self, limit: timedelta) -> JobSpec | None:
-        """The job's spec once it is submitted; None when stopped first.
-
-        Only reads etcd: an agent whose job never comes leaves nothing behind.
-        An etcd outage while waiting is waited out (within ``limit``).
-
-        Raises:
-            JobNotSubmittedError: ``limit`` (non-zero) passed without the job.
-        """
-        seconds = limit.total_seconds()
-        started = time.monotonic()
-        key = keys.job_spec(self.job)
-        announced = False
-        while not self._stop.is_set():
-            left = seconds - (time.monotonic() - started) if seconds > 0 else None
-            try:
-                found = retry_unavailable(
-                    lambda: self.client.get(key),
-                    f"[{self.node}] looking for job '{self.job}'",
-                    stop=self._stop,
-                    max_wait=timedelta(seconds=max(left, 0)) if left is not None else None,
-                )
-            except EtcdUnavailableError:
-                if self._stop.is_set():
-                    return None
-                raise
-            if found is not None:
-                if announced:
-                    log.info(
-                        "[%s] job '%s' submitted after %.0fs of waiting",
-                        self.node,
-                        self.job,
-                        time.monotonic() - started,
-                    )
-                return read_spec(self.client, self.job)[0]
-            if not announced:
-                announced = True
-                log.info(
-                    "[%s] waiting for job '%s' to be submitted (`ringmaster submit job.yaml`); %s",
-                    self.node,
-                    self.job,
-                    f"giving up after {seconds:g}s" if seconds > 0 else "no time limit",
-                )
-            left = seconds - (time.monotonic() - started) if seconds > 0 else None
-            if left is not None and left <= 0:
-                raise JobNotSubmittedError(
-                    f"job '{self.job}' was not submitted within {seconds:g}s: submit it "
-                    f"(`ringmaster submit job.yaml`) and start the agent again, or let it wait "
-                    f"longer (--wait-for-job SECONDS, 0 = forever; env RINGMASTER_JOB_WAIT)"
-                )
-            self._stop.wait(SPEC_POLL if left is None else min(SPEC_POLL, left))
-        return None
 
     def _on_lease_lost(self, lease: Lease) -> None:
         log.warning("[%s] registration lease %x expired; registering again", self.node, lease.id)

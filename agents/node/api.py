@@ -15,7 +15,6 @@ of collaborators, each told what it needs and nothing more:
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from agents.api import AgentError
 from agents.node.log_shipper import LogShipper
 from agents.node.worker_process import WorkerProcess
 from orchestrator.api import JobPhase
@@ -31,7 +31,11 @@ from orchestrator.jobs import read_status
 from orchestrator.records import Plan
 from orchestrator.spec import JobSpec
 
-__all__ = ["Outcome", "PlanSource", "Tier", "TierSetup"]
+__all__ = ["JobNotSubmittedError", "Outcome", "PlanSource", "Tier", "TierSetup"]
+
+
+class JobNotSubmittedError(AgentError):
+    """No run of the job to join came within the agent's wait limit (a permanent error)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class TierSetup:
     Attributes:
         client: etcd.
         job / node: whose workers these are.
+        run: the run of the job the agent joined (a resubmit starts the next one).
         spec: the job's spec (its recovery resolved).
         workdir: where the workers start.
         errors_dir: where their torch elastic error files go.
@@ -53,6 +58,7 @@ class TierSetup:
     client: EtcdClient
     job: str
     node: str
+    run: int
     spec: JobSpec
     workdir: str
     errors_dir: Path
@@ -64,11 +70,20 @@ class TierSetup:
         """A reader of worker ``local_rank``'s output (to the agent's stdout and files)."""
         return LogShipper(self.client, self.job, self.node, local_rank, sys.stdout.buffer)
 
-    def job_phase(self) -> JobPhase | None:
-        """The job's phase as the controller wrote it; None when it cannot be read now."""
-        with contextlib.suppress(Exception):
+    def run_ended(self) -> Outcome | None:
+        """Why the agent's run of the job is over (its phase is final, or a newer run
+        replaced it); None while it goes on, or when its status cannot be read now."""
+        try:
             status = read_status(self.client, self.job)
-            return status.phase if status else None
+        except Exception:  # etcd away, or a record being replaced: not known to have ended
+            return None
+        if status is None:
+            return None  # between two runs: the next read sees the new one
+        if status.run != self.run:
+            return Outcome(f"run {self.run} of the job is over (run {status.run} started)")
+        if status.phase.terminal:
+            failed = status.phase is JobPhase.FAILED
+            return Outcome(f"job {status.phase.value}", exit_code=1 if failed else 0)
         return None
 
 

@@ -13,7 +13,10 @@ agent only:
   its state from a live peer.  What the old worker left behind is killed with it;
 * leaves when every worker has finished, when a worker has used up its
   restarts, or, once preempted, when a checkpoint was committed after the
-  preemption (or the grace period passed without one).
+  preemption (or the grace period passed without one).  Once the agent's run
+  of the job is over (its phase final, or a newer run started), the workers
+  get :data:`ENDED_GRACE` to end by themselves (they do, normally: a worker
+  waiting for a plan sees the phase), then the agent leaves and stops them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ log = logging.getLogger("ringmaster.agent")
 POLL = 0.05
 #: Seconds the workers get between SIGTERM and SIGKILL when the agent leaves.
 STOP_GRACE = 5.0
+#: How often the agent reads the job's phase.
+PHASE_POLL = 0.5
+#: Seconds the workers may run on once the agent's run of the job is over.
+ENDED_GRACE = 10.0
 
 
 class InProcessTier:
@@ -66,6 +73,8 @@ class InProcessTier:
         setup = self.setup
         max_restarts = setup.spec.fault_tolerance.max_restarts
         grace = setup.spec.fault_tolerance.preemption_grace.total_seconds()
+        next_phase_check = 0.0
+        ended_at: float | None = None  # when the run was first seen over
         while not setup.stop.is_set():
             preempted = self._preempted_at
             if preempted is not None and time.monotonic() - preempted > grace:
@@ -86,10 +95,24 @@ class InProcessTier:
                 if ended is not None:
                     return ended
             if finished == len(self.workers):
-                phase = setup.job_phase()
-                return Outcome("workers finished" + (f" (job {phase.value})" if phase else ""))
+                ended = setup.run_ended()
+                return Outcome("workers finished" + (f" ({ended.reason})" if ended else ""))
             if preempted is not None and self._saved_since(preempted):
                 return Outcome("preempted; checkpoint committed")
+            if time.monotonic() >= next_phase_check:
+                next_phase_check = time.monotonic() + PHASE_POLL
+                ended = setup.run_ended()
+                if ended is None:
+                    ended_at = None
+                elif ended_at is None:
+                    ended_at = time.monotonic()
+                elif time.monotonic() - ended_at >= ENDED_GRACE:
+                    running = len(self.workers) - finished
+                    return Outcome(
+                        f"{ended.reason}; {running} worker(s) still running "
+                        f"{ENDED_GRACE:g}s later are stopped",
+                        exit_code=ended.exit_code,
+                    )
             setup.stop.wait(POLL)
         return Outcome("stopped")
 
@@ -120,9 +143,9 @@ class InProcessTier:
         what = w.describe_exit()
         name = keys.worker_id(setup.node, w.local_rank)
         log.warning("[%s] worker %s failed (%s)", setup.node, name, what)
-        phase = setup.job_phase()
+        ended = setup.run_ended()
         emit_worker_exited(setup.client, setup.job, setup.node, name, code, what)
-        if phase is not None and phase.terminal:
+        if ended is not None:
             self.workers.pop(w.local_rank)
             return None
         if w.restarts >= max_restarts:

@@ -102,7 +102,7 @@ class LogShipper:
         self._threads: list[threading.Thread] = []
 
     def start(self, stream: IO[bytes]) -> LogShipper:
-        """Read ``stream`` until EOF in the background, then store the tail."""
+        """Read ``stream`` until EOF in the background (then close it), then store the tail."""
         t = threading.Thread(target=self._read, args=(stream,), daemon=True, name="log-shipper")
         t.start()
         self._threads.append(t)
@@ -152,6 +152,8 @@ class LogShipper:
                 elif whole:
                     cutting = False
         finally:
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()  # the pipe is this reader's: a long-lived agent leaks none
             self._eof.set()
             if self._file is not None:
                 self._file.close()

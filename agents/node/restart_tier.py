@@ -13,16 +13,16 @@ torchrun script.  :class:`RestartTier` runs it for a
   (:func:`torchrun_env`), then starts fresh standbys in the background;
 * ``MASTER_ADDR``/``MASTER_PORT``: the agent of the generation's rank-0 node
   picks a free port on its address, launches rank 0 (whose worker hosts the
-  TCPStore there through ``env://``) and, once that port listens, publishes
-  ``host:port`` under the generation's key
-  (``/ringmaster/jobs/<job>/pg/<gen>/master``) and launches its other local
-  ranks; the other agents wait for that key (or for a newer generation)
-  before they launch theirs.  A store client that comes before its server
-  retries after a random backoff of up to half a second here, so waiting for
-  the port is faster than racing it.  No store outlives its generation and no
-  node is special across generations;
+  TCPStore there through ``env://``), publishes the address once that port
+  listens and launches its other local ranks; the other agents wait for the
+  address (or for a newer generation, or the end of the run) before they
+  launch theirs (:mod:`agents.node.store_address`).  No store outlives its
+  generation and no node is special across generations;
 * a worker that exits 0 is recorded as done (the job succeeds when every
-  worker of the generation is done); a worker that fails while its generation
+  worker of the generation is done).  Its standby says when the script has
+  returned: a process still there :data:`RETURNED_GRACE` later is stuck in
+  its teardown, so its group is killed (a ``WorkerKilled`` event says so) and
+  the script's own exit code counts.  A worker that fails while its generation
   is current is reported, for every local worker, as a break of that
   generation with ``user_error`` set.  The controller tells a peer's death
   (a member's agent gone, a lease expired) from the script's own error, and
@@ -38,28 +38,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
 from agents.node.api import Outcome, PlanSource, TierSetup
 from agents.node.break_reports import write_node_reports
+from agents.node.store_address import AwaitedStore, PendingStore
 from agents.node.warm_standby import WarmWorker
 from agents.node.worker_exits import emit_worker_exited
 from agents.node.worker_process import WorkerProcess, stop_workers
-from orchestrator import keys, records
-from orchestrator.api import EtcdError, JobPhase
+from orchestrator import events, keys, records
+from orchestrator.api import EtcdError
 from orchestrator.process_lifetime import free_port
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
 from orchestrator.spec import JobSpec
 
-__all__ = [
-    "ENV_CHECKPOINT_DIR",
-    "RestartTier",
-    "checkpoint_dir",
-    "listening",
-    "torchrun_env",
-]
+__all__ = ["ENV_CHECKPOINT_DIR", "RETURNED_GRACE", "RestartTier", "checkpoint_dir", "torchrun_env"]
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -74,13 +68,11 @@ LEAVE_GRACE = 5.0
 #: Seconds after a launch before the used standbys are replaced (so importing
 #: torch for the next standby does not slow the new workers' start).
 REFILL_DELAY = 1.0
-#: How often a waiting agent looks for the generation's store address.
-MASTER_POLL = 0.02
 #: How often the agent reads the job's phase (it leaves when the job has ended).
 PHASE_POLL = 0.5
-#: Seconds rank 0's agent waits for the store port to listen before it publishes
-#: the address anyway (a script may do much work before init_process_group).
-PUBLISH_FALLBACK = 2.0
+#: Seconds a worker's process may run on after its script returned (atexit handlers,
+#: open files flushed) before its group is killed and the script's own exit code taken.
+RETURNED_GRACE = 30.0
 
 
 def torchrun_env(
@@ -140,35 +132,6 @@ def checkpoint_dir(spec: JobSpec, workdir: str) -> str:
     return str(path / "script")
 
 
-def listening(port: int) -> bool:
-    """Whether a local TCP socket listens on ``port`` (``/proc/net/tcp*``; no connection
-    is made).  True where that cannot be read (not Linux): then nobody waits for it."""
-    seen = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        seen = True
-        for row in rows:
-            fields = row.split()  # sl, local address:port (hex), remote, state (0A: LISTEN)
-            local_port = int(fields[1].rsplit(":", 1)[1], 16) if len(fields) > 3 else -1
-            if local_port == port and fields[3] == "0A":
-                return True
-    return not seen
-
-
-@dataclass
-class PendingStore:
-    """Rank 0 is launched; its store address is published once the port listens."""
-
-    plan: Plan
-    member: Member
-    key: str
-    master: tuple[str, int]
-    deadline: float
-
-
 class RestartTier:
     """The restart tier's supervision (see the module docstring).
 
@@ -176,12 +139,21 @@ class RestartTier:
         setup: what it needs from its agent.
         address: this node's address (where a rank-0 worker's store listens).
         plans: where the newest plan is read (the agent's watches).
+        returned_grace: seconds a worker's process may run on after its script
+            returned before its group is killed (:data:`RETURNED_GRACE`).
     """
 
-    def __init__(self, setup: TierSetup, address: str, plans: PlanSource) -> None:
+    def __init__(
+        self,
+        setup: TierSetup,
+        address: str,
+        plans: PlanSource,
+        returned_grace: float = RETURNED_GRACE,
+    ) -> None:
         self.setup = setup
         self.address = address
         self.plans = plans
+        self.returned_grace = returned_grace
         self.workers: dict[int, WorkerProcess] = {}
         #: the generation whose workers it launched last (or that left this node out)
         self.generation = 0
@@ -189,7 +161,8 @@ class RestartTier:
         self._standbys: dict[int, WarmWorker] = {}
         self._broken_generation = 0
         self._refill_at: float | None = None
-        self._pending_store: PendingStore | None = None
+        #: the launch under way: rank 0's store to publish, or the address to wait for
+        self._pending: PendingStore | AwaitedStore | None = None
 
     def start(self) -> None:
         self._refill_standbys()
@@ -221,7 +194,12 @@ class RestartTier:
     # -- supervision -------------------------------------------------------------------
 
     def supervise(self) -> Outcome:
-        """Follow the generations until the job ends; say why the agent leaves."""
+        """Follow the generations until the agent's run of the job ends; say why.
+
+        Nothing here blocks: waiting for a generation's store is a state this loop
+        looks at, so the end of the run (read every :data:`PHASE_POLL`) and a stop
+        end every wait.
+        """
         setup = self.setup
         next_phase_check = 0.0
         while not setup.stop.is_set():
@@ -229,43 +207,40 @@ class RestartTier:
             if plan is not None and plan.generation > self.generation:
                 self._switch(plan)
                 continue
-            self._publish_store()
+            self._advance_launch()
             self._check_exits()
             if self._refill_at is not None and time.monotonic() >= self._refill_at:
                 self._refill_standbys()
                 setup.register()
             if time.monotonic() >= next_phase_check:
                 next_phase_check = time.monotonic() + PHASE_POLL
-                phase = setup.job_phase()
-                if phase is not None and phase.terminal:
-                    failed = phase is JobPhase.FAILED
-                    return Outcome(f"job {phase.value}", exit_code=1 if failed else 0)
+                ended = setup.run_ended()
+                if ended is not None:
+                    return ended
             setup.stop.wait(0.01)
         return Outcome("stopped")
 
     def _switch(self, plan: Plan) -> None:
-        """Stop this generation's workers; launch the next one's if it includes this node."""
+        """Stop this generation's workers; start launching the next one's if it
+        includes this node (rank 0's node launches rank 0 now, the others wait for
+        its store's address in :meth:`_advance_launch`)."""
         stop_workers(self.workers.values(), STOP_GRACE)
         self.workers.clear()
-        self._pending_store = None
+        self._pending = None
         self.generation = plan.generation
         member = plan.member(self.setup.node)
         if member is None:
             self.setup.register()
             return
         self._clear_done(member)
-        key = keys.pg_store(self.setup.job, plan.generation) + "master"
+        job = self.setup.job
         if member.rank_base == 0:
             master = (self.address, free_port(self.address))
             self._launch(plan, member, 0, master)
-            deadline = time.monotonic() + PUBLISH_FALLBACK
-            self._pending_store = PendingStore(plan, member, key, master, deadline)
-            self._publish_store()
-            return
-        found = self._wait_for_store(plan, key)
-        if found is None:
-            return  # a newer generation came first (or the agent stops)
-        self._launch_rest(plan, member, range(member.nproc), found)
+            self._pending = PendingStore.after_launch(job, plan, member, master)
+        else:
+            self._pending = AwaitedStore.for_plan(job, plan, member)
+        self._advance_launch()
 
     def _launch_rest(
         self, plan: Plan, member: Member, slots: range, master: tuple[str, int]
@@ -284,42 +259,19 @@ class RestartTier:
         self.setup.register()
         self._refill_at = time.monotonic() + REFILL_DELAY
 
-    def _publish_store(self) -> None:
-        """Rank 0's node: publish the store address once rank 0 listens (or the fallback
-        time passed), then launch the other local ranks."""
-        pending = self._pending_store
-        if pending is None:
-            return
-        if self._newer_than(pending.plan.generation):
-            self._pending_store = None
-            return
-        port = pending.master[1]
-        if not listening(port) and time.monotonic() < pending.deadline:
-            return
-        try:
-            self.setup.client.put(pending.key, f"{pending.master[0]}:{port}")
-        except EtcdError as e:
-            log.warning("[%s] publishing the store address (will retry): %s", self.setup.node, e)
-            return
-        self._pending_store = None
-        self._launch_rest(pending.plan, pending.member, range(1, pending.member.nproc),
-                          pending.master)  # fmt: skip
-
-    def _wait_for_store(self, plan: Plan, key: str) -> tuple[str, int] | None:
-        """``(host, port)`` of the generation's store once rank 0's agent published it;
-        None when a newer generation (or a stop) came first."""
-        setup = self.setup
-        while not setup.stop.is_set() and not self._newer_than(plan.generation):
-            try:
-                kv = setup.client.get(key)
-            except EtcdError as e:
-                log.debug("[%s] waiting for %s: %s", setup.node, key, e)
-                kv = None
-            if kv is not None:
-                host, _, number = kv.value.decode().rpartition(":")
-                return host, int(number)
-            setup.stop.wait(MASTER_POLL)
-        return None
+    def _advance_launch(self) -> None:
+        """Take the launch under way one step further, if it can go on now."""
+        pending, node = self._pending, self.setup.node
+        if isinstance(pending, PendingStore) and pending.publish(self.setup.client, node):
+            self._pending = None
+            self._launch_rest(pending.plan, pending.member, range(1, pending.member.nproc),
+                              pending.master)  # fmt: skip
+        elif isinstance(pending, AwaitedStore):
+            master = pending.read(self.setup.client, node)
+            if master is not None:
+                self._pending = None
+                self._launch_rest(pending.plan, pending.member, range(pending.member.nproc),
+                                  master)  # fmt: skip
 
     def _newer_than(self, generation: int) -> bool:
         latest = self.plans.latest_plan
@@ -342,6 +294,7 @@ class RestartTier:
             log.warning("[%s] no warm standby for slot %d: starting cold", setup.node, local_rank)
             standby = WarmWorker(setup.worker_env(local_rank), setup.workdir)
         error_file = setup.errors_dir / f"worker-{local_rank}-gen{plan.generation}.json"
+        returned = error_file.with_suffix(".returned")
         env = setup.worker_env(local_rank)
         env[ENV_CHECKPOINT_DIR] = checkpoint_dir(setup.spec, setup.workdir)
         env.update(
@@ -355,22 +308,36 @@ class RestartTier:
                 error_file=str(error_file),
             )
         )
-        proc = standby.launch(setup.spec.entrypoint.command(), env, setup.workdir)
+        proc = standby.launch(setup.spec.entrypoint.command(), env, setup.workdir, returned)
         self.workers[local_rank] = WorkerProcess(
-            local_rank, proc, error_file, setup.shipper(local_rank), generation=plan.generation
+            local_rank,
+            proc,
+            error_file,
+            setup.shipper(local_rank),
+            generation=plan.generation,
+            returned=returned,
         )
 
     def _check_exits(self) -> None:
-        """Record finished workers; report a failure of the current generation once."""
+        """Record finished workers; report a failure of the current generation once;
+        end a worker whose script returned but whose process does not."""
         setup = self.setup
         for w in list(self.workers.values()):
-            if w.exited_at is None or w.exit_handled:
+            if w.exited_at is None:
+                if w.end_after_return(self.returned_grace):
+                    self._report_stuck(w)
+                continue
+            if w.exit_handled:
                 continue
             w.exit_handled = True
             code = w.stop(0)  # reaped, and whatever it started goes with it
+            returned = w.script_return()
+            if returned is not None:
+                code = returned.code  # the script's own, whatever its teardown did
             name = keys.worker_id(setup.node, w.local_rank)
             if code == 0:
-                done = DoneRecord(step=0, generation=w.generation, at=w.exited_at)
+                at = returned.at if returned is not None else w.exited_at
+                done = DoneRecord(step=0, generation=w.generation, at=at)
                 with contextlib.suppress(EtcdError):
                     records.write(setup.client, keys.job_done(setup.job) + name, done)
                 continue
@@ -385,6 +352,22 @@ class RestartTier:
             if self._broken_generation != w.generation:
                 self._broken_generation = w.generation
                 self._report_break(w.generation, what, w.exited_at)
+
+    def _report_stuck(self, w: WorkerProcess) -> None:
+        """Say that a worker's group was killed after its script returned."""
+        setup = self.setup
+        returned = w.script_return()
+        code = returned.code if returned is not None else 0
+        name = keys.worker_id(setup.node, w.local_rank)
+        message = (
+            f"{name}: its script returned (exit code {code}) but its process was still "
+            f"running {self.returned_grace:g}s later (stuck in teardown); its process "
+            f"group was killed and the script's exit code counts"
+        )
+        log.warning("[%s] %s", setup.node, message)
+        with contextlib.suppress(Exception):
+            events.emit(setup.client, setup.job, "WorkerKilled", message, source=setup.node,
+                        worker=name, generation=w.generation, exit_code=code)  # fmt: skip
 
     def _report_break(self, generation: int, reason: str, at: float) -> None:
         """Report the generation broken for every local worker (the node speaks for all)."""

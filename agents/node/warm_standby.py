@@ -5,10 +5,13 @@ A node agent running a job in the restart tier keeps, per local slot, one
 imported ``torch`` and ``torch.distributed`` and waits on its stdin pipe for
 one launch request.  The contract is one JSON line::
 
-    {"argv": ["train.py", "--lr", "0.1"], "env": {...}, "cwd": "/work"}
+    {"argv": ["train.py", "--lr", "0.1"], "env": {...}, "cwd": "/work", "returned": "/tmp/..."}
 
 ``argv`` is what would follow the interpreter on a command line (a script
-path, or ``-m`` and a module name, then the arguments).  On it the standby
+path, or ``-m`` and a module name, then the arguments); ``returned`` (optional)
+names the file where the standby says that the script has returned, with its
+exit code, before the process ends (:func:`read_return`): its agent then
+knows that whatever still runs is teardown, which it bounds.  On it the standby
 replaces its whole environment with ``env``, changes to ``cwd``, sets
 ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` would, and runs the
 script as ``__main__`` (:mod:`runpy`); its exit code is the script's.  Its
@@ -24,6 +27,18 @@ script returns or raises, the process ends at once (:func:`_finish`: atexit
 handlers and file buffers first, then ``os._exit``), without torch's slow
 teardown.
 
+It also holds every c10d process group the script creates until then
+(:func:`_keep_process_groups`), so none is destroyed while Python runs.  A
+gloo process group's destructor joins its worker threads with the GIL held,
+and one of those threads may need the GIL to drop the last reference to a
+finished all-reduce (torch stashes a Python context in the thread-local state
+that autograd's backward hands to the collectives DDP starts in it): when the
+group's last reference went with the script's ``main()`` frame, the worker
+deadlocked there for good (a plain ``python`` process instead aborts at exit,
+``terminate called without an active exception``, when that thread asks for
+the GIL during interpreter shutdown).  Held until ``os._exit``, no group is
+destroyed at all.
+
 Variables that torch reads while it is imported must already be in the
 standby's own environment: the agent starts it with the job's base
 environment (``entrypoint.env``, ``OMP_NUM_THREADS``...), and only the
@@ -37,12 +52,40 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agents.api import PREIMPORTS
 from orchestrator.process_lifetime import start_group, stop_groups
 
-__all__ = ["WarmWorker"]
+__all__ = ["ScriptReturn", "WarmWorker", "read_return"]
+
+
+@dataclass(frozen=True)
+class ScriptReturn:
+    """The script has returned (or raised): its exit code, and when (wall clock)."""
+
+    code: int
+    at: float
+
+
+def read_return(path: Path) -> ScriptReturn | None:
+    """What the standby wrote at ``path`` once its script returned; None before."""
+    try:
+        data = json.loads(path.read_text())
+        return ScriptReturn(code=int(data["code"]), at=float(data["at"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_return(path: str, code: int) -> None:
+    """Say that the script returned (written whole: a temporary file renamed)."""
+    with contextlib.suppress(OSError):
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps({"code": code, "at": time.time()}))
+        os.replace(tmp, path)
 
 
 class WarmWorker:
@@ -73,16 +116,25 @@ class WarmWorker:
         """Still waiting for its request (not launched, not exited)."""
         return not self.launched and self.proc.poll() is None
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
+    def launch(
+        self, argv: list[str], env: dict[str, str], cwd: str, returned: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         """Send the launch request; the process then is the worker (stop it with
         :func:`orchestrator.process_lifetime.stop_groups`, as a group).
+
+        Args:
+            argv / env / cwd: the script's command line, environment and directory.
+            returned: where to say that the script has returned (:func:`read_return`).
 
         Raises:
             OSError: the standby is gone (its stdin is closed); start another.
         """
         if self.launched:
             raise RuntimeError("this standby was already launched")
-        request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}) + "\n"
+        fields: dict[str, Any] = {"argv": list(argv), "env": dict(env), "cwd": cwd}
+        if returned is not None:
+            fields["returned"] = str(returned)
+        request = json.dumps(fields) + "\n"
         assert self.proc.stdin is not None
         self.proc.stdin.write(request.encode())
         self.proc.stdin.flush()
@@ -98,6 +150,34 @@ class WarmWorker:
         stop_groups([self.proc], grace=0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def _keep_process_groups() -> list[object]:
+    """Hold every c10d process group created from now on (see the module docstring).
+
+    The hook is torch's own registration of a new group
+    (``distributed_c10d._register_process_group``, called for
+    ``init_process_group``, ``new_group`` and device meshes, from 2.7 on).  A
+    torch without it keeps nothing: the agent still bounds a worker whose
+    script returned.  Returns the list the groups are kept in.
+    """
+    import importlib
+
+    kept: list[object] = []
+    try:  # by name, as PREIMPORTS are: the node agent itself never imports torch
+        distributed_c10d: Any = importlib.import_module("torch.distributed.distributed_c10d")
+    except ImportError:  # a torch built without distributed
+        return kept
+    register = getattr(distributed_c10d, "_register_process_group", None)
+    if register is None:
+        return kept
+
+    def register_and_keep(group_name: Any, process_group: Any) -> None:
+        kept.append(process_group)
+        register(group_name, process_group)
+
+    distributed_c10d._register_process_group = register_and_keep
+    return kept
 
 
 def _run(request: dict[str, object]) -> None:
@@ -172,6 +252,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    _keep_process_groups()
     code = 0
     try:
         _run(request)
@@ -187,6 +268,8 @@ def main() -> None:
             e = e.with_traceback(tb)
         sys.excepthook(type(e), e, e.__traceback__)
         code = 1
+    if request.get("returned"):
+        _write_return(str(request["returned"]), code)
     _finish(code)
 
 

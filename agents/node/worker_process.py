@@ -11,6 +11,12 @@ never outlives it.
 A thread per worker notes when it exits (which failure came first matters to
 the restart tier) without reaping it; the tier that runs it reaps it with
 :meth:`WorkerProcess.stop`, which also kills whatever it left behind.
+
+A worker launched from a pre-imported standby also says when its script has
+returned (:meth:`WorkerProcess.script_return`): what still runs after that is
+the process's teardown, which its supervisor bounds
+(:meth:`WorkerProcess.end_after_return`), so a script that finished never
+keeps its job running.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from agents.node.log_shipper import LogShipper
+from agents.node.warm_standby import ScriptReturn, read_return
 from agents.node.worker_exits import describe_failure
 from orchestrator.process_lifetime import (
     exit_status,
@@ -47,6 +54,7 @@ class WorkerProcess:
         shipper: reads its output (started here, on ``proc.stdout``).
         restarts: how often its slot was restarted before (the in-process tier).
         generation: the generation it was launched for (the restart tier).
+        returned: where its standby says that the script returned (the restart tier).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class WorkerProcess:
         *,
         restarts: int = 0,
         generation: int = 0,
+        returned: Path | None = None,
     ) -> None:
         self.local_rank = local_rank
         self.proc = proc
@@ -70,6 +79,10 @@ class WorkerProcess:
         self.exited_at: float | None = None
         #: its supervisor has handled its exit (recorded or reported it)
         self.exit_handled = False
+        #: its group was killed because it outlived its script (see end_after_return)
+        self.ended_after_return = False
+        self._returned_file = returned
+        self._returned: ScriptReturn | None = None
         # signals to its group and its reaping, one at a time (a reaped pid may be reused)
         self._lock = threading.Lock()
         if shipper is not None and proc.stdout is not None:
@@ -110,9 +123,33 @@ class WorkerProcess:
         return self.exit_code() is None
 
     def describe_exit(self) -> str:
-        """How it ended, with its error (torch's error file, else its last error line)."""
-        code = self.exit_code()
+        """How it ended, with its error (torch's error file, else its last error line).
+
+        The script's own exit code where its standby said it (the process may have
+        been killed after the script returned), else the process's.
+        """
+        returned = self.script_return()
+        code = returned.code if returned is not None else self.exit_code()
         return describe_failure(code if code is not None else 0, self.error_file, self.shipper)
+
+    def script_return(self) -> ScriptReturn | None:
+        """Its script's exit code and end, once the script has returned (or raised);
+        None before that, and for a worker started without a standby."""
+        if self._returned is None and self._returned_file is not None:
+            self._returned = read_return(self._returned_file)
+        return self._returned
+
+    def end_after_return(self, grace: float) -> bool:
+        """Kill its group when its script returned over ``grace`` seconds ago and the
+        process still runs (stuck in teardown).  True when that was done now."""
+        if self.ended_after_return or not self.running():
+            return False
+        returned = self.script_return()
+        if returned is None or time.time() - returned.at < grace:
+            return False
+        self.ended_after_return = True
+        self.kill()
+        return True
 
     def kill(self) -> None:
         """SIGKILL its group now (a hung worker); its supervisor sees the exit and reaps it."""

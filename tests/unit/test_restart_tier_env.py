@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.node.restart_tier import checkpoint_dir, listening, torchrun_env
+from agents.node.restart_tier import checkpoint_dir, torchrun_env
+from agents.node.store_address import listening
 from orchestrator.records import Member, Plan
 from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
 

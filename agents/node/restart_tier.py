@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 
 from agents.api import ENV_RECOVERY, RECOVERY_RESTART
 from agents.node.api import Outcome, PlanSource, TierSetup
@@ -49,15 +48,16 @@ from agents.node.worker_exits import emit_worker_exited
 from agents.node.worker_process import WorkerProcess, stop_workers
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError
+from orchestrator.checkpoint_reach import script_checkpoint_dir
 from orchestrator.process_lifetime import free_port
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
-from orchestrator.spec import JobSpec
 
-__all__ = ["ENV_CHECKPOINT_DIR", "RETURNED_GRACE", "RestartTier", "checkpoint_dir", "torchrun_env"]
+__all__ = ["ENV_CHECKPOINT_DIR", "RETURNED_GRACE", "RestartTier", "torchrun_env"]
 
 log = logging.getLogger("ringmaster.agent")
 
-#: Where the script keeps its own checkpoints (see :func:`checkpoint_dir`).
+#: Where the script keeps its own checkpoints
+#: (:func:`orchestrator.checkpoint_reach.script_checkpoint_dir`).
 ENV_CHECKPOINT_DIR = "RINGMASTER_CHECKPOINT_DIR"
 #: torchrun's default role name.
 ROLE_NAME = "default"
@@ -114,22 +114,6 @@ def torchrun_env(
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         ENV_RECOVERY: RECOVERY_RESTART,
     }
-
-
-def checkpoint_dir(spec: JobSpec, workdir: str) -> str:
-    """``RINGMASTER_CHECKPOINT_DIR``: ``<checkpoint.url>/script``.
-
-    A local URL (``file://``, or a plain path) becomes a directory path,
-    relative ones taken from ``workdir``; any other URL (``s3://...``) is given
-    as a URL, for a script that saves through fsspec.
-    """
-    url = spec.checkpoint.url
-    if "://" in url and not url.startswith("file://"):
-        return url.rstrip("/") + "/script"
-    path = Path(url.removeprefix("file://"))
-    if not path.is_absolute():
-        path = Path(workdir) / path
-    return str(path / "script")
 
 
 class RestartTier:
@@ -296,7 +280,7 @@ class RestartTier:
         error_file = setup.errors_dir / f"worker-{local_rank}-gen{plan.generation}.json"
         returned = error_file.with_suffix(".returned")
         env = setup.worker_env(local_rank)
-        env[ENV_CHECKPOINT_DIR] = checkpoint_dir(setup.spec, setup.workdir)
+        env[ENV_CHECKPOINT_DIR] = script_checkpoint_dir(setup.spec, setup.workdir)
         env.update(
             torchrun_env(
                 job=setup.job,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.node.restart_tier import checkpoint_dir, torchrun_env
+from agents.node.restart_tier import torchrun_env
 from agents.node.store_address import listening
+from orchestrator.checkpoint_reach import script_checkpoint_dir
 from orchestrator.records import Member, Plan
 from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
 
@@ -63,7 +64,7 @@ def test_checkpoint_dir_is_under_the_jobs_checkpoint_url(
 ) -> None:
     spec = JobSpec("j", EntrypointSpec(script="t.py"), checkpoint=CheckpointSpec(url=url))
     work = str(tmp_path)  # relative URLs are taken from the job's working directory
-    assert checkpoint_dir(spec, work) == expected.format(work=work)
+    assert script_checkpoint_dir(spec, work) == expected.format(work=work)
 
 
 def test_listening_sees_a_listening_port_only() -> None:

@@ -134,7 +134,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "RINGMASTER_JOB_WAIT",
         "0",
-        "seconds a node agent waits for its job to be submitted before it exits with code 2"
+        "seconds a node agent waits for its job to be submitted (or, after a run ended, for"
+        " its next run) before it exits with code 2"
         " (0: forever; `ringmaster agent --wait-for-job`)",
         zero_allowed=True,
     ),

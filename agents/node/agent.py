@@ -85,7 +85,7 @@ log = logging.getLogger("ringmaster.agent")
 
 #: Node registration lease; a dead agent's node disappears within this time.
 DEFAULT_NODE_TTL = SETTINGS.node_ttl
-#: How long an agent waits for its job to be submitted (zero: forever).
+#: How long an agent waits for its job to be submitted, or for its next run (zero: forever).
 DEFAULT_JOB_WAIT = SETTINGS.job_wait
 
 

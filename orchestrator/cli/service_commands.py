@@ -30,7 +30,8 @@ from orchestrator.settings import SETTINGS
     type=click.FloatRange(min=0),
     default=SETTINGS.job_wait.total_seconds(),
     metavar="SECONDS",
-    help="how long to wait for the job to be submitted, then exit with code 2 "
+    help="how long to wait for the job to be submitted (or for its next run), then exit "
+    "with code 2 "
     "(0: forever; default: RINGMASTER_JOB_WAIT, 0)",
 )
 @etcd_options

@@ -105,6 +105,11 @@ class CheckpointTimeoutError(RetryableCheckpointError):
     """A save, restore or coordination step did not finish within its timeout."""
 
 
+class CheckpointPeerError(RetryableCheckpointError, RuntimeError):
+    """A collective of the checkpoint's own groups failed: a rank of the group is gone
+    (or cut off).  Still a ``RuntimeError``, as torch's collectives raise."""
+
+
 class SaveInProgressError(RetryableCheckpointError):
     """A save was requested while the previous one is still uploading."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.api import DEFAULT_COLLECTIVE_TIMEOUT
+from checkpoint.api import DEFAULT_COLLECTIVE_TIMEOUT, CheckpointPeerError
 
 
 class Coordination:
@@ -55,19 +55,33 @@ class Coordination:
         return self.rank == 0
 
     def all_gather(self, obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
+        """Every rank's ``obj``, in rank order.
+
+        Raises:
+            CheckpointPeerError: the collective failed (a rank is gone).
+        """
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
+        try:
+            dist.all_gather_object(out, obj, group=group)
+        except RuntimeError as e:  # gloo's transport errors, DistError included
+            raise CheckpointPeerError(f"a checkpoint all-gather failed: {e}") from e
         return out
 
     def broadcast(self, obj: Any, group: dist.ProcessGroup | None, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
+        """Rank ``src``'s ``obj`` on every rank.
+
+        Raises:
+            CheckpointPeerError: the collective failed (a rank is gone).
+        """
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, group_src=src, group=group)
+        try:
+            dist.broadcast_object_list(box, group_src=src, group=group)
+        except RuntimeError as e:
+            raise CheckpointPeerError(f"a checkpoint broadcast failed: {e}") from e
         return box[0]
 
     def all_true(self, flag: bool, group: dist.ProcessGroup | None) -> bool:

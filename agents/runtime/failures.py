@@ -42,6 +42,7 @@ raised (a collective or not) and the control plane can tell them apart.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -160,6 +161,11 @@ def peer_failure(
     """
     if recorded is not None:
         return "a collective failed"
+    # A save's or restore's own collective (checkpoint.api.CheckpointPeerError); the
+    # checkpoint package is imported only once a generation opens its checkpointer.
+    checkpoint_api = sys.modules.get("checkpoint.api")
+    if checkpoint_api is not None and isinstance(error, checkpoint_api.CheckpointPeerError):
+        return "a checkpoint collective failed"
     if isinstance(error, dist.DistError):
         return f"the backend raised {type(error).__name__}"
     if newer_generation is not None:

@@ -128,3 +128,29 @@ def test_only_a_failed_collective_makes_a_peer_failure(gloo: Any) -> None:
     survivor, leaver = gloo(_own_error_then_peer_leaves, 2, timeout=150)
     assert leaver == [(1, None)]
     assert survivor == [(1, None), (3, "a collective failed")]
+
+
+def _peer_leaves_during_a_checkpoint_collective(rank: int, world_size: int) -> str | None:
+    """Rank 1 leaves; rank 0's next checkpoint coordination (a save's agreement) fails."""
+    from agents.runtime.failures import peer_failure
+    from checkpoint.api import CheckpointPeerError
+    from checkpoint.groups import Coordination
+
+    coordination = Coordination()
+    coordination.all_gather(rank, coordination.control)  # both ranks are there
+    if rank == 1:
+        return None  # its groups go with it: rank 0's next collective fails
+    try:
+        coordination.all_gather(rank, coordination.control)
+    except CheckpointPeerError as e:
+        return peer_failure(e, None, None)
+    return "the collective did not fail"
+
+
+def test_a_peer_gone_during_a_save_is_a_peer_failure(gloo: Any) -> None:
+    """A save at the step boundary runs the checkpoint's own collectives, which no step
+    records: their failure still says a peer is gone, not the script's own error (seen
+    once under load: a node killed during a periodic save ended its survivor)."""
+    survivor, leaver = gloo(_peer_leaves_during_a_checkpoint_collective, 2, timeout=150)
+    assert leaver is None
+    assert survivor == "a checkpoint collective failed"

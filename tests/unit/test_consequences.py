@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 TRACEBACK = [
     "[rank1]: Traceback (most recent call last):",
-    '[rank1]:   File "/work/train.py", line 108, in main',
+    '[rank1]:   File "/srv/job/train.py", line 108, in main',
     "[rank1]:     loss.backward()",
     "[rank1]:            ^^^^^^^^^^",
     "[rank1]: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:1524: Connection reset by peer",

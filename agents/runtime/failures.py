@@ -12,6 +12,9 @@ for certain and decides at the step boundary:
   group did not take part: a peer is gone;
 * **the backend's own error type**: an error that is a
   ``torch.distributed.DistError`` (or a subclass) comes from the backend;
+* **gloo's transport**: a ``RuntimeError`` whose text is gloo's TCP transport
+  losing a peer (below), raised by a collective no step recorded (a save's own,
+  the script's own ``dist`` calls): a peer's socket went, never the script's bug;
 * **the control plane**: a newer generation is published (the controller
   replaced a member, or a planned switch is under way).
 
@@ -161,6 +164,8 @@ def peer_failure(
     """
     if recorded is not None:
         return "a collective failed"
+    if _gloo_transport_error(error):
+        return "gloo lost the connection to a peer"
     # A save's or restore's own collective (checkpoint.api.CheckpointPeerError); the
     # checkpoint package is imported only once a generation opens its checkpointer.
     checkpoint_api = sys.modules.get("checkpoint.api")
@@ -171,3 +176,22 @@ def peer_failure(
     if newer_generation is not None:
         return f"generation {newer_generation} is published"
     return None
+
+
+#: What gloo's TCP transport says when a peer's socket closed or reset: text of gloo's
+#: own (its source path), never a script's.
+_GLOO_TRANSPORT = "gloo/transport/tcp/"
+
+
+def _gloo_transport_error(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is gloo's transport losing a
+    peer: a collective no step recorded (a save's, the upload thread's, the script's own
+    ``dist`` calls) that failed because a peer's connection went."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a short chain of causes: a storage error wrapping the collective's
+        if seen is None:
+            return False
+        if isinstance(seen, RuntimeError) and _GLOO_TRANSPORT in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

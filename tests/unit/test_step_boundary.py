@@ -48,3 +48,23 @@ def test_time_is_due_when_it_is_due_on_some_rank() -> None:
     b = StepBoundary()
     agreed = Agreement(1, 0, 0, False, False, save_due_by_time=True)
     assert b.decide(3, 1, agreed, SaveTrigger(every_seconds=60)).saves == ("periodic",)
+
+
+def test_gloo_losing_a_peer_is_a_peer_failure_wherever_it_was_raised() -> None:
+    """gloo's transport text means a peer's socket went, also from a collective that no
+    step recorded, and also under an error raised from it (a storage error wrapping it)."""
+    from agents.runtime.failures import peer_failure
+
+    lost = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:19097: Connection reset by peer."
+    )
+    assert peer_failure(lost, None, None) == "gloo lost the connection to a peer"
+    try:
+        try:
+            raise lost
+        except RuntimeError as e:
+            raise OSError("upload failed") from e
+    except OSError as wrapped:
+        assert peer_failure(wrapped, None, None) == "gloo lost the connection to a peer"
+    assert peer_failure(RuntimeError("socket timed out talking to my database"), None, None) is None

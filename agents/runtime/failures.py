@@ -164,13 +164,13 @@ def peer_failure(
     """
     if recorded is not None:
         return "a collective failed"
-    if _gloo_transport_error(error):
-        return "gloo lost the connection to a peer"
     # A save's or restore's own collective (checkpoint.api.CheckpointPeerError); the
     # checkpoint package is imported only once a generation opens its checkpointer.
     checkpoint_api = sys.modules.get("checkpoint.api")
     if checkpoint_api is not None and isinstance(error, checkpoint_api.CheckpointPeerError):
         return "a checkpoint collective failed"
+    if _gloo_transport_error(error):
+        return "gloo lost the connection to a peer"
     if isinstance(error, dist.DistError):
         return f"the backend raised {type(error).__name__}"
     if newer_generation is not None:

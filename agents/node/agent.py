@@ -339,6 +339,7 @@ class NodeAgent:
             recovery=self.recovery.value,
             generation=tier.generation if tier is not None else 0,
             launched_at=tier.launched_at if tier is not None else None,
+            progress_at=tier.progress_at if tier is not None else None,
         )
         records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 

@@ -127,6 +127,11 @@ class Tier(Protocol):
         """When that generation's workers were all launched (wall clock)."""
         ...
 
+    @property
+    def progress_at(self) -> float | None:
+        """When every one of them first printed a line (0.0: not yet; None: not told)."""
+        ...
+
     def start(self) -> None:
         """Start what runs before the first plan (workers, or warm standbys)."""
 

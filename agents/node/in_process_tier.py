@@ -54,6 +54,7 @@ class InProcessTier:
         self.workers: dict[int, WorkerProcess] = {}
         self.generation = 0  # the workers follow the generations themselves
         self.launched_at: float | None = None
+        self.progress_at: float | None = None  # the workers report their steps themselves
         self._preempted_at: float | None = None
 
     def start(self) -> None:

@@ -100,6 +100,8 @@ class LogShipper:
         self._tail: deque[tuple[float, str]] = deque(maxlen=max(tail_lines, 1))
         self._eof = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: when the worker's first line of output was read (wall clock; None before)
+        self.first_output_at: float | None = None
 
     def start(self, stream: IO[bytes]) -> LogShipper:
         """Read ``stream`` until EOF in the background (then close it), then store the tail."""
@@ -147,7 +149,10 @@ class LogShipper:
                     long = not whole and len(raw) >= READ_CHUNK
                     if long or len(text) > MAX_LINE:
                         text = text[:MAX_LINE] + CUT
-                    self._keep(time.time(), text)
+                    at = time.time()
+                    if self.first_output_at is None and text.strip():
+                        self.first_output_at = at
+                    self._keep(at, text)
                     cutting = long
                 elif whole:
                     cutting = False

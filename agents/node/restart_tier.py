@@ -30,7 +30,12 @@ torchrun script.  :class:`RestartTier` runs it for a
   members again (a restart, up to ``max_restarts``).  A worker stopped because
   the generation moved on is never reported;
 * the agent writes no step heartbeats: its registration says which
-  generation it has launched, which is how the controller sees a recovery end.
+  generation it has launched and when the first of its new workers printed a
+  line (``NodeRecord.progress_at``; a script often prints on rank 0 only, and a
+  line after the relaunch is the group's first sign of training), which is how
+  the controller sees a recovery end.  Workers that print nothing within
+  :data:`FIRST_OUTPUT_WAIT` (or exit without a line) are reported as not
+  telling (``progress_at`` None).
 """
 
 from __future__ import annotations
@@ -52,7 +57,14 @@ from orchestrator.checkpoint_reach import script_checkpoint_dir
 from orchestrator.process_lifetime import free_port
 from orchestrator.records import BreakReport, DoneRecord, Member, Plan
 
-__all__ = ["ENV_CHECKPOINT_DIR", "RETURNED_GRACE", "RestartTier", "torchrun_env"]
+__all__ = [
+    "ENV_CHECKPOINT_DIR",
+    "FIRST_OUTPUT_WAIT",
+    "RETURNED_GRACE",
+    "RestartTier",
+    "first_progress",
+    "torchrun_env",
+]
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -73,6 +85,9 @@ PHASE_POLL = 0.5
 #: Seconds a worker's process may run on after its script returned (atexit handlers,
 #: open files flushed) before its group is killed and the script's own exit code taken.
 RETURNED_GRACE = 30.0
+#: Seconds after a launch the agent waits for a line of output from its new workers
+#: before it reports the generation's progress as not told by the script.
+FIRST_OUTPUT_WAIT = 30.0
 
 
 def torchrun_env(
@@ -142,6 +157,9 @@ class RestartTier:
         #: the generation whose workers it launched last (or that left this node out)
         self.generation = 0
         self.launched_at: float | None = None
+        #: when the first worker of the launched generation printed a line: 0.0
+        #: while none has yet, None when not known (no launch, or silent workers)
+        self.progress_at: float | None = None
         self._standbys: dict[int, WarmWorker] = {}
         self._broken_generation = 0
         self._refill_at: float | None = None
@@ -192,6 +210,7 @@ class RestartTier:
                 self._switch(plan)
                 continue
             self._advance_launch()
+            self._note_progress()
             self._check_exits()
             if self._refill_at is not None and time.monotonic() >= self._refill_at:
                 self._refill_standbys()
@@ -212,7 +231,9 @@ class RestartTier:
         self.workers.clear()
         self._pending = None
         self.generation = plan.generation
+        self.launched_at = None
         member = plan.member(self.setup.node)
+        self.progress_at = None if member is None else 0.0
         if member is None:
             self.setup.register()
             return
@@ -256,6 +277,21 @@ class RestartTier:
                 self._pending = None
                 self._launch_rest(pending.plan, pending.member, range(pending.member.nproc),
                                   master)  # fmt: skip
+
+    def _note_progress(self) -> None:
+        """Once a launched worker printed a line (or none will say), tell the controller."""
+        if self.progress_at != 0 or self.launched_at is None or self._pending is not None:
+            return
+        workers = list(self.workers.values())
+        seen = first_progress(
+            self.launched_at,
+            [w.first_output_at for w in workers],
+            bool(workers) and all(w.exited_at is not None for w in workers),
+            time.time(),
+        )
+        if seen != 0:
+            self.progress_at = seen
+            self.setup.register()
 
     def _newer_than(self, generation: int) -> bool:
         latest = self.plans.latest_plan
@@ -363,3 +399,31 @@ class RestartTier:
             write_node_reports(setup.client, setup.job, generation, setup.node, reports)
         except EtcdError as e:
             log.warning("[%s] could not report the failure: %s", setup.node, e)
+
+
+def first_progress(
+    launched_at: float,
+    firsts: list[float | None],
+    all_exited: bool,
+    now: float,
+    wait: float = FIRST_OUTPUT_WAIT,
+) -> float | None:
+    """What a node reports of its launched workers' progress (``NodeRecord.progress_at``).
+
+    Args:
+        launched_at: when the generation's workers were launched.
+        firsts: when each printed its first line (None: not yet).
+        all_exited: every one of them has exited.
+        now: the time now.
+        wait: :data:`FIRST_OUTPUT_WAIT`.
+
+    Returns:
+        The time the first of them printed a line; 0.0 while one may still; None
+        when none will tell (silent past ``wait``, or all exited without a line).
+    """
+    seen = [f for f in firsts if f is not None]
+    if seen:
+        return min(seen)
+    if all_exited or now - launched_at > wait:
+        return None
+    return 0.0

@@ -115,6 +115,11 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def first_output_at(self) -> float | None:
+        """When its first line of output was read (None before, or when not read)."""
+        return self.shipper.first_output_at if self.shipper is not None else None
+
     def exit_code(self) -> int | None:
         """Its exit status (``Popen.returncode``'s convention), None while it runs."""
         return exit_status(self.proc)

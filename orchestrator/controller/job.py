@@ -189,19 +189,28 @@ class JobController:
 def launched(plan: Plan, nodes: dict[str, NodeRecord]) -> dict[str, ProgressRecord]:
     """Restart tier: each worker of ``plan`` as its agent's registration saw it launched.
 
-    The scripts report no steps, so a recovery's end is the moment the last
-    agent started the new generation's workers: that time stands for the
-    group formed, the state restored and the first step (phases the scripts do
-    not tell apart).
+    The scripts report no steps.  The moment the last agent started the new
+    generation's workers stands for the group formed; the first line of output
+    any of them printed since (``NodeRecord.progress_at``) stands for the state
+    restored and the first step (phases the scripts do not tell apart).  Where
+    no agent saw output, the launch stands for all three.
     """
     out: dict[str, ProgressRecord] = {}
+    told = [
+        info.progress_at
+        for m in plan.members
+        if (info := nodes.get(m.node)) is not None
+        and info.generation == plan.generation
+        and info.progress_at
+    ]
     for m in plan.members:
         info = nodes.get(m.node)
         if info is None or info.generation != plan.generation or info.launched_at is None:
             continue
         at = info.launched_at
-        tel = Telemetry(generation=plan.generation, group_formed_at=at, restored_at=at,
-                        first_step_at=at)  # fmt: skip
+        first = max(at, min(told)) if told else at
+        tel = Telemetry(generation=plan.generation, group_formed_at=at, restored_at=first,
+                        first_step_at=first)  # fmt: skip
         for i in range(m.nproc):
             out[keys.worker_id(m.node, i)] = ProgressRecord(
                 step=0, generation=plan.generation, rank=m.rank_base + i,

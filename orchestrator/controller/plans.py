@@ -185,16 +185,16 @@ def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) 
     """Every worker of ``plan`` stepped past ``since_step`` in it (the recovery is over).
 
     In the restart tier (no step heartbeats): once every member's agent launched
-    it and, where the agent reports it, the workers showed progress (their first
-    line of output: ``NodeRecord.progress_at``).
+    it and, where the agents report it, a worker showed progress (a first line of
+    output: ``NodeRecord.progress_at``; None from an agent whose workers do not
+    tell, 0 while they may still).
     """
     if restart_tier:
-        return all(
-            (info := world.nodes.get(m.node)) is not None
-            and info.generation == plan.generation
-            and info.progress_at != 0
-            for m in plan.members
-        )
+        infos = [world.nodes.get(m.node) for m in plan.members]
+        if not all(i is not None and i.generation == plan.generation for i in infos):
+            return False
+        told = [i.progress_at for i in infos if i is not None]
+        return any(told) or all(p is None for p in told)
     for x in workers_of(plan):
         p = world.progress.get(x)
         if p is None or p.generation != plan.generation or p.step <= since_step:

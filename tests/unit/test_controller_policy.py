@@ -559,6 +559,7 @@ def restart_tier_recovery_ends_at_the_scripts_first_output() -> None:
     run.tick(world)
     assert run.of(Recovered) == [] and run.status.phase is JobPhase.RECOVERING
     world.nodes["c"] = dataclasses.replace(world.nodes["c"], progress_at=NOW + 0.3)
+    world.nodes["a"] = dataclasses.replace(world.nodes["a"], progress_at=0.0)  # rank 0 prints
     run.tick(world)
     assert run.of(Recovered) == [Recovered(plan)] and run.status.phase is JobPhase.RUNNING
 

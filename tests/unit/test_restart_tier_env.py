@@ -1,5 +1,6 @@
 """The restart tier's pure parts: torchrun's environment per generation, the
-script's checkpoint directory, and the listening check on a real socket."""
+script's checkpoint directory, the listening check on a real socket, what a node
+reports of its workers' first output, and how the controller times a recovery by it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.node.restart_tier import torchrun_env
+from agents.node.restart_tier import FIRST_OUTPUT_WAIT, first_progress, torchrun_env
 from agents.node.store_address import listening
 from orchestrator.checkpoint_reach import script_checkpoint_dir
-from orchestrator.records import Member, Plan
+from orchestrator.controller.job import launched
+from orchestrator.records import Member, NodeRecord, Plan
 from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
 
 pytestmark = pytest.mark.unit
@@ -74,3 +76,35 @@ def test_listening_sees_a_listening_port_only() -> None:
         assert not listening(port)  # bound, not listening: a store client would be refused
         s.listen()
         assert listening(port)
+
+
+def test_progress_is_the_first_line_of_any_worker() -> None:
+    assert first_progress(100.0, [100.9, 100.4], False, 101.0) == 100.4
+    assert first_progress(100.0, [None, 100.4], False, 101.0) == 100.4  # rank 0 prints alone
+    assert first_progress(100.0, [None, None], False, 101.0) == 0.0  # not yet
+    assert first_progress(100.0, [], False, 101.0) == 0.0
+
+
+def test_silent_workers_are_reported_as_not_telling() -> None:
+    late = 100.0 + FIRST_OUTPUT_WAIT + 0.1
+    assert first_progress(100.0, [None, None], False, late) is None
+    assert first_progress(100.0, [None, None], True, 100.5) is None  # exited without a line
+
+
+def _node(generation: int, launched_at: float, progress_at: float | None) -> NodeRecord:
+    return NodeRecord(host="h", address="a", slots=2, pid=7, worker_pids=[], started=1.0,
+                      generation=generation, launched_at=launched_at,
+                      progress_at=progress_at)  # fmt: skip
+
+
+def test_a_recovery_ends_at_the_first_output_any_agent_saw() -> None:
+    plan = _plan()
+    nodes = {"n1": _node(3, 10.0, 10.7), "n0": _node(3, 10.2, None)}
+    progress = launched(plan, nodes)
+    assert sorted(progress) == ["n0-0", "n0-1", "n1-0", "n1-1"]
+    told, silent = progress["n1-0"].telemetry, progress["n0-1"].telemetry
+    assert (told.group_formed_at, told.restored_at, told.first_step_at) == (10.0, 10.7, 10.7)
+    assert (silent.group_formed_at, silent.first_step_at) == (10.2, 10.7)  # the group's
+    nodes["n1"] = _node(3, 10.0, None)
+    assert launched(plan, nodes)["n1-0"].telemetry.first_step_at == 10.0  # nobody told
+    assert launched(plan, {"n1": _node(2, 10.0, 10.7)}) == {}  # an older generation's launch

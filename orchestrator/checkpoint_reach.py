@@ -15,7 +15,8 @@ job's events.  Runs in the CLI (``validate``, ``submit``, ``run``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -33,6 +34,7 @@ __all__ = [
     "record_event",
     "script_checkpoint",
     "script_checkpoint_dir",
+    "script_storage",
 ]
 
 #: Where ringmaster tells a restart-tier script to keep its checkpoints.
@@ -68,11 +70,14 @@ class ScriptCheckpoint:
         reach: who can read it.
         warning: what goes wrong and what to change, when some node may not read it
             (None when every node can, or when that cannot be told).
+        location: the path as resolved from the directory it was read from ("" for
+            object storage, or when it cannot be told).
     """
 
     where: str
     reach: Reach
     warning: str | None = None
+    location: str = ""
 
 
 def script_checkpoint_dir(spec: JobSpec, workdir: str | Path) -> str:
@@ -140,14 +145,30 @@ def script_checkpoint(
         given = url.rstrip("/") + "/script" if "://" in url or not url.startswith("/") else folder
         where = f"{shown} ({at}), ${ENV_CHECKPOINT_DIR} being {given} (checkpoint.url + /script)"
         fix = "set checkpoint.url to a bucket (s3://...) or an absolute path on shared storage"
-        return _judge(where, url, folder, one_machine, fix)
+        return replace(_judge(where, url, folder, one_machine, fix), location=folder)
     where = f"{shown} ({at})"
     fix = (
         f"save it where every node reads it: an absolute path on shared storage, or "
         f"${ENV_CHECKPOINT_DIR} (ringmaster sets it to checkpoint.url + /script)"
     )
     literal = parts[0].text if parts[0].kind == "text" else ""
-    return _judge(where, literal, str(Path(workdir) / literal), one_machine, fix)
+    full = str(Path(workdir) / literal)
+    return replace(_judge(where, literal, full, one_machine, fix), location=full)
+
+
+def script_storage(spec: JobSpec, workdir: str | Path) -> str | None:
+    """Where the script's own checkpoint is, as an agent started in ``workdir`` on
+    this machine sees it (``host:real path``), for the controller to compare across
+    the job's nodes; None when every node reads it (object storage, a shared
+    filesystem) or where it goes cannot be told.
+
+    Two nodes that give different answers do not read each other's checkpoint: a
+    node that takes another's place after a failure would train from zero.
+    """
+    found = script_checkpoint(spec, workdir)
+    if found.reach not in (Reach.RELATIVE, Reach.ONE_MACHINE) or not found.location:
+        return None
+    return f"{socket.gethostname()}:{os.path.realpath(found.location)}"
 
 
 def record_event(client: EtcdClient, job: str, found: ScriptCheckpoint, source: str) -> None:

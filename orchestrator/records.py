@@ -138,6 +138,11 @@ class NodeRecord(Record):
     #: progress (its first line of output), wall-clock seconds; 0 while one has not
     #: yet; None from agents that do not report it (the launch then ends a recovery)
     progress_at: float | None = None
+    #: restart tier: where the script's own checkpoint is as this agent sees it
+    #: (``host:path``, :func:`orchestrator.checkpoint_reach.script_storage`); None
+    #: when every node reads it (object storage, a shared filesystem) or it cannot
+    #: be told
+    script_storage: str | None = None
 
 
 @dataclass

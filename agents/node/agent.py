@@ -67,6 +67,7 @@ from agents.node.restart_tier import RestartTier
 from agents.node.watches import NodeWatches
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError
+from orchestrator.checkpoint_reach import script_storage
 from orchestrator.entrypoint import resolve_recovery
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
@@ -132,6 +133,8 @@ class NodeAgent:
         self._stop_reason = ""
         self._liveness: LivenessServer | None = None
         self._tier: Tier | None = None
+        #: restart tier: where the script's checkpoint is as this node sees it
+        self._script_storage: str | None = None
         #: in-process tier: relays the workers' heartbeats (agents.node.progress_relay)
         self._progress: ProgressRelay | None = None
         #: in-process tier: passes the plan and control record on (agents.channels.plan_feed)
@@ -165,6 +168,8 @@ class NodeAgent:
         self.spec = spec
         self.recovery = spec.fault_tolerance.recovery
         restart = self.recovery is RecoveryMode.RESTART
+        if restart:  # the controller refuses to start nodes that do not share it
+            self._script_storage = script_storage(spec, self.workdir)
         errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
         reason, level = "stopped", logging.INFO
         try:
@@ -340,6 +345,7 @@ class NodeAgent:
             generation=tier.generation if tier is not None else 0,
             launched_at=tier.launched_at if tier is not None else None,
             progress_at=tier.progress_at if tier is not None else None,
+            script_storage=self._script_storage,
         )
         records.write(self.client, keys.job_node(self.job, self.node), registration, self._lease)
 

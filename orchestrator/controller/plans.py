@@ -9,6 +9,7 @@ a generation starts or changes; these say *which* nodes and in *what* order:
 * :func:`start_members`: the first generation's members and warm spares, in
   topology order, spares spread over racks;
 * :func:`startup_failure`: every node's workers failed alike before a step;
+* :func:`storage_split`: the nodes do not read one script checkpoint;
 * :func:`swap_in_spares`: a warm spare for each failed member, nearest first;
 * :func:`survivor_first`: the restart tier's ring turned so that rank 0 is a survivor;
 * :func:`make_plan`: a generation, its members' rank bases in ring order;
@@ -35,6 +36,7 @@ __all__ = [
     "restart_tier",
     "start_members",
     "startup_failure",
+    "storage_split",
     "survivor_first",
     "swap_in_spares",
     "topology_ordered",
@@ -124,6 +126,33 @@ def startup_failure(spec: JobSpec, world: World, warm: list[str]) -> str | None:
     return (
         f"the workers of every node ({', '.join(sorted(known))}) failed before their "
         f"first step: {reasons.pop()}; fix the entrypoint and submit the job again"
+    )
+
+
+def storage_split(world: World, nodes: list[str]) -> str | None:
+    """Why the job cannot start when its nodes do not read one script checkpoint.
+
+    Restart tier: each agent registers where the script's own checkpoint is as
+    it sees it (``NodeRecord.script_storage``: its host and the real path).  Two
+    places mean a node that takes another's slot after a failure finds no
+    checkpoint and trains from zero, out of step with the nodes that resumed:
+    that fails at the start, not silently later.  None when they agree (or do
+    not say: object storage, a shared filesystem, a path the script computes).
+    """
+    seen: dict[str, list[str]] = {}
+    for n in nodes:
+        info = world.nodes.get(n)
+        if info is not None and info.script_storage:
+            seen.setdefault(info.script_storage, []).append(n)
+    if len(seen) < 2:
+        return None
+    places = "; ".join(f"{', '.join(sorted(ns))} at {where}" for where, ns in sorted(seen.items()))
+    return (
+        f"the script's own checkpoint is not in one place every node reads ({places}): a "
+        "node that takes another's place after a failure would find no checkpoint and "
+        "train from zero; save it under $RINGMASTER_CHECKPOINT_DIR with checkpoint.url "
+        "on storage every node reads (s3://... or a shared filesystem), or at an absolute "
+        "path on such storage, or start every agent in one directory on one machine"
     )
 
 

@@ -69,6 +69,7 @@ from orchestrator.controller.plans import (
     restart_tier,
     start_members,
     startup_failure,
+    storage_split,
     survivor_first,
     swap_in_spares,
     topology_ordered,
@@ -205,7 +206,7 @@ class _Decider:
             and now - self.m.min_reached_at >= last_call
         )
         self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
-        if not ready and self.failed_to_start(warm):
+        if self.failed_to_start(warm):
             return
         if not ready:
             self.short_too_long(
@@ -220,8 +221,8 @@ class _Decider:
         self.phase(JobPhase.RUNNING, f"started with {len(active)} nodes: {', '.join(active)}")
 
     def failed_to_start(self, warm: list[str]) -> bool:
-        """Fail the job when every node's workers failed the same way before any step."""
-        why = startup_failure(self.spec, self.w, warm)
+        """Fail the job when it cannot start (:func:`startup_failure`, :func:`storage_split`)."""
+        why = startup_failure(self.spec, self.w, warm) or storage_split(self.w, warm)
         if why is not None:
             self.phase(JobPhase.FAILED, why)
         return why is not None

@@ -469,6 +469,25 @@ def _restart_spec(**ft: object) -> JobSpec:
     return _spec(recovery=RecoveryMode.RESTART, **ft)
 
 
+def restart_tier_refuses_to_start_nodes_that_do_not_share_the_scripts_checkpoint() -> None:
+    run = Run(_restart_spec(), status=JobStatus("job"))
+    world = _restart_world(["a", "b", "c"])
+    for n in ("a", "b"):  # one directory on one machine: one checkpoint
+        world.nodes[n] = dataclasses.replace(world.nodes[n], script_storage="h1:/w/snapshot.pt")
+    world.nodes["c"] = dataclasses.replace(world.nodes["c"], script_storage="h2:/w/snapshot.pt")
+    run.tick(world)
+    assert run.plans() == [] and run.status.phase is JobPhase.FAILED
+    assert run.status.message.startswith(
+        "the script's own checkpoint is not in one place every node reads (a, b at "
+        "h1:/w/snapshot.pt; c at h2:/w/snapshot.pt)"
+    ), run.status.message
+    # nodes that agree, or that do not say (object storage, a path known at run time), start
+    world.nodes["c"] = dataclasses.replace(world.nodes["c"], script_storage=None)
+    agree = Run(_restart_spec(), status=JobStatus("job"))
+    agree.tick(world)
+    assert len(agree.plans()) == 1 and agree.status.phase is JobPhase.RUNNING
+
+
 def restart_tier_starts_without_heartbeats() -> None:
     run = Run(_restart_spec(), status=JobStatus("job"))
     run.tick(_restart_world(["b", "a", "c"]))
@@ -648,6 +667,7 @@ SCENARIOS: list[Callable[[], None]] = [
     finished_workers_succeed,
     inputs_are_not_modified,
     restart_tier_starts_without_heartbeats,
+    restart_tier_refuses_to_start_nodes_that_do_not_share_the_scripts_checkpoint,
     restart_tier_auto_is_told_by_the_agents,
     restart_tier_dead_node_is_replaced_not_counted_as_a_script_error,
     restart_tier_a_spare_never_takes_rank_0_from_a_survivor,

@@ -7,13 +7,14 @@ The scripts are shaped like the public torchrun examples a new user brings
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from orchestrator import checkpoint_reach
-from orchestrator.checkpoint_reach import Reach, script_checkpoint
+from orchestrator.checkpoint_reach import Reach, script_checkpoint, script_storage
 from orchestrator.cli import main
 from orchestrator.script_checkpoint import find_saves
 from orchestrator.spec_loader import load_job_data
@@ -174,3 +175,23 @@ def test_ringmasters_directory_is_judged_by_checkpoint_url(
     spec.checkpoint.url = "file://./ck"
     assert script_checkpoint(spec, tmp_path).reach is Reach.RELATIVE
     assert script_checkpoint(spec, tmp_path, one_machine=True).warning is None
+
+
+def test_each_agent_says_where_it_sees_the_checkpoint(tmp_path: Path) -> None:
+    """What an agent registers (``NodeRecord.script_storage``): two directories, two places;
+    one directory (also through a symlink), one place; object storage: nothing to compare."""
+    script = tmp_path / "multinode.py"
+    script.write_text(TUTORIAL)
+    spec = _spec(str(script), args=["50", "10"])
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (tmp_path / "link").symlink_to(a)
+    host = socket.gethostname()
+    assert script_storage(spec, a) == f"{host}:{a.resolve()}/snapshot.pt"
+    assert script_storage(spec, b) != script_storage(spec, a)
+    assert script_storage(spec, tmp_path / "link") == script_storage(spec, a)
+    argparse_script = tmp_path / "train.py"
+    argparse_script.write_text(ARGPARSE)
+    on_s3 = _spec(str(argparse_script), env={"MY_CKPT": "s3://bucket/ck"})
+    assert script_storage(on_s3, a) is None

@@ -214,8 +214,8 @@ def _judge(where: str, given: str, full: str, one_machine: bool, fix: str) -> Sc
             f"{where}: a path relative to the directory each agent starts in",
             Reach.RELATIVE,
             "a node whose agent starts in another directory or on another machine finds no "
-            "checkpoint there and trains from zero after a failure, out of step with the "
-            f"nodes that resumed; {fix}",
+            "checkpoint there and would train from zero after a failure, so the job fails "
+            f"at its start when its nodes are in different places; {fix}",
         )
     kind = filesystem_type(full)
     if kind is not None and (kind in SHARED_FILESYSTEMS or kind.startswith("fuse.")):
@@ -225,7 +225,8 @@ def _judge(where: str, given: str, full: str, one_machine: bool, fix: str) -> Sc
             f"{where}: on a filesystem of this machine ({kind})",
             Reach.ONE_MACHINE,
             "only agents on this machine read it: a node on another machine finds no "
-            f"checkpoint there and trains from zero after a failure; {fix}",
+            "checkpoint there and would train from zero after a failure, so the job fails "
+            f"at its start when its nodes are on different machines; {fix}",
         )
     if kind in LOCAL_FILESYSTEMS:
         return ScriptCheckpoint(f"{where}: on this machine ({kind})", Reach.ONE_MACHINE)

@@ -109,7 +109,8 @@ def test_validate_says_a_relative_snapshot_is_not_seen_by_every_node(
     )
     assert lines[3].startswith(
         "warning: a node whose agent starts in another directory or on another machine finds "
-        "no checkpoint there and trains from zero after a failure"
+        "no checkpoint there and would train from zero after a failure, so the job fails at "
+        "its start when its nodes are in different places"
     )
     assert "$RINGMASTER_CHECKPOINT_DIR" in lines[3]
 

@@ -370,11 +370,13 @@ class HeldRoot:
         self._thread: threading.Thread | None = None
 
     def start(self, wait: float = 0.0) -> None:
-        """Start taking the root (once), and wait up to ``wait`` seconds for the outcome."""
-        if self._thread is None:
-            self.started_at = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="writer-hold", daemon=True)
-            self._thread.start()
+        """Start taking the root, and wait up to ``wait`` seconds for the outcome (the
+        first call; later ones return at once)."""
+        if self._thread is not None:
+            return
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="writer-hold", daemon=True)
+        self._thread.start()
         self._settled.wait(wait)
 
     def close(self, release: bool) -> None:

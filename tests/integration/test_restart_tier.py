@@ -152,7 +152,9 @@ def test_sigkill_node_spare_restarts_script_from_its_checkpoint(
     folded = [x for x in lines if f"after {victim} failed (a consequence, not the cause)" in x]
     # gloo words the lost peer as a reset or a close, depending on which side saw it first
     assert len(folded) == 1 and "RuntimeError" in folded[0], folded
-    assert any(t in folded[0] for t in ("Connection reset by peer", "Connection closed by peer")), folded
+    assert any(t in folded[0] for t in ("Connection reset by peer", "Connection closed by peer")), (
+        folded
+    )
     (recovering,) = [e.message for e in result.events if e.message.startswith("Recovering")]
     assert f"replaces {victim}" in recovering and "RuntimeError" not in recovering, recovering
     (recovered,) = [e.message for e in result.events if e.type == "Recovered"]

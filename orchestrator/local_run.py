@@ -5,7 +5,9 @@ Starts (or uses) etcd, submits the job, starts a controller and
 process group of its own, dying with the run: :mod:`orchestrator.process_lifetime`),
 streams their output with a prefix, follows the job's events and status, and
 stops everything when the job ends (the stop sequence: SIGTERM, a grace,
-SIGKILL).
+SIGKILL).  The controller holds the job's checkpoint root while the job runs
+(:mod:`orchestrator.writer_hold`); once every process is stopped, whatever the
+ending, the run removes its lineage's writer marker if it is still there.
 
 ``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
 to show a warm spare taking over (a restart-tier job reports no steps: the
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
 
-from orchestrator import events, jobs, keys
+from orchestrator import events, jobs, keys, runs
 from orchestrator.api import JobPhase
 from orchestrator.checkpoint_reach import record_event, script_checkpoint
 from orchestrator.etcd.client import EtcdClient, connect
@@ -49,6 +51,7 @@ from orchestrator.observe.consequences import ConsequenceFolder
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
 from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.writer_hold import release_root, root_url
 
 Printer = Callable[[str], None]
 
@@ -119,6 +122,7 @@ class LocalRun:
         self._embedded: EmbeddedEtcd | None = None
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
+        self._lineage: str | None = None
         self.folder: ConsequenceFolder | None = None
         if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
             self.folder = ConsequenceFolder(spec.name, self.print, self._print_event)
@@ -194,6 +198,7 @@ class LocalRun:
             self.print(f"[run] embedded etcd on {self._embedded.endpoint}")
         self._client = connect(self.etcd_options)
         jobs.submit(self._client, self.spec, resume=self.resume)
+        self._lineage = runs.lineage_id(self._client, self.spec.name)
         self.print(f"[run] submitted job '{self.spec.name}'")
         if self.spec.fault_tolerance.recovery is RecoveryMode.RESTART:
             # every agent of this run starts here, on this machine
@@ -361,6 +366,8 @@ class LocalRun:
         for proc in self.procs.values():
             if proc.popen.stdout is not None:
                 proc.popen.stdout.close()
+        if self._lineage is not None:  # the run's writers are gone, however it ended
+            release_root(root_url(self.spec.checkpoint.url, self.workdir), self._lineage)
         if self._client is not None:
             self._client.close()
         if self._embedded is not None:

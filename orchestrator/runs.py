@@ -4,7 +4,11 @@ A job name has runs (see :func:`orchestrator.jobs.submit`): every submit of a
 finished job starts the next one and writes a :class:`RunRecord` under
 ``/ringmaster/jobs/<job>/runs/<run>``.  Readers that show one run (events,
 logs, history) keep what falls inside its window.  Runs in whichever process
-reads them: the CLI, the controller, the observers.
+reads them: the CLI, the controller, the observers, the workers.
+
+A job's runs in one etcd make one *lineage* (:func:`lineage_id`): the
+checkpoints they save carry it, and the run that writes a checkpoint root
+holds it under that name (:mod:`orchestrator.writer_hold`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ from __future__ import annotations
 from orchestrator import keys, records
 from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import RunRecord
+from orchestrator.records import RunRecord, SpecRecord
 
-__all__ = ["list_runs", "run_window"]
+__all__ = ["lineage_id", "list_runs", "run_window"]
 
 
 def list_runs(client: EtcdClient, job: str) -> list[RunRecord]:
@@ -22,6 +26,27 @@ def list_runs(client: EtcdClient, job: str) -> list[RunRecord]:
     return sorted(
         records.read_all(client, keys.job_runs(job), RunRecord).values(), key=lambda r: r.run
     )
+
+
+def lineage_id(client: EtcdClient, job: str) -> str:
+    """The job's lineage: ``<job>@<its first run's submission time>``.
+
+    Every run of the job in this etcd (a resubmit, ``ringmaster resume``)
+    continues it; another job of the same name (a second ``ringmaster run``
+    with an etcd of its own) is another lineage.
+
+    Raises:
+        JobNotFoundError: nothing submitted under that name.
+    """
+    runs = list_runs(client, job)
+    if runs:
+        first = runs[0].submitted_at
+    else:  # a job submitted before runs were recorded
+        record = records.read(client, keys.job_spec(job), SpecRecord)
+        if record is None:
+            raise JobNotFoundError(f"no job named '{job}' (see `ringmaster status` for all jobs)")
+        first = record.submitted_at
+    return f"{job}@{first:.6f}"
 
 
 def run_window(runs: list[RunRecord], run: int) -> tuple[float, float]:

@@ -119,14 +119,9 @@ class Saving:
         one's retention never touches.
         """
         if self._lineage_id is None:
-            from orchestrator.jobs import read_spec_record
-            from orchestrator.runs import list_runs
+            from orchestrator.runs import lineage_id
 
-            runs = list_runs(self._client, self._env.job)
-            first = runs[0].submitted_at if runs else None
-            if first is None:  # a job submitted before runs were recorded
-                first = read_spec_record(self._client, self._env.job).submitted_at
-            self._lineage_id = f"{self._env.job}@{first:.6f}"
+            self._lineage_id = lineage_id(self._client, self._env.job)
         return self._lineage_id
 
     # -- per generation ----------------------------------------------------------------

@@ -140,8 +140,13 @@ def run(
 ) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents.
 
-    Without --from or --resume the job still continues from its own newest
-    committed checkpoint when there is one, and starts fresh otherwise.
+    One live run writes a checkpoint.url: while another run holds it (its
+    heartbeat in the root is fresh), this one is refused before anything
+    starts, with that run's name.  Without --from or --resume the job
+    continues from the newest committed checkpoint under its checkpoint.url
+    when there is one (a killed run's, whose stale hold is taken over with a
+    warning), and starts fresh otherwise; --from URL starts it from another
+    run's checkpoint.
     """
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
     from orchestrator.jobs import plan_resume
@@ -149,6 +154,7 @@ def run(
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
     from orchestrator.spec_loader import load_job_file
+    from orchestrator.writer_hold import refuse_if_held, root_url
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)
@@ -156,6 +162,9 @@ def run(
     resume = None
     if from_url and resume_own:
         fail("give either --from URL or --resume (the job's own checkpoints), not both", 2)
+    # Before anything starts: no other live run writes the root (the controller then
+    # takes it before the job's first plan, which settles two runs that start at once).
+    refuse_if_held(root_url(spec.checkpoint.url, os.getcwd()))
     if from_url or resume_own:
         from orchestrator.cli.checkpoint_commands import print_resume
 

@@ -6,15 +6,25 @@ asks the pure policy (:mod:`orchestrator.controller.policy`) what to do, and
 applies the actions it returns to etcd, the event log and the observer
 (:mod:`orchestrator.observe.job_observer`).  Everything it knows lives in
 etcd, so a standby that takes over simply reads it back.
+
+It also holds the job's checkpoint root for the run (:mod:`orchestrator.writer_hold`):
+the policy decides nothing, so no plan is published and no worker trains,
+until the root is taken; a root that a live run of another lineage writes
+(or that cannot be written) fails the job with the reason in one line, and
+so does losing the root to another run.  The root is released when the job
+ends; a controller that merely stops leaves the marker to its successor (the
+same lineage takes it at once) or to go stale.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 from orchestrator import events, keys, records
+from orchestrator.api import JobPhase
 from orchestrator.controller import policy
 from orchestrator.controller.actions import (
     Action,
@@ -37,6 +47,15 @@ from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
+from orchestrator.runs import lineage_id
+from orchestrator.writer_hold import (
+    FIRST_WAIT_S,
+    HOLD_WAIT_S,
+    HeldRoot,
+    HoldState,
+    hold_for,
+    root_url,
+)
 
 log = logging.getLogger("ringmaster.controller")
 
@@ -60,9 +79,21 @@ class JobController:
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
         self._last_written: dict[str, Any] = {}
+        #: this run's hold on the checkpoint root (the controller runs where the job's
+        #: processes start, so a relative ``checkpoint.url`` is read from its directory)
+        self.writer: HeldRoot = hold_for(
+            root_url(self.spec.checkpoint.url, os.getcwd()),
+            lineage_id(client, job),
+            job,
+            self.run,
+            ",".join(client.endpoints),
+        )
 
     def tick(self) -> None:
         if self.status.phase.terminal:
+            self.writer.close(release=True)
+            return
+        if not self._root_held():
             return
         world = self.reader.read()
         decision = policy.decide(self.spec, self.memory, self.status, world)
@@ -75,6 +106,43 @@ class JobController:
             plan = records.read(self.client, keys.job_plan(self.job), Plan)
         self.observer.observe(self.status, plan, world.nodes, world.progress)
         self._write_status()
+        if self.status.phase.terminal:
+            self.writer.close(release=True)
+
+    def close(self, wait: float = 0.0) -> None:
+        """Stop renewing the root's heartbeat (a controller that stops; the job goes on),
+        waiting up to ``wait`` seconds for a release the job's end asked for."""
+        self.writer.close(release=False)
+        self.writer.join(wait)
+
+    def _root_held(self) -> bool:
+        """Whether this run holds its checkpoint root; ends the job when it cannot."""
+        writer = self.writer
+        writer.start(wait=FIRST_WAIT_S)  # a store that answers at once: the plan goes out now
+        if writer.state is HoldState.HELD:
+            if writer.note is not None:
+                log.warning("[%s] %s", self.job, writer.note)
+                events.emit(self.client, self.job, "CheckpointRootTakenOver", writer.note)
+                writer.note = None
+            return True
+        if writer.state is HoldState.PENDING:
+            assert writer.started_at is not None
+            if time.monotonic() - writer.started_at <= HOLD_WAIT_S:
+                return False
+            message = (
+                f"checkpoint.url {writer.hold.url} did not answer within {HOLD_WAIT_S:g}s "
+                "while the job's writer marker was written there: check the storage "
+                "endpoint, or give this job another checkpoint.url"
+            )
+        else:
+            message = writer.message or f"checkpoint.url {writer.hold.url} is not this run's"
+        writer.close(release=False)
+        self.status.phase = JobPhase.FAILED
+        self.status.message = message
+        events.emit(self.client, self.job, "Phase", f"{JobPhase.FAILED.value}: {message}")
+        log.warning("[%s] %s: %s", self.job, JobPhase.FAILED.value, message)
+        self._write_status()
+        return False
 
     # -- the executor ------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 
 from orchestrator import keys, records
@@ -33,6 +34,8 @@ log = logging.getLogger("ringmaster.controller")
 
 #: Controller loop period when nothing wakes it.
 TICK = timedelta(seconds=0.2)
+#: At exit, how long the controller waits for finished jobs' checkpoint roots to be released.
+RELEASE_WAIT = timedelta(seconds=5)
 #: What changes under a job that do not wake the loop (the next ``TICK`` reads them):
 #: a thousand nodes write their progress every second, and the controller's own
 #: writes would wake it again after every tick.
@@ -109,6 +112,9 @@ class Controller:
                 self._wake.wait(TICK.total_seconds())
                 self._wake.clear()
         finally:
+            deadline = time.monotonic() + RELEASE_WAIT.total_seconds()
+            for jc in self._jobs.values():
+                jc.close(wait=max(deadline - time.monotonic(), 0.0))
             follower.stop()
             self.election.resign()
             if self.metrics_server is not None:
@@ -124,11 +130,15 @@ class Controller:
         for name in names:
             record = records.read(self.client, keys.job_spec(name), SpecRecord)
             if record is None:
-                self._jobs.pop(name, None)  # gone, or between two runs
+                gone = self._jobs.pop(name, None)  # gone, or between two runs
+                if gone is not None:
+                    gone.close()
                 continue
             jc = self._jobs.get(name)
             if jc is None or jc.run != record.run:
                 # a new run of the job (resubmitted or resumed): a fresh controller
+                if jc is not None:
+                    jc.close()
                 jc = self._jobs[name] = JobController(self.client, name, self.metrics)
             jc.tick()
 

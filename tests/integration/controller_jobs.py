@@ -15,13 +15,18 @@ from orchestrator.spec_loader import load_job_data
 
 
 def two_node_job(job: str) -> JobSpec:
-    """A job that trains on exactly 2 nodes, beating every 500 ms."""
+    """A job that trains on exactly 2 nodes, beating every 500 ms.
+
+    Its checkpoint root is its own, in this process's memory: the controller
+    under test holds it while the job runs, and no other test's job writes there.
+    """
     return load_job_data(
         {
             "name": job,
             "entrypoint": {"script": "train.py"},
             "nodes": {"min": 2, "max": 2},
             "fault_tolerance": {"heartbeat_interval": "500ms"},
+            "checkpoint": {"url": f"memory://controller-tests/{job}"},
         }
     )
 

@@ -19,13 +19,17 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.records import Plan, ResumeRequest
 from orchestrator.runs import list_runs
-from orchestrator.spec import EntrypointSpec, JobSpec
+from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
 
 pytestmark = pytest.mark.integration
 
 
 def _spec(name: str) -> JobSpec:
-    return JobSpec(name=name, entrypoint=EntrypointSpec(script="train.py")).validate()
+    # a checkpoint root of its own (the controller holds it while the job runs)
+    checkpoint = CheckpointSpec(url=f"memory://controller-tests/{name}")
+    return JobSpec(
+        name=name, entrypoint=EntrypointSpec(script="train.py"), checkpoint=checkpoint
+    ).validate()
 
 
 def _stop_and_tick(controller: Controller, client: EtcdClient, name: str) -> records.JobStatus:

@@ -1,6 +1,6 @@
 """SIGTERM to ``ringmaster run`` (what ``timeout``, systemd or a batch scheduler send)
-ends the run as Ctrl-C does: the job saves at one step and stops, and the run leaves
-nothing of its own in ``TMPDIR``.
+ends the run as Ctrl-C does: the job saves at one step and stops, the run leaves
+nothing of its own in ``TMPDIR`` and its checkpoint root is free for the next run.
 
 Real processes: ``ringmaster run`` as a subprocess with an embedded etcd, an
 in-process job whose workers log each step they apply; the signal is sent once the
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint.catalog import checkpoints
+from orchestrator.writer_marker import MARKER_NAME
 from tests.faults.processes import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -72,6 +73,7 @@ def test_sigterm_to_run_saves_stops_and_leaves_no_temporary_files(tmp_path: Path
     assert "Phase: Stopped" in text, text[-3000:]
     saved = [c for c in checkpoints(f"file://{tmp_path}/ckpt") if c.committed]
     assert saved and saved[-1].step >= trained, (saved, trained, text[-2000:])
+    assert not (tmp_path / "ckpt" / MARKER_NAME).exists()  # the root is free for the next run
     # what is left is torch's own compile cache, which every torch program keeps there
     left = [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")]
     assert not left, left

@@ -204,6 +204,37 @@ class RedundancySpec:
         return []
 
 
+class StragglerAction(str, Enum):
+    """What the controller does about a node that keeps stepping slower than its peers."""
+
+    REPORT = "report"  # a Straggler event, a metric, a mark in status
+    OFF = "off"  # steps are still timed (metrics), nothing is judged
+
+
+@dataclass
+class StragglerSpec:
+    """How slow nodes are told from their peers (``fault_tolerance.stragglers``).
+
+    A node is a straggler when its compute time per step stays at or above
+    ``threshold`` times the median of its peers' for ``windows`` windows in a row
+    (a window: one heartbeat interval with steps in it).
+    """
+
+    action: StragglerAction = StragglerAction.REPORT
+    #: how many times the peers' median compute time a straggler's is (more than 1)
+    threshold: float = 1.2
+    #: consecutive windows above ``threshold`` before a node is called a straggler
+    windows: int = 3
+
+    def problems(self) -> Problems:
+        out: Problems = []
+        if not (self.threshold > 1.0 and self.threshold <= 100.0):
+            out.append(("threshold", f"must be above 1 and at most 100, got {self.threshold}"))
+        if not 1 <= self.windows <= 1000:
+            out.append(("windows", f"must be 1 to 1000, got {self.windows}"))
+        return out
+
+
 @dataclass
 class FaultToleranceSpec:
     """How failures are detected and how often the job may recover."""
@@ -214,6 +245,7 @@ class FaultToleranceSpec:
     heartbeat_interval: timedelta = timedelta(seconds=2)
     preemption_grace: timedelta = timedelta(seconds=30)
     redundancy: RedundancySpec = field(default_factory=RedundancySpec)
+    stragglers: StragglerSpec = field(default_factory=StragglerSpec)
 
     def problems(self) -> Problems:
         out: Problems = []

@@ -36,6 +36,7 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.stragglers import StragglerReporter
 from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
 
 log = logging.getLogger("ringmaster.controller")
@@ -59,6 +60,7 @@ class JobController:
             quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
+        self.stragglers = StragglerReporter(client, job, self.spec.fault_tolerance, metrics)
         self._last_written: dict[str, Any] = {}
 
     def tick(self) -> None:
@@ -74,6 +76,7 @@ class JobController:
         else:
             plan = records.read(self.client, keys.job_plan(self.job), Plan)
         self.observer.observe(self.status, plan, world.nodes, world.progress)
+        self.stragglers.observe(self.status, plan, world.progress)
         self._write_status()
 
     # -- the executor ------------------------------------------------------------------

@@ -164,6 +164,12 @@ class Telemetry(Record):
     restored_from: str | None = None
     #: completed steps the generation had to train again (state restored from an older step)
     steps_lost: int = 0
+    #: running totals of this rank's step time: computing, and waiting in the final
+    #: gradient reduction for its peers, over ``timed_steps`` steps
+    #: (:mod:`agents.runtime.step_timing`)
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    timed_steps: int = 0
 
 
 @dataclass
@@ -346,6 +352,9 @@ class JobStatus(Record):
     #: how the job recovers (``in_process`` or ``restart``; empty until known): in
     #: the restart tier the script reports no steps, so ``step`` stays 0
     recovery: str = ""
+    #: nodes called stragglers now → how many times as long as their peers they
+    #: compute per step (:mod:`orchestrator.controller.stragglers`)
+    stragglers: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -21,9 +21,22 @@ from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
 from orchestrator.dataclass_tree import nested_problems, plain
-from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, too_large
-
-Problems = list[tuple[str, str]]
+from orchestrator.spec_bounds import (
+    INT64_MAX,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    Problems,
+    positive_duration,
+    too_large,
+)
+from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
+    COMPRESSION_PARAMS,
+    FLAT_ONLY_COMPRESSION,
+    Backend,
+    CommSpec,
+    CompressionKind,
+    CompressionSpec,
+)
 
 #: Job names become etcd keys, paths and Kubernetes object names: DNS-1123 labels.
 JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
@@ -31,12 +44,6 @@ JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 #: URL schemes accepted for durable checkpoints (fsspec protocols).
 CHECKPOINT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "memory")
 _SCHEME_LIST = ", ".join(s + "://" for s in CHECKPOINT_SCHEMES)
-
-
-def _positive(value: timedelta, path: str) -> Problems:
-    if value.total_seconds() <= 0:
-        return [(path, f"must be a positive duration, got {value.total_seconds():g}s")]
-    return []
 
 
 @dataclass
@@ -118,7 +125,7 @@ class RendezvousSpec:
     def problems(self) -> Problems:
         out: Problems = []
         for name in ("join_timeout", "last_call_timeout"):
-            out += _positive(getattr(self, name), name)
+            out += positive_duration(getattr(self, name), name)
         for i, ep in enumerate(self.endpoints):
             if not _ENDPOINT_RE.match(ep):
                 out.append(
@@ -204,6 +211,37 @@ class RedundancySpec:
         return []
 
 
+class StragglerAction(str, Enum):
+    """What the controller does about a node that keeps stepping slower than its peers."""
+
+    REPORT = "report"  # a Straggler event, a metric, a mark in status
+    OFF = "off"  # steps are still timed (metrics), nothing is judged
+
+
+@dataclass
+class StragglerSpec:
+    """How slow nodes are told from their peers (``fault_tolerance.stragglers``).
+
+    A node is a straggler when its compute time per step stays at or above
+    ``threshold`` times the median of its peers' for ``windows`` windows in a row
+    (a window: one heartbeat interval with steps in it).
+    """
+
+    action: StragglerAction = StragglerAction.REPORT
+    #: how many times the peers' median compute time a straggler's is (more than 1)
+    threshold: float = 1.2
+    #: consecutive windows above ``threshold`` before a node is called a straggler
+    windows: int = 3
+
+    def problems(self) -> Problems:
+        out: Problems = []
+        if not (self.threshold > 1.0 and self.threshold <= 100.0):
+            out.append(("threshold", f"must be above 1 and at most 100, got {self.threshold}"))
+        if not 1 <= self.windows <= 1000:
+            out.append(("windows", f"must be 1 to 1000, got {self.windows}"))
+        return out
+
+
 @dataclass
 class FaultToleranceSpec:
     """How failures are detected and how often the job may recover."""
@@ -214,153 +252,20 @@ class FaultToleranceSpec:
     heartbeat_interval: timedelta = timedelta(seconds=2)
     preemption_grace: timedelta = timedelta(seconds=30)
     redundancy: RedundancySpec = field(default_factory=RedundancySpec)
+    stragglers: StragglerSpec = field(default_factory=StragglerSpec)
 
     def problems(self) -> Problems:
         out: Problems = []
         if self.max_restarts < 0:
             out.append(("max_restarts", f"must be 0 or more, got {self.max_restarts}"))
         for name in ("hang_timeout", "heartbeat_interval", "preemption_grace"):
-            out += _positive(getattr(self, name), name)
+            out += positive_duration(getattr(self, name), name)
         if self.heartbeat_interval >= self.hang_timeout:
             out.append(
                 (
                     "heartbeat_interval",
                     f"heartbeat_interval ({self.heartbeat_interval.total_seconds():g}s) must be "
                     f"shorter than hang_timeout ({self.hang_timeout.total_seconds():g}s)",
-                )
-            )
-        return out
-
-
-class CompressionKind(str, Enum):
-    """Gradient compression applied by the DDP comm hook."""
-
-    NONE = "none"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    POWERSGD = "powersgd"
-    TOPK = "topk"
-    QSGD = "qsgd"
-    LOCALSGD = "localsgd"
-
-
-#: Parameters that apply to each compression kind (besides ``type``).
-COMPRESSION_PARAMS: dict[CompressionKind, tuple[str, ...]] = {
-    CompressionKind.NONE: (),
-    CompressionKind.FP16: (),
-    CompressionKind.BF16: (),
-    CompressionKind.POWERSGD: ("rank", "start_iter", "min_compression_rate", "warm_start"),
-    CompressionKind.TOPK: ("ratio", "momentum", "warmup_steps", "dense_sync_every"),
-    CompressionKind.QSGD: ("bits", "warmup_steps", "dense_sync_every"),
-    CompressionKind.LOCALSGD: ("period", "start_iter"),
-}
-
-
-@dataclass
-class CompressionSpec:
-    """Which compression and its parameters; parameters of other kinds are rejected."""
-
-    type: CompressionKind = CompressionKind.NONE
-    rank: int = 1
-    start_iter: int = 10
-    min_compression_rate: float = 2.0
-    warm_start: bool = True
-    ratio: float = 0.01
-    momentum: float = 0.9
-    warmup_steps: int = 100
-    dense_sync_every: int = 0
-    bits: int = 8
-    period: int = 4
-    #: compress only the inter-node stage of the hierarchical all-reduce
-    inter_node_only: bool = False
-
-    def problems(self) -> Problems:
-        out: Problems = []
-        if self.rank < 1:
-            out.append(("rank", f"must be at least 1, got {self.rank}"))
-        if self.start_iter < 0:
-            out.append(("start_iter", f"must be 0 or more, got {self.start_iter}"))
-        if not 0.0 < self.ratio <= 1.0:
-            out.append(("ratio", f"must be in (0, 1], got {self.ratio:g}"))
-        if not 0.0 <= self.momentum < 1.0:
-            out.append(("momentum", f"must be in [0, 1), got {self.momentum:g}"))
-        if self.warmup_steps < 0:
-            out.append(("warmup_steps", f"must be 0 or more, got {self.warmup_steps}"))
-        if self.dense_sync_every < 0:
-            out.append(
-                ("dense_sync_every", f"must be 0 (off) or more, got {self.dense_sync_every}")
-            )
-        if self.bits not in (4, 8):
-            out.append(("bits", f"must be 4 or 8, got {self.bits}"))
-        if self.period < 1:
-            out.append(("period", f"must be at least 1, got {self.period}"))
-        return out
-
-
-#: Compression kinds that are torch's own DDP hooks: no hierarchical form.
-FLAT_ONLY_COMPRESSION = frozenset({"fp16", "bf16", "powersgd", "localsgd"})
-
-
-class Backend(str, Enum):
-    """The data plane's collective backend (``comm.backend``).
-
-    ``auto``: NCCL when the worker sees a CUDA device, else gloo.  The step
-    boundary's control vector always travels on a small gloo group beside it.
-    """
-
-    AUTO = "auto"
-    NCCL = "nccl"
-    GLOO = "gloo"
-
-
-@dataclass
-class CommSpec:
-    """How gradients travel: backend, compression, hierarchical all-reduce, topology
-    labels, and how long a collective may take before a peer counts as gone.
-
-    A collective's timeout is ``op_timeout_multiple`` times the slowest step of the
-    recent past, never under ``op_timeout_floor`` and never over twice
-    ``fault_tolerance.hang_timeout``.
-    """
-
-    backend: Backend = Backend.AUTO
-    compression: CompressionSpec = field(default_factory=CompressionSpec)
-    hierarchical: bool = False
-    topology_labels: list[str] = field(default_factory=lambda: ["zone", "rack", "host"])
-    bucket_cap_mb: float = 25.0
-    op_timeout_floor: timedelta = timedelta(seconds=5)
-    op_timeout_multiple: float = 10.0
-
-    def problems(self) -> Problems:
-        out: Problems = []
-        out += _positive(self.op_timeout_floor, "op_timeout_floor")
-        if self.op_timeout_multiple < 2:
-            out.append(
-                (
-                    "op_timeout_multiple",
-                    f"must be 2 or more (a collective may wait for a peer's whole step), "
-                    f"got {self.op_timeout_multiple:g}",
-                )
-            )
-        if len(set(self.topology_labels)) != len(self.topology_labels):
-            out.append(("topology_labels", f"labels repeat: {self.topology_labels}"))
-        if self.bucket_cap_mb <= 0:
-            out.append(("bucket_cap_mb", f"must be positive, got {self.bucket_cap_mb:g}"))
-        kind = self.compression.type
-        if self.hierarchical and kind.value in FLAT_ONLY_COMPRESSION:
-            out.append(
-                (
-                    "compression.type",
-                    f"'{kind.value}' has no hierarchical form (it is one of torch's own "
-                    "hooks); use none, topk or qsgd with 'comm.hierarchical: true', or set "
-                    "hierarchical to false",
-                )
-            )
-        if self.compression.inter_node_only and not self.hierarchical:
-            out.append(
-                (
-                    "compression.inter_node_only",
-                    "needs 'comm.hierarchical: true' (there is no inter-node stage without it)",
                 )
             )
         return out

@@ -6,12 +6,34 @@ zeros, ``nproc_per_node: 100000000``) must be refused where it is written,
 with its reason, not found out by an agent starting processes until the
 machine gives out or by etcd refusing a record.  :mod:`orchestrator.spec`
 checks these in ``problems()``; the spec loader checks that every integer
-fits :data:`INT64_MAX`.  Pure data; imported by whatever validates a spec.
+fits :data:`INT64_MAX`.  Pure data; imported by whatever validates a spec,
+with the problem list type and the duration check every section of the spec uses.
 """
 
 from __future__ import annotations
 
-__all__ = ["INT64_MAX", "MAX_NODES", "MAX_NPROC_PER_NODE", "REASONS", "out_of_int64", "too_large"]
+from datetime import timedelta
+
+__all__ = [
+    "INT64_MAX",
+    "MAX_NODES",
+    "MAX_NPROC_PER_NODE",
+    "REASONS",
+    "Problems",
+    "out_of_int64",
+    "positive_duration",
+    "too_large",
+]
+
+#: ``(relative dotted path, message)`` pairs, as every ``problems()`` of the spec returns.
+Problems = list[tuple[str, str]]
+
+
+def positive_duration(value: timedelta, path: str) -> Problems:
+    """``path``'s problem when ``value`` is not a positive duration."""
+    if value.total_seconds() <= 0:
+        return [(path, f"must be a positive duration, got {value.total_seconds():g}s")]
+    return []
 
 #: Largest integer anywhere in a spec: steps travel as int64 tensors in the
 #: workers' step-boundary vote, and Kubernetes stores a TrainingJob's integers

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from agents.runtime.step_timing import StepTiming
+
 __all__ = ["PEER_SETTLE_S", "CollectiveFailures", "peer_failure"]
 
 #: After a step failed without a failed collective, how long the worker waits for
@@ -65,12 +67,14 @@ class CollectiveFailures:
 
     DDP runs comm hook callbacks on the backend's threads, so errors are
     recorded under a lock; :meth:`take` hands the first one to the training
-    loop at the step boundary.
+    loop at the step boundary.  The hooks it makes also tell ``timing`` when
+    each gradient bucket was posted and when its reduction completed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timing: StepTiming | None = None) -> None:
         self._lock = threading.Lock()
         self._first: BaseException | None = None
+        self.timing = timing
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -100,7 +104,11 @@ class CollectiveFailures:
 
         # No annotations: DDP rejects a hook whose ``bucket`` is annotated with
         # anything but the GradBucket class (here every annotation is a string).
+        timing = self.timing
+
         def recorded(state, bucket):
+            if timing is not None:
+                timing.posted()
             try:
                 fut = hook(state, bucket)
             except Exception as e:
@@ -109,10 +117,13 @@ class CollectiveFailures:
 
             def check(done: Any) -> Any:
                 try:
-                    return done.value()
+                    value = done.value()
                 except Exception as e:
                     self.record(e)
                     raise
+                if timing is not None:
+                    timing.completed()
+                return value
 
             return fut.then(check)
 
@@ -128,7 +139,11 @@ class CollectiveFailures:
         """
         import torch.distributed as dist
 
+        timing = self.timing
+
         def hook(state, bucket):  # no annotations: see wrap_hook
+            if timing is not None:
+                timing.posted()
             group = state if state is not None else dist.group.WORLD
             assert group is not None, "a DDP comm hook runs only inside a process group"
             tensor = bucket.buffer()
@@ -141,10 +156,13 @@ class CollectiveFailures:
 
             def check(done: Any) -> Any:
                 try:
-                    return done.value()[0]
+                    value = done.value()[0]
                 except Exception as e:
                     self.record(e)
                     raise
+                if timing is not None:
+                    timing.completed()
+                return value
 
             return fut.then(check)
 

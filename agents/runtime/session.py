@@ -73,10 +73,10 @@ class Session:
         self._state = WorkerState()
         self._finished = False
         self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
-        self._failures = CollectiveFailures()
+        self._telemetry = RecoveryTelemetry()
+        self._failures = CollectiveFailures(self._telemetry.timing)  # times the gradient hooks
         self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
         self._groups: Groups | None = None
-        self._telemetry = RecoveryTelemetry()
         self._fence = GenerationFence(client, env.job)
         self._metrics: dict[str, float] = {}
         self._step_error: BaseException | None = None

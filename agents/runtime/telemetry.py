@@ -11,7 +11,10 @@ worker only records wall-clock timestamps and running totals:
   save and how long its upload took;
 * gradient exchange: bytes this rank put on the wire and the dense fp32
   bytes they stand for (their ratio is the compression ratio).  Without a
-  comm hook DDP sends every gradient dense, so wire bytes equal dense bytes.
+  comm hook DDP sends every gradient dense, so wire bytes equal dense bytes;
+* step timing: running totals of the time its steps computed and waited for
+  their peers (:mod:`agents.runtime.step_timing`), from which the controller
+  tells a slow node from its peers.
 
 Timestamps are ``time.time()``: the controller compares them with its own
 clock and other workers', which is exact on one machine and as good as the
@@ -26,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from agents.runtime.step_timing import StepTiming
 from orchestrator.records import Telemetry
 
 __all__ = ["WorkerTelemetry"]
@@ -47,6 +51,8 @@ class WorkerTelemetry:
         #: what ended this worker's last failed generation: ``error`` (a collective
         #: raised), ``timeout`` or ``abort`` (see :mod:`agents.runtime.collective_guard`)
         self.left_by: str | None = None
+        #: this rank's compute and wait time per step (fed by the comm hooks)
+        self.timing = StepTiming()
 
     # -- generation timeline -----------------------------------------------------------
 
@@ -56,6 +62,7 @@ class WorkerTelemetry:
         self.restored_at = None
         self.restored_step = None
         self.first_step_at = None
+        self.timing.reset()
 
     def state_restored(self, step: int) -> None:
         self.restored_at = time.time()
@@ -65,6 +72,7 @@ class WorkerTelemetry:
         """A step of the current generation completed; count its gradient bytes."""
         if self.first_step_at is None:
             self.first_step_at = time.time()
+        self.timing.step_done()
         last = getattr(getattr(hook, "metrics", None), "last", None)
         if last is not None:
             self.wire_bytes += int(last.wire_bytes)
@@ -96,4 +104,7 @@ class WorkerTelemetry:
             wire_bytes=self.wire_bytes,
             dense_bytes=self.dense_bytes,
             left_by=self.left_by,
+            compute_s=round(self.timing.compute_s, 6),
+            wait_s=round(self.timing.wait_s, 6),
+            timed_steps=self.timing.steps,
         )

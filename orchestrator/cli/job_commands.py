@@ -184,6 +184,9 @@ def _one_job(s: jobs.JobStatus) -> Table:
         ("nodes a/s/f", nodes),
         ("recoveries", str(s.recoveries)),
     ]
+    if s.stragglers:
+        slow = sorted(s.stragglers.items())
+        rows.append(("stragglers", ", ".join(f"{n} ({x:.2f}x its peers' step)" for n, x in slow)))
     if s.last_recovery:
         rows.append(("last recovery", _last_recovery(s)))
     rows += [

@@ -46,6 +46,7 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
+from orchestrator.observe.stragglers import StragglerReporter
 from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
 from orchestrator.runs import lineage_id
 from orchestrator.writer_hold import (
@@ -78,6 +79,7 @@ class JobController:
             quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
+        self.stragglers = StragglerReporter(client, job, self.spec.fault_tolerance, metrics)
         self._last_written: dict[str, Any] = {}
         #: this run's hold on the checkpoint root (the controller runs where the job's
         #: processes start, so a relative ``checkpoint.url`` is read from its directory)
@@ -105,6 +107,7 @@ class JobController:
         else:
             plan = records.read(self.client, keys.job_plan(self.job), Plan)
         self.observer.observe(self.status, plan, world.nodes, world.progress)
+        self.stragglers.observe(self.status, plan, world.progress)
         self._write_status()
         if self.status.phase.terminal:
             self.writer.close(release=True)

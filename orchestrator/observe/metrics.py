@@ -30,6 +30,9 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
 * ``ringmaster_job_comm_wire_bytes_total``, ``ringmaster_job_comm_dense_bytes_total``
   (counters: gradient bytes sent, and the fp32 bytes they stand for) and
   ``ringmaster_job_comm_compression_ratio`` (gauge, dense / wire)
+* ``ringmaster_node_step_compute_seconds`` and ``ringmaster_node_slowdown`` (gauges;
+  ringmaster_job, node): a node's compute time per step in the last window, and
+  that over its peers' median (:mod:`orchestrator.controller.stragglers`)
 * ``ringmaster_job_effective_training_ratio``, ``ringmaster_job_productive_seconds``
 
 And of etcd itself, read when scraped (:class:`EtcdCollector`, once the
@@ -188,6 +191,18 @@ class JobMetrics:
             [JOB_LABEL],
             registry=r,
         )
+        self.node_compute = Gauge(
+            "ringmaster_node_step_compute_seconds",
+            "A node's compute time per step (its slowest worker, last window)",
+            [JOB_LABEL, "node"],
+            registry=r,
+        )
+        self.node_slowdown = Gauge(
+            "ringmaster_node_slowdown",
+            "A node's compute time per step over its peers' median (1 = as fast)",
+            [JOB_LABEL, "node"],
+            registry=r,
+        )
         self._worker_bytes: dict[tuple[str, str], tuple[int, int]] = {}
         #: Last step and productive seconds seen per job (the counters add increases only).
         self._last_step: dict[str, int] = {}
@@ -259,6 +274,12 @@ class JobMetrics:
         self._worker_bytes[key] = (max(wire, old_wire), max(dense, old_dense))
         if self._wire.get(job):
             self.compression_ratio.labels(job).set(self._dense.get(job, 0.0) / self._wire[job])
+
+    def node_timing(self, job: str, node: str, compute_s: float, slowdown: float | None) -> None:
+        """A node's last window: its compute time per step and its slowdown."""
+        self.node_compute.labels(job, node).set(compute_s)
+        if slowdown is not None:
+            self.node_slowdown.labels(job, node).set(slowdown)
 
     def checkpoint(self, job: str, blocking_s: float | None, upload_s: float | None) -> None:
         self.checkpoints.labels(job).inc()

@@ -70,6 +70,13 @@ DESCRIPTIONS: dict[str, str] = {
     "fault_tolerance.redundancy.every_steps": (
         "Every this many steps each rank copies its slice to its buddy; 0 turns copies off."
     ),
+    "fault_tolerance.stragglers": (
+        "Slow nodes: a node whose compute time per step stays above threshold x its "
+        "peers' median for windows heartbeat intervals is reported."
+    ),
+    "fault_tolerance.stragglers.action": "report (event, metric, status mark) or off.",
+    "fault_tolerance.stragglers.threshold": "Slowdown against the peers' median (above 1).",
+    "fault_tolerance.stragglers.windows": "Consecutive heartbeat intervals above threshold.",
     "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",
     "comm.hierarchical": "All-reduce within each node first, then across nodes.",
     "comm.topology_labels": "Topology labels, outermost first; ranks follow this order.",

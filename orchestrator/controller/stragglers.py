@@ -1,0 +1,166 @@
+"""Stragglers: a node that keeps stepping slower than its peers, told from their timings.
+
+Pure (no I/O): the controller's observer feeds it the workers' heartbeats once
+per window and turns what it returns into events, a mark in the job's status
+and metrics.  Each worker's heartbeat carries running totals of the time its
+steps spent computing and waiting for their peers in the final gradient
+reduction (:mod:`agents.runtime.step_timing`); the difference of two
+heartbeats is a window.  Per node the slowest of its workers counts (a node
+is as slow as its slowest rank).
+
+A node is a straggler when its compute time per step is at least
+``threshold`` times the median of the other nodes' for ``windows`` windows in
+a row (``fault_tolerance.stragglers``).  What slows every rank alike is not
+a straggler: a save (a window in which any worker's checkpoint timings
+changed is not judged), the first steps of a generation (a worker's first
+step after its group formed is not timed, and a window whose worker changed
+generation is not judged), a window with too few steps.  A node called a
+straggler is called again only after it has been back under the threshold
+for ``windows`` windows (it is then reported as recovered).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from orchestrator import keys
+from orchestrator.records import Plan, ProgressRecord, Telemetry
+from orchestrator.spec import StragglerSpec
+
+__all__ = ["MIN_STEPS", "NodeTiming", "Straggler", "StragglerWatch", "node_timings"]
+
+#: Steps a worker must have timed in a window for the window to say anything of it.
+MIN_STEPS = 3
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """One node's window: its slowest worker's mean compute and wait time per step."""
+
+    compute_s: float
+    wait_s: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A node called slow, and the evidence.
+
+    Attributes:
+        node: the node.
+        slowdown: its compute time per step over the median of its peers'.
+        compute_s: its compute time per step in the last window.
+        peers_s: the median of its peers' compute time per step.
+        wait_s: how long it waited for others per step (near 0 when it is the slow one).
+        peers_wait_s: how long its peers waited per step (for it).
+        windows: windows in a row it stayed above the threshold.
+    """
+
+    node: str
+    slowdown: float
+    compute_s: float
+    peers_s: float
+    wait_s: float
+    peers_wait_s: float
+    windows: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.node} computes {self.slowdown:.2f}x as long per step as its peers "
+            f"({self.compute_s * 1000:.1f} ms against a median of {self.peers_s * 1000:.1f} "
+            f"ms) for {self.windows} windows in a row; it waits {self.wait_s * 1000:.1f} ms "
+            f"per step for the others, they wait {self.peers_wait_s * 1000:.1f} ms for it"
+        )
+
+
+def node_timings(
+    before: dict[str, Telemetry], progress: dict[str, ProgressRecord], plan: Plan
+) -> dict[str, NodeTiming] | None:
+    """Each member's timing over the window from ``before`` to ``progress``.
+
+    Returns:
+        The nodes with enough timed steps (:data:`MIN_STEPS`), or None when the
+        window is not to be judged (a save, or a worker changed generation).
+    """
+    out: dict[str, NodeTiming] = {}
+    for m in plan.members:
+        slowest: NodeTiming | None = None
+        for w in keys.worker_ids(m.node, m.nproc):
+            p, old = progress.get(w), before.get(w)
+            if p is None or old is None:
+                continue
+            now = p.telemetry
+            if now.generation != old.generation or now.timed_steps < old.timed_steps:
+                return None  # a new generation, or a new process: its totals start over
+            saved = (now.checkpoint_blocking_s, now.checkpoint_upload_s)
+            if saved != (old.checkpoint_blocking_s, old.checkpoint_upload_s):
+                return None  # a save in the window slows its ranks alike
+            steps = now.timed_steps - old.timed_steps
+            if steps < MIN_STEPS:
+                continue
+            timing = NodeTiming(
+                (now.compute_s - old.compute_s) / steps, (now.wait_s - old.wait_s) / steps, steps
+            )
+            if slowest is None or timing.compute_s > slowest.compute_s:
+                slowest = timing
+        if slowest is not None:
+            out[m.node] = slowest
+    return out
+
+
+@dataclass
+class StragglerWatch:
+    """Which nodes are stragglers now, window after window (see the module docstring).
+
+    Args:
+        spec: ``fault_tolerance.stragglers``.
+    """
+
+    spec: StragglerSpec
+    #: nodes called stragglers, with the evidence of when they were called
+    flagged: dict[str, Straggler] = field(default_factory=dict)
+    #: windows in a row each node was above the threshold (below, for a flagged one)
+    _streak: dict[str, int] = field(default_factory=dict)
+    #: each node's latest slowdown (for the metrics)
+    slowdowns: dict[str, float] = field(default_factory=dict)
+
+    def judge(self, timings: dict[str, NodeTiming]) -> tuple[list[Straggler], list[str]]:
+        """Take one window's timings; return the nodes newly called stragglers and the
+        flagged nodes now back under the threshold."""
+        called: list[Straggler] = []
+        cleared: list[str] = []
+        if len(timings) < 2:
+            return called, cleared
+        for node, mine in sorted(timings.items()):
+            peers = [t for n, t in timings.items() if n != node]
+            median = statistics.median(t.compute_s for t in peers)
+            if median <= 0:
+                continue
+            slowdown = mine.compute_s / median
+            self.slowdowns[node] = round(slowdown, 3)
+            slow = slowdown >= self.spec.threshold
+            if (node in self.flagged) == slow:
+                self._streak[node] = 0  # no change of state under way
+                continue
+            self._streak[node] = self._streak.get(node, 0) + 1
+            if self._streak[node] < self.spec.windows:
+                continue
+            self._streak[node] = 0
+            if slow:
+                peers_wait = statistics.median(t.wait_s for t in peers)
+                straggler = Straggler(node, slowdown, mine.compute_s, median, mine.wait_s,
+                                      peers_wait, self.spec.windows)  # fmt: skip
+                self.flagged[node] = straggler
+                called.append(straggler)
+            else:
+                del self.flagged[node]
+                cleared.append(node)
+        return called, cleared
+
+    def forget(self, nodes: set[str]) -> None:
+        """Nodes that left the job (failed, replaced) are judged afresh if they return."""
+        for node in nodes:
+            self.flagged.pop(node, None)
+            self._streak.pop(node, None)
+            self.slowdowns.pop(node, None)

@@ -215,7 +215,7 @@ class StragglerAction(str, Enum):
     """What the controller does about a node that keeps stepping slower than its peers."""
 
     REPORT = "report"  # a Straggler event, a metric, a mark in status
-    OFF = "off"  # steps are still timed (metrics), nothing is judged
+    OFF = "off"  # steps are not timed, nothing is judged
 
 
 @dataclass

@@ -47,7 +47,7 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.fencing import GenerationFence
 from orchestrator.records import ProgressRecord
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, StragglerAction
 
 __all__ = ["SaveFn", "Session"]
 
@@ -74,7 +74,8 @@ class Session:
         self._finished = False
         self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
         self._telemetry = RecoveryTelemetry()
-        self._failures = CollectiveFailures(self._telemetry.timing)  # times the gradient hooks
+        timed = spec.fault_tolerance.stragglers.action is not StragglerAction.OFF
+        self._failures = CollectiveFailures(self._telemetry.timing if timed else None)
         self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
         self._groups: Groups | None = None
         self._fence = GenerationFence(client, env.job)

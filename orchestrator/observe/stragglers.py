@@ -7,8 +7,8 @@ changed: a ``Straggler`` event with the evidence when a node is called slow,
 a ``StragglerCleared`` event when it is back under the threshold, the node
 and its slowdown in ``JobStatus.stragglers`` (``ringmaster status`` marks it),
 and each node's compute time per step and slowdown as metrics.  With
-``fault_tolerance.stragglers.action: off`` the metrics are kept and nothing
-is judged.
+``fault_tolerance.stragglers.action: off`` the workers do not time their
+steps, so there is nothing to judge or export.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ def positive_duration(value: timedelta, path: str) -> Problems:
         return [(path, f"must be a positive duration, got {value.total_seconds():g}s")]
     return []
 
+
 #: Largest integer anywhere in a spec: steps travel as int64 tensors in the
 #: workers' step-boundary vote, and Kubernetes stores a TrainingJob's integers
 #: as int64.

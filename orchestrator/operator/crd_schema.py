@@ -74,7 +74,7 @@ DESCRIPTIONS: dict[str, str] = {
         "Slow nodes: a node whose compute time per step stays above threshold x its "
         "peers' median for windows heartbeat intervals is reported."
     ),
-    "fault_tolerance.stragglers.action": "report (event, metric, status mark) or off (steps not timed).",
+    "fault_tolerance.stragglers.action": "report (event, metric, status mark) or off (untimed).",
     "fault_tolerance.stragglers.threshold": "Slowdown against the peers' median (above 1).",
     "fault_tolerance.stragglers.windows": "Consecutive heartbeat intervals above threshold.",
     "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",

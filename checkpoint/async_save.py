@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint import dcp_calls
 from checkpoint.api import (
     DEFAULT_SAVE_TIMEOUT,
+    MANIFEST_NAME,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointStorageError,
@@ -176,7 +177,13 @@ class AsyncSaver:
         self._stager.allocate(flat, owned_keys(owners, self.coord.rank))
 
     def save_async(
-        self, step: int, flat: FlatState, samples_seen: int, *, wait_if_busy: bool = False
+        self,
+        step: int,
+        flat: FlatState,
+        samples_seen: int,
+        *,
+        wait_if_busy: bool = False,
+        busy_timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
     ) -> SaveJob | None:
         """Stage and start uploading; every rank must call this with the same step.
 
@@ -185,7 +192,7 @@ class AsyncSaver:
             flat: this rank's flat state (see :mod:`checkpoint.flat_state`).
             samples_seen: global data position, recorded in the manifest.
             wait_if_busy: wait for a save still uploading instead of skipping
-                (controller commands and preemption use this).
+                (controller commands and preemption use this), up to ``busy_timeout``.
 
         Returns:
             The handle, or None when the save was skipped on every rank
@@ -199,7 +206,7 @@ class AsyncSaver:
         started = time.perf_counter()
         if wait_if_busy and self.inflight is not None:
             try:
-                self.wait_inflight()
+                self.wait_inflight(busy_timeout)
             except CheckpointError as e:
                 log.warning("previous save failed while waiting to save step %d: %s", step, e)
         mine = _Agreement(
@@ -291,6 +298,8 @@ class AsyncSaver:
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             job.upload_seconds = time.perf_counter() - started
             log.error("checkpoint step %d to %s failed: %s", job.step, directory.url, describe(e))
+            if coord.is_coordinator:
+                discard_uncommitted(directory)
             job._future.set_exception(_as_checkpoint_error(e, job))
             if not isinstance(e, Exception) and not _is_dcp_failure(e):
                 raise
@@ -313,6 +322,28 @@ class AsyncSaver:
             if self._thread is not None:
                 self._thread.join(timeout.total_seconds())
             self._stager.release()
+
+
+def discard_uncommitted(directory: Location) -> bool:
+    """Remove what a failed save wrote into its own ``directory`` (best effort).
+
+    Only the coordinator writes a manifest, and it calls this after its save
+    failed, so nothing commits there afterwards; a manifest already there (a
+    write that reached the store although its answer did not) keeps the
+    directory: a committed checkpoint is never touched here.
+
+    Returns:
+        True when the directory is gone (or was never created).
+    """
+    try:
+        if directory.fs.exists(directory.path(MANIFEST_NAME)):
+            return False
+        if directory.fs.exists(directory.root):
+            directory.fs.rm(directory.root, recursive=True)
+    except Exception as e:  # the storage that just failed may fail this too
+        log.warning("could not remove the failed save's %s: %s", directory.url, describe(e))
+        return False
+    return True
 
 
 def _is_dcp_failure(e: BaseException) -> bool:

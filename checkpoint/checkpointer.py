@@ -231,24 +231,44 @@ class Checkpointer:
         return job
 
     def save_async(
-        self, step: int, state: TrainState, *, wait_if_busy: bool = False
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        wait_if_busy: bool = False,
+        busy_timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
     ) -> SaveJob | None:
         """Stage ``state`` and upload it in the background (all ranks call, same step).
+
+        Args:
+            wait_if_busy: wait for a save still uploading (up to ``busy_timeout``)
+                instead of skipping.
 
         Returns:
             The handle, or None when skipped because a save is still uploading.
         """
         flat, _ = capture(with_objects(state), self.coord.rank)
-        return self.saver.save_async(step, flat, state.samples_seen, wait_if_busy=wait_if_busy)
+        return self.saver.save_async(
+            step, flat, state.samples_seen, wait_if_busy=wait_if_busy, busy_timeout=busy_timeout
+        )
 
     def save_now(
-        self, step: int, state: TrainState, *, timeout: timedelta = DEFAULT_SAVE_TIMEOUT
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
+        busy_timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
     ) -> Manifest:
         """Save ``step`` and wait until it is committed (preemption, controller command).
 
-        Waits for a save still in flight first, so it is never skipped.
+        Waits for a save still in flight first (up to ``busy_timeout``: a hung
+        upload does not hold this one for ever), so it is not skipped.
+
+        Raises:
+            SaveInProgressError: the save in flight did not end within ``busy_timeout``.
         """
-        job = self.save_async(step, state, wait_if_busy=True)
+        job = self.save_async(step, state, wait_if_busy=True, busy_timeout=busy_timeout)
         if job is None:  # another rank could not wait in time
             raise SaveInProgressError(
                 f"save of step {step} was skipped: another rank is still uploading"

@@ -59,6 +59,43 @@ class ResumeRefusedError(OrchestratorError):
     """A resume cannot start: the job is still active, or the checkpoint is unusable."""
 
 
+class CheckpointStorageRefusedError(OrchestratorError):
+    """``checkpoint.url`` cannot be written: a run would train with nothing durable."""
+
+
+def check_checkpoint_url(spec: JobSpec, storage_options: dict[str, Any] | None = None) -> None:
+    """Write, read back and delete a probe object under ``checkpoint.url``.
+
+    ``ringmaster run`` calls it before any worker starts, so a read-only
+    directory, a missing bucket or an endpoint that does not answer refuses
+    the run at once (the workers would only find out at their first save).
+    Credentials come from ``storage_options`` or the usual places of the
+    fsspec backend, as the workers' do.
+
+    Raises:
+        CheckpointStorageRefusedError: one line naming the URL and the cause.
+    """
+    import fsspec
+
+    url = spec.checkpoint.url
+    if "://" not in url:
+        url = f"file://{os.path.abspath(url)}"
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        probe = f"{str(root).rstrip('/')}/.ringmaster-probe-run-{os.getpid()}"
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"ok")
+        if fs.cat_file(probe) != b"ok":
+            raise OSError("the probe object read back differently")
+        fs.rm_file(probe)
+    except Exception as e:  # whatever the backend raises: the run cannot save there
+        cause = " ".join(f"{type(e).__name__}: {e}".split())
+        raise CheckpointStorageRefusedError(
+            f"checkpoint.url {url} is not writable ({cause}); point checkpoint.url at a place "
+            "this machine can write (check the path, the bucket, the endpoint and credentials)"
+        ) from e
+
+
 def spec_hash(spec: JobSpec) -> str:
     """A stable hash of the whole spec (the submitted record carries it)."""
     return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

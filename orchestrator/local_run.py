@@ -48,6 +48,7 @@ from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.consequences import ConsequenceFolder
+from orchestrator.observe.endings import agents_gone_message
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
 from orchestrator.spec import JobSpec, RecoveryMode
@@ -119,6 +120,7 @@ class LocalRun:
         self.controllers = controllers
         self.procs: dict[str, _Proc] = {}
         self._agents_gone_at: float | None = None
+        self._submitted_at = 0.0
         self._embedded: EmbeddedEtcd | None = None
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
@@ -192,11 +194,21 @@ class LocalRun:
         return [f"node-{i}" for i in range(count)]
 
     def start(self) -> None:
+        """Start etcd, submit the job, start its controllers and agents.
+
+        Raises:
+            CheckpointStorageRefusedError: ``checkpoint.url`` is not writable
+                (checked first, before anything starts; the restart tier's
+                scripts keep checkpoints of their own).
+        """
+        if self.spec.fault_tolerance.recovery is not RecoveryMode.RESTART:
+            jobs.check_checkpoint_url(self.spec)
         if self.etcd_options is None:
             self._embedded = EmbeddedEtcd().start()
             self.etcd_options = EtcdOptions((self._embedded.endpoint,))
             self.print(f"[run] embedded etcd on {self._embedded.endpoint}")
         self._client = connect(self.etcd_options)
+        self._submitted_at = time.time()
         jobs.submit(self._client, self.spec, resume=self.resume)
         self._lineage = runs.lineage_id(self._client, self.spec.name)
         self.print(f"[run] submitted job '{self.spec.name}'")
@@ -314,11 +326,8 @@ class LocalRun:
             if status.phase.terminal:
                 break
             if self._agents_gone_for() > AGENTS_GONE_GRACE_S:
-                self.print(
-                    "[run] every node agent has exited and the job is "
-                    f"{status.phase.value} ({status.message}): it cannot go on here; "
-                    f"`ringmaster resume {self.spec.name}` continues it from its checkpoints"
-                )
+                mine = [e for e in log if e.time >= self._submitted_at]
+                self.print(f"[run] {agents_gone_message(self.spec.name, status, mine)}")
                 status.phase = JobPhase.FAILED
                 break
             time.sleep(0.1)

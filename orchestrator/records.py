@@ -190,6 +190,8 @@ class ProgressRecord(Record):
     paused: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
+    #: ``[step, wall-clock time it started]`` of a checkpoint save still uploading, if any
+    uploading: tuple[int, float] | None = None
 
 
 @dataclass
@@ -218,6 +220,11 @@ class BreakReport(Record):
     #: the step raised an error of the script's own (not a peer's failure): the
     #: worker exits with it, and the controller restarts or fails the job
     user_error: bool = False
+    #: the worker ended on a fault of its checkpoints, not of the script (``storage``:
+    #: ``checkpoint.url`` cannot be written or read, or too many saves failed in a
+    #: row; ``checkpoint``: the checkpoint to resume from cannot be used): the
+    #: controller fails the job at once with ``reason``, as a restart meets it again
+    fault: str = ""
 
 
 @dataclass
@@ -336,6 +343,8 @@ class JobStatus(Record):
     recoveries: int = 0
     last_checkpoint: str | None = None
     last_checkpoint_at: float | None = None
+    #: ``[step, wall-clock time it started]`` of the oldest save still uploading, if any
+    uploading: tuple[int, float] | None = None
     message: str = ""
     updated_at: float = 0.0
     # observability (orchestrator.observe.job_observer)

@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Any
 
 from orchestrator.api import SpecError, SpecProblem
+from orchestrator.checkpoint_spec import CheckpointSpec
 from orchestrator.dataclass_tree import nested_problems, plain
 from orchestrator.spec_bounds import (
     INT64_MAX,
@@ -40,10 +41,6 @@ from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
 
 #: Job names become etcd keys, paths and Kubernetes object names: DNS-1123 labels.
 JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
-
-#: URL schemes accepted for durable checkpoints (fsspec protocols).
-CHECKPOINT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "memory")
-_SCHEME_LIST = ", ".join(s + "://" for s in CHECKPOINT_SCHEMES)
 
 
 @dataclass
@@ -140,38 +137,6 @@ class RendezvousSpec:
 
 
 _ENDPOINT_RE = re.compile(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}\Z", re.ASCII)
-
-
-@dataclass
-class CheckpointSpec:
-    """Durable checkpoints: where, how often, how many to keep."""
-
-    url: str = "file://./checkpoints"
-    every_steps: int = 0
-    every_seconds: float = 0.0
-    keep: int = 3
-    async_: bool = field(default=True, metadata={"key": "async"})  # the YAML key
-
-    def problems(self) -> Problems:
-        out: Problems = []
-        scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
-        if scheme not in CHECKPOINT_SCHEMES:
-            out.append(
-                (
-                    "url",
-                    f"scheme '{scheme}' is not supported for checkpoints; "
-                    f"use one of {_SCHEME_LIST} or a local path",
-                )
-            )
-        elif "://" in self.url and not self.url.split("://", 1)[1].strip("/"):
-            out.append(("url", f"'{self.url}' has no bucket or path after the scheme"))
-        if self.every_steps < 0:
-            out.append(("every_steps", f"must be 0 (off) or more, got {self.every_steps}"))
-        if self.every_seconds < 0:
-            out.append(("every_seconds", f"must be 0 (off) or more, got {self.every_seconds:g}"))
-        if self.keep < 1:
-            out.append(("keep", f"must keep at least 1 checkpoint, got {self.keep}"))
-        return out
 
 
 class RecoveryMode(str, Enum):

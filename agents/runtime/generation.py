@@ -42,6 +42,7 @@ from agents.runtime.process_group import (
     sockets_opened_since,
     teardown_group,
 )
+from agents.runtime.storage_faults import StorageFaultError
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.fencing import FencedError
@@ -161,12 +162,11 @@ class Generations:
         self._failures_at_step = 0
 
     def report(
-        self, generation: int, step: int, reason: str, planned: bool, user_error: bool = False
-    ) -> None:
+        self, generation: int, step: int, reason: str, planned: bool, user_error: bool = False,
+        fault: str = "",
+    ) -> None:  # fmt: skip
         """Tell the controller that ``generation`` broke here at ``step`` (best effort)."""
-        report = BreakReport(
-            step=step, reason=reason, planned=planned, at=time.time(), user_error=user_error
-        )
+        report = BreakReport(step, reason, planned, time.time(), user_error, fault)
         if self._heartbeat.relay_report(generation, report):
             return  # the node agent wrote it, with its other workers' (agents.node.break_reports)
         try:
@@ -194,6 +194,8 @@ class Generations:
         Raises:
             RecoveryError: no generation including this worker came in time.
             JobEndedError: the job ended while this worker waited.
+            StorageFaultError: ``checkpoint.url`` cannot be written, or the checkpoint
+                asked for cannot be used (reported: the controller fails the job).
         """
         holds_state = held.has_state
         while True:
@@ -204,6 +206,10 @@ class Generations:
                 log.warning("%s", e)
                 self.report(plan.generation, held.step, str(e), False)
                 min_generation = plan.generation + 1
+            except StorageFaultError as e:  # the job's checkpoints, not a peer: the job fails
+                log.error("%s", e)
+                self.report(plan.generation, held.step, str(e), False, True, e.fault)
+                raise
 
     def settled(self, joined: Joined) -> Groups:
         """``joined``'s groups with the sockets they opened (once the DDP is rebuilt on them).

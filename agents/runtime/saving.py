@@ -12,15 +12,21 @@ restarts at every save).  Rank 0 records each commit in
 etcd as a :class:`~orchestrator.records.CheckpointRecord`, through the
 generation fence, so a fenced-out process never claims a checkpoint; the
 commit itself is fenced too (:meth:`Saving.check_commit`).  A save may take
-``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (``SETTINGS.checkpoint_save_timeout``).
+``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (``SETTINGS.checkpoint_save_timeout``);
+at the end of the job, a save still uploading gets ``checkpoint.final_wait``.
+
+A save that fails or hangs is a storage fault, not the script's error
+(:mod:`agents.runtime.storage_faults`): reported, and training goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -28,7 +34,9 @@ from torch import nn
 from agents.api import Resumed, WorkerEnv, WorkerView
 from agents.messages import one_line
 from agents.runtime.elastic_ddp import ElasticDDP
+from agents.runtime.failures import peer_failure
 from agents.runtime.sharding import ShardedModel
+from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator import keys
 from orchestrator.api import EtcdError
@@ -82,6 +90,12 @@ class Saving:
         self._held = held
         self._ckpt: Any = None
         self._pending: Any = None
+        #: when the pending save started: ``time.monotonic()`` and wall-clock time
+        self._pending_since = (0.0, 0.0)
+        self.faults = StorageFaults(
+            client, env.job, keys.worker_id(env.node, env.local_rank), spec.checkpoint,
+            lambda: held.rank,
+        )  # fmt: skip
         self._commit_refused: str | None = None
         self._before_save: Callable[[str], None] | None = None
         #: comm hook state restored from a checkpoint, for the next hook built
@@ -129,6 +143,7 @@ class Saving:
     def open(self, first: bool) -> None:
         """A checkpointer on this generation's group (creating it is collective)."""
         from checkpoint import Checkpointer, SaveTrigger
+        from checkpoint.api import CheckpointStorageError
         from orchestrator.jobs import checkpoint_hash
 
         previous = self._ckpt
@@ -138,14 +153,19 @@ class Saving:
         url = cfg.url if "://" in cfg.url else f"file://{os.path.abspath(cfg.url)}"
         # The runtime's checkpointer has no schedule of its own: its ranks vote on
         # when a save is due (agents.runtime.boundary), by ``self.trigger``'s rule.
-        self._ckpt = Checkpointer(
-            url,
-            keep=cfg.keep,
-            job_spec_hash=checkpoint_hash(self._spec),
-            check_storage=first,
-            fence=self.check_commit,
-            run_id=self._lineage(),
-        )
+        try:
+            self._ckpt = Checkpointer(
+                url,
+                keep=cfg.keep,
+                job_spec_hash=checkpoint_hash(self._spec),
+                check_storage=first,
+                fence=self.check_commit,
+                run_id=self._lineage(),
+            )
+        except CheckpointStorageError as e:  # the probe failed: no save could ever commit
+            raise StorageFaultError(
+                f"{e} No checkpoint can be saved: fix checkpoint.url, then run the job again"
+            ) from e
         if previous is None:
             self._trigger = SaveTrigger.from_spec(cfg)  # the periodic clock starts with training
         else:
@@ -209,6 +229,7 @@ class Saving:
         Returns:
             The checkpoint loaded, or None (there is none: a fresh start).
         """
+        from checkpoint.api import CheckpointCorruptError, CheckpointNotFoundError
         from orchestrator.jobs import read_resume
 
         client, job = self._client, self._env.job
@@ -222,11 +243,20 @@ class Saving:
             url = None
         state = self.train_state()
         assert state is not None, "resume() without a tracked model (see can_resume)"
-        result = self._ckpt.restore(state, url=url)
+        try:
+            result = self._ckpt.restore(state, url=url)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as e:  # the one asked for
+            raise StorageFaultError(
+                f"{one_line(e)}: resuming from it would fail the same way; run the job from an "
+                f"older checkpoint (`ringmaster checkpoints list {self.url}`, then "
+                "`ringmaster run --from URL`) or without --resume/--from",
+                fault="checkpoint",
+            ) from e
         self._hook_resume = _saved_hook_state(state.rank_state.get(HOOK_STATE), world_size)
         if result.step is None:
             return None
         log.warning("resumed from %s at step %d", result.url, result.step)
+        self.faults.committed(int(result.step), str(result.url))
         return Resumed(int(result.step), result.url)
 
     # -- saving ------------------------------------------------------------------------
@@ -242,16 +272,21 @@ class Saving:
         started = time.perf_counter()
         step = self._held.step
         if reason == "periodic" and self._spec.checkpoint.async_:
+            pending = self._pending
             job = self._ckpt.save_async(step, state)
             self._telemetry.checkpoint_blocked(time.perf_counter() - started)
             if job is not None:
-                self._pending = job
+                self._pending, self._pending_since = job, (time.monotonic(), time.time())
+            elif pending is not None and self._pending_age() >= self._busy().total_seconds():
+                # skipped behind a save uploading longer than the end of the job would wait
+                self.faults.stalled(pending.step, self._pending_age(), step)
             return
         try:
-            manifest = self._ckpt.save_now(step, state, timeout=SETTINGS.checkpoint_save_timeout)
+            manifest = self._ckpt.save_now(
+                step, state, timeout=SETTINGS.checkpoint_save_timeout, busy_timeout=self._busy()
+            )
         except Exception as e:
-            if not self._refused_commit(e):
-                raise
+            self._save_failed(step, e)
             return
         self._telemetry.checkpoint_blocked(time.perf_counter() - started)
         self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
@@ -265,11 +300,41 @@ class Saving:
             try:
                 manifest = job.wait(SETTINGS.checkpoint_save_timeout)
             except Exception as e:
-                if not self._refused_commit(e):
-                    raise
+                self._save_failed(job.step, e)
                 return
             self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
-            self._record(manifest.step, "periodic")
+            self._record(manifest.step, "periodic", job.url)
+
+    def uploading(self) -> tuple[int, float] | None:
+        """``(step, wall-clock start)`` of the save still uploading, if any (for progress)."""
+        job = self._pending
+        if job is None or job.done():
+            return None
+        return job.step, self._pending_since[1]
+
+    def _pending_age(self) -> float:
+        return time.monotonic() - self._pending_since[0]
+
+    def _busy(self) -> timedelta:
+        """How long a save waits for the previous one still uploading: as the end does."""
+        return self._spec.checkpoint.final_wait
+
+    def _save_failed(self, step: int, e: Exception) -> None:
+        """A save failed: a storage fault is reported and training goes on.
+
+        Raises:
+            Exception: ``e`` itself when a peer's failure broke the save (the
+                step boundary recovers) or it is not the storage's (the script's
+                state differs across ranks).
+            StorageFaultError: the job's ``checkpoint.max_consecutive_failures`` is reached.
+        """
+        from checkpoint.api import RetryableCheckpointError
+
+        if self._refused_commit(e):
+            return
+        if not isinstance(e, RetryableCheckpointError) or peer_failure(e, None, None):
+            raise e
+        self.faults.failed(step, e)
 
     def _refused_commit(self, e: BaseException) -> bool:
         """True (and logged) when a save failed because the commit fence refused it."""
@@ -279,10 +344,11 @@ class Saving:
         log.warning("%s (%s)", refused, one_line(e))
         return True
 
-    def _record(self, step: int, reason: str) -> None:
+    def _record(self, step: int, reason: str, where: str | None = None) -> None:
+        url = self._spec.checkpoint.url
+        self.faults.committed(step, where or url)
         if self._held.rank != 0:
             return
-        url = self._spec.checkpoint.url
         record = CheckpointRecord(url=url, step=step, reason=reason, at=time.time())
         try:
             self._fence.put(keys.job_checkpoint(self._env.job), record.encode())
@@ -290,15 +356,32 @@ class Saving:
             log.warning("checkpoint of step %d not recorded: %s", step, e)
 
     def close(self) -> None:
-        """Wait for the pending save (and record it), then close the checkpointer."""
+        """Wait for the pending save (and record it), then close the checkpointer.
+
+        The job has ended: a save still uploading gets ``checkpoint.final_wait``
+        (a hung endpoint does not hold the end), and one that fails is reported
+        (the job's policy on failed saves does not fail a job that finished).
+        """
+        from checkpoint.api import CheckpointError, CheckpointTimeoutError
+
         if self._ckpt is None:
             return
-        job, self._pending = self._pending, None
-        timeout = SETTINGS.checkpoint_save_timeout
+        job = self._pending  # still pending while it is waited for: progress tells it
+        wait = self._spec.checkpoint.final_wait
         if job is not None:
-            self._record(job.wait(timeout).step, "periodic")
-        self._ckpt.close(timeout)
+            try:
+                self._record(job.wait(wait).step, "periodic", job.url)
+            except CheckpointTimeoutError:
+                self.faults.abandoned(job.step, self._pending_age())
+                wait = timedelta(0)  # nothing more to wait for: the upload is left behind
+            except CheckpointError as e:
+                with contextlib.suppress(StorageFaultError):
+                    self._save_failed(job.step, e)
+        with contextlib.suppress(CheckpointError):  # told above: the saver only lets go now
+            self._ckpt.close(wait)
         self._ckpt = None
+        if job is not None and job.done():  # one left uploading is still told in progress
+            self._pending = None
 
 
 def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str, Any] | None:

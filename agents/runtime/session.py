@@ -39,6 +39,7 @@ from agents.runtime.plan_watch import PlanWatcher
 from agents.runtime.process_group import Groups, choose_device, hang_up, quiesce, teardown_group
 from agents.runtime.saving import Saving
 from agents.runtime.sharding import raised_in_collective
+from agents.runtime.storage_faults import StorageFaultError
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
 from orchestrator import keys
@@ -317,16 +318,19 @@ class Session:
         recorded = self._failures.take()
         if recorded is None and self._models.sharded is not None and raised_in_collective(error):
             recorded = error  # FSDP's collectives run in its hooks, where none is wrapped
-        why = peer_failure(error, recorded, plan.generation if plan is not None else None)
+        fault = error.fault if isinstance(error, StorageFaultError) else ""
+        newer = plan.generation if plan is not None else None
+        why = None if fault else peer_failure(error, recorded, newer)
         if why is not None:
             ended_by = self._guard.ended_by(error)
             self._telemetry.left_by = ended_by
             self._recover(f"{where} failed: {one_line(error)} ({why}; ended by {ended_by})")
             return
         reason = f"{where} raised {type(error).__name__}: {one_line(error)}"
-        log.warning("%s; the error is the script's own: leaving", reason)
+        log.warning("%s; %s: leaving", reason, f"a {fault} fault" if fault else "the script's own")
         st = self._state
-        self._generations.report(st.generation, st.step, reason, planned=False, user_error=True)
+        reason = str(error) if fault else reason
+        self._generations.report(st.generation, st.step, reason, False, True, fault)
         self._stop_parts()
         raise error
 
@@ -445,6 +449,7 @@ class Session:
             metrics=self._metrics,
             telemetry=self._telemetry.record(),
             joining=self._generations.joining,
+            uploading=self._saving.uploading(),
         )
 
     def _stop_parts(self) -> None:

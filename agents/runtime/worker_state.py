@@ -55,6 +55,7 @@ class WorkerState:
         metrics: dict[str, float],
         telemetry: Telemetry,
         joining: tuple[int, int, int] | None = None,
+        uploading: tuple[int, float] | None = None,
     ) -> ProgressRecord:
         """This worker's progress as of ``beat`` (its heartbeat publishes it).
 
@@ -65,6 +66,7 @@ class WorkerState:
             telemetry: the worker's timings and totals.
             joining: ``(generation, rank, world size)`` of a generation being
                 joined: the record names it already.
+            uploading: ``(step, wall-clock start)`` of a save still uploading.
         """
         generation, rank, world_size = joining or (self.generation, self.rank, self.world_size)
         return ProgressRecord(
@@ -80,4 +82,5 @@ class WorkerState:
             paused=self.paused,
             metrics=dict(metrics),
             telemetry=telemetry,
+            uploading=uploading,
         )

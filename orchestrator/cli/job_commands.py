@@ -153,7 +153,7 @@ def _jobs_table(found: list[jobs.JobStatus], wide: bool) -> Table:
         if wide:
             cells.append(escape(_last_recovery(s)))
         cells += [
-            escape(_checkpoint(s)),
+            escape(checkpoint_cell(s)),
             f"{s.effective_fraction:.0%}" if s.train_started_at else "-",
         ]
         if wide:
@@ -190,7 +190,7 @@ def _one_job(s: jobs.JobStatus) -> Table:
     if s.last_recovery:
         rows.append(("last recovery", _last_recovery(s)))
     rows += [
-        ("last checkpoint", _checkpoint(s)),
+        ("last checkpoint", checkpoint_cell(s)),
         (
             "effective training",
             f"{s.effective_fraction:.0%} ({s.productive_s:.1f}s of progress)"
@@ -221,13 +221,19 @@ def _last_recovery(s: jobs.JobStatus) -> str:
     return text
 
 
-def _checkpoint(s: jobs.JobStatus) -> str:
+def checkpoint_cell(s: jobs.JobStatus) -> str:
+    """The last committed checkpoint, and a save still uploading (``step 60 uploading for 9 s``)."""
     if not s.last_checkpoint:
-        return "-"
-    if s.last_checkpoint_at is None:
-        return s.last_checkpoint
-    ago = max(0.0, time.time() - s.last_checkpoint_at)
-    return f"{s.last_checkpoint}, {ago:.0f}s ago"
+        text = "-"
+    elif s.last_checkpoint_at is None:
+        text = s.last_checkpoint
+    else:
+        ago = max(0.0, time.time() - s.last_checkpoint_at)
+        text = f"{s.last_checkpoint}, {ago:.0f}s ago"
+    if s.uploading is not None and not s.phase.terminal:
+        step, since = s.uploading
+        text += f"; step {step} uploading for {max(0.0, time.time() - since):.0f} s"
+    return text
 
 
 @click.command()

@@ -26,7 +26,7 @@ Per job it:
   report with ``user_error``, while no member's agent is gone) as the script's
   failure, not a peer's: the job restarts in a new generation up to
   ``fault_tolerance.max_restarts`` times, then fails with the script's
-  message; no recovery is recorded;
+  message (a fault of its checkpoints: at once); no recovery is recorded;
 * pauses (phase ``Paused``) after an etcd outage and declares nobody dead
   for ``OUTAGE_GRACE`` after it;
 * relays stop and checkpoint commands to the workers.
@@ -76,6 +76,7 @@ from orchestrator.controller.plans import (
     trains_again,
 )
 from orchestrator.controller.world import World, silent_members, workers_of
+from orchestrator.observe.endings import unsaved
 from orchestrator.records import JobStatus, Plan
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
@@ -301,8 +302,8 @@ class _Decider:
                     JobPhase.SUCCEEDED,
                     f"finished: every worker of generation {plan.generation} exited 0",
                 )
-            else:
-                self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}")
+            else:  # a save left uploading at the end: what lasts is named
+                self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}{unsaved(status)}")
             return
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors
@@ -355,12 +356,13 @@ class _Decider:
         if plan.generation not in self.m.user_errors:
             self.m.user_errors.append(plan.generation)
         worker, report = culprit(self.w.reports)
+        if report.fault:  # the job's checkpoints: a restart would meet the same fault
+            self.phase(JobPhase.FAILED, f"worker {worker}: {report.reason}", fault=report.fault)
+            return
         limit = self.spec.fault_tolerance.max_restarts
         used = len(self.m.user_errors)
-        # the restart tier sees no steps: it names the generation instead
-        where = (
-            f"in generation {plan.generation}" if self.restart_tier else f"at step {report.step}"
-        )
+        gen = f"in generation {plan.generation}"  # the restart tier sees no steps
+        where = gen if self.restart_tier else f"at step {report.step}"
         if used > limit:
             self.phase(
                 JobPhase.FAILED,
@@ -377,9 +379,8 @@ class _Decider:
         )
         spares = [n for n in self.w.nodes if n not in order and self.warm(n)]
         self.actions.append(Emit("Restart", why, {"worker": worker, "step": report.step}))
-        self.actions.append(
-            PublishPlan(self.make_plan(plan.generation + 1, order, spares, "restart"))
-        )
+        restarted = self.make_plan(plan.generation + 1, order, spares, "restart")
+        self.actions.append(PublishPlan(restarted))
         self.status.message = why
 
     def handle_break(self, plan: Plan) -> None:

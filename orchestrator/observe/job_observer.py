@@ -115,6 +115,8 @@ class JobObserver:
         rank0 = next((p for p in workers.values() if p.rank == 0), None)
         if rank0 is not None:
             status.loss = rank0.metrics.get("loss")
+        uploads = [p.uploading for p in workers.values() if p.uploading is not None]
+        status.uploading = min(uploads, key=lambda u: u[1]) if uploads else None
         if status.phase.terminal and status.finished_at is None:
             status.finished_at = now
         end = status.finished_at or now

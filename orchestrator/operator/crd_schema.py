@@ -55,6 +55,10 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.every_steps": "Save every this many steps (0: not by steps).",
     "checkpoint.every_seconds": "Save every this many seconds (0: not by time).",
     "checkpoint.keep": "How many committed checkpoints to keep; older ones are deleted.",
+    "checkpoint.max_consecutive_failures": (
+        "Failed saves in a row (storage faults) that fail the job; 0: never."
+    ),
+    "checkpoint.final_wait": "How long a job that ended waits for a save still uploading.",
     "rendezvous.tls": "TLS for the job's own etcd (file paths inside the image or a mount).",
     "rendezvous.tls.ca_cert": "CA certificate that signed etcd's server certificate.",
     "rendezvous.tls.cert": "Client certificate (with key).",
@@ -122,6 +126,7 @@ MINIMUMS: dict[str, int] = {
     "checkpoint.every_steps": 0,
     "checkpoint.every_seconds": 0,
     "checkpoint.keep": 1,
+    "checkpoint.max_consecutive_failures": 0,
     "fault_tolerance.max_restarts": 0,
     "comm.compression.rank": 1,
     "comm.compression.start_iter": 0,

@@ -28,8 +28,7 @@ Per job it:
   ``fault_tolerance.max_restarts`` times, then fails with the script's
   message (a fault of its checkpoints: at once); no recovery is recorded;
 * pauses (phase ``Paused``) after an etcd outage and declares nobody dead
-  for ``OUTAGE_GRACE`` after it;
-* relays stop and checkpoint commands to the workers.
+  for ``OUTAGE_GRACE`` after it; relays stop and checkpoint commands.
 
 A job in the restart tier (``fault_tolerance.recovery: restart``, plain
 torchrun scripts; see :mod:`agents.node.restart_tier`) is decided the same way,

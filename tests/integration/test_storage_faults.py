@@ -162,7 +162,9 @@ def test_a_read_only_checkpoint_url_refuses_the_run_at_start(tmp_path: Path) -> 
 def test_a_read_only_checkpoint_url_seen_by_the_workers_fails_the_job_with_its_cause(
     tmp_path: Path, etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Submitted to a cluster (no check where the CLI runs): the workers' probe says it."""
+    """Submitted to a cluster (no check where the CLI runs): the controller, which holds
+    the checkpoint root before any worker trains, finds it cannot write there (on
+    machines where only the workers' mounts are read-only, their probe says it)."""
     ro = tmp_path / "ro"
     with _read_only(ro) as made:
         if not made:
@@ -176,8 +178,9 @@ def test_a_read_only_checkpoint_url_seen_by_the_workers_fails_the_job_with_its_c
             result = run.wait()
     assert result.phase is JobPhase.FAILED, summary(result, lines)
     (end,) = [e.message for e in result.events if e.type == "Phase" and "Failed" in e.message]
-    assert f"checkpoint storage {url} is not usable" in end, end
-    assert "fix checkpoint.url" in end and "resume" not in end, end
+    assert f"checkpoint.url {url} cannot be written" in end, end
+    assert "Read-only file system" in end and "another checkpoint.url" in end, end
+    assert "resume" not in end, end
     assert not [e for e in result.events if e.type == "Restart"], summary(result, lines)
     assert not any("lease expired" in line for line in lines), summary(result, lines)
 

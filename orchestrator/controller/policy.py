@@ -270,8 +270,9 @@ class _Decider:
         record = w.checkpoint
         if record is not None and record.at != status.last_checkpoint_at:
             status.last_checkpoint = f"step {record.step} ({record.reason})"
+            for commit in record.unseen(status.last_checkpoint_at):
+                self.actions.append(CheckpointCommitted(commit, late=commit is not record))
             status.last_checkpoint_at = record.at
-            self.actions.append(CheckpointCommitted(record))
         # a done record may be newer than the last heartbeat read (two reads apart)
         steps = [w.progress[x].step for x in workers if x in w.progress]
         steps += [w.done[x].step for x in workers if x in w.done]

@@ -46,6 +46,8 @@ __all__ = [
     "send_command",
     "spec_hash",
     "submit",
+    "undecided",
+    "undecided_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,7 +212,9 @@ def submit(
 def _start_run(client: EtcdClient, job: str, record: SpecRecord) -> None:
     run = RunRecord(run=record.run, submitted_at=record.submitted_at, resume=record.resume)
     records.write(client, keys.job_run(job, record.run), run)
-    records.write(client, keys.job_status(job), JobStatus(job, run=record.run))
+    at = record.submitted_at  # no controller has led this run yet: it is undecided since
+    status = JobStatus(job, run=record.run, submitted_at=at, updated_at=at, led_at=at)
+    records.write(client, keys.job_status(job), status)
     message = f"run {record.run} submitted"
     if record.resume is not None:
         resume = record.resume
@@ -327,6 +331,46 @@ def list_jobs(client: EtcdClient) -> list[JobStatus]:
     found = client.get_many([keys.job_status(n) for n in names])
     out = [records.decode(JobStatus, kv.value, kv.key) for kv in found.values()]
     return sorted(out, key=lambda s: s.name)
+
+
+#: ``ringmaster status`` says that nothing decides a job once no controller led it for
+#: longer than this (a leader rewrites the status every couple of seconds; its lease
+#: lasts RINGMASTER_LEADER_TTL, 3 s, past its death).
+UNDECIDED_AFTER_S = 5.0
+
+
+def undecided_for(status: JobStatus, leader: str | None, now: float) -> float | None:
+    """Seconds no controller has led the job, once past :data:`UNDECIDED_AFTER_S` (else None).
+
+    Nobody leads a job when its election key is empty (``leader`` None); how
+    long since is the age of the last status a leader wrote (``led_at``, the
+    submit's time until one did).  A job that is over needs nobody.
+    """
+    if status.phase.terminal or leader is not None:
+        return None
+    since = status.led_at or status.updated_at or status.submitted_at
+    if not since:
+        return None
+    age = now - since
+    return age if age > UNDECIDED_AFTER_S else None
+
+
+def undecided(client: EtcdClient, found: list[JobStatus]) -> dict[str, float]:
+    """The jobs of ``found`` that no controller has led for a while: name → seconds.
+
+    Reads the election key of each job not over (one range read); see :func:`undecided_for`.
+    """
+    active = [s for s in found if not s.phase.terminal]
+    if not active:
+        return {}
+    leaders = client.get_many([keys.controller_leader(s.name) for s in active])
+    now, out = time.time(), {}
+    for s in active:
+        kv = leaders.get(keys.controller_leader(s.name))
+        seconds = undecided_for(s, kv.value.decode() if kv else None, now)
+        if seconds is not None:
+            out[s.name] = seconds
+    return out
 
 
 def etcd_warning(client: EtcdClient) -> str | None:

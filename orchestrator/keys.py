@@ -23,9 +23,10 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/runs/<run>        one record per run of the job (submit, resume)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
-    /ringmaster/controller/leader            election of the controllers of every job (leased)
+    /ringmaster/controller/leader            election among the controllers of every job (leased)
     /ringmaster/controller/metrics           their leader's Prometheus endpoint (URL)
-    /ringmaster/controller/jobs/<job>/leader   the same for controllers of one job (--job)
+    /ringmaster/controller/jobs/<job>/leader   the one election of the job's decider (leased):
+                                             its own controllers (--job) and those of every job
     /ringmaster/controller/jobs/<job>/metrics
 
 Names are validated before they become keys, so user input cannot escape its
@@ -278,11 +279,14 @@ def _controller(job: str | None) -> str:
 
 
 def controller_leader(job: str | None = None) -> str:
-    """The election key of the controllers of ``job`` (None: of those that run every job).
+    """The election key of ``job`` (None: that of the controllers of every job).
 
-    Controllers started for one job (``ringmaster controller --job``, as the
-    operator and ``ringmaster run`` start them) elect a leader per job, so two
-    jobs on one etcd each get theirs.
+    A job has one: controllers started for the job (``ringmaster controller
+    --job``, as the operator and ``ringmaster run`` start them) and controllers
+    of every job (for each job they see) campaign on it, so one process at a
+    time decides a job, whatever mix runs.  The controllers of every job also
+    elect one of them on the key of ``None``, for their own duties (compaction,
+    their metrics endpoint).
     """
     return _controller(job) + "leader"
 

@@ -46,11 +46,13 @@ from orchestrator.api import JobPhase
 from orchestrator.record_codec import FORMAT, Record, RecordError, decode, read, read_all, write
 
 __all__ = [
+    "CHECKPOINT_RECORD_KEEPS",
     "FORMAT",
     "AgentCommand",
     "BreakReport",
     "CheckpointRecord",
     "CommandRecord",
+    "CommittedCheckpoint",
     "ControlRecord",
     "DoneRecord",
     "Event",
@@ -281,13 +283,52 @@ class AgentCommand(Record):
 
 
 @dataclass
+class CommittedCheckpoint(Record):
+    """One earlier commit, as :class:`CheckpointRecord` keeps the last few."""
+
+    step: int
+    reason: str
+    at: float
+
+
+#: Earlier commits a checkpoint record keeps: what a controller that was away (none
+#: led the job for a while) turns into the events it missed.
+CHECKPOINT_RECORD_KEEPS = 16
+
+
+@dataclass
 class CheckpointRecord(Record):
-    """The newest committed durable checkpoint, written by rank 0 (fenced)."""
+    """The newest committed durable checkpoint, written by rank 0 (fenced).
+
+    ``earlier`` holds the commits before it, oldest first (at most
+    :data:`CHECKPOINT_RECORD_KEEPS`): the record is one key that every commit
+    replaces, and the controller writes each commit's event from it, so one
+    that took over after a time without a leader finds the commits it missed.
+    """
 
     url: str
     step: int
     reason: str
     at: float
+    earlier: list[CommittedCheckpoint] = field(default_factory=list)
+
+    def after(self, previous: CheckpointRecord | None) -> CheckpointRecord:
+        """This commit as it replaces ``previous``: the earlier commits carried over."""
+        if previous is None or previous.at >= self.at:
+            return self
+        last = CommittedCheckpoint(previous.step, previous.reason, previous.at)
+        kept = [*previous.earlier, last][-CHECKPOINT_RECORD_KEEPS:]
+        return CheckpointRecord(self.url, self.step, self.reason, self.at, kept)
+
+    def unseen(self, seen_at: float | None) -> list[CheckpointRecord]:
+        """The commits after the one last seen (committed at ``seen_at``; None: none was
+        seen), oldest first, each as a record of its own: the earlier ones, then this one."""
+        missed = [
+            CheckpointRecord(self.url, c.step, c.reason, c.at)
+            for c in self.earlier
+            if seen_at is None or c.at > seen_at
+        ]
+        return [*missed, self]
 
 
 @dataclass
@@ -346,7 +387,11 @@ class JobStatus(Record):
     #: ``[step, wall-clock time it started]`` of the oldest save still uploading, if any
     uploading: tuple[int, float] | None = None
     message: str = ""
+    #: when what it says last changed
     updated_at: float = 0.0
+    #: when a controller leading the job last wrote it (at least every few seconds while
+    #: the job is not over; the submit's time until one did): how long nobody decided
+    led_at: float = 0.0
     # observability (orchestrator.observe.job_observer)
     steps_per_s: float = 0.0
     samples_per_s: float | None = None

@@ -4,11 +4,10 @@ The tree is the single description of a job: the CLI, the controller, the
 agents and the Kubernetes operator all read it, and the CRD schema is
 generated from its field names and defaults (:mod:`orchestrator.operator.crd`).
 
-Every dataclass has a ``problems()`` method that returns the cross-field
-problems it can see on its own (``nodes.min`` larger than ``nodes.max``...),
-as ``(relative path, message)`` pairs, so a loader can report all of them at
-once with the YAML line they come from.  ``JobSpec.validate()`` raises
-:class:`~orchestrator.api.SpecError` with every problem for specs built in code.
+Every dataclass has a ``problems()`` method returning the cross-field problems it sees on
+its own (``nodes.min`` larger than ``nodes.max``...) as ``(relative path, message)`` pairs,
+so a loader reports all of them at once with their YAML lines.  ``JobSpec.validate()``
+raises :class:`~orchestrator.api.SpecError` with every problem for specs built in code.
 """
 
 from __future__ import annotations
@@ -269,6 +268,7 @@ class JobSpec:
     entrypoint: EntrypointSpec
     nodes: NodesSpec = field(default_factory=NodesSpec)
     nproc_per_node: int = 1
+    oversubscribe: bool = False  # more than a node's CPUs or GPUs (agents.node.capacity)
     max_steps: int = 0
     rendezvous: RendezvousSpec = field(default_factory=RendezvousSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)

@@ -58,8 +58,9 @@ from agents.api import ENV_RECOVERY, WorkerEnv
 from agents.channels.plan_feed import ENV_PLAN_FEED, PlanFeed
 from agents.channels.progress import ENV_PROGRESS_SOCKET
 from agents.node import log_files
-from agents.node.api import JobNotSubmittedError, Tier, TierSetup
+from agents.node.api import JobNotSubmittedError, NodeRefusedError, Tier, TierSetup
 from agents.node.break_reports import NodeReports
+from agents.node.capacity import capacity_problem, usable_cpus, visible_gpus
 from agents.node.in_process_tier import InProcessTier
 from agents.node.job_wait import wait_for_run
 from agents.node.progress_relay import NodeProgress, ProgressRelay
@@ -80,7 +81,13 @@ from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import JobSpec, RecoveryMode
 
-__all__ = ["DEFAULT_JOB_WAIT", "DEFAULT_NODE_TTL", "JobNotSubmittedError", "NodeAgent"]
+__all__ = [
+    "DEFAULT_JOB_WAIT",
+    "DEFAULT_NODE_TTL",
+    "JobNotSubmittedError",
+    "NodeAgent",
+    "NodeRefusedError",
+]
 
 log = logging.getLogger("ringmaster.agent")
 
@@ -129,6 +136,8 @@ class NodeAgent:
         self._lease_lost = False
         self._reregister = threading.Event()
         self._preempted_at: float | None = None
+        #: the tier started every worker (a SIGTERM before then just stops it)
+        self._started = False
         #: Why the agent stops, when something other than the workers decided it.
         self._stop_reason = ""
         self._liveness: LivenessServer | None = None
@@ -168,6 +177,7 @@ class NodeAgent:
         self.spec = spec
         self.recovery = spec.fault_tolerance.recovery
         restart = self.recovery is RecoveryMode.RESTART
+        self._refuse_beyond_capacity(spec, in_process=not restart)
         if restart:  # the controller refuses to start nodes that do not share it
             self._script_storage = script_storage(spec, self.workdir)
         errors_dir = Path(tempfile.mkdtemp(prefix=f"rm-{self.node}-"))
@@ -208,6 +218,9 @@ class NodeAgent:
                 if self._preempted_at is not None:  # SIGTERM came while it was being built
                     tier.preempt(self._preempted_at)
             self._tier.start()
+            self._started = True
+            if self._stop.is_set():  # stopped while it started its workers
+                return self.exit_code
             self._register()
             log.info(
                 "[%s] registered for job '%s': %d %s, liveness port %s",
@@ -259,6 +272,9 @@ class NodeAgent:
             return
         if self._preempted_at is not None:
             return
+        if not self._started:  # no worker has trained here yet: nothing to save
+            self.request_stop("SIGTERM while starting its workers")
+            return
         if self.recovery is RecoveryMode.RESTART:
             # the script saves its own checkpoints: there is no save to ask for
             self.request_stop("preempted (SIGTERM); a spare takes this node's slot")
@@ -277,6 +293,21 @@ class NodeAgent:
                 source=self.node,
             )
             send_command(self.client, self.job, "checkpoint", reason=f"preemption of {self.node}")
+
+    def _refuse_beyond_capacity(self, spec: JobSpec, in_process: bool) -> None:
+        """Refuse, before any worker starts, more workers than this node can run.
+
+        Raises:
+            NodeRefusedError: one line naming the limit and what to change; the job's
+                events get it too (``NodeRefused``), so whoever watches the job sees why
+                the node never comes.
+        """
+        problem = capacity_problem(spec, self.node, usable_cpus(), visible_gpus(), in_process)
+        if problem is None:
+            return
+        with contextlib.suppress(EtcdError):
+            events.emit(self.client, self.job, "NodeRefused", problem, source=self.node)
+        raise NodeRefusedError(problem)
 
     def kill_worker(self, local_rank: int, pid: int | None, reason: str) -> None:
         """The controller's ``kill-worker`` (a hung worker): SIGKILL its process group.

@@ -31,11 +31,15 @@ from orchestrator.jobs import read_status
 from orchestrator.records import Plan
 from orchestrator.spec import JobSpec
 
-__all__ = ["JobNotSubmittedError", "Outcome", "PlanSource", "Tier", "TierSetup"]
+__all__ = ["JobNotSubmittedError", "NodeRefusedError", "Outcome", "PlanSource", "Tier", "TierSetup"]
 
 
 class JobNotSubmittedError(AgentError):
     """No run of the job to join came within the agent's wait limit (a permanent error)."""
+
+
+class NodeRefusedError(AgentError):
+    """This node cannot run the job's workers as the job asks (a permanent error)."""
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,12 @@ class InProcessTier:
         self._preempted_at: float | None = None
 
     def start(self) -> None:
+        """Start every worker (the agent registers them once all are up); a stop ends
+        the starting at once."""
         for i in range(self.setup.spec.nproc_per_node):
-            self._start_worker(i)
+            if self.setup.stop.is_set():
+                return
+            self._start_worker(i, register=False)
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers.values()]
@@ -123,7 +127,7 @@ class InProcessTier:
             if w.shipper is not None:
                 w.shipper.join(timeout=2.0)  # the last lines reach etcd
 
-    def _start_worker(self, local_rank: int, restarts: int = 0) -> None:
+    def _start_worker(self, local_rank: int, restarts: int = 0, register: bool = True) -> None:
         setup = self.setup
         env = setup.worker_env(local_rank)
         error_file = setup.errors_dir / f"worker-{local_rank}-{restarts}.json"
@@ -137,7 +141,8 @@ class InProcessTier:
             shipper=setup.shipper(local_rank),
             restarts=restarts,
         )
-        setup.register()
+        if register:  # a restarted worker's pid goes into the registration at once
+            setup.register()
 
     def _on_worker_failure(self, w: WorkerProcess, code: int, max_restarts: int) -> Outcome | None:
         setup = self.setup

@@ -186,6 +186,8 @@ class RestartTier:
     def _refill_standbys(self) -> None:
         """Start a standby for each slot that has none (or whose standby died)."""
         for i in range(self.setup.spec.nproc_per_node):
+            if self.setup.stop.is_set():  # the agent is leaving: start nothing more
+                return
             standby = self._standbys.get(i)
             if standby is None or not standby.alive():
                 if standby is not None:
@@ -251,6 +253,8 @@ class RestartTier:
         self, plan: Plan, member: Member, slots: range, master: tuple[str, int]
     ) -> None:
         for i in slots:
+            if self.setup.stop.is_set():
+                return
             self._launch(plan, member, i, master)
         self.launched_at = time.time()
         log.info(

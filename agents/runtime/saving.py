@@ -38,10 +38,10 @@ from agents.runtime.failures import peer_failure
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from orchestrator import keys
+from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
-from orchestrator.records import CheckpointRecord
+from orchestrator.records import CheckpointRecord, RecordError
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
     from orchestrator.spec import JobSpec
 
-__all__ = ["HOOK_STATE", "Saving"]
+__all__ = ["HOOK_STATE", "Saving", "record_commit"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -351,7 +351,7 @@ class Saving:
             return
         record = CheckpointRecord(url=url, step=step, reason=reason, at=time.time())
         try:
-            self._fence.put(keys.job_checkpoint(self._env.job), record.encode())
+            record_commit(self._fence, self._env.job, record)
         except (FencedError, EtcdError) as e:
             log.warning("checkpoint of step %d not recorded: %s", step, e)
 
@@ -382,6 +382,26 @@ class Saving:
         self._ckpt = None
         if job is not None and job.done():  # one left uploading is still told in progress
             self._pending = None
+
+
+def record_commit(fence: GenerationFence, job: str, record: CheckpointRecord) -> None:
+    """Write ``record`` as the job's newest commit (fenced), keeping the commits before it.
+
+    The record is one key each commit replaces; it carries the earlier commits
+    (:meth:`~orchestrator.records.CheckpointRecord.after`), so a controller that
+    was away when they were made writes their events when it is back.
+
+    Raises:
+        FencedError: the generation moved on.
+        EtcdError: etcd could not be reached.
+    """
+    key = keys.job_checkpoint(job)
+    try:
+        previous = records.read(fence.client, key, CheckpointRecord)
+    except (EtcdError, RecordError) as e:
+        log.warning("the earlier checkpoint record is not carried over: %s", e)
+        previous = None
+    fence.put(key, record.after(previous).encode())
 
 
 def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str, Any] | None:

@@ -83,7 +83,11 @@ def status(job: str | None, wide: bool, as_json: bool, **kw: Any) -> None:
 
     The table of all jobs fits an 80-column terminal; ``--wide`` adds the
     world size, throughput in samples, the last recovery and the message.
+    A job that no controller has led for a few seconds is shown undecided
+    (its phase and rate are the last a controller wrote), with a warning.
     """
+    endpoints = kw.get("etcd_endpoints")  # read before connecting takes the options
+    start = "ringmaster controller" + (f" --etcd {endpoints}" if endpoints else "")
     with connect_client(kw) as client:
         found = (
             [s for s in [jobs.read_status(client, job)] if s is not None]
@@ -91,20 +95,34 @@ def status(job: str | None, wide: bool, as_json: bool, **kw: Any) -> None:
             else jobs.list_jobs(client)
         )
         etcd_warning = jobs.etcd_warning(client)
+        idle = jobs.undecided(client, found)
     if etcd_warning:  # on stderr: `status --json` stays one record a line
         click.echo(f"warning: {etcd_warning}", err=True)
     if job and not found:
         raise jobs.JobNotFoundError(f"no job named '{job}'")
+    for name, seconds in idle.items():
+        click.echo(f"warning: job {name}: {undecided_line(seconds, start)}", err=True)
     if as_json:
         for s in found:
-            click.echo(json.dumps(status_dict(s)))
+            out = status_dict(s)
+            if s.name in idle:
+                out["undecided_s"] = round(idle[s.name], 1)
+            click.echo(json.dumps(out))
         return
     if job:
-        print_table(_one_job(found[0]), wide)
+        print_table(_one_job(found[0], idle.get(found[0].name)), wide)
     elif found:
-        print_table(_jobs_table(found, wide), wide)
+        print_table(_jobs_table(found, wide, idle), wide)
     else:
         console.print("no jobs (submit one with `ringmaster submit job.yaml`)", highlight=False)
+
+
+def undecided_line(seconds: float, start: str) -> str:
+    """What ``status`` says of a job that no controller has led for ``seconds``."""
+    return (
+        f"no controller has led this job for {seconds:.0f} s: nothing is deciding "
+        f"(its phase and rate are the last a controller wrote); start `{start}`"
+    )
 
 
 def status_dict(s: jobs.JobStatus) -> dict[str, Any]:
@@ -117,8 +135,8 @@ def status_dict(s: jobs.JobStatus) -> dict[str, Any]:
     return out
 
 
-def _jobs_table(found: list[jobs.JobStatus], wide: bool) -> Table:
-    """All jobs, one row each.
+def _jobs_table(found: list[jobs.JobStatus], wide: bool, idle: dict[str, float]) -> Table:
+    """All jobs, one row each (``idle``: the jobs no controller leads, shown undecided).
 
     Made to fit 80 columns: the rate goes under the step, a header wraps
     between its words; ``wide`` gives the rate, samples/s and world size
@@ -140,12 +158,14 @@ def _jobs_table(found: list[jobs.JobStatus], wide: bool) -> Table:
         columns.append(column("message"))
     out = table(*columns)
     for s in found:
-        cells = [escape(s.name), s.phase.value]
+        undecided = s.name in idle
+        cells = [escape(s.name), f"{s.phase.value}, undecided" if undecided else s.phase.value]
+        rate = "-" if undecided else f"{s.steps_per_s:.1f}"
         if wide:
-            samples = "-" if s.samples_per_s is None else f"{s.samples_per_s:.0f}"
-            cells += [str(s.step), f"{s.steps_per_s:.1f}", samples, str(s.world_size)]
+            samples = "-" if s.samples_per_s is None or undecided else f"{s.samples_per_s:.0f}"
+            cells += [str(s.step), rate, samples, str(s.world_size)]
         else:
-            cells.append(f"{s.step}\n{s.steps_per_s:.1f}/s")
+            cells.append(f"{s.step}\n{rate}/s" if not undecided else f"{s.step}\n-")
         cells += [
             f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)}",
             str(s.recoveries),
@@ -162,13 +182,20 @@ def _jobs_table(found: list[jobs.JobStatus], wide: bool) -> Table:
     return out
 
 
-def _one_job(s: jobs.JobStatus) -> Table:
-    """One job as a two-column table (readable on a narrow terminal)."""
+def _one_job(s: jobs.JobStatus, undecided: float | None = None) -> Table:
+    """One job as a two-column table (readable on a narrow terminal).
+
+    ``undecided``: seconds no controller has led it (its phase and rate are stale).
+    """
     out = table(column("", wrap=False), column(""), title=f"job {s.name}", show_header=False)
     out.columns[0].style = "bold"
     rate = f"{s.steps_per_s:.2f} steps/s"
     if s.samples_per_s is not None:
         rate += f", {s.samples_per_s:.0f} samples/s"
+    phase = s.phase.value
+    if undecided is not None:
+        rate = "- (no controller measures it)"
+        phase += f", undecided: no controller has led this job for {undecided:.0f} s"
     nodes = (
         f"{len(s.active_nodes)}/{len(s.spare_nodes)}/{len(s.failed_nodes)} "
         f"(active {', '.join(s.active_nodes) or '-'}; spare {', '.join(s.spare_nodes) or '-'}; "
@@ -176,7 +203,7 @@ def _one_job(s: jobs.JobStatus) -> Table:
     )
     rows = [
         ("run", str(s.run)),
-        ("phase", s.phase.value),
+        ("phase", phase),
         ("step", str(s.step)),
         ("rate", rate),
         ("loss", "-" if s.loss is None else f"{s.loss:.4f}"),

@@ -46,7 +46,7 @@ def agent(
     """
     import logging
 
-    from agents.node.agent import JobNotSubmittedError, NodeAgent
+    from agents.node.agent import JobNotSubmittedError, NodeAgent, NodeRefusedError
     from agents.node.descriptions import parse_labels
 
     level = logging.getLevelName(SETTINGS.log_level)
@@ -69,7 +69,7 @@ def agent(
         signal.signal(signal.SIGINT, lambda *_: node_agent.request_stop())
         try:
             code = node_agent.run(timedelta(seconds=wait_for_job))
-        except JobNotSubmittedError as e:
+        except (JobNotSubmittedError, NodeRefusedError) as e:
             fail(str(e), 2)
             return
     sys.exit(code)

@@ -66,9 +66,14 @@ class Recovered:
 
 @dataclass(frozen=True)
 class CheckpointCommitted:
-    """A new checkpoint record appeared: emit its event with rank 0's timings."""
+    """A new checkpoint record appeared: emit its event with rank 0's timings.
+
+    ``late``: a commit made while no controller led the job, found in the
+    record's earlier commits; its event says so and has no timings.
+    """
 
     record: CheckpointRecord
+    late: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 from orchestrator import events, keys, records
@@ -60,6 +61,10 @@ from orchestrator.writer_hold import (
 
 log = logging.getLogger("ringmaster.controller")
 
+#: The leader writes the job's status at least this often, also when nothing changed
+#: (its ``led_at``), so ``ringmaster status`` can tell when no controller leads the job.
+STATUS_REFRESH = timedelta(seconds=2)
+
 
 class JobController:
     """Reconciles one job; :meth:`tick` is called whenever something may have changed."""
@@ -72,6 +77,7 @@ class JobController:
         #: the run of the job this controller runs (a resubmit starts a new one)
         self.run = self.observer.run
         self.status = read_status(client, job) or JobStatus(job, run=self.run)
+        self.observer.adopt(self.status)
         self.reader = WorldReader(
             client,
             job,
@@ -206,6 +212,17 @@ class JobController:
                 )
         elif isinstance(action, CheckpointCommitted):
             r = action.record
+            if action.late:
+                events.emit(
+                    client,
+                    job,
+                    "Checkpoint",
+                    f"step {r.step} committed to {r.url} ({r.reason}), "
+                    f"{max(0.0, time.time() - r.at):.0f}s ago while no controller led the job",
+                    step=r.step,
+                    committed_at=r.at,
+                )
+                return
             events.emit(
                 client,
                 job,
@@ -249,11 +266,15 @@ class JobController:
 
     def _write_status(self) -> None:
         data = self.status.to_dict()
-        comparable = {k: v for k, v in data.items() if k != "updated_at"}
-        if comparable == self._last_written:
+        comparable = {k: v for k, v in data.items() if k not in ("updated_at", "led_at")}
+        now = time.time()
+        changed = comparable != self._last_written
+        if not changed and now - self.status.led_at < STATUS_REFRESH.total_seconds():
             return
         self._last_written = comparable
-        self.status.updated_at = time.time()
+        if changed:
+            self.status.updated_at = now
+        self.status.led_at = now
         records.write(self.client, keys.job_status(self.job), self.status)
 
 

@@ -13,8 +13,8 @@ Per job it:
   the last-call timeout), in topology order, the rest as warm spares;
 * on a break (workers reported the generation broken) replaces the members
   the rules of :mod:`orchestrator.controller.breaks` name (a refused liveness
-  probe at once, a late member never, the rest after ``REPORT_GRACE``);
-* replaces a member whose registration lease expired;
+  probe at once, a late member never, the rest after ``REPORT_GRACE``), and a
+  member whose registration lease expired;
 * kills a worker whose heartbeat stopped for 3 heartbeat intervals (a frozen
   process; not when every heartbeat stopped at once: then their way to etcd
   is stuck, and the workers pause for that);
@@ -271,8 +271,9 @@ class _Decider:
         record = w.checkpoint
         if record is not None and record.at != status.last_checkpoint_at:
             status.last_checkpoint = f"step {record.step} ({record.reason})"
+            for commit in record.unseen(status.last_checkpoint_at):
+                self.actions.append(CheckpointCommitted(commit, late=commit is not record))
             status.last_checkpoint_at = record.at
-            self.actions.append(CheckpointCommitted(record))
         # a done record may be newer than the last heartbeat read (two reads apart)
         steps = [w.progress[x].step for x in workers if x in w.progress]
         steps += [w.done[x].step for x in workers if x in w.done]

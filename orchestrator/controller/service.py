@@ -1,7 +1,15 @@
-"""The controller service: one leader, elected through an etcd lease, runs every job.
+"""The controller service: per job one leader, elected through an etcd lease, decides it.
 
-:class:`Controller` campaigns for leadership (:mod:`orchestrator.etcd.leader`),
-then ticks a :class:`~orchestrator.controller.job.JobController` per job
+:class:`Controller` campaigns for leadership (:mod:`orchestrator.etcd.leader`).
+Each job has one election key, whatever mix of controllers runs: a
+controller started for one job (``--job``, as ``ringmaster run`` and the
+operator start them) campaigns on it, and so does a controller of every job,
+for each job it sees (:class:`~orchestrator.etcd.leader.JobLeadership`), once
+it leads the controllers of every job (one of them at a time compacts and
+serves metrics; it lets go of its jobs when it loses that).  So one process
+at a time decides a job, and a controller that lost a job and won it again
+reads it back from etcd.  The leader ticks a
+:class:`~orchestrator.controller.job.JobController` per job it leads
 every ``TICK``, and at once when something it must act on changes under the
 jobs prefix (a watch wakes it: registrations, reports, commands, the plan;
 not the steady stream of progress, nor logs, history, events and status,
@@ -25,8 +33,9 @@ from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.compactor import HistoryCompactor
 from orchestrator.etcd.kv import WatchEvent
-from orchestrator.etcd.leader import LeaderElection
+from orchestrator.etcd.leader import JobLeadership, LeaderElection
 from orchestrator.etcd.watch import KeyFollower
+from orchestrator.jobs import read_status
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
 from orchestrator.records import SpecRecord
 
@@ -43,7 +52,14 @@ NO_WAKE = ("progress/", "node-progress/", "logs/", "history/", "events/", "statu
 
 
 class Controller:
-    """Leader-elected controller for one job (``job``) or for every job in etcd."""
+    """Leader-elected controller for one job (``job``) or for every job in etcd.
+
+    Attributes:
+        election: the election of this kind of controller: the job's for a controller
+            of one job, that of the controllers of every job otherwise.
+        job_leadership: a controller of every job: its leadership of each job (None
+            for a controller of one job, whose ``election`` is the job's).
+    """
 
     def __init__(
         self,
@@ -54,8 +70,18 @@ class Controller:
     ) -> None:
         self.client = client
         self.job = job
-        self.election = LeaderElection(client, key=keys.controller_leader(job))
+        self.job_leadership = JobLeadership(client) if job is None else None
+        self.election = LeaderElection(
+            client,
+            key=keys.controller_leader(job),
+            what=f"of job {job}" if job else "of the controllers of every job",
+            on_lost=self.job_leadership.release_all if self.job_leadership else None,
+        )
         self._jobs: dict[str, JobController] = {}
+        #: the leadership term each job's controller was built in
+        self._terms: dict[str, int] = {}
+        #: a controller of every job: the run of each job seen ended (not campaigned for)
+        self._ended: dict[str, int] = {}
         self._wake = threading.Event()
         self.metrics = JobMetrics() if metrics_port is not None else None
         if self.metrics is not None:
@@ -116,6 +142,8 @@ class Controller:
             for jc in self._jobs.values():
                 jc.close(wait=max(deadline - time.monotonic(), 0.0))
             follower.stop()
+            if self.job_leadership is not None:
+                self.job_leadership.release_all()
             self.election.resign()
             if self.metrics_server is not None:
                 self.metrics_server.stop()
@@ -125,22 +153,62 @@ class Controller:
         if wakes(event.key):
             self._wake.set()
 
+    def tick(self) -> None:
+        """One round over the jobs this controller leads (campaigning for the others)."""
+        self._tick_all()
+
     def _tick_all(self) -> None:
         names = [self.job] if self.job else _job_names(self.client)
         for name in names:
             record = records.read(self.client, keys.job_spec(name), SpecRecord)
             if record is None:
-                gone = self._jobs.pop(name, None)  # gone, or between two runs
-                if gone is not None:
-                    gone.close()
+                self._forget(name)  # gone, or between two runs
+                continue
+            term = self._lead(name, record.run)
+            if term is None:  # another controller decides it, or it ended, or etcd is away
+                if self._ended.get(name) == record.run and (done := self._jobs.pop(name, None)):
+                    done.close()
                 continue
             jc = self._jobs.get(name)
-            if jc is None or jc.run != record.run:
-                # a new run of the job (resubmitted or resumed): a fresh controller
+            if jc is None or jc.run != record.run or self._terms.get(name) != term:
+                # a new run of the job (resubmitted or resumed), or leadership lost and
+                # won again (another may have decided meanwhile): read it back from etcd
                 if jc is not None:
                     jc.close()
                 jc = self._jobs[name] = JobController(self.client, name, self.metrics)
+                self._terms[name] = term
             jc.tick()
+            if self.job_leadership is not None and jc.status.phase.terminal:
+                self._ended[name] = jc.run  # nothing left to decide: let go of its key
+                self.job_leadership.release(name)
+        if self.job_leadership is not None:
+            for gone in set(self.job_leadership.jobs()) - set(names):
+                self._forget(gone)
+
+    def _lead(self, job: str, run: int) -> int | None:
+        """The term in which this controller leads ``job`` now; None when it does not."""
+        if self.job_leadership is None:
+            return self.election.term if self.election.is_leader else None
+        if self._ended.get(job) == run:
+            return None
+        return self.job_leadership.term(job, worth_it=lambda: not self._has_ended(job, run))
+
+    def _has_ended(self, job: str, run: int) -> bool:
+        """Whether ``run`` of ``job`` has ended (read before campaigning for it)."""
+        status = read_status(self.client, job)
+        if status is not None and status.run == run and status.phase.terminal:
+            self._ended[job] = run
+            return True
+        return False
+
+    def _forget(self, job: str) -> None:
+        gone = self._jobs.pop(job, None)
+        if gone is not None:
+            gone.close()  # its hold of the checkpoint root
+        self._terms.pop(job, None)
+        self._ended.pop(job, None)
+        if self.job_leadership is not None:
+            self.job_leadership.release(job)
 
 
 def wakes(key: str) -> bool:

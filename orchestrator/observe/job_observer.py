@@ -81,6 +81,16 @@ class JobObserver:
             if r.run == self.run
         ]
 
+    def adopt(self, status: JobStatus) -> None:
+        """A controller takes over a started job whose last status is ``status``.
+
+        The nodes that status named are the ones known, so a node that went
+        (a spare's agent killed, say) or came while no controller led the job
+        is still told, as a ``NodeLost`` or ``NodeRegistered`` event.
+        """
+        if status.phase is not JobPhase.PENDING:
+            self._known_nodes = set(status.active_nodes) | set(status.spare_nodes)
+
     # -- every tick --------------------------------------------------------------------
 
     def observe(

@@ -20,7 +20,9 @@ from orchestrator.events import Event
 from orchestrator.records import JobStatus
 
 #: Event types shown as failures (red) and as recoveries (green).
-FAILURE_EVENTS = frozenset({"NodeFailed", "WorkerExited", "WorkerHung", "Preempted", "NodeLost"})
+FAILURE_EVENTS = frozenset(
+    {"NodeFailed", "WorkerExited", "WorkerHung", "Preempted", "NodeLost", "NodeRefused"}
+)
 RECOVERY_EVENTS = frozenset({"Recovered"})
 
 

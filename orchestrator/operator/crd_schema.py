@@ -6,11 +6,13 @@ through :mod:`orchestrator.dataclass_tree`: the YAML key names (``async``,
 not ``async_``, in camelCase), the types and the defaults all come from the
 dataclasses, so a job file and a TrainingJob ``spec`` are the same format and
 cannot drift apart.  The tables below add what the dataclasses do not say:
-descriptions, lower bounds, and CEL rules (``x-kubernetes-validations``,
+descriptions, lower and upper bounds (the upper ones from
+:mod:`orchestrator.spec_bounds`), and CEL rules (``x-kubernetes-validations``,
 checked by the API server) for what openAPI cannot say: ``nodes.min <=
-nodes.max``, exactly one of ``entrypoint.script`` / ``entrypoint.module``,
-``tls.cert`` with ``tls.key``.  :mod:`orchestrator.operator.crd` puts it in
-the CustomResourceDefinition.  Pure; runs in the operator and at build time.
+nodes.max``, ``nodes.max + nodes.spares`` within bounds, exactly one of
+``entrypoint.script`` / ``entrypoint.module``, ``tls.cert`` with ``tls.key``.
+:mod:`orchestrator.operator.crd` puts it in the CustomResourceDefinition.  Pure; runs
+in the operator and at build time.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 from orchestrator.dataclass_tree import FieldInfo, Shape, fields_of, plain
 from orchestrator.operator.trainingjob import FREE_FORM, TrainingJobFields
 from orchestrator.spec import JobSpec
+from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, REASONS
 
-__all__ = ["DESCRIPTIONS", "MINIMUMS", "RULES", "spec_schema"]
+__all__ = ["DESCRIPTIONS", "MAXIMUMS", "MINIMUMS", "RULES", "spec_schema"]
 
 #: Durations: integer seconds, or a number with a unit (what the spec loader accepts).
 DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"
@@ -42,6 +45,10 @@ DESCRIPTIONS: dict[str, str] = {
     "nodes.max": "Most nodes the job trains on; one agent pod per node.",
     "nodes.spares": "Warm spare pods that take over a failed node at once.",
     "nproc_per_node": "Worker processes per node (usually one per GPU).",
+    "oversubscribe": (
+        "Start nproc_per_node workers even on a node with fewer CPUs (GPUs, for a job on "
+        "CUDA); without it such a node's agent refuses to register."
+    ),
     "max_steps": "Stop after this many steps; 0 means the script decides.",
     "rendezvous": "Where nodes meet; empty endpoints means the operator's etcd.",
     "rendezvous.endpoints": "etcd client endpoints, host:port or http(s)://host:port.",
@@ -136,13 +143,28 @@ MINIMUMS: dict[str, int] = {
     "resources.gpus": 0,
 }
 
+#: Upper bounds, by dotted YAML path: those the job spec checks
+#: (:mod:`orchestrator.spec_bounds`, their one source), so the API server refuses
+#: what ``ringmaster validate`` refuses.
+MAXIMUMS: dict[str, int] = {
+    "nproc_per_node": MAX_NPROC_PER_NODE,
+    "nodes.min": MAX_NODES,
+    "nodes.max": MAX_NODES,
+    "nodes.spares": MAX_NODES,
+    "max_steps": INT64_MAX,
+}
+
 #: CEL rules by dotted YAML path ("" is the spec itself).
 RULES: dict[str, list[dict[str, str]]] = {
     "nodes": [
         {
             "rule": "self.min <= self.max",
             "message": "nodes.min must not be larger than nodes.max",
-        }
+        },
+        {
+            "rule": f"self.max + self.spares <= {MAX_NODES}",
+            "message": f"nodes.max must be at most {MAX_NODES:,} ({REASONS['nodes']})",
+        },
     ],
     "entrypoint": [
         {
@@ -219,6 +241,8 @@ def _field_schema(f: FieldInfo, path: str) -> dict[str, Any]:
         )
     if path in MINIMUMS:
         schema["minimum"] = MINIMUMS[path]
+    if path in MAXIMUMS:
+        schema["maximum"] = MAXIMUMS[path]
     default = f.default()
     keep_default = not path.startswith(NO_DEFAULT_PREFIX) or path in _COMPRESSION_DEFAULTS_KEPT
     if f.required or f.metadata.get("no_default"):

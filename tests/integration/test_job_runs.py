@@ -34,7 +34,7 @@ def _spec(name: str) -> JobSpec:
 
 def _stop_and_tick(controller: Controller, client: EtcdClient, name: str) -> records.JobStatus:
     jobs.request_stop(client, name)
-    controller._tick_all()
+    controller.tick()
     status = jobs.read_status(client, name)
     assert status is not None
     return status
@@ -43,8 +43,9 @@ def _stop_and_tick(controller: Controller, client: EtcdClient, name: str) -> rec
 def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClient) -> None:
     name = f"runs-{uuid.uuid4().hex[:8]}"
     controller = Controller(etcd_client, job=name)
+    assert controller.election.try_acquire()  # a controller decides only the jobs it leads
     assert jobs.submit(etcd_client, _spec(name)) == 1
-    controller._tick_all()
+    controller.tick()
     first = _stop_and_tick(controller, etcd_client, name)
     assert first.phase is JobPhase.STOPPED and first.run == 1
     # what the first run leaves: a recovery record and a plan (the plan belongs to the run)
@@ -58,7 +59,7 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     resume = ResumeRequest("file:///tmp/ck/step-0000000010", 10, 2)
     assert jobs.submit(etcd_client, _spec(name), resume=resume) == 2
     assert records.read(etcd_client, keys.job_plan(name), Plan) is None
-    controller._tick_all()  # the same controller takes up run 2 ...
+    controller.tick()  # the same controller takes up run 2 ...
     second = _stop_and_tick(controller, etcd_client, name)  # ... and a stop reaches it
     assert second.phase is JobPhase.STOPPED and second.run == 2
 
@@ -77,12 +78,15 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     assert len(events.list_events(etcd_client, name)) == len(one) + len(two)
     with pytest.raises(JobNotFoundError, match=r"no run 3 \(runs: 1, 2\)"):
         events.list_events(etcd_client, name, run=3)
+    controller.election.resign()
 
 
 def test_controllers_of_two_jobs_on_one_etcd_both_lead(etcd_client: EtcdClient) -> None:
     """Each job's controllers (``--job``, one per TrainingJob) elect their own leader."""
     a, b = (Controller(etcd_client, job=f"lead-{x}-{uuid.uuid4().hex[:6]}") for x in "ab")
-    everything = Controller(etcd_client)  # one for every job elects apart from both
+    # the controllers of every job elect one of them for their own duties; for each
+    # job they campaign on that job's key (test_one_leader_per_job)
+    everything = Controller(etcd_client)
     stop = threading.Event()
     try:
         for c in (a, b, everything):

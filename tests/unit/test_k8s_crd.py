@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,11 @@ import yaml
 
 from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.crd import crd_manifest, render_crd_yaml
-from orchestrator.operator.crd_schema import spec_schema
+from orchestrator.operator.crd_schema import MAXIMUMS, spec_schema
 from orchestrator.operator.trainingjob import FIELD_KEYS
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, SpecError
+from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE
+from orchestrator.spec_loader import load_job_data
 
 pytestmark = pytest.mark.unit
 
@@ -192,3 +195,30 @@ def test_descriptions_are_plain_text_for_kubectl_explain() -> None:
 
     walk(crd_manifest(), "")
     assert found == []
+
+
+def test_the_crd_carries_the_spec_bounds() -> None:
+    """The API server refuses what the job spec refuses: one source, spec_bounds."""
+    schema = spec_schema()["properties"]
+    nodes = schema["nodes"]["properties"]
+    assert schema["nprocPerNode"]["maximum"] == MAX_NPROC_PER_NODE
+    assert nodes["max"]["maximum"] == nodes["min"]["maximum"] == MAX_NODES
+    assert nodes["spares"]["maximum"] == MAX_NODES
+    assert schema["maxSteps"]["maximum"] == INT64_MAX
+    rules = [r["rule"] for r in schema["nodes"]["x-kubernetes-validations"]]
+    assert f"self.max + self.spares <= {MAX_NODES}" in rules
+    # each is the spec's own: at it the spec validates, past it not
+    cases: dict[str, Callable[[int], dict[str, Any]]] = {
+        "nproc_per_node": lambda v: {"nproc_per_node": v},
+        "max_steps": lambda v: {"max_steps": v},
+        "nodes.max": lambda v: {"nodes": {"min": 1, "max": v}},
+        "nodes.min": lambda v: {"nodes": {"min": v, "max": v}},
+        # the spares' own maximum is the sum's (the CEL rule): with one node to train
+        "nodes.spares": lambda v: {"nodes": {"min": 1, "max": 1, "spares": v - 1}},
+    }
+    assert set(cases) == set(MAXIMUMS)
+    for path, fields in cases.items():
+        given = {"name": "b", "entrypoint": {"script": "t.py"}}
+        load_job_data({**given, **fields(MAXIMUMS[path])})
+        with pytest.raises(SpecError):
+            load_job_data({**given, **fields(MAXIMUMS[path] + 1)})

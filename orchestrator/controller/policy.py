@@ -141,8 +141,6 @@ class _Decider:
     def memory(self) -> Memory:
         return self.m
 
-    # -- helpers -----------------------------------------------------------------------
-
     def phase(self, phase: JobPhase, message: str, **data: object) -> None:
         self.status.message = message
         if phase is self.status.phase or not self.status.phase.can_move_to(phase):

@@ -309,35 +309,27 @@ def refuse_if_held(url: str, storage_options: dict[str, Any] | None = None) -> N
         raise RootHeldError(refusal(found, shown(url), now))
 
 
-#: Seconds :func:`release_root` waits for the store (a hung endpoint must not hold up
-#: the end of a run: the marker it leaves goes stale).
+#: Seconds :func:`release_root` waits for the store (a hung one leaves a stale marker).
 RELEASE_WAIT = 5.0
 
 
-def release_root(
-    url: str,
-    run_id: str,
-    storage_options: dict[str, Any] | None = None,
-    wait: float = RELEASE_WAIT,
-) -> None:
+def release_root(url: str, run_id: str, wait: float = RELEASE_WAIT) -> None:
     """After a run's processes are gone: remove its marker, if it is still there, waiting
-    at most ``wait`` seconds for the store."""
-    failed: list[BaseException] = []
+    at most ``wait`` seconds for the store (the run ends anyway; the marker goes stale)."""
+    failed: list[BaseException] = [TimeoutError(f"the store did not answer within {wait:g}s")]
 
     def release() -> None:
         try:
-            release_store(MarkerStore(url, storage_options), run_id)
-        except Exception as e:  # the run ends anyway; its marker goes stale
-            failed.append(e)
+            release_store(MarkerStore(url), run_id)
+            failed.clear()
+        except Exception as e:
+            failed[:] = [e]
 
     worker = threading.Thread(target=release, name="writer-marker-release", daemon=True)
     worker.start()
     worker.join(wait)
-    if worker.is_alive():
-        failed.append(TimeoutError(f"the store did not answer within {wait:g}s"))
-    if failed:
-        log.warning("the writer marker of %s was not removed (it goes stale): %s",
-                    shown(url), failed[0])  # fmt: skip
+    for error in list(failed):  # a copy: a late answer may still change the list
+        log.warning("the writer marker of %s was not removed: %s", shown(url), error)
 
 
 def hold_for(url: str, run_id: str, job: str, run: int, etcd: str) -> HeldRoot:

@@ -31,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +127,8 @@ class LocalRun:
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
         self._lineage: str | None = None
+        #: the run's own scratch directory (torch's compile cache): removed at the end
+        self._scratch: str | None = None
         self.folder: ConsequenceFolder | None = None
         if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
             self.folder = ConsequenceFolder(spec.name, self.print, self._print_event)
@@ -150,6 +154,9 @@ class LocalRun:
         if self.etcd_options and self.etcd_options.password:
             env["RINGMASTER_ETCD_PASSWORD"] = self.etcd_options.password
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if "TORCHINDUCTOR_CACHE_DIR" not in env:  # else torch leaves it in TMPDIR
+            self._scratch = self._scratch or tempfile.mkdtemp(prefix="ringmaster-run-")
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self._scratch, "inductor")
         return env
 
     def _spawn(self, name: str, args: list[str]) -> _Proc:
@@ -381,6 +388,8 @@ class LocalRun:
             self._client.close()
         if self._embedded is not None:
             self._embedded.stop()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> LocalRun:
         self.start()

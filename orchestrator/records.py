@@ -409,6 +409,9 @@ class JobStatus(Record):
     #: nodes called stragglers now → how many times as long as their peers they
     #: compute per step (:mod:`orchestrator.controller.stragglers`)
     stragglers: dict[str, float] = field(default_factory=dict)
+    #: nodes swapped out for being slow: not spares until their agent restarts or an
+    #: operator releases them (``ringmaster release``)
+    quarantined: list[str] = field(default_factory=list)
 
 
 @dataclass

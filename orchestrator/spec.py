@@ -178,6 +178,7 @@ class RedundancySpec:
 class StragglerAction(str, Enum):
     """What the controller does about a node that keeps stepping slower than its peers."""
 
+    SWAP = "swap"  # report, and a warm spare takes its slot at a step boundary
     REPORT = "report"  # a Straggler event, a metric, a mark in status
     OFF = "off"  # steps are not timed, nothing is judged
 
@@ -188,7 +189,9 @@ class StragglerSpec:
 
     A node is a straggler when its compute time per step stays at or above
     ``threshold`` times the median of its peers' for ``windows`` windows in a row
-    (a window: one heartbeat interval with steps in it).
+    (a window: one heartbeat interval with steps in it).  ``swap`` puts a warm
+    spare in its slot when that gains ``min_gain`` over the swap's cost
+    (:mod:`orchestrator.controller.straggler_swaps`).
     """
 
     action: StragglerAction = StragglerAction.REPORT
@@ -196,9 +199,14 @@ class StragglerSpec:
     threshold: float = 1.2
     #: consecutive windows above ``threshold`` before a node is called a straggler
     windows: int = 3
+    #: ``swap``: by how much the time the swap saves over the rest of the job must beat
+    #: what the swap costs (the job's last recovery, else 2 s) for a spare to take over
+    min_gain: timedelta = timedelta(seconds=10)
 
     def problems(self) -> Problems:
         out: Problems = []
+        if self.min_gain.total_seconds() < 0:
+            out.append(("min_gain", f"must be 0 or more, got {self.min_gain.total_seconds():g}s"))
         if not (self.threshold > 1.0 and self.threshold <= 100.0):
             out.append(("threshold", f"must be above 1 and at most 100, got {self.threshold}"))
         if not 1 <= self.windows <= 1000:

@@ -50,6 +50,7 @@ for _command in (
     job_commands.submit,
     job_commands.status,
     job_commands.stop,
+    job_commands.release,
     job_commands.logs,
     observe_commands.events_cmd,
     observe_commands.watch,

@@ -214,6 +214,8 @@ def _one_job(s: jobs.JobStatus, undecided: float | None = None) -> Table:
     if s.stragglers:
         slow = sorted(s.stragglers.items())
         rows.append(("stragglers", ", ".join(f"{n} ({x:.2f}x its peers' step)" for n, x in slow)))
+    if s.quarantined:
+        rows.append(("quarantined", f"{', '.join(s.quarantined)} (`ringmaster release`)"))
     if s.last_recovery:
         rows.append(("last recovery", _last_recovery(s)))
     rows += [
@@ -272,6 +274,26 @@ def stop(job: str, **kw: Any) -> None:
     with connect_client(kw) as client:
         jobs.request_stop(client, job)
     console.print(f"stop requested for job '{job}'", highlight=False)
+
+
+@click.command()
+@click.argument("job")
+@click.argument("node")
+@etcd_options
+@handle_errors
+def release(job: str, node: str, **kw: Any) -> None:
+    """Let a node quarantined for being slow be a spare of JOB again."""
+    with connect_client(kw) as client:
+        status = jobs.read_status(client, job)
+        if status is None:
+            raise click.UsageError(f"no job named {job!r} (see `ringmaster status`)")
+        if node not in status.quarantined:
+            held = ", ".join(status.quarantined) or "none"
+            raise click.UsageError(
+                f"{node} is not quarantined in job {job!r} (quarantined: {held})"
+            )
+        jobs.send_command(client, job, "release", node=node)
+    console.print(f"release of {node} requested for job '{job}'", highlight=False)
 
 
 @click.command()

@@ -40,6 +40,14 @@ class Emit:
 
 
 @dataclass(frozen=True)
+class ReleaseNode:
+    """An operator let a quarantined node be a spare again (no I/O: the controller's
+    straggler decisions apply it, :mod:`orchestrator.controller.straggler_swaps`)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
 class FailureSeen:
     """Workers reported the generation broken: the observer starts timing a recovery."""
 
@@ -113,4 +121,5 @@ Action = (
     | KillWorker
     | WriteControl
     | DeleteCommand
+    | ReleaseNode
 )

@@ -1,4 +1,4 @@
-"""Users' commands to the controller (``stop``, ``checkpoint``), turned into actions.
+"""Users' commands to the controller (``stop``, ``checkpoint``, ``release``), as actions.
 
 Pure: the commands found under the job's ``commands/`` prefix and the control
 record the workers see go in; the actions (delete each command, record it as
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.controller.actions import Action, DeleteCommand, Emit, WriteControl
+from orchestrator.controller.actions import Action, DeleteCommand, Emit, ReleaseNode, WriteControl
 from orchestrator.records import CommandRecord, ControlRecord
 
 
@@ -19,7 +19,8 @@ def take_commands(
     """The actions for ``commands`` (by key, oldest first) and the control record after them.
 
     ``stop`` sets the control's stop flag; ``checkpoint`` asks the workers for
-    one more checkpoint; anything else is reported as a ``BadCommand`` event.
+    one more checkpoint; ``release`` lets a quarantined node be a spare again;
+    anything else is reported as a ``BadCommand`` event.
     """
     actions: list[Action] = []
     new = dataclasses.replace(control)
@@ -29,6 +30,8 @@ def take_commands(
             new.stop = True
         elif cmd.command == "checkpoint":
             new.checkpoint += 1
+        elif cmd.command == "release" and isinstance(cmd.args.get("node"), str):
+            actions.append(ReleaseNode(cmd.args["node"]))
         else:
             actions.append(Emit("BadCommand", f"unknown command {cmd.command!r}"))
             continue

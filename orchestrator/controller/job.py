@@ -38,16 +38,18 @@ from orchestrator.controller.actions import (
     PhaseChanged,
     PublishPlan,
     Recovered,
+    ReleaseNode,
     WriteControl,
 )
 from orchestrator.controller.hangs import STALE_BEATS
 from orchestrator.controller.plans import restart_tier
+from orchestrator.controller.straggler_swaps import decide_stragglers
+from orchestrator.controller.stragglers import StragglerWatch
 from orchestrator.controller.world import World, WorldReader
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
-from orchestrator.observe.stragglers import StragglerReporter
 from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
 from orchestrator.runs import lineage_id
 from orchestrator.writer_hold import (
@@ -85,7 +87,12 @@ class JobController:
             quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
-        self.stragglers = StragglerReporter(client, job, self.spec.fault_tolerance, metrics)
+        ft = self.spec.fault_tolerance
+        self.stragglers = StragglerWatch(ft.stragglers, ft.heartbeat_interval.total_seconds())
+        # a node quarantined under an earlier leader stays so (its registration is read
+        # again at the first tick: a restarted agent releases it)
+        self.stragglers.quarantined = {n: None for n in self.status.quarantined}
+        self.metrics = metrics
         self._last_written: dict[str, Any] = {}
         #: this run's hold on the checkpoint root (the controller runs where the job's
         #: processes start, so a relative ``checkpoint.url`` is read from its directory)
@@ -104,16 +111,22 @@ class JobController:
         if not self._root_held():
             return
         world = self.reader.read()
+        world.quarantined = set(self.stragglers.quarantined)
         decision = policy.decide(self.spec, self.memory, self.status, world)
         self.memory = decision.memory
         self.status = decision.status
-        self._apply(decision.actions, world)
-        if world.plan is not None and not any(isinstance(a, PublishPlan) for a in decision.actions):
+        actions = decision.actions
+        actions += decide_stragglers(self.spec, self.stragglers, self.status, world, actions)
+        self._apply(actions, world)
+        if world.plan is not None and not any(isinstance(a, PublishPlan) for a in actions):
             plan: Plan | None = world.plan
         else:
             plan = records.read(self.client, keys.job_plan(self.job), Plan)
         self.observer.observe(self.status, plan, world.nodes, world.progress)
-        self.stragglers.observe(self.status, plan, world.progress)
+        if self.metrics is not None:  # each node's step time and slowdown, last window
+            for node, t in self.stragglers.timings.items():
+                slowdown = self.stragglers.slowdowns.get(node)
+                self.metrics.node_timing(self.job, node, t.compute_s, slowdown)
         self._write_status()
         if self.status.phase.terminal:
             self.writer.close(release=True)
@@ -245,6 +258,8 @@ class JobController:
                 worker=action.worker,
                 silent_since=action.silent_since,
             )
+        elif isinstance(action, ReleaseNode):
+            pass  # applied by the straggler decisions (no I/O)
         else:  # pragma: no cover - every action kind is handled above
             raise TypeError(f"unknown controller action {action!r}")
 

@@ -54,13 +54,14 @@ def restart_tier(spec: JobSpec, nodes: dict[str, NodeRecord]) -> bool:
 
 
 def is_warm(spec: JobSpec, world: World, node: str, restart_tier: bool) -> bool:
-    """A registered node whose every worker is alive and beating (ready for a slot).
+    """A registered node whose every worker is alive and beating (ready for a slot), and
+    that is not quarantined for being slow.
 
     In the restart tier, a registered node: its agent registers once its
     standbys are started, and its workers write no heartbeats.
     """
     info = world.nodes.get(node)
-    if info is None:
+    if info is None or node in world.quarantined:
         return False
     if restart_tier:
         return True

@@ -1,11 +1,13 @@
 """Stragglers: a node that keeps stepping slower than its peers, told from their timings.
 
-Pure (no I/O): the controller's observer feeds it the workers' heartbeats once
-per window and turns what it returns into events, a mark in the job's status
-and metrics.  Each worker's heartbeat carries running totals of the time its
-steps spent computing and waiting for their peers in the final gradient
-reduction (:mod:`agents.runtime.step_timing`); the difference of two
-heartbeats is a window.  Per node the slowest of its workers counts (a node
+Pure (no I/O): the controller feeds it the workers' heartbeats each tick; it
+closes a window every heartbeat interval and says which nodes it calls slow
+(:mod:`orchestrator.controller.straggler_swaps` turns that into events, the
+job's status and, with ``action: swap``, a spare in the slow node's place).
+Each worker's heartbeat carries running totals of the time its steps spent
+computing and waiting for their peers in the final gradient reduction
+(:mod:`agents.runtime.step_timing`); the difference of two heartbeats is a
+window.  Per node the slowest of its workers counts (a node
 is as slow as its slowest rank).
 
 A node is a straggler when its compute time per step is at least
@@ -118,12 +120,41 @@ class StragglerWatch:
     """
 
     spec: StragglerSpec
+    #: seconds between two windows (the heartbeat interval)
+    window_s: float = 2.0
     #: nodes called stragglers, with the evidence of when they were called
     flagged: dict[str, Straggler] = field(default_factory=dict)
     #: windows in a row each node was above the threshold (below, for a flagged one)
     _streak: dict[str, int] = field(default_factory=dict)
-    #: each node's latest slowdown (for the metrics)
+    #: each node's latest slowdown and timing (for the metrics)
     slowdowns: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, NodeTiming] = field(default_factory=dict)
+    #: nodes swapped out for being slow → their agent's registration time (None until
+    #: read): not spares again until that agent restarts or an operator releases them
+    quarantined: dict[str, float | None] = field(default_factory=dict)
+    #: stragglers already told to keep their slot (said once each)
+    kept: set[str] = field(default_factory=set)
+    _before: dict[str, Telemetry] = field(default_factory=dict)
+    _window_at: float | None = None
+    _generation: int = 0
+
+    def tick(
+        self, plan: Plan, progress: dict[str, ProgressRecord], mono: float
+    ) -> tuple[list[Straggler], list[str]]:
+        """Close a window when one is due (every :attr:`window_s` of ``mono``) and judge
+        it: the nodes newly called stragglers and those cleared (see :meth:`judge`)."""
+        if plan.generation != self._generation:  # a new group: its timings start over
+            self._generation, self._before, self._window_at = plan.generation, {}, None
+            self.forget(set(self.slowdowns) - {m.node for m in plan.members})
+        if self._window_at is not None and mono - self._window_at < self.window_s:
+            return [], []
+        before, self._before = self._before, {w: p.telemetry for w, p in progress.items()}
+        self._window_at = mono
+        timings = node_timings(before, progress, plan) if before else None
+        if not timings:
+            return [], []
+        self.timings = timings
+        return self.judge(timings)
 
     def judge(self, timings: dict[str, NodeTiming]) -> tuple[list[Straggler], list[str]]:
         """Take one window's timings; return the nodes newly called stragglers and the
@@ -155,6 +186,7 @@ class StragglerWatch:
                 called.append(straggler)
             else:
                 del self.flagged[node]
+                self.kept.discard(node)
                 cleared.append(node)
         return called, cleared
 
@@ -164,3 +196,5 @@ class StragglerWatch:
             self.flagged.pop(node, None)
             self._streak.pop(node, None)
             self.slowdowns.pop(node, None)
+            self.timings.pop(node, None)
+            self.kept.discard(node)

@@ -75,6 +75,8 @@ class World:
         silence: the last etcd silence the client recorded (end, seconds), if any.
         startup_failures: before the job started: node → how one of its workers
             exited (the agents' ``WorkerExited`` events of this run).
+        quarantined: nodes swapped out for being slow: never warm spares
+            (:mod:`orchestrator.controller.straggler_swaps`).
     """
 
     now: float
@@ -92,6 +94,7 @@ class World:
     answering: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
+    quarantined: set[str] = field(default_factory=set)
 
 
 class RecordCache(Generic[R]):

@@ -85,7 +85,12 @@ DESCRIPTIONS: dict[str, str] = {
         "Slow nodes: a node whose compute time per step stays above threshold x its "
         "peers' median for windows heartbeat intervals is reported."
     ),
-    "fault_tolerance.stragglers.action": "report (event, metric, status mark) or off (untimed).",
+    "fault_tolerance.stragglers.action": (
+        "swap (a warm spare takes the slot), report (event, metric, status mark) or off."
+    ),
+    "fault_tolerance.stragglers.min_gain": (
+        "swap: time saved over the rest of the job must beat the swap's cost by this."
+    ),
     "fault_tolerance.stragglers.threshold": "Slowdown against the peers' median (above 1).",
     "fault_tolerance.stragglers.windows": "Consecutive heartbeat intervals above threshold.",
     "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",

@@ -1,0 +1,160 @@
+"""What the controller does about slow nodes: events, the status, and planned swaps.
+
+Pure (no I/O), run by the controller after its policy each tick
+(:meth:`orchestrator.controller.job.JobController.tick`) with the job's
+:class:`~orchestrator.controller.stragglers.StragglerWatch`, which keeps the
+timing windows and the quarantined nodes between ticks.  It returns actions
+for the executor:
+
+* ``Straggler`` / ``StragglerCleared`` events as the watch calls and clears
+  nodes (``JobStatus.stragglers`` lists the ones called now);
+* with ``fault_tolerance.stragglers.action: swap``, while the job runs, a
+  warm spare takes a straggler's slot: the next generation is published with
+  the spare in its place (topology-nearest first, as for a dead node).  The
+  workers switch at a step boundary as for any planned change: the survivors
+  keep their state, the spare receives it from a live peer, no step is lost.
+  The straggler stays up, waiting, but is quarantined: never a spare again
+  until its agent restarts (a new registration) or an operator releases it
+  (``ringmaster release JOB NODE``);
+* a swap is made only when it pays: the time it saves over the rest of the
+  job (the remaining steps at the current step time, less what they would
+  take at the peers' pace; without ``max_steps`` the rest is taken as
+  unbounded) must beat its cost (the job's last recovery, else
+  :data:`DEFAULT_SWAP_COST_S`) by ``min_gain``.  Otherwise, and without a
+  warm spare, a ``StragglerKept`` event says why, once per straggler.
+"""
+
+from __future__ import annotations
+
+import math
+
+from orchestrator.api import JobPhase
+from orchestrator.controller.actions import Action, Emit, PublishPlan, ReleaseNode
+from orchestrator.controller.plans import is_warm, make_plan, swap_in_spares, topology_ordered
+from orchestrator.controller.stragglers import Straggler, StragglerWatch
+from orchestrator.controller.world import World
+from orchestrator.records import JobStatus, Plan
+from orchestrator.spec import JobSpec, StragglerAction
+
+__all__ = ["DEFAULT_SWAP_COST_S", "decide_stragglers", "swap_gain"]
+
+#: Seconds a swap is taken to cost before the job has recovered once (a planned switch
+#: measured here takes well under that; the job's last recovery replaces it).
+DEFAULT_SWAP_COST_S = 2.0
+
+
+def decide_stragglers(
+    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, actions: list[Action]
+) -> list[Action]:
+    """This tick's actions about slow nodes (``actions``: what the policy decided)."""
+    out = _releases(watch, world, actions)
+    plan = world.plan
+    config = spec.fault_tolerance.stragglers
+    busy = any(isinstance(a, PublishPlan) for a in actions)  # the policy changes the group
+    if config.action is StragglerAction.OFF or plan is None or busy:
+        return out
+    if status.phase is not JobPhase.RUNNING:
+        return out
+    called, cleared = watch.tick(plan, world.progress, world.mono)
+    for s in called:
+        tail = "" if config.action is StragglerAction.SWAP else (
+            "; reported only (fault_tolerance.stragglers.action: report)")  # fmt: skip
+        out.append(Emit("Straggler", s.describe() + tail,
+                        {"node": s.node, "slowdown": round(s.slowdown, 3)}))  # fmt: skip
+    for node in cleared:
+        out.append(Emit("StragglerCleared", f"{node} steps at its peers' pace again",
+                        {"node": node}))  # fmt: skip
+    status.stragglers = {n: round(s.slowdown, 2) for n, s in sorted(watch.flagged.items())}
+    status.quarantined = sorted(watch.quarantined)
+    if config.action is StragglerAction.SWAP:
+        out += _swap(spec, watch, status, world, plan)
+    return out
+
+
+def swap_gain(spec: JobSpec, status: JobStatus, straggler: Straggler) -> tuple[float, float] | None:
+    """Seconds a swap would save over the rest of the job, and what it costs; None
+    while the job's step rate is not known yet."""
+    if status.steps_per_s <= 0:
+        return None
+    step_s = 1.0 / status.steps_per_s
+    left = max(spec.max_steps - status.step, 0) if spec.max_steps else math.inf
+    gain = left * step_s * (1.0 - 1.0 / straggler.slowdown) if left else 0.0
+    cost = DEFAULT_SWAP_COST_S
+    if status.last_recovery and status.last_recovery.get("total_s"):
+        cost = float(status.last_recovery["total_s"])
+    return gain, cost
+
+
+def _releases(watch: StragglerWatch, world: World, actions: list[Action]) -> list[Action]:
+    """Quarantined nodes let go: by an operator's command, or because their agent restarted."""
+    out: list[Action] = []
+    for a in actions:
+        if isinstance(a, ReleaseNode):
+            if watch.quarantined.pop(a.node, None) is None:
+                out.append(Emit("BadCommand", f"release: {a.node} is not quarantined"))
+                continue
+            out.append(Emit("NodeReleased", f"{a.node} released by an operator: it may be a "
+                            "spare again", {"node": a.node}))  # fmt: skip
+    for node, started in list(watch.quarantined.items()):
+        info = world.nodes.get(node)
+        if info is not None and started is None:  # quarantined under another leader
+            watch.quarantined[node] = info.started
+        elif info is not None and info.started != started:
+            del watch.quarantined[node]
+            out.append(Emit("NodeReleased", f"{node}'s agent started again: it may be a spare "
+                            "again", {"node": node}))  # fmt: skip
+    return out
+
+
+def _swap(
+    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, plan: Plan
+) -> list[Action]:
+    """A warm spare in the slowest straggler's slot, when that pays (else why not, once)."""
+    members = [m.node for m in plan.members]
+    slow = sorted((s for n, s in watch.flagged.items() if n in members),
+                  key=lambda s: -s.slowdown)  # fmt: skip
+    if not slow:
+        return []
+    straggler = slow[0]
+    node = straggler.node
+    spares = [
+        n
+        for n in topology_ordered(spec, world, list(world.nodes))
+        if n not in members and n not in watch.quarantined and is_warm(spec, world, n, False)
+    ]
+    if not spares:
+        return _kept(watch, node, "no warm spare to take its slot: reported only")
+    priced = swap_gain(spec, status, straggler)
+    if priced is None:
+        return []
+    gain, cost = priced
+    if gain - cost < spec.fault_tolerance.stragglers.min_gain.total_seconds():
+        return _kept(
+            watch,
+            node,
+            f"a swap would save {gain:.1f}s over the rest of the job against its cost of "
+            f"{cost:.1f}s, less than fault_tolerance.stragglers.min_gain: reported only",
+        )
+    order, swapped, left = swap_in_spares(spec, world, plan, {node}, spares)
+    why = f"{'; '.join(swapped)} (a straggler, {straggler.slowdown:.2f}x its peers' step)"
+    new_plan = make_plan(spec, world, plan.generation + 1, order, left, why)
+    info = world.nodes.get(node)
+    watch.quarantined[node] = info.started if info is not None else 0.0
+    watch.forget({node})
+    status.spare_nodes = list(left)
+    status.quarantined = sorted(watch.quarantined)
+    status.message = f"generation {new_plan.generation}: {why}"
+    message = (
+        f"generation {new_plan.generation}: {why}; saves about {gain:.0f}s over the rest of "
+        f"the job against a cost of {cost:.1f}s. {node} is quarantined: not a spare again "
+        f"until its agent restarts or `ringmaster release {status.name} {node}`"
+    )
+    return [PublishPlan(new_plan), Emit("StragglerSwapped", message, {"node": node})]
+
+
+def _kept(watch: StragglerWatch, node: str, why: str) -> list[Action]:
+    """Say once per straggler why it keeps its slot."""
+    if node in watch.kept:
+        return []
+    watch.kept.add(node)
+    return [Emit("StragglerKept", f"{node} keeps its slot: {why}", {"node": node})]

@@ -1,0 +1,123 @@
+"""A real slow node swapped for a warm spare, nothing lost: the final parameters equal a
+fault-free run's.
+
+Real processes (``LocalRun``: a private etcd, a controller, three node agents, two
+active and one warm spare, gloo).  Once the job trains, one active node's workers get
+a duty cycle from outside, as a throttled machine would: SIGSTOP for 60 ms of every
+100 ms.  With ``fault_tolerance.stragglers.action: swap`` the controller calls it a
+straggler, the spare takes its slot in a planned switch, the slow node is
+quarantined, and the job finishes with every step applied exactly once and the same
+parameters as a run without the slowdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator import events, jobs, keys, records
+from orchestrator.api import JobPhase
+from orchestrator.records import NodeRecord, Plan
+from orchestrator.spec import JobSpec, StragglerAction
+from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS = 400
+
+
+def _job(name: str, tmp: Path, spares: int) -> JobSpec:
+    spec = tiny_job(name, tmp, steps=STEPS, spares=spares)
+    ft = spec.fault_tolerance
+    ft.heartbeat_interval = timedelta(seconds=1)
+    ft.stragglers.action = StragglerAction.SWAP
+    ft.stragglers.threshold, ft.stragglers.windows = 1.3, 3
+    ft.stragglers.min_gain = timedelta(0)
+    return spec
+
+
+class DutyCycle(threading.Thread):
+    """SIGSTOP ``pids`` for ``stopped`` s of every ``period`` s until ``done`` is set."""
+
+    def __init__(self, pids: list[int], period: float = 0.1, stopped: float = 0.06) -> None:
+        super().__init__(daemon=True)
+        self.pids, self.period, self.stopped = pids, period, stopped
+        self.done = threading.Event()
+
+    def _send(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._send(signal.SIGSTOP)
+                self.done.wait(self.stopped)
+                self._send(signal.SIGCONT)
+                self.done.wait(self.period - self.stopped)
+        finally:
+            self._send(signal.SIGCONT)
+
+
+def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Path) -> None:
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    lines: list[str] = []
+    with quiet_run(_job("straggler-reference", reference_dir, spares=0), lines) as run:
+        healthy = run.wait()
+    assert healthy.phase is JobPhase.SUCCEEDED, summary(healthy, lines)
+    assert not [e for e in healthy.events if e.type.startswith("Straggler")], summary(
+        healthy, lines
+    )  # no false call on a healthy run
+    reference = torch.load(reference_dir / "final.pt")
+
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    lines = []
+    spec = _job("straggler-swap", swap_dir, spares=1)
+    cycle: DutyCycle | None = None
+    with quiet_run(spec, lines) as run:
+        try:
+            wait_for_step(run, 60)
+            plan = records.read(run.client, keys.job_plan(spec.name), Plan)
+            assert plan is not None and plan.generation == 1, plan
+            slow = plan.members[1].node
+            node = records.read(run.client, keys.job_node(spec.name, slow), NodeRecord)
+            assert node is not None and node.worker_pids, node
+            cycle = DutyCycle(node.worker_pids)
+            cycle.start()
+            deadline = time.monotonic() + 60
+            while not any(
+                e.type == "StragglerSwapped" for e in events.list_events(run.client, spec.name)
+            ):
+                assert time.monotonic() < deadline, summary(run.wait(), lines)
+                time.sleep(0.1)
+            status = jobs.read_status(run.client, spec.name)
+            assert status is not None and status.quarantined == [slow], status
+        finally:
+            if cycle is not None:
+                cycle.done.set()
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED and result.step == STEPS, summary(result, lines)
+    kinds = [e.type for e in result.events]
+    assert "NodeFailed" not in kinds and "Restart" not in kinds, kinds
+    (called,) = [e for e in result.events if e.type == "Straggler"]
+    assert called.data["node"] == slow and called.data["slowdown"] >= 1.3, called
+    (swapped,) = [e for e in result.events if e.type == "StragglerSwapped"]
+    assert f"replaces {slow} (a straggler" in swapped.message, swapped.message
+    generations = [e.message for e in result.events if e.type == "Generation"]
+    assert len(generations) == 2 and f"replaces {slow}" in generations[1], generations
+    assert_exactly_once(swap_dir, STEPS)
+    final = torch.load(swap_dir / "final.pt")
+    assert final.keys() == reference.keys()
+    for k in final:
+        assert torch.allclose(final[k], reference[k], rtol=1e-6, atol=1e-7), f"{k} differs"

@@ -1,0 +1,317 @@
+"""Stragglers: a node slowed from outside, detected and swapped for a warm spare.
+
+Every row runs a real job with ``LocalRun`` on this machine (a private etcd,
+a controller, node agents and their workers on gloo).  The training step is
+compute bound: each worker spins for ``--compute`` seconds of CPU time per
+step (a forward and backward pass would), then all-reduces its gradients.
+A node is slowed from outside, as a throttled machine would be: its workers
+are SIGSTOPped for a share of every 100 ms (1 - 1/factor: at 1.5x they run
+two thirds of the time).
+
+Rows, all in this run:
+
+* ``overhead``: 3 nodes, no slowdown, ``fault_tolerance.stragglers.action``
+  ``off`` (steps not timed) against ``report`` (timed and judged), in
+  alternating order, twice each; the steady step rate of each and the
+  difference, in percent;
+* ``slow_1.5x`` and ``slow_3x``: 3 active nodes and 1 warm spare with
+  ``action: swap``; at step ``--onset`` one active node is slowed.  Seconds
+  from the onset to the ``Straggler`` event and to the ``StragglerSwapped``
+  one; the step rate before the onset, between the onset and the swap, and
+  from 2 s after the swap to the end, against the healthy rate of the
+  ``overhead`` rows (``report``); seconds from the onset until a 5 s window
+  runs at 95 % of the healthy rate again; steps lost (applied twice or never,
+  from every worker's step log);
+* ``healthy``: 3 active nodes and 1 spare with ``action: swap`` for
+  ``--healthy-seconds`` with no slowdown, while a second job (2 nodes, same
+  step) trains beside it on the same cores: the machine's own noise, and
+  more.  False ``Straggler`` calls and false swaps are counted.
+
+A slow link (``tbf`` on one node's veth) is not a row: a node whose link is
+slow but whose compute is not is not told apart yet (docs/stragglers.md).
+
+The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator import events, jobs, keys, records  # noqa: E402
+from orchestrator.local_run import LocalRun  # noqa: E402
+from orchestrator.records import NodeRecord, Plan  # noqa: E402
+from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
+from orchestrator.spec_loader import load_job_data  # noqa: E402
+
+#: The training script: a compute-bound step, every applied step logged with its time.
+SCRIPT = """\
+import os, sys, time
+import torch
+from torch import nn
+from agents import runtime
+
+compute, log_dir = float(sys.argv[1]), sys.argv[2]
+session = runtime.init()
+torch.manual_seed(0)
+model = session.wrap(nn.Linear(32, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+session.track(model=model, optimizer=opt)
+log = None
+for step in session.steps():
+    with session.guard():
+        opt.zero_grad()
+        end = time.process_time() + compute
+        while time.process_time() < end:
+            pass
+        model(torch.randn(16, 32)).pow(2).sum().backward()
+        opt.step()
+    if session.step_failed:
+        continue
+    if log is None:
+        log = open(os.path.join(log_dir, f"{session.worker}-{os.getpid()}.log"), "a")
+    log.write(f"{step} {time.time()}\\n")
+    log.flush()
+session.close()
+"""
+
+
+class DutyCycle(threading.Thread):
+    """SIGSTOP ``pids`` for ``stopped`` s of every ``period`` s until ``done`` is set."""
+
+    def __init__(self, pids: list[int], stopped: float, period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.pids, self.stopped, self.period = pids, stopped, period
+        self.done = threading.Event()
+
+    def _send(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._send(signal.SIGSTOP)
+                self.done.wait(self.stopped)
+                self._send(signal.SIGCONT)
+                self.done.wait(self.period - self.stopped)
+        finally:
+            self._send(signal.SIGCONT)
+
+
+def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: int,
+        action: StragglerAction, steps: int) -> JobSpec:  # fmt: skip
+    (tmp / "steps").mkdir(parents=True, exist_ok=True)
+    script = tmp / "spin.py"
+    script.write_text(SCRIPT)
+    spec = load_job_data(
+        {
+            "name": name,
+            "entrypoint": {"script": str(script), "args": [str(args.compute), str(tmp / "steps")]},
+            "nodes": {"min": nodes, "max": nodes, "spares": spares},
+            "max_steps": steps,
+            "fault_tolerance": {
+                "heartbeat_interval": "1s",
+                "stragglers": {"action": action.value, "min_gain": "0s"},
+            },
+            "checkpoint": {"url": str(tmp / "ckpt"), "every_steps": 0},
+        }
+    )
+    return spec
+
+
+def step_times(tmp: Path) -> tuple[dict[int, float], int]:
+    """Each step's completion time (the first worker to log it), and the steps applied
+    twice by one worker or never by any (of those up to the highest seen)."""
+    done: dict[int, float] = {}
+    lost = 0
+    for f in (tmp / "steps").glob("*.log"):
+        seen: set[int] = set()
+        for line in f.read_text().splitlines():
+            step, at = line.split()
+            s = int(step)
+            lost += s in seen
+            seen.add(s)
+            done[s] = min(done.get(s, float("inf")), float(at))
+    if done:
+        lost += sum(1 for s in range(max(done) + 1) if s not in done)
+    return done, lost
+
+
+def rate(done: dict[int, float], start: float, end: float) -> float | None:
+    """Steps per second completed between ``start`` and ``end`` (wall clock)."""
+    inside = [t for t in done.values() if start <= t <= end]
+    return len(inside) / (end - start) if end > start and len(inside) > 1 else None
+
+
+def run(spec: JobSpec, tmp: Path, during: Any = None) -> tuple[Any, list[events.Event]]:
+    """Run ``spec`` to its end; ``during(run)`` runs once the job trains (in this thread)."""
+    lines: list[str] = []
+    local = LocalRun(spec, printer=lines.append, workdir=str(tmp), metrics_port=None,
+                     timeout=timedelta(minutes=20))  # fmt: skip
+    with local:
+        if during is not None:
+            during(local)
+        result = local.wait()
+    if result.phase.value != "Succeeded" and not during:
+        print("\n".join(lines[-40:]), file=sys.stderr)
+    return result, result.events
+
+
+def wait_step(local: LocalRun, step: int, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = jobs.read_status(local.client, local.spec.name)
+        if status is not None and status.step >= step:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{local.spec.name} did not reach step {step} in {timeout:g}s")
+
+
+def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"off": [], "report": []}
+    for i, action in enumerate([StragglerAction.OFF, StragglerAction.REPORT] * 2):
+        tmp = root / f"overhead-{i}"
+        spec = job(f"overhead-{i}", tmp, args, nodes=3, spares=0, action=action,
+                   steps=args.steps)  # fmt: skip
+        run(spec, tmp)
+        done, _ = step_times(tmp)
+        first, last = done[min(done) + 10], done[max(done)]  # past the warm-up
+        r = rate(done, first, last)
+        assert r is not None
+        rates[action.value].append(r)
+        print(f"overhead {action.value:>6}: {r:.2f} steps/s", flush=True)
+    off, report = statistics.mean(rates["off"]), statistics.mean(rates["report"])
+    return {
+        "off_steps_per_s": round(off, 3),
+        "report_steps_per_s": round(report, 3),
+        "overhead_pct": round(100.0 * (1.0 - report / off), 2),
+    }
+
+
+def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float) -> dict[str, Any]:
+    tmp = root / f"slow-{factor:g}x"
+    spec = job(f"slow-{factor:g}x".replace(".", "-"), tmp, args, nodes=3, spares=1,
+               action=StragglerAction.SWAP, steps=args.steps)  # fmt: skip
+    marks: dict[str, float] = {}
+
+    def slow_one(local: LocalRun) -> None:
+        wait_step(local, args.onset)
+        plan = records.read(local.client, keys.job_plan(spec.name), Plan)
+        assert plan is not None
+        victim = plan.members[-1].node
+        node = records.read(local.client, keys.job_node(spec.name, victim), NodeRecord)
+        assert node is not None
+        cycle = DutyCycle(node.worker_pids, stopped=0.1 * (1.0 - 1.0 / factor))
+        marks["onset"] = time.time()
+        cycle.start()
+        deadline = time.monotonic() + 120
+        try:
+            while time.monotonic() < deadline and "swap" not in marks:
+                for e in events.list_events(local.client, spec.name):
+                    if e.type == "Straggler" and "detect" not in marks:
+                        marks["detect"] = e.time
+                    if e.type == "StragglerSwapped":
+                        marks["swap"] = e.time
+                time.sleep(0.1)
+        finally:
+            cycle.done.set()
+
+    result, _ = run(spec, tmp, slow_one)
+    done, lost = step_times(tmp)
+    onset = marks["onset"]
+    end = max(done.values())
+    out: dict[str, Any] = {
+        "phase": result.phase.value,
+        "detect_s": round(marks["detect"] - onset, 2) if "detect" in marks else None,
+        "swap_s": round(marks["swap"] - onset, 2) if "swap" in marks else None,
+        "steps_lost": lost,
+    }
+    before = rate(done, onset - 10.0, onset)
+    swap = marks.get("swap", end)
+    during = rate(done, onset, swap)
+    after = rate(done, swap + 2.0, end)
+    back = None
+    t = onset
+    while t + 5.0 <= end:
+        r = rate(done, t, t + 5.0)
+        if t > onset + 1.0 and r is not None and r >= 0.95 * healthy:
+            back = round(t + 5.0 - onset, 2)
+            break
+        t += 0.5
+    out.update(
+        before_ratio=round(before / healthy, 3) if before else None,
+        during_ratio=round(during / healthy, 3) if during else None,
+        after_ratio=round(after / healthy, 3) if after else None,
+        back_to_95pct_s=back,
+    )
+    print(f"slow {factor:g}x: {out}", flush=True)
+    return out
+
+
+def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    tmp, beside = root / "healthy", root / "beside"
+    spec = job("healthy", tmp, args, nodes=3, spares=1, action=StragglerAction.SWAP,
+               steps=10**9)  # fmt: skip
+    other = job("beside", beside, args, nodes=2, spares=0, action=StragglerAction.OFF,
+                steps=10**9)  # fmt: skip
+    second = LocalRun(other, printer=lambda line: None, workdir=str(beside), metrics_port=None)
+
+    def train_for_a_while(local: LocalRun) -> None:
+        wait_step(local, 20)
+        time.sleep(args.healthy_seconds)  # the row's length: noise is what it measures
+        jobs.request_stop(local.client, spec.name)
+
+    with second:
+        _, evs = run(spec, tmp, train_for_a_while)
+        jobs.request_stop(second.client, other.name)
+        second.wait()
+    calls = [e for e in evs if e.type == "Straggler"]
+    swaps = [e for e in evs if e.type == "StragglerSwapped"]
+    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps)}
+    print(f"healthy: {out}" + "".join(f"\n  {e.message}" for e in calls), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compute", type=float, default=0.05, help="CPU seconds per step")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--onset", type=int, default=80, help="step at which a node is slowed")
+    parser.add_argument("--healthy-seconds", type=float, default=120.0)
+    parser.add_argument("--rows", nargs="*", default=["overhead", "slow", "healthy"])
+    args = parser.parse_args()
+    figures: dict[str, Any] = {"machine_cores": os.cpu_count(), "compute_s": args.compute}
+    with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
+        root = Path(d)
+        healthy = None
+        if "overhead" in args.rows or "slow" in args.rows:
+            figures["overhead"] = overhead_rows(args, root)
+            healthy = figures["overhead"]["report_steps_per_s"]
+        if "slow" in args.rows and healthy:
+            for factor in (1.5, 3.0):
+                figures[f"slow_{factor:g}x"] = slow_row(args, root, factor, healthy)
+        if "healthy" in args.rows:
+            figures["healthy"] = healthy_row(args, root)
+    figures["units"] = {"*_s": "seconds", "*_ratio": "step rate / healthy step rate",
+                        "overhead_pct": "percent of the step rate"}  # fmt: skip
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

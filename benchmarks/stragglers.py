@@ -36,14 +36,11 @@ The last line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +54,7 @@ from orchestrator.local_run import LocalRun  # noqa: E402
 from orchestrator.records import NodeRecord, Plan  # noqa: E402
 from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
 from orchestrator.spec_loader import load_job_data  # noqa: E402
+from tests.faults.duty_cycle import DutyCycle, stopped_share  # noqa: E402
 
 #: The training script: a compute-bound step, every applied step logged with its time.
 SCRIPT = """\
@@ -88,30 +86,6 @@ for step in session.steps():
     log.flush()
 session.close()
 """
-
-
-class DutyCycle(threading.Thread):
-    """SIGSTOP ``pids`` for ``stopped`` s of every ``period`` s until ``done`` is set."""
-
-    def __init__(self, pids: list[int], stopped: float, period: float = 0.1) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.stopped, self.period = pids, stopped, period
-        self.done = threading.Event()
-
-    def _send(self, sig: int) -> None:
-        for pid in self.pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                self._send(signal.SIGSTOP)
-                self.done.wait(self.stopped)
-                self._send(signal.SIGCONT)
-                self.done.wait(self.period - self.stopped)
-        finally:
-            self._send(signal.SIGCONT)
 
 
 def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: int,
@@ -217,7 +191,7 @@ def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float
         victim = plan.members[-1].node
         node = records.read(local.client, keys.job_node(spec.name, victim), NodeRecord)
         assert node is not None
-        cycle = DutyCycle(node.worker_pids, stopped=0.1 * (1.0 - 1.0 / factor))
+        cycle = DutyCycle(node.worker_pids, stopped=0.1 * stopped_share(factor))
         marks["onset"] = time.time()
         cycle.start()
         deadline = time.monotonic() + 120

@@ -12,10 +12,6 @@ parameters as a run without the slowdown.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +24,7 @@ from orchestrator.api import JobPhase
 from orchestrator.records import NodeRecord, Plan
 from orchestrator.spec import JobSpec, StragglerAction
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
+from tests.faults.duty_cycle import DutyCycle
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -42,30 +39,6 @@ def _job(name: str, tmp: Path, spares: int) -> JobSpec:
     ft.stragglers.threshold, ft.stragglers.windows = 1.3, 3
     ft.stragglers.min_gain = timedelta(0)
     return spec
-
-
-class DutyCycle(threading.Thread):
-    """SIGSTOP ``pids`` for ``stopped`` s of every ``period`` s until ``done`` is set."""
-
-    def __init__(self, pids: list[int], period: float = 0.1, stopped: float = 0.06) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.period, self.stopped = pids, period, stopped
-        self.done = threading.Event()
-
-    def _send(self, sig: int) -> None:
-        for pid in self.pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                self._send(signal.SIGSTOP)
-                self.done.wait(self.stopped)
-                self._send(signal.SIGCONT)
-                self.done.wait(self.period - self.stopped)
-        finally:
-            self._send(signal.SIGCONT)
 
 
 def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Path) -> None:

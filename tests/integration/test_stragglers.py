@@ -12,10 +12,6 @@ it steps at its peers' pace again.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +22,7 @@ from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun
 from orchestrator.records import NodeRecord
 from orchestrator.spec_loader import load_job_data
+from tests.faults.duty_cycle import DutyCycle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,30 +56,6 @@ def _wait_for(what: str, check, timeout: float) -> None:  # type: ignore[no-unty
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
-class DutyCycle(threading.Thread):
-    """Stop ``pids`` for ``stopped`` s of every ``period`` s until told to end."""
-
-    def __init__(self, pids: list[int], period: float = 0.1, stopped: float = 0.06) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.period, self.stopped = pids, period, stopped
-        self.done = threading.Event()
-
-    def _send(self, sig: int) -> None:
-        for pid in self.pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                self._send(signal.SIGSTOP)
-                self.done.wait(self.stopped)
-                self._send(signal.SIGCONT)
-                self.done.wait(self.period - self.stopped)
-        finally:
-            self._send(signal.SIGCONT)
 
 
 def test_a_node_slowed_from_outside_is_called_a_straggler_and_cleared(tmp_path: Path) -> None:

@@ -67,6 +67,17 @@ def etcd_client(etcd: EmbeddedEtcd) -> Iterator[EtcdClient]:
 
 
 @pytest.fixture
+def private_etcd() -> Iterator[tuple[EmbeddedEtcd, EtcdClient]]:
+    """An etcd of the test's own (nothing else's keys, leases or elections) and a client."""
+    with EmbeddedEtcd() as server:
+        client = connect(EtcdOptions((server.endpoint,)))
+        try:
+            yield server, client
+        finally:
+            client.close()
+
+
+@pytest.fixture
 def key_prefix() -> str:
     return f"/ringmaster-test/{uuid.uuid4().hex}/"
 

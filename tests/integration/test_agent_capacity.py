@@ -14,16 +14,15 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agents.node.capacity import usable_cpus
 from orchestrator import events, jobs, keys
-from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.etcd.options import EtcdOptions
 from orchestrator.spec_loader import load_job_data
 from tests.faults.processes import Services
 
@@ -35,16 +34,6 @@ import os, pathlib, sys, time
 pathlib.Path(sys.argv[1], str(os.getpid())).touch()
 time.sleep(120)
 """
-
-
-@pytest.fixture
-def private_etcd() -> Iterator[tuple[EmbeddedEtcd, EtcdClient]]:
-    with EmbeddedEtcd() as server:
-        client = connect(EtcdOptions((server.endpoint,)))
-        try:
-            yield server, client
-        finally:
-            client.close()
 
 
 def _wait(what: str, check: Callable[[], object], lines: list[str], timeout: float = 60) -> None:

@@ -14,42 +14,19 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
-from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.etcd.options import EtcdOptions
 from orchestrator.records import DoneRecord, Plan
+from tests.faults.partitioned_job import wait_for
 from tests.faults.processes import Services
 from tests.integration.controller_jobs import register_nodes, submit_two_node_job
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def private_etcd() -> Iterator[tuple[EmbeddedEtcd, EtcdClient]]:
-    with EmbeddedEtcd() as server:
-        client = connect(EtcdOptions((server.endpoint,)))
-        try:
-            yield server, client
-        finally:
-            client.close()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    """``check()``'s first truthy value, polled every 0.1 s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def leading(lines: list[str], job: str) -> list[str]:

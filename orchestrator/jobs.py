@@ -154,7 +154,8 @@ def plan_resume(
     except CheckpointError as e:
         raise ResumeRefusedError(f"cannot resume job '{spec.name}': {scrub(str(e))}") from e
     assert info.manifest is not None
-    return ResumeRequest(url=info.url, step=info.step, world_size=info.manifest.world_size)
+    newest = info.url.rstrip("/") != url.rstrip("/")  # a root was given: its newest
+    return ResumeRequest(info.url, info.step, info.manifest.world_size, newest=newest)
 
 
 def submit(

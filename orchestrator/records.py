@@ -339,11 +339,14 @@ class ResumeRequest(Record):
         url: a committed checkpoint directory.
         step: its step (for messages).
         world_size: ranks that saved it (the job may run at another size).
+        newest: it was picked as a root's newest (``--resume``, ``--from ROOT``), not
+            named: when it fails verification, the newest one that verifies serves.
     """
 
     url: str
     step: int
     world_size: int
+    newest: bool = False
 
 
 @dataclass

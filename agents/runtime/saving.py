@@ -245,19 +245,29 @@ class Saving:
         assert state is not None, "resume() without a tracked model (see can_resume)"
         try:
             result = self._ckpt.restore(state, url=url)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as e:  # the one asked for
-            raise StorageFaultError(
-                f"{one_line(e)}: resuming from it would fail the same way; run the job from an "
-                f"older checkpoint (`ringmaster checkpoints list {self.url}`, then "
-                "`ringmaster run --from URL`) or without --resume/--from",
-                fault="checkpoint",
-            ) from e
+        except CheckpointCorruptError as e:
+            if request is None or not request.newest or not _under(url, self.url):
+                raise self._unusable(e) from e
+            # `--resume` asked for this root's newest: the next one that verifies serves
+            self.faults.passed_over(str(url), one_line(e), self._ckpt.coord.rank)
+            result = self._ckpt.restore(state)
+        except CheckpointNotFoundError as e:  # the one asked for
+            raise self._unusable(e) from e
         self._hook_resume = _saved_hook_state(state.rank_state.get(HOOK_STATE), world_size)
         if result.step is None:
             return None
         log.warning("resumed from %s at step %d", result.url, result.step)
         self.faults.committed(int(result.step), str(result.url))
         return Resumed(int(result.step), result.url)
+
+    def _unusable(self, e: BaseException) -> StorageFaultError:
+        """A checkpoint asked for by a resume that cannot be used, as the job's fault."""
+        return StorageFaultError(
+            f"{one_line(e)}: resuming from it would fail the same way; run the job from an "
+            f"older checkpoint (`ringmaster checkpoints list {self.url}`, then "
+            "`ringmaster run --from URL`) or without --resume/--from",
+            fault="checkpoint",
+        )
 
     # -- saving ------------------------------------------------------------------------
 
@@ -419,3 +429,8 @@ def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str
         return None
     log.warning("comm hook state restored from the checkpoint")
     return dict(saved["state"])
+
+
+def _under(url: str | None, root: str) -> bool:
+    """Whether checkpoint ``url`` is directly under ``root``."""
+    return url is not None and url.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")

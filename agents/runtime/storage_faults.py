@@ -137,6 +137,18 @@ class StorageFaults:
         newest = self.durable[0] if self.durable is not None else None
         self._emit("CheckpointAbandoned", message, step=step, url=self._spec.url, durable=newest)
 
+    def passed_over(self, url: str, why: str, rank: int) -> None:
+        """The newest checkpoint, asked for by a resume, fails verification: an older one
+        that verifies is used instead (``rank``: this worker's in the generation that
+        restores, which the session has not taken on yet)."""
+        message = (
+            f"the newest checkpoint, {url}, cannot be used ({why}); it is marked as failed "
+            "verification and the job resumes from the newest one that verifies"
+        )
+        log.warning("%s", message)
+        if rank == 0:
+            self._emit("CheckpointPassedOver", message, rank=rank, url=url)
+
     def newest(self) -> str:
         """Which checkpoint is the newest durable one, in words."""
         if self.durable is None:
@@ -144,8 +156,8 @@ class StorageFaults:
         step, url = self.durable
         return f"the newest durable checkpoint is step {step} ({url})"
 
-    def _emit(self, type: str, message: str, **data: object) -> None:
-        if self._rank() != 0:
+    def _emit(self, type: str, message: str, rank: int | None = None, **data: object) -> None:
+        if (self._rank() if rank is None else rank) != 0:
             return
         try:
             events.emit(self._client, self._job, type, message, source=self._worker, **data)

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from checkpoint.commit import latest_committed
+from checkpoint.commit import latest_committed, list_checkpoints
 from checkpoint.durable import load_into
 from checkpoint.flat_state import _from_bytes, rank_key
 from checkpoint.fsspec_storage import Location
@@ -142,3 +142,31 @@ def test_run_resume_continues_the_jobs_own_checkpoints(etcd: Any, tmp_path: Path
     assert "resumes from step 10" in out
     step, _ = _hook_states(f"file://{tmp_path}/{name}")
     assert step == 20
+
+
+def test_run_resume_over_a_corrupt_newest_checkpoint_names_it(etcd: Any, tmp_path: Path) -> None:
+    """The newest committed checkpoint's data damaged after the run: ``--resume`` does
+    not end in worker tracebacks; the corrupt checkpoint is named and marked, and the job
+    goes on from the newest one that verifies."""
+    name = f"corrupt-{uuid.uuid4().hex[:6]}"
+    _run(etcd, _job_file(tmp_path, name, nodes=1, steps=20))
+    root = Location.from_url(f"file://{tmp_path}/{name}")
+    newest = latest_committed(root)
+    assert newest is not None and newest.step == 20
+    data = [p for p in (tmp_path / name / newest.name).rglob("*")
+            if p.is_file() and p.suffix != ".json" and p.stat().st_size > 64]  # fmt: skip
+    assert data, list((tmp_path / name / newest.name).rglob("*"))
+    damaged = bytearray(data[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data[0].write_bytes(bytes(damaged))
+    out = _run(etcd, _job_file(tmp_path, name, nodes=1, steps=30), "--resume")
+    assert "Traceback" not in out, out[-4000:]
+    passed = [x for x in out.splitlines() if x.startswith("[event] CheckpointPassedOver:")]
+    assert len(passed) == 1 and newest.name in passed[0], out[-4000:]
+    assert "the job resumes from the newest one that verifies" in passed[0], passed
+    assert "resumed from" in out and "at step 10" in out, out[-4000:]
+    step, _ = _hook_states(f"file://{tmp_path}/{name}")
+    assert step == 30
+    assert latest_committed(root) is not None and not [  # the damaged one is marked
+        c for c in list_checkpoints(root) if c.name == newest.name and c.usable
+    ]

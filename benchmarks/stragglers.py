@@ -216,7 +216,8 @@ def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float
         "swap_s": round(marks["swap"] - onset, 2) if "swap" in marks else None,
         "steps_lost": lost,
     }
-    before = rate(done, onset - 10.0, onset)
+    trained = sorted(done.values())[min(5, len(done) - 1)]  # past the first steps
+    before = rate(done, max(onset - 10.0, trained), onset)
     swap = marks.get("swap", end)
     during = rate(done, onset, swap)
     after = rate(done, swap + 2.0, end)

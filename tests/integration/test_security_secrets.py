@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import events
+from orchestrator import events, jobs
 from orchestrator.api import EtcdAuthError, JobPhase
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser
@@ -117,7 +117,7 @@ def run_and_collect(
 def run_until_worker_exits(
     server: EmbeddedEtcd, name: str, tmp: Path, url: str
 ) -> tuple[list[str], list[events.Event], CommandLines]:
-    """Run a job whose worker is bound to fail; stop once the agent reports the exit."""
+    """Run a job bound to fail; stop once a worker's exit or the job's failure is seen."""
     spec = one_node_job(name, tmp, checkpoint={"url": url, "every_steps": 4})
     spec.fault_tolerance.max_restarts = 0
     lines: list[str] = []
@@ -127,7 +127,7 @@ def run_until_worker_exits(
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             found = events.list_events(client, name)
-            if any(e.type == "WorkerExited" for e in found):
+            if any(e.type == "WorkerExited" or e.message.startswith("Failed") for e in found):
                 break
             time.sleep(0.2)
     return lines, found, commands
@@ -176,9 +176,18 @@ def test_an_unreachable_checkpoint_store_leaks_nothing(
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     url = aws_env.url(f"unreachable-{uuid.uuid4().hex[:8]}")
+    # `run` refuses before anything starts: one line with the endpoint, no secret
+    with pytest.raises(jobs.CheckpointStorageRefusedError) as refused:
+        run_until_worker_exits(server, "leak-refused", tmp_path, url)
+    assert closed in str(refused.value)
+    assert_no_secret("the refusal of a run", f"{refused.value}\n{refused.value!r}")
+    # submitted past that check (as to a cluster): the controller, holding the root
+    # before any worker trains, fails the job, naming the endpoint, and leaks nothing
+    monkeypatch.setattr(jobs, "check_checkpoint_url", lambda spec: None)
     lines, found, commands = run_until_worker_exits(server, "leak-fail", tmp_path, url)
     output = "\n".join(lines)
-    assert any(e.type == "WorkerExited" for e in found), "\n".join(lines[-40:])
+    failed = [e.message for e in found if e.message.startswith("Failed")]
+    assert failed and closed in failed[0], "\n".join(lines[-40:])
     assert closed in output  # the failure is reported ...
     assert_no_secret("the output of a failing run", output)  # ... without the secrets
     assert_no_secret("etcd", etcd_dump(server))

@@ -112,6 +112,15 @@ class _Watcher(etcd_watch.Watcher):
     def timeout(self, value: float | None) -> None:
         self._default_timeout = value
 
+    def _run(self) -> None:
+        # A client closed just after its first watch was made can close the channel
+        # before this thread opens the stream: the call then raises ValueError
+        # ("Cannot invoke RPC: Channel closed!"), which the library does not catch (a
+        # gRPC error it does).  The library's ``finally`` has told the callbacks that
+        # the stream ended; nothing is left to watch.
+        with contextlib.suppress(ValueError):
+            super()._run()
+
     def _handle_response(self, rs: Any) -> None:
         super()._handle_response(rs)
         if rs.created and rs.compact_revision != 0:

@@ -414,6 +414,9 @@ class Bench:
             f"the job running again in generation {new.generation}",
         )
         last_seen = max(seen.values())
+        # the plan's first sight anywhere: this process's watch or a node's, whichever
+        # came first (a node's watch may see it a moment before this one does)
+        plan_at = min(plan_at, *seen.values())
         out = {
             "mode": mode,
             "node": victim,

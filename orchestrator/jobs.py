@@ -83,7 +83,10 @@ def check_checkpoint_url(spec: JobSpec, storage_options: dict[str, Any] | None =
     if "://" not in url:
         url = f"file://{os.path.abspath(url)}"
     try:
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        # a fresh filesystem: fsspec's cached one may carry an older endpoint or
+        # credentials than this process's environment now gives
+        options = {"skip_instance_cache": True, **(storage_options or {})}
+        fs, root = fsspec.core.url_to_fs(url, **options)
         probe = f"{str(root).rstrip('/')}/.ringmaster-probe-run-{os.getpid()}"
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"ok")

@@ -282,7 +282,10 @@ def test_a_tls_probe_that_timed_out_is_asked_again(
     )
     with pytest.raises(EtcdAuthError, match="does not answer TLS"):
         connect(options)
-    assert len(calls) == 2 and calls[0] is None
+    # the first (made to time out) said nothing, and the rounds went on probing until a
+    # probe answered: on a busy machine a real probe may time out too before one does
+    assert len(calls) >= 2 and calls[-1] is not None, calls
+    assert all(found is None for found in calls[:-1]), calls
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,7 @@ def test_refusal_is_one_line_naming_the_other_run_and_what_to_do() -> None:
 
 def test_urls_as_shown_and_as_read_from_a_directory() -> None:
     assert shown("s3://key:secret@bucket/x") == "s3://***@bucket/x"
-    assert root_url("ckpt", "/work") == "file:///work/ckpt"
-    assert root_url("file://./checkpoints", "/work") == "file:///work/checkpoints"
+    assert root_url("ckpt", "/data/run") == "file:///data/run/ckpt"
+    assert root_url("file://./checkpoints", "/data/run") == "file:///data/run/checkpoints"
     assert root_url("file:///data/ckpt/", "/work") == "file:///data/ckpt"
     assert root_url(URL, "/work") == URL

@@ -86,5 +86,5 @@ def test_urls_as_shown_and_as_read_from_a_directory() -> None:
     assert shown("s3://key:secret@bucket/x") == "s3://***@bucket/x"
     assert root_url("ckpt", "/data/run") == "file:///data/run/ckpt"
     assert root_url("file://./checkpoints", "/data/run") == "file:///data/run/checkpoints"
-    assert root_url("file:///data/ckpt/", "/work") == "file:///data/ckpt"
+    assert root_url("file:///data/ckpt/", "/data/run") == "file:///data/ckpt"
     assert root_url(URL, "/work") == URL

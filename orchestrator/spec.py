@@ -37,6 +37,13 @@ from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
     CompressionKind,
     CompressionSpec,
 )
+from orchestrator.spec_sync import (  # noqa: F401  (part of the spec's names)
+    OuterOptimizerName,
+    OuterOptimizerSpec,
+    OuterQuantization,
+    SyncMode,
+    SyncSpec,
+)
 
 #: Job names become etcd keys, paths and Kubernetes object names: DNS-1123 labels.
 JOB_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
@@ -282,6 +289,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
     comm: CommSpec = field(default_factory=CommSpec)
+    sync: SyncSpec = field(default_factory=SyncSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
 
     def problems(self) -> Problems:
@@ -303,6 +311,12 @@ class JobSpec:
             out.append(("max_steps", f"must be 0 (unbounded) or more, got {self.max_steps}"))
         elif self.max_steps > INT64_MAX:
             out.append(("max_steps", too_large(self.max_steps, INT64_MAX, "steps")))
+        if self.sync.delayed and self.fault_tolerance.recovery is RecoveryMode.RESTART:
+            out.append(
+                ("sync.mode", f"{self.sync.mode.value} runs in the ringmaster runtime; "
+                 "fault_tolerance.recovery: restart runs scripts that do not use it (use "
+                 "in_process or auto with a script that calls runtime.init())")
+            )  # fmt: skip
         return out
 
     def all_problems(self) -> Problems:

@@ -24,6 +24,7 @@ from orchestrator.dataclass_tree import FieldInfo, Shape, fields_of, plain
 from orchestrator.operator.trainingjob import FREE_FORM, TrainingJobFields
 from orchestrator.spec import JobSpec
 from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, REASONS
+from orchestrator.spec_sync import MAX_FRAGMENTS, MAX_INNER_STEPS
 
 __all__ = ["DESCRIPTIONS", "MAXIMUMS", "MINIMUMS", "RULES", "spec_schema"]
 
@@ -121,6 +122,20 @@ DESCRIPTIONS: dict[str, str] = {
     ),
     "comm": "How gradients travel: compression, hierarchical all-reduce, topology labels.",
     "comm.compression": "Gradient compression; parameters of other kinds are rejected.",
+    "sync": (
+        "When the sites' parameters meet: every step (ddp), every inner_steps steps "
+        "(diloco) or in staggered fragments (streaming_diloco)."
+    ),
+    "sync.mode": "ddp, diloco or streaming_diloco.",
+    "sync.inner_steps": "Steps a site trains alone between two syncs of a fragment (H).",
+    "sync.fragments": "streaming_diloco: parts of the model synced at staggered steps (F).",
+    "sync.delay_steps": "Steps between the start of a sync and the use of its result (tau).",
+    "sync.outer_optimizer": "The optimizer applied to the sites' averaged pseudo-gradient.",
+    "sync.outer_optimizer.name": "nesterov (SGD with Nesterov momentum) or sgd.",
+    "sync.outer_optimizer.lr": "Outer learning rate (0.7 in the DiLoCo paper).",
+    "sync.outer_optimizer.momentum": "Outer momentum (0.9 in the DiLoCo paper).",
+    "sync.outer_quantization": "How pseudo-gradients travel: none, bf16, 8bit or 4bit.",
+    "sync.site_label": "The node label whose value names a node's site (zone by default).",
     "resources": "Per-node pod resources.",
     "resources.image": "Container image with ringmaster and the training code.",
     "resources.cpu": "CPU request and limit of each agent pod.",
@@ -145,6 +160,9 @@ MINIMUMS: dict[str, int] = {
     "comm.compression.warmup_steps": 0,
     "comm.compression.dense_sync_every": 0,
     "comm.compression.period": 1,
+    "sync.inner_steps": 1,
+    "sync.fragments": 1,
+    "sync.delay_steps": 0,
     "resources.gpus": 0,
 }
 
@@ -157,6 +175,8 @@ MAXIMUMS: dict[str, int] = {
     "nodes.max": MAX_NODES,
     "nodes.spares": MAX_NODES,
     "max_steps": INT64_MAX,
+    "sync.inner_steps": MAX_INNER_STEPS,
+    "sync.fragments": MAX_FRAGMENTS,
 }
 
 #: CEL rules by dotted YAML path ("" is the spec itself).

@@ -215,6 +215,10 @@ def test_the_crd_carries_the_spec_bounds() -> None:
         "nodes.min": lambda v: {"nodes": {"min": v, "max": v}},
         # the spares' own maximum is the sum's (the CEL rule): with one node to train
         "nodes.spares": lambda v: {"nodes": {"min": 1, "max": 1, "spares": v - 1}},
+        "sync.inner_steps": lambda v: {"sync": {"mode": "diloco", "inner_steps": v}},
+        "sync.fragments": lambda v: {
+            "sync": {"mode": "streaming_diloco", "inner_steps": v, "fragments": v}
+        },
     }
     assert set(cases) == set(MAXIMUMS)
     for path, fields in cases.items():

@@ -260,6 +260,10 @@ class TrainState:
         extra: further small replicated state (saved as one pickled object).
         rank_state: per-rank state; on restore at a rank the checkpoint did not
             have, it is left as is.
+        replica_writers: the ranks that write the replicated parts (None: any
+            rank, balanced by bytes).  Under a delayed sync the sites' models
+            differ between syncs: only the first site's ranks write them, so a
+            checkpoint holds one site's state, never a mix.
         objects: further replicated objects by name, anything with
             ``state_dict()``/``load_state_dict()`` (a ``GradScaler``, more LR
             schedulers, EMA weights, a counter, a DCP ``Stateful``).  Their state
@@ -276,6 +280,7 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)
     rank_state: dict[str, Any] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
+    replica_writers: tuple[int, ...] | None = None
 
 
 class SaveStatus(str, Enum):

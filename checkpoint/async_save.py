@@ -171,9 +171,9 @@ class AsyncSaver:
         self._stager, previous._stager = previous._stager, Stager()
         return True
 
-    def prepare(self, flat: FlatState) -> None:
+    def prepare(self, flat: FlatState, writers: tuple[int, ...] | None = None) -> None:
         """Allocate staging buffers for this rank's share now, so the first save is fast too."""
-        owners = assign_owners(flat, self.coord.world_size)
+        owners = assign_owners(flat, self.coord.world_size, writers)
         self._stager.allocate(flat, owned_keys(owners, self.coord.rank))
 
     def save_async(
@@ -184,6 +184,7 @@ class AsyncSaver:
         *,
         wait_if_busy: bool = False,
         busy_timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
+        writers: tuple[int, ...] | None = None,
     ) -> SaveJob | None:
         """Stage and start uploading; every rank must call this with the same step.
 
@@ -193,6 +194,7 @@ class AsyncSaver:
             samples_seen: global data position, recorded in the manifest.
             wait_if_busy: wait for a save still uploading instead of skipping
                 (controller commands and preemption use this), up to ``busy_timeout``.
+            writers: the ranks that write replicated keys (None: all, by bytes).
 
         Returns:
             The handle, or None when the save was skipped on every rank
@@ -238,7 +240,7 @@ class AsyncSaver:
                 "across data-parallel ranks); refusing to save"
             )
         directory = self.root.child(step_dir_name(step, everyone[0].token))
-        owners = assign_owners(flat, self.coord.world_size)
+        owners = assign_owners(flat, self.coord.world_size, writers)
         staged = self._stager.stage(flat, owned_keys(owners, self.coord.rank))
         job = SaveJob(step, directory.url, time.perf_counter() - started)
         self._inflight = job

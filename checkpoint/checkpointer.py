@@ -249,7 +249,12 @@ class Checkpointer:
         """
         flat, _ = capture(with_objects(state), self.coord.rank)
         return self.saver.save_async(
-            step, flat, state.samples_seen, wait_if_busy=wait_if_busy, busy_timeout=busy_timeout
+            step,
+            flat,
+            state.samples_seen,
+            wait_if_busy=wait_if_busy,
+            busy_timeout=busy_timeout,
+            writers=state.replica_writers,
         )
 
     def save_now(
@@ -284,7 +289,7 @@ class Checkpointer:
         buffers while the training loop waits.
         """
         flat, _ = capture(with_objects(state), self.coord.rank)
-        self.saver.prepare(flat)
+        self.saver.prepare(flat, state.replica_writers)
 
     def adopt_staging(self, previous: Checkpointer) -> bool:
         """Reuse ``previous``'s staging memory (e.g. the checkpointer of the last generation).

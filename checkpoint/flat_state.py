@@ -241,21 +241,25 @@ def nbytes(value: Any) -> int:
     return _OBJECT_COST
 
 
-def assign_owners(flat: Mapping[str, Any], world_size: int) -> dict[str, int]:
-    """Which rank writes each key: replicated keys balanced by bytes, rank keys to their rank,
-    sharded keys to :data:`EVERY_RANK`.
+def assign_owners(
+    flat: Mapping[str, Any], world_size: int, writers: tuple[int, ...] | None = None
+) -> dict[str, int]:
+    """Which rank writes each key: replicated keys balanced by bytes (over ``writers``,
+    default every rank), rank keys to their rank, sharded keys to :data:`EVERY_RANK`.
 
     Deterministic from keys and sizes alone, so every rank computes the same
     answer without talking to the others (the layout digest is compared first).
     """
     owners: dict[str, int] = {}
     loads = [0] * world_size
+    candidates = [r for r in (writers or range(world_size)) if 0 <= r < world_size]
+    candidates = candidates or list(range(world_size))
     replicated = sorted(
         (k for k in flat if not is_rank_key(k) and not is_sharded(flat[k])),
         key=lambda k: (-nbytes(flat[k]), k),
     )
     for key in replicated:
-        target = min(range(world_size), key=lambda r: (loads[r], r))
+        target = min(candidates, key=lambda r: (loads[r], r))
         owners[key] = target
         loads[target] += nbytes(flat[key])
     for key in flat:

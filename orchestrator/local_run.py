@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
@@ -105,8 +105,11 @@ class LocalRun:
         metrics_port: int | None = 0,
         view: LiveView | None = None,
         resume: jobs.ResumeRequest | None = None,
+        node_labels: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.spec = spec
+        #: labels of a node's own besides its zone, rack and host (which they may replace)
+        self.node_labels = dict(node_labels or {})
         self.resume = resume
         self.etcd_options = etcd
         self.kill_node_at_step = kill_node_at_step
@@ -240,7 +243,8 @@ class LocalRun:
 
     def add_node(self, node: str, rack: str = "rack-0") -> None:
         """Start one more node agent (it joins as a warm spare once the job runs)."""
-        labels = f"zone=local,rack={rack},host={node}"
+        own = {"zone": "local", "rack": rack, "host": node, **self.node_labels.get(node, {})}
+        labels = ",".join(f"{k}={v}" for k, v in own.items())
         self._spawn(node, ["agent", "--job", self.spec.name, "--node", node, "--labels", labels])
 
     def add_controller(self, name: str) -> None:

@@ -55,15 +55,18 @@ def agree_on_source(
 ) -> tuple[int, int, list[int]]:
     """All-gather every rank's step; return (source rank, its step, all steps).
 
-    ``group`` is a CPU (gloo) group: the generation's control group under NCCL.
+    ``group`` is a CPU (gloo) group: the generation's control group under NCCL,
+    or a part of the ranks (a site's).  The source is a global rank; the steps
+    are in the group's rank order.
     """
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     mine = torch.tensor([my_step], dtype=torch.int64)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     steps = [int(t.item()) for t in gathered]
     best = max(steps)
-    return steps.index(best), best, steps
+    src = steps.index(best)
+    return (src if group is None else dist.get_global_rank(group, src)), best, steps
 
 
 def sync_state(
@@ -75,7 +78,8 @@ def sync_state(
         my_step: this rank's completed steps, or ``NO_STATE`` (-1) for a fresh process.
         capture: ``() -> object`` returning this rank's state (called on the source only).
         restore: ``(object) -> None`` loading a state (called on ranks behind the source).
-        group: the gloo group to use (None: the default group, which must be gloo).
+        group: the gloo group to use (None: the default group, which must be gloo);
+            a part of the ranks syncs among itself (host tensors only).
 
     Returns:
         The decision; ``step == NO_STATE`` when no rank has state (a fresh job).
@@ -87,7 +91,7 @@ def sync_state(
         # Every rank applied the same updates: DDP keeps replicas identical.
         return SyncResult(src, best, False, steps)
     state = broadcast_state(capture if dist.get_rank() == src else None, src, group)
-    behind = steps[dist.get_rank()] != best
+    behind = steps[dist.get_rank(group)] != best
     if behind:
         restore(state)
     log.info("state synced from rank %d at step %d (steps seen %s)", src, best, steps)

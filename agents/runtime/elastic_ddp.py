@@ -58,14 +58,14 @@ class ElasticDDP(nn.Module):
         #: False inside :meth:`no_sync`: backward passes do not all-reduce gradients
         self.require_backward_grad_sync = True
 
-    def rebuild(self) -> None:
-        """Wrap the module in a DDP on the current default group."""
+    def rebuild(self, group: Any = None) -> None:
+        """Wrap the module in a DDP on ``group`` (None: the current default group)."""
         self.drop()
         if self._failures is not None:
-            kwargs = {"init_sync": False, **self._ddp_kwargs}
+            kwargs = {"init_sync": False, "process_group": group, **self._ddp_kwargs}
             ddp: DDP = _RecordingDDP(self.module, self._failures, **kwargs)
         else:
-            ddp = DDP(self.module, init_sync=False, **self._ddp_kwargs)
+            ddp = DDP(self.module, init_sync=False, process_group=group, **self._ddp_kwargs)
         if self._hook_installer is not None:
             self._hook_installer(ddp)
         elif self._failures is not None:  # DDP's default average, but its errors seen

@@ -23,8 +23,8 @@ generation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,11 +38,13 @@ from agents.recovery.state_sync import NO_STATE, sync_state
 from agents.runtime.process_group import (
     Groups,
     form_group,
+    publish_environment,
     socket_inodes,
     sockets_opened_since,
     teardown_group,
 )
 from agents.runtime.storage_faults import StorageFaultError
+from agents.sync.site_join import join_sites
 from orchestrator import keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.fencing import FencedError
@@ -51,17 +53,15 @@ from orchestrator.records import BreakReport, DoneRecord, JobStatus, Plan, Recor
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from agents.recovery.buddy_copies import BuddyCopies
     from agents.recovery.shard_recovery import RecoveryTelemetry
     from agents.runtime.heartbeat import Heartbeat
     from agents.runtime.plan_watch import PlanWatcher
-    from agents.runtime.sharding import ShardedModel
     from agents.runtime.wrapping import WrappedModels
     from orchestrator.etcd.client import EtcdClient
     from orchestrator.etcd.fencing import GenerationFence
     from orchestrator.spec import JobSpec
 
-__all__ = ["MAX_FAILURES_PER_STEP", "Generations", "Joined", "publish_environment"]
+__all__ = ["MAX_FAILURES_PER_STEP", "Generations", "Joined"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -85,6 +85,8 @@ class Joined:
     restored_from: str | None
     #: sockets open before the group formed (see :meth:`Generations.settled`)
     sockets_before: frozenset[int]
+    #: a delayed sync: boundaries up to this step skip the vote (the site catches up)
+    catch_up_to: int = 0
 
     @property
     def generation(self) -> int:
@@ -201,7 +203,7 @@ class Generations:
         while True:
             plan, holds_state = self._await_plan(min_generation, held.step, holds_state)
             try:
-                return self._join(plan, held, holds_state, models.sharded, models.buddies)
+                return self._join(plan, held, holds_state, models)
             except RecoveryError as e:
                 log.warning("%s", e)
                 self.report(plan.generation, held.step, str(e), False)
@@ -270,9 +272,9 @@ class Generations:
         plan: Plan,
         held: WorkerView,
         holds_state: bool,
-        sharded: ShardedModel | None,
-        buddies: BuddyCopies | None,
+        models: WrappedModels,
     ) -> Joined:
+        sharded, buddies = models.sharded, models.buddies
         member = plan.member(self._env.node)
         assert member is not None
         rank = member.rank_base + self._env.local_rank
@@ -293,7 +295,7 @@ class Generations:
         )
         self._telemetry.group_formed(plan.generation)
         publish_environment(plan, self._env.node, rank, *groups.store)
-        step, has_state, restored_from = held.step, holds_state, None
+        step, has_state, restored_from, catch_up_to = held.step, holds_state, None, 0
         try:
             self._durable.open(first=plan.generation == 1)
             if sharded is not None:
@@ -318,14 +320,16 @@ class Generations:
                     )
             else:
                 mine = held.step if holds_state else NO_STATE
-                result = sync_state(
-                    mine,
-                    lambda: _capture(held.step, held.tracked),
-                    lambda state: _restore(held.tracked, state),
-                    group=groups.control,
-                )
-                if result.step != NO_STATE:
-                    step, has_state = result.step, True
+                capture = functools.partial(_capture, held.step, held.tracked)
+                restore = functools.partial(_restore, held.tracked)
+                if models.outer is not None:  # a delayed sync: each site its own state
+                    outer, control = models.outer, groups.control
+                    sites = join_sites(outer, plan, rank, mine, capture, restore, control)
+                    synced, catch_up_to = sites.step, sites.catch_up_to
+                else:
+                    synced = sync_state(mine, capture, restore, group=groups.control).step
+                if synced != NO_STATE:
+                    step, has_state = synced, True
                 elif self._durable.can_resume():
                     resumed = self._durable.resume(plan.world_size)
                     if resumed is not None:
@@ -335,7 +339,9 @@ class Generations:
             raise RecoveryError(
                 f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
             ) from e
-        return Joined(plan, rank, groups, step, has_state, restored_from, sockets_before)
+        return Joined(
+            plan, rank, groups, step, has_state, restored_from, sockets_before, catch_up_to
+        )
 
     def record_done(self, step: int, generation: int) -> None:
         """Record that this worker finished training (through the fence: a fenced-out
@@ -423,26 +429,3 @@ def _etcd_ports(client: EtcdClient) -> set[int]:
         if tail.isdigit():
             ports.add(int(tail))
     return ports
-
-
-def publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:
-    """Keep torchrun's variables true for this generation, for libraries that read them.
-
-    After a hot-swap a worker's global rank, the world size and the store's
-    address change; code that reads ``RANK`` or ``MASTER_ADDR`` (loggers,
-    data libraries, a second ``init_process_group`` of the script's own) sees
-    the current generation, not the one the worker started in.
-    """
-    member = plan.member(node)
-    assert member is not None
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(plan.world_size),
-            "GROUP_RANK": str(plan.members.index(member)),
-            "GROUP_WORLD_SIZE": str(len(plan.members)),
-            "LOCAL_WORLD_SIZE": str(member.nproc),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": str(port),
-        }
-    )

@@ -45,6 +45,7 @@ from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.fencing import FencedError, GenerationFence
+from orchestrator.records import Plan
 
 __all__ = [
     "DEFAULT_FORM_TIMEOUT",
@@ -55,6 +56,7 @@ __all__ = [
     "choose_device",
     "form_group",
     "hang_up",
+    "publish_environment",
     "quiesce",
     "set_op_timeout",
     "socket_inodes",
@@ -386,3 +388,26 @@ def _reset_group_names() -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
         world.group_count = 0
+
+
+def publish_environment(plan: Plan, node: str, rank: int, host: str, port: int) -> None:
+    """Keep torchrun's variables true for this generation, for libraries that read them.
+
+    After a hot-swap a worker's global rank, the world size and the store's
+    address change; code that reads ``RANK`` or ``MASTER_ADDR`` (loggers,
+    data libraries, a second ``init_process_group`` of the script's own) sees
+    the current generation, not the one the worker started in.
+    """
+    member = plan.member(node)
+    assert member is not None
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(plan.world_size),
+            "GROUP_RANK": str(plan.members.index(member)),
+            "GROUP_WORLD_SIZE": str(len(plan.members)),
+            "LOCAL_WORLD_SIZE": str(member.nproc),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(port),
+        }
+    )

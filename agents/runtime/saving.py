@@ -38,6 +38,7 @@ from agents.runtime.failures import peer_failure
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
+from agents.sync.outer_sync import OuterSync
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
@@ -218,6 +219,7 @@ class Saving:
             samples_seen=held.step,
             rank_state=rank_state,
             objects={k: v for k, v in held.tracked.items() if k not in _OWN_FIELDS},
+            replica_writers=_first_site(held.tracked.get("outer")),
         )
 
     def resume(self, world_size: int) -> Resumed | None:
@@ -434,3 +436,10 @@ def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str
 def _under(url: str | None, root: str) -> bool:
     """Whether checkpoint ``url`` is directly under ``root``."""
     return url is not None and url.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")
+
+
+def _first_site(outer: object) -> tuple[int, ...] | None:
+    """Under a delayed sync, the first site's ranks: they alone write the model (the
+    sites' models differ between syncs, and a checkpoint holds one site's)."""
+    groups = outer.groups if isinstance(outer, OuterSync) else None
+    return groups.sites.ranks[0] if groups is not None else None

@@ -30,10 +30,18 @@ from agents.runtime.sharding import (
     others_of,
     redundancy_ignored,
 )
+from agents.sync.outer_sync import OuterSync
 from orchestrator.records import Plan
 from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
 
-__all__ = ["WrappedModels", "install_spec_hook", "uses_spec_hook", "wrap_ddp", "wrap_sharded"]
+__all__ = [
+    "WrappedModels",
+    "check_delayed",
+    "install_spec_hook",
+    "uses_spec_hook",
+    "wrap_ddp",
+    "wrap_sharded",
+]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -65,6 +73,8 @@ class WrappedModels:
         self.sharded: ShardedModel | None = None
         #: ``fsdp`` with redundancy: this rank's snapshots and its ward's copy
         self.buddies: BuddyCopies | None = None
+        #: a delayed sync (``sync.mode`` diloco, streaming_diloco): the outer loop
+        self.outer: OuterSync | None = None
 
     def wrap(
         self,
@@ -82,12 +92,19 @@ class WrappedModels:
         )
         if ignored is not None:
             log.warning("%s", ignored)
+        if sharding != "ddp" and self._spec.sync.delayed:
+            raise ValueError(
+                f"sync.mode {self._spec.sync.mode.value} trains a DDP model in each site in this "
+                f"release; wrap it with sharding='ddp' (not {sharding!r}) or use sync.mode: ddp"
+            )
         if sharding != "ddp":
             self.sharded, self.buddies = wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
                 spec=self._spec, device=self._device, has_sharded=self.sharded is not None,
             )  # fmt: skip
             return self.sharded
+        if self._spec.sync.delayed:
+            check_delayed(self._spec, self._device, bool(self.ddps))
         if hook_installer is None and uses_spec_hook(self._spec.comm):
             hook_installer = self._spec_hook
         wrapped = wrap_ddp(
@@ -96,14 +113,21 @@ class WrappedModels:
             device=self._device, failures=self._failures,
         )  # fmt: skip
         self.ddps.append(wrapped)
+        if self._spec.sync.delayed:
+            self.outer = OuterSync(self._spec.sync, list(wrapped.module.parameters()))
         if dist.is_initialized():
-            wrapped.rebuild()
+            wrapped.rebuild(self._data_group())
         return wrapped
 
     def rebuild(self) -> None:
         """Build the DDPs on the generation just joined (the sharded model is built there)."""
         for w in self.ddps:
-            w.rebuild()
+            w.rebuild(self._data_group())
+
+    def _data_group(self) -> dist.ProcessGroup | None:
+        """The group a DDP averages over: its site's under a delayed sync, else every rank."""
+        groups = self.outer.groups if self.outer is not None else None
+        return groups.inner if groups is not None else None
 
     def drop(self, *, gradients: bool = True) -> None:
         """Let go of the generation's DDPs (the group is going).
@@ -130,6 +154,22 @@ class WrappedModels:
         """Stop the buddy copies' exchange (before the group goes: it may wait on a peer)."""
         if self.buddies is not None:
             self.buddies.stop()
+
+
+def check_delayed(spec: JobSpec, device: torch.device, wrapped_before: bool) -> None:
+    """What a delayed sync (``sync.mode`` diloco, streaming_diloco) runs on.
+
+    Raises:
+        ValueError: a second model, or a GPU worker (the sites' groups are gloo's).
+    """
+    mode = spec.sync.mode.value
+    if wrapped_before:
+        raise ValueError(f"sync.mode {mode} syncs one model per job; this session wrapped one")
+    if device.type != "cpu":
+        raise ValueError(
+            f"sync.mode {mode} runs on CPU workers (gloo) in this release; this worker trains "
+            f"on {device}: use comm.backend: gloo, or sync.mode: ddp"
+        )
 
 
 def uses_spec_hook(comm: CommSpec) -> bool:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
-from agents.runtime.generation import publish_environment
+from agents.runtime.process_group import publish_environment
 from orchestrator.records import Member, Plan
 
 pytestmark = pytest.mark.integration

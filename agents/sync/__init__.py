@@ -1,0 +1,12 @@
+"""Delayed synchronisation between sites: DiLoCo and Streaming DiLoCo (training process).
+
+The job file's ``sync`` section (:mod:`orchestrator.spec_sync`) chooses it.
+:mod:`agents.sync.sites` says which ranks form each site,
+:mod:`agents.sync.site_groups` forms their process groups,
+:mod:`agents.sync.schedule` when each fragment syncs,
+:mod:`agents.sync.outer_step` the arithmetic of the outer step,
+:mod:`agents.sync.quantize` how pseudo-gradients travel,
+:mod:`agents.sync.outer_sync` the outer loop of one worker (tracked state),
+and :mod:`agents.sync.site_join` how a new generation brings each site to
+its own state.  The worker runtime (:mod:`agents.runtime`) drives them.
+"""

@@ -1,0 +1,90 @@
+"""The outer step of DiLoCo: pseudo-gradients, their average, the outer optimizer (pure).
+
+Runs in the training process; no collective is called here.  Per fragment
+of the model, the *anchor* is the flat float32 copy of its parameters as
+they were after the last outer step (the sites' common, global value).  A
+site's *pseudo-gradient* is the anchor minus its parameters now: what its
+inner steps moved, with the sign of a gradient.  The sites' average goes
+through SGD with (Nesterov) momentum on the anchor::
+
+    buf    = momentum * buf + g
+    update = g + momentum * buf     (nesterov)      or  buf  (sgd)
+    anchor = anchor - lr * update
+
+and every site's parameters become the new anchor.  With a delay (Streaming
+DiLoCo) the inner steps taken while the average travelled are kept: the
+parameters become the new anchor plus what those steps changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.spec_sync import OuterOptimizerName, OuterOptimizerSpec
+
+__all__ = ["OuterOptimizer", "average", "flatten", "pseudo_gradient", "write_back"]
+
+
+def flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters as one new float32 vector, in order."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def write_back(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``params`` (in order), each in its own dtype."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def pseudo_gradient(anchor: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The anchor minus the parameters now (a new tensor)."""
+    return anchor - flatten(params)
+
+
+def average(contributions: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """The weighted mean of ``(weight, pseudo-gradient)`` pairs, summed in the order given.
+
+    Every site sums the same contributions in the same order, so every site
+    gets the same bits.  A weight of 0 (a site that joined after the sync
+    started) adds nothing.
+
+    Raises:
+        ValueError: the weights sum to 0.
+    """
+    total = sum(w for w, _ in contributions)
+    if total <= 0:
+        raise ValueError("no site contributed a pseudo-gradient")
+    out = torch.zeros_like(contributions[0][1], dtype=torch.float32)
+    for w, g in contributions:
+        if w:
+            out.add_(g.float(), alpha=w)
+    return out.div_(total)
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """SGD with momentum (Nesterov or plain) on a fragment's anchor."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+
+    @classmethod
+    def of_spec(cls, spec: OuterOptimizerSpec) -> OuterOptimizer:
+        return cls(spec.lr, spec.momentum, spec.name is OuterOptimizerName.NESTEROV)
+
+    def step(self, anchor: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply ``grad`` (the sites' average pseudo-gradient) to ``anchor``, in place."""
+        if self.momentum:
+            buf.mul_(self.momentum).add_(grad)
+            update = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+        else:
+            update = grad
+        anchor.sub_(update, alpha=self.lr)

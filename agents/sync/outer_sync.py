@@ -1,0 +1,251 @@
+"""DiLoCo's outer loop in one worker: its tracked state and its syncs between sites.
+
+Runs in the training process.  :class:`OuterSync` is tracked state like a
+model or an optimizer (the session tracks it as ``outer``): the anchors (the
+sites' common parameters after the last outer step, one flat float32 vector
+per fragment), the outer optimizer's momentum, how many outer steps each
+fragment took, and the syncs that started but whose result is not used yet
+(with a delay).  A replacement receives it from a live peer of its site; it
+goes into durable checkpoints.
+
+At each step boundary (:meth:`OuterSync.after_step`) a fragment whose sync is
+due computes its pseudo-gradient; the site's leader sends it to the other
+sites' leaders (an all-gather on the leaders' group, encoded as
+``sync.outer_quantization`` says) and, once the result is due, averages the
+sites' contributions, hands the average to its site's ranks (a broadcast on
+the site's group) and every rank applies the outer step.  With a delay the
+all-gather runs in the background while the next inner steps compute.
+
+Joining a generation (:meth:`OuterSync.join`, :mod:`agents.sync.site_join`)
+forms the sites' groups and brings each site to its own freshest state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents.sync.outer_step import OuterOptimizer, average, flatten, pseudo_gradient, write_back
+from agents.sync.quantize import decode, empty_like_payload, encode, payload_bytes
+from agents.sync.schedule import FragmentSchedule, cut_fragments
+from agents.sync.site_groups import SiteGroups
+from orchestrator.spec_sync import SyncSpec
+
+__all__ = ["NOT_PENDING", "OuterSync", "SyncTotals"]
+
+log = logging.getLogger("ringmaster.worker")
+
+#: ``pending_at`` of a fragment with no sync under way.
+NOT_PENDING = -1
+
+
+@dataclass
+class SyncTotals:
+    """What this worker's outer loop did (its telemetry)."""
+
+    #: outer steps applied (all fragments)
+    outer_steps: int = 0
+    #: bytes this site's leader received from other sites' leaders
+    bytes_between_sites: int = 0
+    #: seconds spent waiting in outer syncs (not overlapped with inner steps)
+    outer_wait_s: float = 0.0
+    #: steps complete at each fragment's last applied sync
+    last_sync: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    """A sync whose all-gather runs (on a site's leader)."""
+
+    works: list[Any]
+    gathered: list[list[torch.Tensor]]
+    weights: torch.Tensor
+
+
+class OuterSync:
+    """The outer loop of one worker (see the module docstring).
+
+    Args:
+        spec: the job's ``sync`` section (``diloco`` or ``streaming_diloco``).
+        params: the model's parameters, in model order (every rank the same model).
+    """
+
+    def __init__(self, spec: SyncSpec, params: Sequence[torch.nn.Parameter]) -> None:
+        self.spec = spec
+        self.schedule = FragmentSchedule(spec.inner_steps, spec.fragments, spec.delay_steps)
+        self._optimizer = OuterOptimizer.of_spec(spec.outer_optimizer)
+        runs = cut_fragments([p.numel() for p in params], spec.fragments)
+        self._fragments = [[params[i] for i in run] for run in runs]
+        self.anchors = [flatten(f) for f in self._fragments]
+        self.momentum = [torch.zeros_like(a) for a in self.anchors]
+        self.counts = [0] * len(runs)
+        #: steps complete at the last boundary whose due syncs were started
+        self.started = 0
+        self.pending_at = [NOT_PENDING] * len(runs)
+        self.pending_delta = [torch.zeros_like(a) for a in self.anchors]
+        self.pending_weight = [0.0] * len(runs)
+        self._inflight: dict[int, _InFlight] = {}
+        self.groups: SiteGroups | None = None
+        #: boundaries up to this step count skip the step boundary's vote: this site
+        #: trains steps the others completed before the generation broke
+        self.catch_up_to = 0
+        self.totals = SyncTotals(last_sync=[0] * len(runs))
+
+    @property
+    def fragments(self) -> int:
+        return len(self._fragments)
+
+    # -- tracked state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "anchors": list(self.anchors),
+            "momentum": list(self.momentum),
+            "counts": list(self.counts),
+            "started": self.started,
+            "pending_at": list(self.pending_at),
+            "pending_delta": list(self.pending_delta),
+            "pending_weight": list(self.pending_weight),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a saved outer state; one cut into another number of fragments is re-cut.
+
+        Raises:
+            ValueError: the state is of a model with another number of parameters.
+        """
+        anchors = [t.float() for t in state["anchors"]]
+        numel = sum(a.numel() for a in self.anchors)
+        if sum(a.numel() for a in anchors) != numel:
+            raise ValueError(
+                f"the outer state holds {sum(a.numel() for a in anchors)} parameters, this "
+                f"model has {numel}: it was saved from another model"
+            )
+        self.started = int(state["started"])
+        if len(anchors) == len(self.anchors) and all(
+            a.numel() == b.numel() for a, b in zip(anchors, self.anchors, strict=True)
+        ):
+            self.anchors = [a.clone() for a in anchors]
+            self.momentum = [t.float().clone() for t in state["momentum"]]
+            self.counts = [int(c) for c in state["counts"]]
+            self.pending_at = [int(c) for c in state["pending_at"]]
+            self.pending_delta = [t.float().clone() for t in state["pending_delta"]]
+            self.pending_weight = [float(w) for w in state["pending_weight"]]
+            return
+        # another sync.fragments: the fragments are contiguous runs of the same order
+        sizes = [a.numel() for a in self.anchors]
+        self.anchors = list(torch.cat(anchors).split(sizes))
+        self.momentum = list(torch.cat([t.float() for t in state["momentum"]]).split(sizes))
+        self.anchors = [a.clone() for a in self.anchors]
+        self.momentum = [m.clone() for m in self.momentum]
+        self.counts = [max(int(c) for c in state["counts"])] * len(sizes)
+        dropped = sum(1 for at in state["pending_at"] if int(at) != NOT_PENDING)
+        if dropped:
+            log.warning("%d outer sync(s) under way dropped: sync.fragments changed", dropped)
+        self.pending_at = [NOT_PENDING] * len(sizes)
+        self.pending_weight = [0.0] * len(sizes)
+
+    # -- the boundary ------------------------------------------------------------------
+
+    def after_step(self, done: int) -> None:
+        """The boundary with ``done`` steps complete: start and finish the syncs due."""
+        for at, f in self.schedule.starts_between(self.started, done):
+            if self.pending_at[f] == NOT_PENDING:
+                self._start(f, at)
+        self.started = max(self.started, done)
+        for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
+            at = self.pending_at[f]
+            if at != NOT_PENDING and at + self.schedule.delay_steps <= done:
+                self._finish(f, done)
+
+    def resume(self, done: int) -> None:
+        """In a new generation at ``done`` steps: start again, in the order they first
+        started, the syncs a broken generation left under way, and finish those due."""
+        for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
+            if self.pending_at[f] != NOT_PENDING:
+                self._exchange(f)
+        self.after_step(done)
+
+    def _start(self, f: int, at: int) -> None:
+        self.pending_delta[f] = pseudo_gradient(self.anchors[f], self._fragments[f])
+        self.pending_weight[f] = 1.0
+        self.pending_at[f] = at
+        self._exchange(f)
+
+    def _exchange(self, f: int) -> None:
+        """The leader starts the all-gather of fragment ``f``'s pseudo-gradient."""
+        groups = self._need_groups()
+        if not groups.is_leader:
+            return
+        kind = self.spec.outer_quantization
+        mine = encode(self.pending_delta[f], kind)
+        numel = self.pending_delta[f].numel()
+        sites = len(groups.sites)
+        gathered = [
+            list(bufs)
+            for bufs in zip(*(empty_like_payload(numel, kind) for _ in range(sites)), strict=True)
+        ]
+        weights = torch.zeros(sites, dtype=torch.float32)
+        works = [
+            dist.all_gather(gathered[i], mine[i], group=groups.outer, async_op=True)
+            for i in range(len(mine))
+        ]
+        weight = torch.tensor([self.pending_weight[f]], dtype=torch.float32)
+        works.append(
+            dist.all_gather(list(weights.split(1)), weight, group=groups.outer, async_op=True)
+        )
+        self._inflight[f] = _InFlight(works, gathered, weights)
+        self.totals.bytes_between_sites += (sites - 1) * payload_bytes(numel, kind)
+
+    def _finish(self, f: int, done: int) -> None:
+        """Wait for fragment ``f``'s sync, share the average in the site, take the outer step."""
+        groups = self._need_groups()
+        waited = time.perf_counter()
+        avg = torch.empty_like(self.anchors[f])
+        if groups.is_leader:
+            flight = self._inflight.pop(f)
+            for work in flight.works:
+                work.wait()
+            numel = avg.numel()
+            kind = self.spec.outer_quantization
+            parts = zip(*flight.gathered, strict=True)
+            decoded = [decode(list(p), kind, numel) for p in parts]
+            weights = flight.weights.tolist()
+            avg = average(list(zip(weights, decoded, strict=True)))
+        if len(groups.sites.ranks[groups.index]) > 1:
+            dist.broadcast(avg, src=groups.leader, group=groups.inner)
+        self.totals.outer_wait_s += time.perf_counter() - waited
+        old = self.anchors[f].clone()
+        self._optimizer.step(self.anchors[f], self.momentum[f], avg)
+        if self.schedule.delay_steps:  # keep what the inner steps since the start changed
+            moved = flatten(self._fragments[f]) - (old - self.pending_delta[f])
+            write_back(self._fragments[f], self.anchors[f] + moved)
+        else:
+            write_back(self._fragments[f], self.anchors[f])
+        self.counts[f] += 1
+        self.pending_at[f] = NOT_PENDING
+        self.pending_weight[f] = 0.0
+        self.totals.outer_steps += 1
+        self.totals.last_sync[f] = done
+
+    def _need_groups(self) -> SiteGroups:
+        if self.groups is None:
+            raise RuntimeError("the outer sync runs inside a generation (no site groups yet)")
+        return self.groups
+
+    # -- generations -------------------------------------------------------------------
+
+    def drop(self) -> None:
+        """Forget the broken generation's groups and the syncs in flight on them."""
+        self._inflight.clear()
+        self.groups = None
+
+    def take_anchor(self, f: int) -> None:
+        """Set fragment ``f``'s parameters to its anchor (the sites' common value)."""
+        write_back(self._fragments[f], self.anchors[f])

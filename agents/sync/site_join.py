@@ -1,0 +1,132 @@
+"""Joining a generation under a delayed sync: each site to its own freshest state.
+
+Runs in the training process, on every rank of a new generation, after its
+default group formed.  Under DiLoCo the sites' parameters differ between
+outer steps, so the rule of the per-step tier (the most advanced rank
+anywhere sends its state) would hand one site's work to another.  Instead:
+
+1. **Within each site** the most advanced rank sends its state to the ranks
+   of its site behind it or new (:func:`~agents.recovery.state_sync.sync_state`
+   on the site's group): a replacement continues its site's inner steps.
+2. **Across sites** every rank tells its step and its fragments' outer step
+   counts (an all-gather on the generation's control group).
+   - A site where no rank holds state (all its nodes are new, or it comes
+     back) takes the state of the most advanced site, then the sites' common
+     parameters (the anchors): it starts from the global model, and the syncs
+     under way count it with weight 0.
+   - A fragment whose outer step went through on one site but not on another
+     (the generation broke while the result was shared inside a site) is
+     taken from a site that applied it: no outer step is lost or applied twice.
+3. Sites may stand at different steps (a site's inner steps do not wait for
+   the others').  Those behind train the missing steps without the step
+   boundary's vote (:attr:`SiteJoin.catch_up_to`); the others' next outer
+   sync waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents.recovery.state_sync import NO_STATE, broadcast_state, sync_state
+from agents.sync.outer_sync import NOT_PENDING, OuterSync
+from agents.sync.site_groups import form_site_groups
+from agents.sync.sites import Sites
+from orchestrator.records import Plan
+
+__all__ = ["SiteJoin", "join_sites"]
+
+log = logging.getLogger("ringmaster.worker")
+
+
+@dataclass(frozen=True)
+class SiteJoin:
+    """What joining did for one rank."""
+
+    #: the step this rank trains next (``NO_STATE``: no rank of any site holds state)
+    step: int
+    #: the tracked objects hold the state of ``step``
+    has_state: bool
+    #: the most advanced site's step: boundaries up to it skip the vote
+    catch_up_to: int
+
+
+def join_sites(
+    outer: OuterSync,
+    plan: Plan,
+    rank: int,
+    mine: int,
+    capture: Callable[[], Any],
+    restore: Callable[[Any], None],
+    control: dist.ProcessGroup | None,
+) -> SiteJoin:
+    """Form the sites' groups and bring each site to its state (see the module docstring).
+
+    Args:
+        outer: the worker's outer loop (it keeps the groups).
+        plan: the generation joined.
+        rank: this worker's global rank in it.
+        mine: this rank's completed steps, or ``NO_STATE``.
+        capture: this rank's live state (called on a source only).
+        restore: loads a live state into the tracked objects.
+        control: the generation's gloo control group (None: the default group).
+    """
+    sites = Sites.of_plan(plan, outer.spec.site_label)
+    outer.drop()
+    outer.groups = groups = form_site_groups(sites, rank)
+    step = sync_state(mine, capture, restore, group=groups.inner).step
+    row = torch.tensor([step, *outer.counts], dtype=torch.int64)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row, group=control)
+    table = torch.stack(rows)
+    steps = [int(s) for s in table[:, 0]]
+    best = max(steps)
+    if best == NO_STATE:
+        return SiteJoin(NO_STATE, False, 0)
+    if NO_STATE in steps:
+        src = steps.index(best)
+        state = broadcast_state(capture if rank == src else None, src, control)
+        for r, s in enumerate(steps):
+            if s == NO_STATE:
+                table[r] = table[src]
+        if step == NO_STATE:
+            restore(state)
+            for f in range(outer.fragments):
+                outer.take_anchor(f)
+            outer.pending_weight = [0.0] * outer.fragments
+            step = best
+            log.warning(
+                "site %s had no state: it starts from the sites' common parameters at step %d",
+                sites.names[groups.index], step,
+            )  # fmt: skip
+        del state
+    _reconcile_fragments(outer, table[:, 1:], rank, control)
+    return SiteJoin(step, True, best)
+
+
+def _reconcile_fragments(
+    outer: OuterSync, counts: torch.Tensor, rank: int, control: dist.ProcessGroup | None
+) -> None:
+    """Fragments behind another site's outer step count take that site's anchor and momentum."""
+    for f in range(outer.fragments):
+        column = [int(c) for c in counts[:, f]]
+        top = max(column)
+        if min(column) == top:
+            continue
+        src = column.index(top)
+        dist.broadcast(outer.anchors[f], src=src, group=control)
+        dist.broadcast(outer.momentum[f], src=src, group=control)
+        if column[rank] < top:
+            log.warning(
+                "fragment %d: outer step %d went through on another site; taking its result",
+                f, top,
+            )  # fmt: skip
+            outer.counts[f] = top
+            outer.pending_at[f] = NOT_PENDING
+            outer.pending_weight[f] = 0.0
+            outer.take_anchor(f)

@@ -180,7 +180,7 @@ def test_outer_state_round_trips_and_re_cuts_to_other_fragments() -> None:
     assert torch.equal(torch.cat(recut.momentum), torch.cat(outer.momentum))
     assert recut.pending_at == [NOT_PENDING, NOT_PENDING] and recut.started == 10
 
-    other = OuterSync(spec, list(_model().parameters()) + [torch.nn.Parameter(torch.zeros(1))])
+    other = OuterSync(spec, [*_model().parameters(), torch.nn.Parameter(torch.zeros(1))])
     with pytest.raises(ValueError, match="another model"):
         other.load_state_dict(state)
 
@@ -224,5 +224,5 @@ def test_bad_sync_settings_name_the_field(sync: dict[str, object], field: str, w
 
 
 def test_a_delayed_sync_needs_the_runtime() -> None:
-    with pytest.raises(SpecError, match="sync.mode"):
+    with pytest.raises(SpecError, match=r"sync\.mode"):
         _job({"mode": "diloco"}, fault_tolerance={"recovery": "restart"})

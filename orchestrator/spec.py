@@ -317,6 +317,14 @@ class JobSpec:
                  "fault_tolerance.recovery: restart runs scripts that do not use it (use "
                  "in_process or auto with a script that calls runtime.init())")
             )  # fmt: skip
+        if self.sync.delayed and (
+            self.comm.hierarchical or self.comm.compression.type is CompressionKind.LOCALSGD
+        ):
+            out.append(
+                ("sync.mode", f"{self.sync.mode.value} averages inside each site with DDP; "
+                 "comm.hierarchical and comm.compression.type: localsgd build groups over every "
+                 "rank: turn them off (fp16, bf16, powersgd, topk and qsgd work inside a site)")
+            )  # fmt: skip
         return out
 
     def all_problems(self) -> Problems:

@@ -69,7 +69,8 @@ class ElasticDDP(nn.Module):
         if self._hook_installer is not None:
             self._hook_installer(ddp)
         elif self._failures is not None:  # DDP's default average, but its errors seen
-            DDP.register_comm_hook(ddp, None, self._failures.allreduce_hook())  # not wrapped again
+            hook = self._failures.allreduce_hook()  # registered as is: not wrapped again
+            DDP.register_comm_hook(ddp, group, hook)  # its state: the group it averages over
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: keep state_dict keys clean
 
     def drop(self) -> None:

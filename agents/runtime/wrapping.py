@@ -278,7 +278,8 @@ def install_spec_hook(
     assert plan is not None
     node_of_rank = [i for i, m in enumerate(plan.members) for _ in range(m.nproc)]
     layout = NodeLayout.from_node_ranks(node_of_rank)
-    hook = build_comm_hook(comm, ddp, layout=layout, seed=0)
+    group = ddp.process_group  # the world's, or a site's under a delayed sync
+    hook = build_comm_hook(comm, ddp, layout=layout, process_group=group, seed=0)
     # Every rank starts the generation with a fresh hook: a replacement has no
     # hook state, and ranks whose warm-up counters differ would run different
     # collectives.  Error-feedback residuals of the old generation are dropped;
@@ -290,6 +291,6 @@ def install_spec_hook(
             hook.load_state_dict(resumed)
         except HookStateError as e:  # resumed with --force under another compression
             log.warning("%s: the comm hook starts fresh", e)
-            hook = build_comm_hook(comm, ddp, layout=layout, seed=0)
+            hook = build_comm_hook(comm, ddp, layout=layout, process_group=group, seed=0)
     hook.register(ddp)
     return hook

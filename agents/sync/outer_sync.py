@@ -91,6 +91,9 @@ class OuterSync:
         self.pending_delta = [torch.zeros_like(a) for a in self.anchors]
         self.pending_weight = [0.0] * len(runs)
         self._inflight: dict[int, _InFlight] = {}
+        #: fragment -> (anchor, momentum) after the outer step of its pending sync, as
+        #: another site applied it while this site's generation broke (see site_join)
+        self.resolved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.groups: SiteGroups | None = None
         #: boundaries up to this step count skip the step boundary's vote: this site
         #: trains steps the others completed before the generation broke
@@ -168,7 +171,7 @@ class OuterSync:
         """In a new generation at ``done`` steps: start again, in the order they first
         started, the syncs a broken generation left under way, and finish those due."""
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
-            if self.pending_at[f] != NOT_PENDING:
+            if self.pending_at[f] != NOT_PENDING and f not in self.resolved:
                 self._exchange(f)
         self.after_step(done)
 
@@ -205,6 +208,24 @@ class OuterSync:
 
     def _finish(self, f: int, done: int) -> None:
         """Wait for fragment ``f``'s sync, share the average in the site, take the outer step."""
+        old = self.anchors[f].clone()
+        if f in self.resolved:  # its outer step went through on another site
+            self.anchors[f], self.momentum[f] = self.resolved.pop(f)
+        else:
+            self._optimizer.step(self.anchors[f], self.momentum[f], self._average(f))
+        if self.schedule.delay_steps:  # keep what the inner steps since the start changed
+            moved = flatten(self._fragments[f]) - (old - self.pending_delta[f])
+            write_back(self._fragments[f], self.anchors[f] + moved)
+        else:
+            write_back(self._fragments[f], self.anchors[f])
+        self.counts[f] += 1
+        self.pending_at[f] = NOT_PENDING
+        self.pending_weight[f] = 0.0
+        self.totals.outer_steps += 1
+        self.totals.last_sync[f] = done
+
+    def _average(self, f: int) -> torch.Tensor:
+        """The sites' average pseudo-gradient of fragment ``f``, on every rank of the site."""
         groups = self._need_groups()
         waited = time.perf_counter()
         avg = torch.empty_like(self.anchors[f])
@@ -221,18 +242,7 @@ class OuterSync:
         if len(groups.sites.ranks[groups.index]) > 1:
             dist.broadcast(avg, src=groups.leader, group=groups.inner)
         self.totals.outer_wait_s += time.perf_counter() - waited
-        old = self.anchors[f].clone()
-        self._optimizer.step(self.anchors[f], self.momentum[f], avg)
-        if self.schedule.delay_steps:  # keep what the inner steps since the start changed
-            moved = flatten(self._fragments[f]) - (old - self.pending_delta[f])
-            write_back(self._fragments[f], self.anchors[f] + moved)
-        else:
-            write_back(self._fragments[f], self.anchors[f])
-        self.counts[f] += 1
-        self.pending_at[f] = NOT_PENDING
-        self.pending_weight[f] = 0.0
-        self.totals.outer_steps += 1
-        self.totals.last_sync[f] = done
+        return avg
 
     def _need_groups(self) -> SiteGroups:
         if self.groups is None:
@@ -244,6 +254,7 @@ class OuterSync:
     def drop(self) -> None:
         """Forget the broken generation's groups and the syncs in flight on them."""
         self._inflight.clear()
+        self.resolved.clear()
         self.groups = None
 
     def take_anchor(self, f: int) -> None:

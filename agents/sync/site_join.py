@@ -15,8 +15,9 @@ anywhere sends its state) would hand one site's work to another.  Instead:
      parameters (the anchors): it starts from the global model, and the syncs
      under way count it with weight 0.
    - A fragment whose outer step went through on one site but not on another
-     (the generation broke while the result was shared inside a site) is
-     taken from a site that applied it: no outer step is lost or applied twice.
+     (the generation broke while the result was shared inside a site, or
+     before its delay ran out) takes that site's result, used when this
+     site's own sync is due: no outer step is lost or applied twice.
 3. Sites may stand at different steps (a site's inner steps do not wait for
    the others').  Those behind train the missing steps without the step
    boundary's vote (:attr:`SiteJoin.catch_up_to`); the others' next outer
@@ -119,14 +120,22 @@ def _reconcile_fragments(
         if min(column) == top:
             continue
         src = column.index(top)
-        dist.broadcast(outer.anchors[f], src=src, group=control)
-        dist.broadcast(outer.momentum[f], src=src, group=control)
-        if column[rank] < top:
-            log.warning(
-                "fragment %d: outer step %d went through on another site; taking its result",
-                f, top,
-            )  # fmt: skip
-            outer.counts[f] = top
-            outer.pending_at[f] = NOT_PENDING
-            outer.pending_weight[f] = 0.0
-            outer.take_anchor(f)
+        anchor, momentum = outer.anchors[f].clone(), outer.momentum[f].clone()
+        dist.broadcast(anchor, src=src, group=control)
+        dist.broadcast(momentum, src=src, group=control)
+        mine = column[rank]
+        if mine == top:
+            continue
+        log.warning(
+            "fragment %d: outer step %d went through on another site; taking its result",
+            f, top,
+        )  # fmt: skip
+        if mine + 1 == top and outer.pending_at[f] != NOT_PENDING:
+            # this site's own sync: its result is used when it is due, as it would have been
+            outer.resolved[f] = (anchor, momentum)
+            continue
+        outer.anchors[f], outer.momentum[f] = anchor, momentum
+        outer.counts[f] = top
+        outer.pending_at[f] = NOT_PENDING
+        outer.pending_weight[f] = 0.0
+        outer.take_anchor(f)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,7 @@ from agents.sync.schedule import FragmentSchedule, cut_fragments
 from examples.train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
 from orchestrator import jobs
 from orchestrator.api import JobPhase
+from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
@@ -71,63 +74,94 @@ def wait_for_spare(run: LocalRun, node: str, timeout: float = 60) -> None:
     raise AssertionError(f"{node} never became a spare")
 
 
-def diloco_job(name: str, tmp: Path, spares: int, sync: dict[str, object]) -> JobSpec:
-    # slow enough steps that the spare is warm before the end: it starts once the job runs
-    base = tiny_job(name, tmp, steps=STEPS, step_time=0.3, spares=spares).to_dict()
+def diloco_job(
+    name: str, tmp: Path, spares: int, sync: dict[str, object], step_time: float = 0.3
+) -> JobSpec:
+    """Three nodes, ``spares`` spares; by default steps slow enough that a spare started
+    once the job trains is warm before it ends."""
+    base = tiny_job(name, tmp, steps=STEPS, step_time=step_time, spares=spares).to_dict()
     base["nodes"] = {"min": 3, "max": 3, "spares": spares}
     base["sync"] = sync
     return load_job_data(base)
 
 
-def simulate(steps: int, sync: SyncSpec, sites: list[list[int]]) -> dict[str, torch.Tensor]:
-    """examples/train_tiny.py under ``sync``, by hand in one process.
+class HandRun:
+    """examples/train_tiny.py under a delayed sync, by hand in one process.
 
     Each site's DDP step is the mean of its ranks' gradients.  When a fragment's sync
     starts, each site's pseudo-gradient is taken (and encoded as it would travel);
     ``delay_steps`` later the sites' average goes through the outer Nesterov step and
     each site's fragment becomes the new anchor plus what its inner steps changed since.
     """
-    world = sum(len(s) for s in sites)
-    x, y = dataset()
-    torch.manual_seed(0)
-    first = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
-    models = [first] + [copy.deepcopy(first) for _ in sites[1:]]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
-    runs = cut_fragments([p.numel() for p in first.parameters()], sync.fragments)
-    frags = [[[list(m.parameters())[i] for i in run] for run in runs] for m in models]
-    anchors = [flatten(f) for f in frags[0]]
-    bufs = [torch.zeros_like(a) for a in anchors]
-    outer = OuterOptimizer.of_spec(sync.outer_optimizer)
-    schedule = FragmentSchedule(sync.inner_steps, sync.fragments, sync.delay_steps)
-    kind = sync.outer_quantization
-    started: dict[int, list[torch.Tensor]] = {}
-    for step in range(steps):
-        for model, opt, ranks in zip(models, opts, sites, strict=True):
-            grads = []
-            for r in ranks:
-                model.zero_grad()
-                xb, yb = batch(step, r, world, x, y)
-                loss = F.cross_entropy(model(xb), yb, reduction="sum") * world / GLOBAL_BATCH
-                loss.backward()
-                grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-            for i, p in enumerate(model.parameters()):
-                p.grad = sum(g[i] for g in grads) / len(ranks)  # type: ignore[assignment]
-            opt.step()
-        done = step + 1
-        f = schedule.starts_at(done)
-        if f is not None:
-            started[f] = [pseudo_gradient(anchors[f], site[f]) for site in frags]
-        f = schedule.applies_at(done)
-        if f is not None:
-            mine = started.pop(f)
-            n = anchors[f].numel()
-            avg = average([(1.0, decode(encode(g, kind), kind, n)) for g in mine])
-            old = anchors[f].clone()
-            outer.step(anchors[f], bufs[f], avg)
-            for site, g in zip(frags, mine, strict=True):
-                moved = flatten(site[f]) - (old - g)
-                write_back(site[f], anchors[f] + moved if sync.delay_steps else anchors[f])
-    return {k: v.clone() for k, v in models[0].state_dict().items()}
+
+    def __init__(self, sync: SyncSpec, sites: list[list[int]]) -> None:
+        self.sync = sync
+        self.x, self.y = dataset()
+        torch.manual_seed(0)
+        first = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+        self.runs = cut_fragments([p.numel() for p in first.parameters()], sync.fragments)
+        self._regroup(first, None, sites)
+        self.anchors = [flatten(f) for f in self.frags[0]]
+        self.bufs = [torch.zeros_like(a) for a in self.anchors]
+        self.outer = OuterOptimizer.of_spec(sync.outer_optimizer)
+        self.schedule = FragmentSchedule(sync.inner_steps, sync.fragments, sync.delay_steps)
+        self.started: dict[int, list[torch.Tensor]] = {}
+
+    def _regroup(self, model: nn.Module, opt: Any, sites: list[list[int]]) -> None:
+        self.sites = sites
+        self.models = [model] + [copy.deepcopy(model) for _ in sites[1:]]
+        self.opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in self.models]
+        if opt is not None:
+            for o in self.opts:
+                o.load_state_dict(copy.deepcopy(opt.state_dict()))
+        self.frags = [[[list(m.parameters())[i] for i in run] for run in self.runs]
+                      for m in self.models]  # fmt: skip
+
+    def train(self, start: int, end: int, lost_at: int | None = None) -> HandRun:
+        """Steps ``start .. end - 1``.  ``lost_at``: the first site's only node is lost with
+        ``lost_at`` steps complete and a spare takes its place: its parameters become the
+        anchors (the global model), its optimizer the second site's."""
+        world = sum(len(s) for s in self.sites)
+        kind = self.sync.outer_quantization
+        for step in range(start, end):
+            for model, opt, ranks in zip(self.models, self.opts, self.sites, strict=True):
+                grads = []
+                for r in ranks:
+                    model.zero_grad()
+                    xb, yb = batch(step, r, world, self.x, self.y)
+                    loss = F.cross_entropy(model(xb), yb, reduction="sum") * world / GLOBAL_BATCH
+                    loss.backward()
+                    grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+                for i, p in enumerate(model.parameters()):
+                    p.grad = sum(g[i] for g in grads) / len(ranks)  # type: ignore[assignment]
+                opt.step()
+            done = step + 1
+            if done == lost_at:
+                write_back(list(self.models[0].parameters()), torch.cat(self.anchors))
+                self.opts[0].load_state_dict(copy.deepcopy(self.opts[1].state_dict()))
+            f = self.schedule.starts_at(done)
+            if f is not None:
+                self.started[f] = [pseudo_gradient(self.anchors[f], s[f]) for s in self.frags]
+            f = self.schedule.applies_at(done)
+            if f is not None:
+                mine = self.started.pop(f)
+                n = self.anchors[f].numel()
+                avg = average([(1.0, decode(encode(g, kind), kind, n)) for g in mine])
+                old = self.anchors[f].clone()
+                self.outer.step(self.anchors[f], self.bufs[f], avg)
+                for site, g in zip(self.frags, mine, strict=True):
+                    moved = flatten(site[f]) - (old - g) if self.sync.delay_steps else 0
+                    write_back(site[f], self.anchors[f] + moved)
+        return self
+
+    def resume_as(self, sites: list[list[int]]) -> HandRun:
+        """A durable resume on ``sites``: every site starts from the first site's state."""
+        self._regroup(copy.deepcopy(self.models[0]), self.opts[0], sites)
+        return self
+
+    def final(self) -> dict[str, torch.Tensor]:
+        """What rank 0 (the first site) saves at the end."""
+        return {k: v.clone() for k, v in self.models[0].state_dict().items()}
 
 
 @pytest.mark.parametrize("sync", [DILOCO, STREAMING], ids=["diloco", "streaming"])
@@ -149,4 +183,71 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     assert result.recoveries >= 1, summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
     # sites [node-2] and [the two of zone b], as if nothing had failed
-    assert_same_params(torch.load(tmp_path / "final.pt"), simulate(STEPS, spec.sync, [[0], [1, 2]]))
+    assert_same_params(
+        torch.load(tmp_path / "final.pt"), HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS).final()
+    )
+
+
+def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path) -> None:
+    """Site a's only node dies; a spare of zone a takes its place with no state of the
+    site left anywhere: it starts from the anchors (the sites' common parameters at the
+    last outer step), with site b's optimizer state, while site b goes on undisturbed."""
+    lines: list[str] = []
+    spec = diloco_job("diloco-site", tmp_path, 1, DILOCO)
+    run = quiet_run(spec, lines, node_labels={**ZONES, "node-3": {"zone": "a"}})
+    run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
+    with run:
+        wait_for_step(run, 1)
+        run.add_node("node-3", rack="rack-1")
+        wait_for_spare(run, "node-3")
+        # mid inner period, so that no outer step is under way when the site goes
+        wait_for(lambda: _step(run) % 10 in (2, 3, 4), "a step 2-4 past a sync")
+        run.kill_node("node-2")
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    back = [line for line in lines if "site a had no state" in line]
+    assert back and back[0].startswith("[node-3]"), summary(result, lines)
+    lost_at = int(back[0].rsplit("at step ", 1)[1])
+    assert lost_at % 10 != 0, summary(result, lines)
+    want = HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS, lost_at=lost_at).final()
+    assert_same_params(torch.load(tmp_path / "final.pt"), want)
+
+
+def _step(run: LocalRun) -> int:
+    status = jobs.read_status(run.client, run.spec.name)
+    return status.step if status is not None else 0
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"never saw {what}")
+
+
+def test_a_diloco_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """Three nodes in two sites save at step 20 (after its outer step); two nodes, one
+    per site, resume from it and train to step 40.  The checkpoint holds the first
+    site's state and the outer state (anchors, momentum): every site of the resumed
+    run starts from them, and the run ends as the algorithm by hand."""
+    lines: list[str] = []
+    first = diloco_job("diloco-save", tmp_path, 0, DILOCO, step_time=0.02).to_dict()
+    first["max_steps"], first["checkpoint"]["every_steps"] = 20, 10
+    with quiet_run(load_job_data(first), lines, node_labels=ZONES) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+
+    second = {**first, "name": "diloco-resumed", "max_steps": STEPS}
+    second["nodes"] = {"min": 2, "max": 2, "spares": 0}
+    spec = load_job_data(second)
+    resume = plan_resume(spec)
+    assert (resume.step, resume.world_size) == (20, 3)
+    sites = {"node-0": {"zone": "a"}, "node-1": {"zone": "b"}}
+    with quiet_run(spec, lines, node_labels=sites, resume=resume) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert any("resumed from" in line and "at step 20" in line for line in lines)
+    want = HandRun(spec.sync, [[0], [1, 2]]).train(0, 20).resume_as([[0], [1]]).train(20, STEPS)
+    assert_same_params(torch.load(tmp_path / "final.pt"), want.final())

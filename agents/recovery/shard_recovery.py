@@ -16,6 +16,7 @@ Runs in the training process.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -184,6 +185,8 @@ def join(
         tp.replicated_from,
         control,
     )
+    if source_of_rest:  # its own holding, which lives on: the new objects get a copy
+        replicated = copy.deepcopy(replicated)
     _apply_replicated(fresh, optimizers, others_of(held.tracked, model), states, replicated)
     model.adopt(optimizers, states)
     source = _source(model.mode, tp, gathered, new, model.rows)

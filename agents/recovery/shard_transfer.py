@@ -6,8 +6,11 @@ own snapshots, a buddy's copy), each labelled with its step and layout.
 which some old layout is complete (every chunk held by a live rank), and for
 every rank of the new layout the holder of each old chunk that overlaps its
 new rows, preferring the rank itself.  :func:`execute` then sends those rows
-point to point (one message per pair of ranks and dtype); a rank that holds
-what it needs copies it locally.  The same plan serves a replacement of equal
+point to point: a piece of at least
+:data:`~agents.recovery.tensor_stream.DIRECT_BYTES` by itself, straight from
+the holder's tensor into the receiver's new rows (host memory, no copy), the
+smaller ones packed into one message per pair of ranks and dtype; a rank that
+holds what it needs copies it locally.  The same plan serves a replacement of equal
 world size (only the new rank receives) and a world-size change (rows are
 redistributed from memory).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from agents.recovery.tensor_stream import DIRECT_BYTES
 from agents.runtime.sharding import Layout, SliceKey, chunk_rows
 
 __all__ = [
@@ -130,53 +134,93 @@ def execute(
     sends: list[dist.Work] = []
     keep: list[torch.Tensor] = []
     received = 0
+
+    def nbytes(p: Piece) -> int:
+        dtype, trailing = structure[p.key]
+        return (p.stop - p.start) * _row_numel(trailing) * dtype.itemsize
+
     for peer in range(world):
         if peer == rank:
             continue
-        # what this rank sends to ``peer``
+        # what this rank sends to ``peer``: small pieces packed per dtype, then large ones
         out = [
             p for p in pieces(rows, keys, tp.old, new[peer]) if tp.holder[(peer, p.chunk)] == rank
         ]
-        if out:
-            for flat in _pack(out, tp.old, rows, mine):
-                keep.append(flat)
-                work = dist.isend(flat, dst=peer, group=group, tag=_tag(flat.dtype))
-                assert work is not None
-                sends.append(work)
+        small = [p for p in out if nbytes(p) < DIRECT_BYTES]
+        flats = [(f, _tag(f.dtype)) for f in _pack(small, tp.old, rows, mine)] if small else []
+        for p in out:
+            if nbytes(p) >= DIRECT_BYTES:
+                flats.append((_held_rows(p, tp.old, rows, mine).contiguous().cpu(), _DIRECT_TAG))
+        for flat, tag in flats:
+            keep.append(flat)
+            work = dist.isend(flat, dst=peer, group=group, tag=tag)
+            assert work is not None
+            sends.append(work)
     need = pieces(rows, keys, tp.old, new[rank])
     lo = {k: chunk_rows(rows[k[0]], new[rank])[0] for k in keys}
-    recvs = []
+
+    def target(p: Piece) -> torch.Tensor:
+        return targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]]
+
+    recvs: list[tuple[dist.Work, torch.Tensor, list[Piece]]] = []
     for src in sorted({tp.holder[(rank, p.chunk)] for p in need}):
         got = [p for p in need if tp.holder[(rank, p.chunk)] == src]
         if src == rank:
             for p in got:
-                held = mine(p.chunk)
-                assert held is not None
-                a = chunk_rows(rows[p.key[0]], Layout(tp.old, p.chunk))[0]
-                targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]].copy_(
-                    held[p.key][p.start - a : p.stop - a]
-                )
+                target(p).copy_(_held_rows(p, tp.old, rows, mine))
             continue
-        for dtype in sorted({structure[p.key][0] for p in got}, key=str):
-            these = [p for p in got if structure[p.key][0] == dtype]
+        small = [p for p in got if nbytes(p) < DIRECT_BYTES]
+        for dtype in sorted({structure[p.key][0] for p in small}, key=str):
+            these = [p for p in small if structure[p.key][0] == dtype]
             numel = sum((p.stop - p.start) * _row_numel(structure[p.key][1]) for p in these)
             buf = torch.empty(numel, dtype=dtype)
             work = dist.irecv(buf, src=src, group=group, tag=_tag(dtype))
             assert work is not None
             recvs.append((work, buf, these))
+        for p in got:
+            if nbytes(p) < DIRECT_BYTES:
+                continue
+            t = target(p)
+            # straight into the new rows where they are host memory, else through a copy
+            landing = (
+                t
+                if t.device.type == "cpu" and t.is_contiguous()
+                else torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format)
+            )
+            work = dist.irecv(landing, src=src, group=group, tag=_DIRECT_TAG)
+            assert work is not None
+            recvs.append((work, landing, [p]))
     for work, buf, these in recvs:
         work.wait()
         received += buf.numel() * buf.element_size()
+        if len(these) == 1 and nbytes(these[0]) >= DIRECT_BYTES:
+            t = target(these[0])
+            if buf is not t:
+                t.copy_(buf)
+            continue
         offset = 0
         for p in these:
             trailing = structure[p.key][1]
             count = (p.stop - p.start) * _row_numel(trailing)
             part = buf[offset : offset + count].view(p.stop - p.start, *trailing)
-            targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]].copy_(part)
+            target(p).copy_(part)
             offset += count
     for work in sends:
         work.wait()
     return received
+
+
+def _held_rows(
+    p: Piece,
+    old: int,
+    rows: dict[str, int],
+    mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
+) -> torch.Tensor:
+    """The rows of piece ``p`` in this rank's copy of its old chunk."""
+    held = mine(p.chunk)
+    assert held is not None, f"chunk {p.chunk} planned from a rank that lacks it"
+    a = chunk_rows(rows[p.key[0]], Layout(old, p.chunk))[0]
+    return held[p.key][p.start - a : p.stop - a].detach()
 
 
 def _row_numel(trailing: tuple[int, ...]) -> int:
@@ -195,12 +239,13 @@ def _pack(
     """The pieces as one flat CPU tensor per dtype (in the receiver's order)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in out:
-        held = mine(p.chunk)
-        assert held is not None, f"chunk {p.chunk} planned from a rank that lacks it"
-        a = chunk_rows(rows[p.key[0]], Layout(old, p.chunk))[0]
-        t = held[p.key][p.start - a : p.stop - a]
-        by_dtype.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
+        t = _held_rows(p, old, rows, mine)
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1).cpu())
     return [torch.cat(by_dtype[d]) for d in sorted(by_dtype, key=str)]
+
+
+#: The tag of pieces sent by themselves (packed ones are tagged by dtype, below 1000).
+_DIRECT_TAG = 1000
 
 
 def _tag(dtype: torch.dtype) -> int:

@@ -9,21 +9,29 @@ exactly once, and no completed step is lost.
 
 The state travels in two parts: its structure (names, small values, each
 tensor's shape and dtype) is pickled on the gloo control group, and the
-tensors themselves are broadcast as one flat buffer per device and dtype, on
-the data backend for device tensors (NCCL on GPUs) and on gloo for host ones.
-Large tensors are never pickled.
+tensors' bytes follow in fixed-size chunks (:mod:`~agents.recovery.tensor_stream`):
+straight from the sender's tensors, with no copy of the whole state, point to
+point on gloo to the ranks behind for host tensors, by a broadcast on the data
+backend (NCCL on GPUs) for device ones.  Tensor data is never pickled.  A
+replacement (a rank with no state of its own) receives into its own tensors
+where the structure matches (the model it built, a tracked EMA); a survivor
+one step behind receives into new tensors, so that a transfer that breaks
+leaves its own state whole.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from agents.recovery import tensor_stream
 
 __all__ = [
     "NO_STATE",
@@ -31,6 +39,7 @@ __all__ = [
     "agree_on_source",
     "broadcast_state",
     "join_tensors",
+    "slots_of",
     "split_tensors",
     "sync_state",
 ]
@@ -76,7 +85,8 @@ def sync_state(
 
     Args:
         my_step: this rank's completed steps, or ``NO_STATE`` (-1) for a fresh process.
-        capture: ``() -> object`` returning this rank's state (called on the source only).
+        capture: ``() -> object`` returning this rank's state (called on the source, and
+            on a fresh rank behind it for the tensors to receive into).
         restore: ``(object) -> None`` loading a state (called on ranks behind the source).
         group: the gloo group to use (None: the default group, which must be gloo);
             a part of the ranks syncs among itself (host tensors only).
@@ -90,22 +100,44 @@ def sync_state(
     if all(s == best for s in steps):
         # Every rank applied the same updates: DDP keeps replicas identical.
         return SyncResult(src, best, False, steps)
-    state = broadcast_state(capture if dist.get_rank() == src else None, src, group)
-    behind = steps[dist.get_rank(group)] != best
+    rank = dist.get_rank()
+    members = [r if group is None else dist.get_global_rank(group, r) for r in range(len(steps))]
+    behind_ranks = [members[r] for r, s in enumerate(steps) if s != best]
+    behind = rank in behind_ranks
+    started = time.perf_counter()
+    state = broadcast_state(
+        capture if rank == src else None,
+        src,
+        group,
+        receivers=behind_ranks,
+        # a fresh process has nothing to lose: its own tensors take the bytes
+        into=capture() if behind and my_step == NO_STATE else None,
+    )
     if behind:
         restore(state)
-    log.info("state synced from rank %d at step %d (steps seen %s)", src, best, steps)
+    log.info(
+        "state synced from rank %d at step %d to ranks %s in %.2fs (steps seen %s)",
+        src,
+        best,
+        behind_ranks,
+        time.perf_counter() - started,
+        steps,
+    )
     return SyncResult(src, best, behind, steps)
 
 
 @dataclass(frozen=True)
 class _TensorSlot:
-    """Where a tensor was in the state: its place in a flat buffer."""
+    """Where a tensor was in the state: its place in the list of tensors sent."""
 
     device_type: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    offset: int
+    index: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _map_tensors(x: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
@@ -127,67 +159,129 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     Dicts, lists and tuples are walked; anything else is kept as is.
     """
     tensors: list[torch.Tensor] = []
-    offsets: dict[tuple[str, torch.dtype], int] = {}
 
     def slot(t: torch.Tensor) -> _TensorSlot:
-        key = (t.device.type, t.dtype)
-        offset = offsets.get(key, 0)
-        offsets[key] = offset + t.numel()
         tensors.append(t)
-        return _TensorSlot(t.device.type, t.dtype, tuple(t.shape), offset)
+        return _TensorSlot(t.device.type, t.dtype, tuple(t.shape), len(tensors) - 1)
 
     return _map_tensors(state, slot, torch.Tensor), tensors
 
 
-def join_tensors(skeleton: Any, buffers: dict[tuple[str, torch.dtype], torch.Tensor]) -> Any:
-    """The inverse of :func:`split_tensors`: slots become views of ``buffers``."""
+def join_tensors(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The inverse of :func:`split_tensors`: each slot becomes its tensor."""
+    return _map_tensors(skeleton, lambda x: tensors[x.index], _TensorSlot)
 
-    def view(x: _TensorSlot) -> torch.Tensor:
-        flat = buffers[(x.device_type, x.dtype)]
-        return flat[x.offset : x.offset + math.prod(x.shape)].view(x.shape)
 
-    return _map_tensors(skeleton, view, _TensorSlot)
+def slots_of(skeleton: Any) -> list[_TensorSlot]:
+    """The skeleton's slots in the order of their tensors."""
+    found: list[_TensorSlot] = []
+    _map_tensors(skeleton, found.append, _TensorSlot)
+    return sorted(found, key=lambda x: x.index)
+
+
+def _device_for(slot: _TensorSlot) -> torch.device:
+    """Where a receiver keeps a slot's tensor: its current GPU, or the host."""
+    if slot.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _in_place(skeleton: Any, mine: Any, found: dict[int, torch.Tensor]) -> None:
+    """Collect the tensors of ``mine`` (a receiver's own state) that a slot at the same
+    place in ``skeleton`` can be received into: same shape, dtype and device, contiguous."""
+    if isinstance(skeleton, _TensorSlot):
+        if (
+            isinstance(mine, torch.Tensor)
+            and tuple(mine.shape) == skeleton.shape
+            and mine.dtype == skeleton.dtype
+            and mine.device == _device_for(skeleton)
+            and mine.is_contiguous()
+        ):
+            found[skeleton.index] = mine.detach()
+    elif isinstance(skeleton, dict) and isinstance(mine, dict):
+        for k, v in skeleton.items():
+            if k in mine:
+                _in_place(v, mine[k], found)
+    elif isinstance(skeleton, (list, tuple)) and isinstance(mine, (list, tuple)):
+        for v, m in zip(skeleton, mine, strict=False):
+            _in_place(v, m, found)
 
 
 def broadcast_state(
-    capture: Callable[[], Any] | None, src: int, group: dist.ProcessGroup | None
+    capture: Callable[[], Any] | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    *,
+    receivers: Sequence[int] | None = None,
+    into: Any = None,
+    chunk_bytes: int = tensor_stream.CHUNK_BYTES,
 ) -> Any:
-    """Broadcast the source's captured state: its structure pickled on ``group`` (gloo),
-    its tensors as one flat buffer per (device type, dtype).
+    """Send the source's captured state to ``receivers``: collective on ``group``.
 
-    Device tensors go over the default (data) group, host tensors over ``group``;
-    a receiver allocates device buffers on its own current device.
+    The structure is pickled on ``group`` (gloo) to every rank; the tensors
+    travel without a copy of the whole (:func:`~agents.recovery.tensor_stream.transfer`):
+    host tensors point to point on ``group`` to the receivers only, device
+    tensors by a broadcast on the default (data) group.  A receiver allocates
+    each tensor from the structure, on its own current device, unless ``into``
+    holds one to receive it into.
+
+    Args:
+        capture: ``() -> object``, the state (on the source; None elsewhere).
+        src: the source rank.
+        group: the gloo group of the structure and the host tensors.
+        receivers: the ranks that take the state (None: every rank but ``src``).
+        into: a receiver's own state of the same structure: each of its tensors
+            whose place, shape, dtype and device match is overwritten with the
+            source's instead of allocating one (it is left part-written if the
+            transfer fails).
+        chunk_bytes: the most bytes of one message (and of a staging buffer).
+
+    Returns:
+        On the source, its captured state (its own tensors); on a receiver, the
+        source's state; on any other rank, None.
     """
+    rank = dist.get_rank()
+    if receivers is None:
+        receivers = [r for r in range(dist.get_world_size()) if r != src]
     header: list[Any] = [None]
-    tensors: list[torch.Tensor] = []
-    if capture is not None:
-        skeleton, tensors = split_tensors(capture())
-        sizes: dict[tuple[str, torch.dtype], int] = {}
-        for t in tensors:
-            key = (t.device.type, t.dtype)
-            sizes[key] = sizes.get(key, 0) + t.numel()
-        header = [(skeleton, sizes)]
+    state, tensors = None, None
+    if rank == src:
+        assert capture is not None, "the source rank captures its state"
+        state = capture()
+        skeleton, tensors = split_tensors(state)
+        header = [skeleton]
     dist.broadcast_object_list(header, src=src, group=group)
-    skeleton, sizes = header[0]
-    buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-    for (device_type, dtype), numel in sizes.items():
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    skeleton = header[0]
+    slots = slots_of(skeleton)
+    receiving = rank in receivers
+    if receiving:
+        found: dict[int, torch.Tensor] = {}
+        if into is not None:
+            _in_place(skeleton, into, found)
+        tensors = [
+            found[x.index]
+            if x.index in found
+            else torch.empty(x.shape, dtype=x.dtype, device=_device_for(x))
+            for x in slots
+        ]
+    on_device = [x.device_type == "cuda" for x in slots]
+    for device_route in (False, True):  # host tensors first: the same order on every rank
+        chosen = [i for i, d in enumerate(on_device) if d == device_route]
+        if not chosen:
+            continue
+        route = (
+            tensor_stream.Route(None, True, _device_for(slots[chosen[0]]))
+            if device_route  # the data backend (NCCL on GPUs) broadcasts device tensors
+            else tensor_stream.Route(group, False, torch.device("cpu"))
         )
-        if capture is not None:
-            parts = [  # on one device (a model may span several GPUs)
-                t.detach().reshape(-1).to(device or t.device)
-                for t in tensors
-                if (t.device.type, t.dtype) == (device_type, dtype)
-            ]
-            flat = torch.cat(parts)
-        else:
-            flat = torch.empty(numel, dtype=dtype, device=device)
-        on = None if device_type == "cuda" else group  # device tensors: the data backend
-        if flat.dtype == torch.bool:  # gloo and NCCL reduce no bools; they broadcast bytes
-            carrier = flat.view(torch.uint8)
-            dist.broadcast(carrier, src=src, group=on)
-        else:
-            dist.broadcast(flat, src=src, group=on)
-        buffers[(device_type, dtype)] = flat
-    return join_tensors(skeleton, buffers)
+        tensor_stream.transfer(
+            [tensors[i] for i in chosen] if tensors is not None else None,
+            [slots[i].nbytes for i in chosen],
+            src,
+            receivers,
+            route,
+            chunk_bytes,
+        )
+    if rank == src:
+        return state
+    return join_tensors(skeleton, tensors) if tensors is not None else None

@@ -172,6 +172,13 @@ class Telemetry(Record):
     compute_s: float = 0.0
     wait_s: float = 0.0
     timed_steps: int = 0
+    #: a delayed sync (``sync.mode`` diloco, streaming_diloco): outer steps its site
+    #: took (all fragments), bytes its site's leader received from the other sites,
+    #: seconds it waited for outer results, and the steps complete at its last outer step
+    outer_steps: int = 0
+    site_bytes: int = 0
+    outer_wait_s: float = 0.0
+    last_outer_sync: int = 0
 
 
 @dataclass
@@ -409,6 +416,10 @@ class JobStatus(Record):
     #: how the job recovers (``in_process`` or ``restart``; empty until known): in
     #: the restart tier the script reports no steps, so ``step`` stays 0
     recovery: str = ""
+    #: a delayed sync: ``sync.mode`` and what rank 0 says of the outer loop (its
+    #: :class:`Telemetry` fields ``outer_steps``, ``site_bytes``, ``outer_wait_s``,
+    #: ``last_outer_sync``), and the sites' bytes per inner step
+    sync: dict[str, Any] = field(default_factory=dict)
     #: nodes called stragglers now → how many times as long as their peers they
     #: compute per step (:mod:`orchestrator.controller.stragglers`)
     stragglers: dict[str, float] = field(default_factory=dict)

@@ -215,7 +215,7 @@ class Session:
         models = self._models
         wrapped = models.wrap(module, hook_installer, sharding, shard_size, redundancy_every_steps)
         if models.outer is not None:  # a delayed sync's outer state: tracked like the model's
-            self._state.tracked["outer"] = models.outer
+            self._state.tracked["outer"] = self._telemetry.outer = models.outer
         return wrapped
 
     def _install_spec_hook(self, ddp: Any) -> None:

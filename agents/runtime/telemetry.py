@@ -14,7 +14,9 @@ worker only records wall-clock timestamps and running totals:
   comm hook DDP sends every gradient dense, so wire bytes equal dense bytes;
 * step timing: running totals of the time its steps computed and waited for
   their peers (:mod:`agents.runtime.step_timing`), from which the controller
-  tells a slow node from its peers.
+  tells a slow node from its peers;
+* a delayed sync (:mod:`agents.sync`): its site's outer steps, the bytes that
+  came from other sites, the time it waited for outer results.
 
 Timestamps are ``time.time()``: the controller compares them with its own
 clock and other workers', which is exact on one machine and as good as the
@@ -30,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from agents.runtime.step_timing import StepTiming
+from agents.sync.outer_sync import OuterSync
 from orchestrator.records import Telemetry
 
 __all__ = ["WorkerTelemetry"]
@@ -53,6 +56,8 @@ class WorkerTelemetry:
         self.left_by: str | None = None
         #: this rank's compute and wait time per step (fed by the comm hooks)
         self.timing = StepTiming()
+        #: a delayed sync's outer loop, once the script wrapped its model
+        self.outer: OuterSync | None = None
 
     # -- generation timeline -----------------------------------------------------------
 
@@ -93,6 +98,7 @@ class WorkerTelemetry:
 
     def record(self) -> Telemetry:
         """The figures as the record published in the worker's progress."""
+        outer = self.outer
         return Telemetry(
             generation=self.generation,
             group_formed_at=self.group_formed_at,
@@ -107,4 +113,8 @@ class WorkerTelemetry:
             compute_s=round(self.timing.compute_s, 6),
             wait_s=round(self.timing.wait_s, 6),
             timed_steps=self.timing.steps,
+            outer_steps=sum(outer.counts) if outer is not None else 0,
+            site_bytes=outer.totals.bytes_between_sites if outer is not None else 0,
+            outer_wait_s=round(outer.totals.outer_wait_s, 6) if outer is not None else 0.0,
+            last_outer_sync=max(outer.totals.last_sync, default=0) if outer is not None else 0,
         )

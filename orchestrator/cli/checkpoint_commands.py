@@ -30,6 +30,7 @@ from orchestrator.cli.options import (
     table,
     wide_option,
 )
+from orchestrator.observe.units import size_text
 
 if TYPE_CHECKING:
     from checkpoint.api import CheckpointInfo
@@ -58,14 +59,6 @@ def handle_checkpoint_errors(fn: F) -> F:
             fail(scrub(str(e)))
 
     return wrapper  # type: ignore[return-value]
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
 
 
 @click.group("checkpoints")
@@ -121,7 +114,7 @@ def list_cmd(url: str, check: bool, as_json: bool, wide: bool) -> None:
         m = info.manifest
         out.add_row(
             str(info.step),
-            _size(m.total_bytes) if m else "-",
+            size_text(m.total_bytes) if m else "-",
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at)) if m else "-",
             str(m.world_size) if m else "-",
             *([escape(m.run_id or "-") if m else "-"] if runs else []),
@@ -188,7 +181,7 @@ def verify_cmd(url: str) -> None:
     report = verify(_local_url(url))
     where = redact(report.url)
     if report.ok:
-        console.print(f"OK: {where} ({_size(report.checked_bytes)} checked)", highlight=False)
+        console.print(f"OK: {where} ({size_text(report.checked_bytes)} checked)", highlight=False)
         return
     for problem in report.problems:
         click.echo(f"bad object in {where}: {problem}", err=True)

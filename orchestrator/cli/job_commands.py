@@ -25,6 +25,7 @@ from orchestrator.cli.options import (
     table,
     wide_option,
 )
+from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.recoveries import ordered_phases, phase_label, restart_phases
 
 
@@ -211,6 +212,8 @@ def _one_job(s: jobs.JobStatus, undecided: float | None = None) -> Table:
         ("nodes a/s/f", nodes),
         ("recoveries", str(s.recoveries)),
     ]
+    if s.sync:
+        rows.append(("outer loop", outer_loop_text(s.sync)))
     if s.stragglers:
         slow = sorted(s.stragglers.items())
         rows.append(("stragglers", ", ".join(f"{n} ({x:.2f}x its peers' step)" for n, x in slow)))

@@ -31,6 +31,7 @@ from orchestrator.observe.recoveries import (
     effective_time,
     recovered_message,
 )
+from orchestrator.observe.units import size_text
 from orchestrator.records import (
     BreakReport,
     JobStatus,
@@ -125,6 +126,8 @@ class JobObserver:
         rank0 = next((p for p in workers.values() if p.rank == 0), None)
         if rank0 is not None:
             status.loss = rank0.metrics.get("loss")
+            if rank0.telemetry.outer_steps or rank0.telemetry.site_bytes:
+                status.sync = outer_loop(rank0.telemetry, list(workers.values()), status.step)
         uploads = [p.uploading for p in workers.values() if p.uploading is not None]
         status.uploading = min(uploads, key=lambda u: u[1]) if uploads else None
         if status.phase.terminal and status.finished_at is None:
@@ -342,3 +345,26 @@ def _sharded_state(record: RecoveryRecord) -> str:
         return ""
     lost = record.steps_lost
     return f"; state from {record.source}, {lost} step{'' if lost == 1 else 's'} lost"
+
+
+def outer_loop(rank0: Telemetry, workers: list[ProgressRecord], step: int) -> dict[str, Any]:
+    """What ``status`` says of a delayed sync: rank 0's outer loop, and the bytes every
+    site's leader received from the others (each crossing counted once), per step."""
+    between = sum(p.telemetry.site_bytes for p in workers)
+    return {
+        "outer_steps": rank0.outer_steps,
+        "last_outer_sync": rank0.last_outer_sync,
+        "outer_wait_s": round(rank0.outer_wait_s, 3),
+        "site_bytes": between,
+        "site_bytes_per_step": round(between / step) if step else 0,
+    }
+
+
+def outer_loop_text(sync: dict[str, Any]) -> str:
+    """A delayed sync's outer loop in a line (``JobStatus.sync``, see :func:`outer_loop`)."""
+    return (
+        f"{sync['outer_steps']} outer steps, the last at step {sync['last_outer_sync']}; "
+        f"{size_text(sync['site_bytes'])} between sites "
+        f"({size_text(sync['site_bytes_per_step'])}/step); "
+        f"rank 0 waited {sync['outer_wait_s']:.1f}s for outer results"
+    )

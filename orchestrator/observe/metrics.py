@@ -30,6 +30,9 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
 * ``ringmaster_job_comm_wire_bytes_total``, ``ringmaster_job_comm_dense_bytes_total``
   (counters: gradient bytes sent, and the fp32 bytes they stand for) and
   ``ringmaster_job_comm_compression_ratio`` (gauge, dense / wire)
+* ``ringmaster_job_site_bytes_total`` (counter: bytes the sites' leaders received
+  from other sites under a delayed sync) and ``ringmaster_job_outer_steps`` (gauge:
+  outer steps taken, every fragment's counted)
 * ``ringmaster_node_step_compute_seconds`` and ``ringmaster_node_slowdown`` (gauges;
   ringmaster_job, node): a node's compute time per step in the last window, and
   that over its peers' median (:mod:`orchestrator.controller.stragglers`)
@@ -179,6 +182,18 @@ class JobMetrics:
             [JOB_LABEL],
             registry=r,
         )
+        self.site_bytes = Counter(
+            "ringmaster_job_site_bytes",
+            "Bytes the sites' leaders received from other sites (delayed sync)",
+            [JOB_LABEL],
+            registry=r,
+        )
+        self.outer_steps = Gauge(
+            "ringmaster_job_outer_steps",
+            "Outer steps the sites took (delayed sync; every fragment's counted)",
+            [JOB_LABEL],
+            registry=r,
+        )
         self.effective_ratio = Gauge(
             "ringmaster_job_effective_training_ratio",
             "Share of wall time spent making progress",
@@ -204,6 +219,7 @@ class JobMetrics:
             registry=r,
         )
         self._worker_bytes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._site_bytes: dict[tuple[str, str], int] = {}
         #: Last step and productive seconds seen per job (the counters add increases only).
         self._last_step: dict[str, int] = {}
         self._last_productive: dict[str, float] = {}
@@ -272,6 +288,12 @@ class JobMetrics:
             self.dense_bytes.labels(job).inc(dense - old_dense)
             self._dense[job] = self._dense.get(job, 0.0) + dense - old_dense
         self._worker_bytes[key] = (max(wire, old_wire), max(dense, old_dense))
+        old_site = self._site_bytes.get(key, 0)
+        if telemetry.site_bytes > old_site:
+            self.site_bytes.labels(job).inc(telemetry.site_bytes - old_site)
+            self._site_bytes[key] = telemetry.site_bytes
+        if telemetry.outer_steps:
+            self.outer_steps.labels(job).set(telemetry.outer_steps)
         if self._wire.get(job):
             self.compression_ratio.labels(job).set(self._dense.get(job, 0.0) / self._wire[job])
 

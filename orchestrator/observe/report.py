@@ -23,6 +23,7 @@ from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_status
 from orchestrator.observe.history import read_history
+from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.records import PHASES, HistorySample, RecoveryRecord
 from orchestrator.records import JobStatus
 from orchestrator.runs import list_runs
@@ -202,6 +203,8 @@ def render_html(data: ReportData, png: bytes) -> str:
         ("effective training", f"{s.effective_fraction:.1%}"),
         ("last checkpoint", s.last_checkpoint or "-"),
     ]
+    if s.sync:
+        summary.append(("outer loop", outer_loop_text(s.sync)))
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary)
     head = "".join(f"<th>{p.replace('_', ' ')} (s)</th>" for p in PHASES)
     rec_rows = []

@@ -47,7 +47,7 @@ from tests.chaos.sharded_jobs import assert_same_params
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-STEPS = 40
+STEPS = 60  # at 0.3 s a step, long enough for a spare started once the job runs
 # node-2 alone in zone a; node-0 and node-1 in zone b, and node-3, the spare
 ZONES = {"node-0": {"zone": "b"}, "node-1": {"zone": "b"}, "node-2": {"zone": "a"},
          "node-3": {"zone": "b"}}  # fmt: skip
@@ -66,12 +66,15 @@ STREAMING = {
 def wait_for_spare(run: LocalRun, node: str, timeout: float = 60) -> None:
     """Wait until ``node`` waits as a warm spare of the run's job."""
     deadline = time.monotonic() + timeout
+    status = None
     while time.monotonic() < deadline:
         status = jobs.read_status(run.client, run.spec.name)
         if status is not None and node in status.spare_nodes:
             return
+        if status is not None and status.phase.terminal:
+            break
         time.sleep(0.1)
-    raise AssertionError(f"{node} never became a spare")
+    raise AssertionError(f"{node} never became a spare ({status})")
 
 
 def diloco_job(
@@ -174,14 +177,21 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     # the spare starts once the job trains: the first generation holds both sites
     run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
     with run:
-        wait_for_step(run, 1)
+        wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
         wait_for_spare(run, "node-3")
         run.kill_node("node-1")  # site b's: the spare (zone b too) takes its slot
         result = run.wait()
+        status = jobs.read_status(run.client, spec.name)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries >= 1, summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
+    # status: the outer loop's steps (fragments' syncs applied by rank 0) and bytes
+    assert status is not None and status.sync, summary(result, lines)
+    schedule = FragmentSchedule(10, spec.sync.fragments, spec.sync.delay_steps)
+    applied = sum(1 for d in range(1, STEPS + 1) if schedule.applies_at(d) is not None)
+    assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync
+    assert status.sync["site_bytes"] > 0, status.sync
     # sites [node-2] and [the two of zone b], as if nothing had failed
     assert_same_params(
         torch.load(tmp_path / "final.pt"), HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS).final()
@@ -197,7 +207,7 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
     run = quiet_run(spec, lines, node_labels={**ZONES, "node-3": {"zone": "a"}})
     run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
     with run:
-        wait_for_step(run, 1)
+        wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
         wait_for_spare(run, "node-3")
         # mid inner period, so that no outer step is under way when the site goes

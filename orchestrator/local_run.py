@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
@@ -88,6 +88,29 @@ class RunResult:
 class _Proc:
     name: str
     popen: subprocess.Popen[bytes]
+
+
+def local_node_names(spec: JobSpec) -> list[str]:
+    """The nodes a local run starts: ``node-0`` .. (``nodes.max`` + ``nodes.spares``)."""
+    return [f"node-{i}" for i in range(spec.nodes.max + spec.nodes.spares)]
+
+
+def node_labels_from(values: Sequence[str], nodes: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``NODE:KEY=VALUE`` strings (``ringmaster run --label``) as labels by node.
+
+    Raises:
+        ValueError: a string not of that form, or a node the run does not start.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for value in values:
+        node, _, pair = value.partition(":")
+        key, eq, label = pair.partition("=")
+        if not (node and key and eq and label):
+            raise ValueError(f"--label {value!r}: use NODE:KEY=VALUE, e.g. node-1:zone=b")
+        if node not in nodes:
+            raise ValueError(f"--label {value!r}: this run starts {', '.join(nodes)}, not {node}")
+        out.setdefault(node, {})[key] = label
+    return out
 
 
 class LocalRun:
@@ -200,8 +223,7 @@ class LocalRun:
             self.print(f"[event] {ev.type}: {ev.message}")
 
     def node_names(self) -> list[str]:
-        count = self.spec.nodes.max + self.spec.nodes.spares
-        return [f"node-{i}" for i in range(count)]
+        return local_node_names(self.spec)
 
     def start(self) -> None:
         """Start etcd, submit the job, start its controllers and agents.

@@ -78,6 +78,14 @@ def join_sites(
         control: the generation's gloo control group (None: the default group).
     """
     sites = Sites.of_plan(plan, outer.spec.site_label)
+    if len(sites) == 1 and rank == 0:
+        log.warning(
+            "sync.mode %s with one site: every node has %s=%s, so the site trains alone "
+            "and its outer steps apply its own pseudo-gradient; give the nodes of each site "
+            "their own %s label (ringmaster run: --label node-1:%s=b)",
+            outer.spec.mode.value, outer.spec.site_label, sites.names[0],
+            outer.spec.site_label, outer.spec.site_label,
+        )  # fmt: skip
     outer.drop()
     outer.groups = groups = form_site_groups(sites, rank)
     step = sync_state(mine, capture, restore, group=groups.inner).step

@@ -125,6 +125,14 @@ def etcd_cmd(port: int, data_dir: str | None) -> None:
     is_flag=True,
     help="with --from/--resume: accept a checkpoint of a differently set-up job",
 )
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    metavar="NODE:KEY=VALUE",
+    help="a label of one of the run's nodes (node-0, node-1, ...), e.g. node-1:zone=b to "
+    "put it in another site (sync.mode diloco); repeat for more",
+)
 @etcd_options
 @handle_errors
 def run(
@@ -136,6 +144,7 @@ def run(
     from_url: str | None,
     resume_own: bool,
     force: bool,
+    labels: tuple[str, ...],
     **kw: Any,
 ) -> None:
     """Run a job on this machine: etcd (embedded unless --etcd), controller, agents.
@@ -150,7 +159,7 @@ def run(
     """
     from orchestrator.entrypoint import check_entrypoint, resolve_recovery
     from orchestrator.jobs import plan_resume
-    from orchestrator.local_run import LocalRun
+    from orchestrator.local_run import LocalRun, local_node_names, node_labels_from
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
     from orchestrator.spec_loader import load_job_file
@@ -160,6 +169,10 @@ def run(
     check_entrypoint(spec, os.getcwd(), job_file)
     spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
     resume = None
+    try:
+        node_labels = node_labels_from(labels, local_node_names(spec))
+    except ValueError as e:
+        fail(str(e), 2)
     if from_url and resume_own:
         fail("give either --from URL or --resume (the job's own checkpoints), not both", 2)
     # Before anything starts: no other live run writes the root (the controller then
@@ -183,6 +196,7 @@ def run(
             metrics_port=metrics_port,
             view=view,
             resume=resume,
+            node_labels=node_labels,
         ) as local,
     ):
         received = _interrupt_on_sigterm()

@@ -6,6 +6,8 @@ controller's policy when it replaces failed members:
 * :func:`spread_spares`: which nodes wait as warm spares when a job starts:
   one per rack (then zone) before a second in any, so a failed node usually
   finds a spare in its own rack and one lost rack does not take every spare;
+* :func:`spares_by_site`: the same under a delayed sync (DiLoCo): spares come
+  from the sites with the most nodes, so that every site keeps members;
 * :func:`nearest_spare`: the spare that shares the most topology labels with
   the failed node, coarse to fine (its rack, then its zone), ties going to the
   first in topology order;
@@ -41,6 +43,21 @@ def spread_spares(order: Sequence[NodeInfo], count: int, labels: Sequence[str]) 
         for nodes in reversed(list(groups.values())):
             if nodes and len(taken) < count:
                 taken.append(nodes.pop().node_id)
+    return taken
+
+
+def spares_by_site(order: Sequence[NodeInfo], count: int, site_label: str) -> list[str]:
+    """``count`` node ids of ``order`` (a topology order) to keep as spares, each from the
+    site (the nodes sharing ``site_label``) with the most nodes left, the later site on a
+    tie, its last node: every site keeps members while it can."""
+    sites: dict[str, list[NodeInfo]] = {}
+    for node in order:
+        sites.setdefault(str(node.labels.get(site_label, "")), []).append(node)
+    taken: list[str] = []
+    groups = list(sites.values())
+    while len(taken) < count and any(groups):
+        largest = max(range(len(groups)), key=lambda i: (len(groups[i]), i))
+        taken.append(groups[largest].pop().node_id)
     return taken
 
 

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from orchestrator import keys
 from orchestrator.controller.hangs import STALE_BEATS
-from orchestrator.controller.placement import nearest_spare, replacement_order, spread_spares
+from orchestrator.controller.placement import (
+    nearest_spare,
+    replacement_order,
+    spares_by_site,
+    spread_spares,
+)
 from orchestrator.controller.world import World, workers_of
 from orchestrator.records import Member, NodeRecord, Plan
 from orchestrator.spec import JobSpec, RecoveryMode
@@ -101,13 +106,34 @@ def make_plan(
 
 
 def start_members(spec: JobSpec, world: World, warm: list[str]) -> tuple[list[str], list[str]]:
-    """The first generation: (members in ring order, warm spares spread over racks)."""
+    """The first generation: (members in ring order, warm spares spread over racks, or
+    over sites under a delayed sync)."""
     ordered = topology_ordered(spec, world, warm)
     infos = [node_info(spec, world, n) for n in ordered]
     labels = spec.comm.topology_labels
-    waiting = set(spread_spares(infos, len(ordered) - spec.nodes.max, labels))
+    count = len(ordered) - spec.nodes.max
+    if spec.sync.delayed:  # every site keeps members
+        waiting = set(spares_by_site(infos, count, spec.sync.site_label))
+    else:
+        waiting = set(spread_spares(infos, count, labels))
     active = topology_ordered(spec, world, [n for n in ordered if n not in waiting])
     return active, [n for n in ordered if n in waiting]
+
+
+def start_ready(spec: JobSpec, world: World, warm: list[str], since_min: float | None) -> bool:
+    """Whether the first generation can start now.
+
+    At ``nodes.max`` warm nodes, or ``nodes.min`` for ``rendezvous.last_call_timeout``
+    (``since_min``: seconds since ``nodes.min`` were warm).  A delayed sync
+    (``sync.mode`` diloco) places sites: its members and spares are chosen once
+    every registered node is warm, or after the last call, so that a node that
+    registered a moment late does not leave its site without members.
+    """
+    last_call = spec.rendezvous.last_call_timeout.total_seconds()
+    called = since_min is not None and since_min >= last_call
+    if len(warm) >= spec.nodes.max:
+        return called or not spec.sync.delayed or len(warm) >= len(world.nodes)
+    return len(warm) >= spec.nodes.min and called
 
 
 def startup_failure(spec: JobSpec, world: World, warm: list[str]) -> str | None:

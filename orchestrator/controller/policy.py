@@ -67,6 +67,7 @@ from orchestrator.controller.plans import (
     make_plan,
     restart_tier,
     start_members,
+    start_ready,
     startup_failure,
     storage_split,
     survivor_first,
@@ -197,12 +198,8 @@ class _Decider:
         now = self.w.mono
         if len(warm) >= need_min and self.m.min_reached_at is None:
             self.m.min_reached_at = now
-        last_call = self.spec.rendezvous.last_call_timeout.total_seconds()
-        ready = len(warm) >= need_max or (
-            len(warm) >= need_min
-            and self.m.min_reached_at is not None
-            and now - self.m.min_reached_at >= last_call
-        )
+        since_min = None if self.m.min_reached_at is None else now - self.m.min_reached_at
+        ready = start_ready(self.spec, self.w, warm, since_min)
         self.status.message = f"waiting for nodes: {len(warm)} ready, need {need_min}..{need_max}"
         if self.failed_to_start(warm):
             return
@@ -301,7 +298,10 @@ class _Decider:
                     f"finished: every worker of generation {plan.generation} exited 0",
                 )
             else:  # a save left uploading at the end: what lasts is named
-                self.phase(JobPhase.SUCCEEDED, f"finished at step {status.step}{unsaved(status)}")
+                saved = w.checkpoint.step if w.checkpoint is not None else None
+                self.phase(
+                    JobPhase.SUCCEEDED, f"finished at step {status.step}{unsaved(status, saved)}"
+                )
             return
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors

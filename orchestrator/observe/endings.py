@@ -66,10 +66,14 @@ def agents_gone_message(job: str, status: JobStatus, events: Sequence[Event]) ->
     return text
 
 
-def unsaved(status: JobStatus) -> str:
+def unsaved(status: JobStatus, committed: int | None = None) -> str:
     """``"; step 60 was not saved, the newest durable checkpoint is step 50 (periodic)"``
-    when a save was still uploading as the job ended (else "")."""
-    if status.uploading is None:
+    when a save was still uploading as the job ended (else "").
+
+    ``committed``: the newest committed step: a save the workers last said was
+    uploading may have committed since (their heartbeat came first).
+    """
+    if status.uploading is None or (committed is not None and committed >= status.uploading[0]):
         return ""
     newest = status.last_checkpoint or "none"
     return f"; step {status.uploading[0]} was not saved, the newest durable checkpoint is {newest}"

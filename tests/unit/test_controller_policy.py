@@ -39,7 +39,7 @@ from orchestrator.records import (
     Plan,
     ProgressRecord,
 )
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode
+from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode, SyncMode
 from orchestrator.topology import min_ring_crossings, ring_crossings
 
 pytestmark = pytest.mark.unit
@@ -156,6 +156,34 @@ def node_death_refused_probe_is_replaced_from_its_rack() -> None:
     # the plan goes out before the failure is recorded (its cause takes a read of events)
     kinds = [type(a) for a in run.actions]
     assert kinds.index(PublishPlan) < kinds.index(DeclareFailed), kinds
+
+
+def delayed_sync_places_sites_once_every_registered_node_is_warm() -> None:
+    """DiLoCo: a node registered a moment late still gets its place in its site."""
+
+    def world(mono: float, *cold: str) -> World:
+        w = _world(["a", "b", "c"], mono=mono)
+        for n in cold:
+            del w.progress[keys.worker_id(n, 0)]
+        return w
+
+    plain = Run(_spec(), status=JobStatus("job"))
+    plain.tick(world(50.0, "c"))
+    assert len(plain.plans()) == 1  # per-step sync: starts at nodes.max at once
+    spec = _spec()
+    spec.sync.mode = SyncMode.DILOCO
+    run = Run(spec.validate(), status=JobStatus("job"))
+    run.tick(world(50.0, "c"))
+    assert run.plans() == [] and run.status.phase is JobPhase.PENDING
+    run.tick(world(51.0))
+    (plan,) = run.plans()
+    assert len(plan.members) == 2 and plan.spares
+    # a node that never warms: the last call starts without it
+    run = Run(spec, status=JobStatus("job"))
+    run.tick(world(50.0, "c"))
+    run.tick(world(50.0 + spec.rendezvous.last_call_timeout.total_seconds(), "c"))
+    (plan,) = run.plans()
+    assert _order(plan) == ["a", "b"] and plan.spares == []
 
 
 def silent_node_gets_the_report_grace() -> None:
@@ -639,6 +667,7 @@ def restart_tier_stop_ends_the_job_at_once() -> None:
 
 
 SCENARIOS: list[Callable[[], None]] = [
+    delayed_sync_places_sites_once_every_registered_node_is_warm,
     start_in_topology_order,
     node_death_refused_probe_is_replaced_from_its_rack,
     silent_node_gets_the_report_grace,

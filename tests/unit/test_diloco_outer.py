@@ -12,9 +12,12 @@ from agents.sync.quantize import decode, empty_like_payload, encode, payload_byt
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.sites import Sites
 from orchestrator.api import SpecError
+from orchestrator.controller.placement import spares_by_site, spread_spares
+from orchestrator.local_run import node_labels_from
 from orchestrator.records import Member, Plan
 from orchestrator.spec_loader import load_job_data
 from orchestrator.spec_sync import OuterQuantization, SyncMode, SyncSpec
+from orchestrator.topology import NodeInfo
 
 pytestmark = pytest.mark.unit
 
@@ -226,3 +229,23 @@ def test_bad_sync_settings_name_the_field(sync: dict[str, object], field: str, w
 def test_a_delayed_sync_needs_the_runtime() -> None:
     with pytest.raises(SpecError, match=r"sync\.mode"):
         _job({"mode": "diloco"}, fault_tolerance={"recovery": "restart"})
+
+
+def test_run_labels_name_nodes_of_the_run() -> None:
+    nodes = ["node-0", "node-1", "node-2"]
+    got = node_labels_from(["node-1:zone=b", "node-1:rack=r2", "node-2:zone=b"], nodes)
+    assert got == {"node-1": {"zone": "b", "rack": "r2"}, "node-2": {"zone": "b"}}
+    with pytest.raises(ValueError, match="NODE:KEY=VALUE"):
+        node_labels_from(["zone=b"], nodes)
+    with pytest.raises(ValueError, match="not node-7"):
+        node_labels_from(["node-7:zone=b"], nodes)
+
+
+def test_spares_come_from_the_largest_sites() -> None:
+    order = [NodeInfo("n0", 1, {"zone": "a", "rack": "r0"}),
+             NodeInfo("n2", 1, {"zone": "a", "rack": "r1"}),
+             NodeInfo("n1", 1, {"zone": "b", "rack": "r0"})]  # fmt: skip
+    # the rack rule alone would leave site b without a member
+    assert spread_spares(order, 1, ["zone", "rack", "host"]) == ["n1"]
+    assert spares_by_site(order, 1, "zone") == ["n2"]
+    assert spares_by_site(order, 2, "zone") == ["n2", "n1"]  # a tie: the later site

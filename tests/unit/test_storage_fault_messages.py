@@ -49,6 +49,8 @@ def test_a_save_left_uploading_names_the_newest_durable_checkpoint() -> None:
     assert unsaved(status) == (
         "; step 20 was not saved, the newest durable checkpoint is step 10 (periodic)"
     )
+    # the heartbeat said uploading, the commit came since: nothing is left unsaved
+    assert unsaved(status, committed=20) == ""
     assert checkpoint_cell(status).endswith("; step 20 uploading for 95 s")
     status.phase = JobPhase.SUCCEEDED
     assert "uploading" not in checkpoint_cell(status)

@@ -27,6 +27,7 @@ session carries out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -163,12 +164,16 @@ class StepBoundary:
     """One worker's vote schedule and the control requests it served.
 
     The first boundary of every generation votes (:meth:`joined`); each vote
-    agrees on how many steps pass before the next.
+    agrees on how many steps pass before the next.  Under a delayed sync the
+    sites vote only where they meet anyway (``meets``: a fragment's outer sync
+    starts there), so a slow site holds the others back only at outer syncs.
     """
 
     def __init__(self) -> None:
         self._vote_at = 0
         self._served = 0
+        #: ``(step) -> bool``: the boundaries that may vote (None: every one)
+        self.meets: Callable[[int], bool] | None = None
 
     def joined(self) -> None:
         """A generation was joined: its first boundary votes, on every rank."""
@@ -176,7 +181,7 @@ class StepBoundary:
 
     def votes_at(self, step: int) -> bool:
         """The boundary after ``step`` casts a vote."""
-        return step >= self._vote_at
+        return step >= self._vote_at and (self.meets is None or self.meets(step))
 
     def propose(
         self,

@@ -216,6 +216,7 @@ class Session:
         wrapped = models.wrap(module, hook_installer, sharding, shard_size, redundancy_every_steps)
         if models.outer is not None:  # a delayed sync's outer state: tracked like the model's
             self._state.tracked["outer"] = self._telemetry.outer = models.outer
+            self._votes.meets = models.outer.meets  # the sites vote where they meet
         return wrapped
 
     def _install_spec_hook(self, ddp: Any) -> None:

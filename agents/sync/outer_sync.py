@@ -167,6 +167,10 @@ class OuterSync:
             if at != NOT_PENDING and at + self.schedule.delay_steps <= done:
                 self._finish(f, done)
 
+    def meets(self, done: int) -> bool:
+        """The sites meet at the boundary with ``done`` steps complete (a sync starts)."""
+        return self.schedule.starts_at(done) is not None
+
     def resume(self, done: int) -> None:
         """In a new generation at ``done`` steps: start again, in the order they first
         started, the syncs a broken generation left under way, and finish those due."""

@@ -68,3 +68,13 @@ def test_gloo_losing_a_peer_is_a_peer_failure_wherever_it_was_raised() -> None:
     except OSError as wrapped:
         assert peer_failure(wrapped, None, None) == "gloo lost the connection to a peer"
     assert peer_failure(RuntimeError("socket timed out talking to my database"), None, None) is None
+
+
+def test_sites_vote_only_where_they_meet() -> None:
+    """Under a delayed sync a vote waits for the next boundary where an outer sync
+    starts: a slow site holds the others back there, not every few steps."""
+    votes = StepBoundary()
+    votes.meets = lambda step: step % 10 == 0
+    assert [s for s in range(1, 31) if votes.votes_at(s)] == [10, 20, 30]
+    plain = StepBoundary()
+    assert all(plain.votes_at(s) for s in range(1, 5))

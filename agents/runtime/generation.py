@@ -85,8 +85,6 @@ class Joined:
     restored_from: str | None
     #: sockets open before the group formed (see :meth:`Generations.settled`)
     sockets_before: frozenset[int]
-    #: a delayed sync: boundaries up to this step skip the vote (the site catches up)
-    catch_up_to: int = 0
 
     @property
     def generation(self) -> int:
@@ -295,7 +293,7 @@ class Generations:
         )
         self._telemetry.group_formed(plan.generation)
         publish_environment(plan, self._env.node, rank, *groups.store)
-        step, has_state, restored_from, catch_up_to = held.step, holds_state, None, 0
+        step, has_state, restored_from = held.step, holds_state, None
         try:
             self._durable.open(first=plan.generation == 1)
             if sharded is not None:
@@ -324,8 +322,7 @@ class Generations:
                 restore = functools.partial(_restore, held.tracked)
                 if models.outer is not None:  # a delayed sync: each site its own state
                     outer, control = models.outer, groups.control
-                    sites = join_sites(outer, plan, rank, mine, capture, restore, control)
-                    synced, catch_up_to = sites.step, sites.catch_up_to
+                    synced = join_sites(outer, plan, rank, mine, capture, restore, control)
                 else:
                     synced = sync_state(mine, capture, restore, group=groups.control).step
                 if synced != NO_STATE:
@@ -339,9 +336,7 @@ class Generations:
             raise RecoveryError(
                 f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
             ) from e
-        return Joined(
-            plan, rank, groups, step, has_state, restored_from, sockets_before, catch_up_to
-        )
+        return Joined(plan, rank, groups, step, has_state, restored_from, sockets_before)
 
     def record_done(self, step: int, generation: int) -> None:
         """Record that this worker finished training (through the fence: a fenced-out

@@ -83,7 +83,6 @@ class Session:
         self._metrics: dict[str, float] = {}
         self._step_error: BaseException | None = None
         self._stop_requested = False
-        self._catch_up_to = 0  # a delayed sync: see agents.sync.site_join
         self._votes = StepBoundary()
         self._saving = Saving(env, client, spec, self._fence, self._telemetry, self._state)
         self._watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
@@ -295,13 +294,10 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                if (outer := self._models.outer) is not None:
-                    with self._failures.collective():
-                        outer.after_step(st.step)  # a delayed sync's outer steps
-                self._models.after_step(st.step, st.tracked)
+                self._models.after_step(st.step, st.tracked)  # and a delayed sync's outer steps
                 self._telemetry.step_done(st.hook, self._models.ddps)
                 self._generations.step_completed()
-                if st.step > self._catch_up_to:  # a site that catches up does not vote
+                if not self._models.catching_up(st.step):  # a site catching up does not vote
                     self._boundary(time.monotonic() - started)
                 self._guard.step_ended(time.monotonic() - started)
             except (RecoveryError, JobEndedError):
@@ -385,12 +381,8 @@ class Session:
             st.restored_from = joined.restored_from
         self._telemetry.state_restored(st.step)
         self._votes.joined()
-        self._models.rebuild()
+        self._models.rebuild(st.step if st.has_state else None)
         self._groups = self._generations.settled(joined)
-        self._catch_up_to = joined.catch_up_to
-        if (outer := self._models.outer) is not None and st.has_state:
-            with self._failures.collective():
-                outer.resume(st.step)  # the syncs the broken generation left under way
         self._heartbeat.start()
         self._heartbeat.poke()
         self._guard.attach(self._groups, st.generation)

@@ -119,10 +119,22 @@ class WrappedModels:
             wrapped.rebuild(self._data_group())
         return wrapped
 
-    def rebuild(self) -> None:
-        """Build the DDPs on the generation just joined (the sharded model is built there)."""
+    def rebuild(self, step: int | None = None) -> None:
+        """Build the DDPs on the generation just joined (the sharded model is built there).
+
+        Args:
+            step: the steps complete, when this worker holds state: a delayed sync
+                starts again the syncs the broken generation left under way.
+        """
         for w in self.ddps:
             w.rebuild(self._data_group())
+        if self.outer is not None and step is not None:
+            with self._failures.collective():
+                self.outer.resume(step)
+
+    def catching_up(self, step: int) -> bool:
+        """A delayed sync's site trains steps the other sites completed (no vote then)."""
+        return self.outer is not None and step <= self.outer.catch_up_to
 
     def _data_group(self) -> dist.ProcessGroup | None:
         """The group a DDP averages over: its site's under a delayed sync, else every rank."""
@@ -141,7 +153,11 @@ class WrappedModels:
             self.sharded.drop()
 
     def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
-        """A step completed: the buddy copies take a snapshot when one is due."""
+        """A step completed: a delayed sync's outer steps when due, the buddy copies'
+        snapshot when one is due."""
+        if self.outer is not None:
+            with self._failures.collective():
+                self.outer.after_step(step)
         sharded = self.sharded
         if self.buddies is None or sharded is None:
             return

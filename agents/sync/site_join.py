@@ -20,7 +20,7 @@ anywhere sends its state) would hand one site's work to another.  Instead:
      site's own sync is due: no outer step is lost or applied twice.
 3. Sites may stand at different steps (a site's inner steps do not wait for
    the others').  Those behind train the missing steps without the step
-   boundary's vote (:attr:`SiteJoin.catch_up_to`); the others' next outer
+   boundary's vote (``OuterSync.catch_up_to``); the others' next outer
    sync waits for them.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,21 +39,9 @@ from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
 from orchestrator.records import Plan
 
-__all__ = ["SiteJoin", "join_sites"]
+__all__ = ["join_sites"]
 
 log = logging.getLogger("ringmaster.worker")
-
-
-@dataclass(frozen=True)
-class SiteJoin:
-    """What joining did for one rank."""
-
-    #: the step this rank trains next (``NO_STATE``: no rank of any site holds state)
-    step: int
-    #: the tracked objects hold the state of ``step``
-    has_state: bool
-    #: the most advanced site's step: boundaries up to it skip the vote
-    catch_up_to: int
 
 
 def join_sites(
@@ -65,8 +52,12 @@ def join_sites(
     capture: Callable[[], Any],
     restore: Callable[[Any], None],
     control: dist.ProcessGroup | None,
-) -> SiteJoin:
+) -> int:
     """Form the sites' groups and bring each site to its state (see the module docstring).
+
+    Returns:
+        The step this rank trains next (``NO_STATE``: no rank of any site holds
+        state); ``outer.catch_up_to`` is the most advanced site's.
 
     Args:
         outer: the worker's outer loop (it keeps the groups).
@@ -95,8 +86,9 @@ def join_sites(
     table = torch.stack(rows)
     steps = [int(s) for s in table[:, 0]]
     best = max(steps)
+    outer.catch_up_to = max(best, 0)
     if best == NO_STATE:
-        return SiteJoin(NO_STATE, False, 0)
+        return NO_STATE
     if NO_STATE in steps:
         src = steps.index(best)
         state = broadcast_state(capture if rank == src else None, src, control)
@@ -115,7 +107,7 @@ def join_sites(
             )  # fmt: skip
         del state
     _reconcile_fragments(outer, table[:, 1:], rank, control)
-    return SiteJoin(step, True, best)
+    return step
 
 
 def _reconcile_fragments(

@@ -36,9 +36,14 @@ __all__ = ["WorkerTelemetry"]
 
 
 class WorkerTelemetry:
-    """Timestamps and totals of one worker process (see the module docstring)."""
+    """Timestamps and totals of one worker process (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        timed: time the steps (``fault_tolerance.stragglers.action`` is not ``off``);
+            without it the step loop reads no clock for them and the totals stay 0.
+    """
+
+    def __init__(self, timed: bool = True) -> None:
         self.generation = 0
         self.group_formed_at: float | None = None
         self.restored_at: float | None = None
@@ -51,8 +56,8 @@ class WorkerTelemetry:
         #: what ended this worker's last failed generation: ``error`` (a collective
         #: raised), ``timeout`` or ``abort`` (see :mod:`agents.runtime.collective_guard`)
         self.left_by: str | None = None
-        #: this rank's compute and wait time per step (fed by the comm hooks)
-        self.timing = StepTiming()
+        #: this rank's compute and wait time per step (fed by the comm hooks), if timed
+        self.timing = StepTiming() if timed else None
 
     # -- generation timeline -----------------------------------------------------------
 
@@ -62,7 +67,8 @@ class WorkerTelemetry:
         self.restored_at = None
         self.restored_step = None
         self.first_step_at = None
-        self.timing.reset()
+        if self.timing is not None:
+            self.timing.reset()
 
     def state_restored(self, step: int) -> None:
         self.restored_at = time.time()
@@ -72,7 +78,8 @@ class WorkerTelemetry:
         """A step of the current generation completed; count its gradient bytes."""
         if self.first_step_at is None:
             self.first_step_at = time.time()
-        self.timing.step_done()
+        if self.timing is not None:
+            self.timing.step_done()
         last = getattr(getattr(hook, "metrics", None), "last", None)
         if last is not None:
             self.wire_bytes += int(last.wire_bytes)
@@ -93,6 +100,7 @@ class WorkerTelemetry:
 
     def record(self) -> Telemetry:
         """The figures as the record published in the worker's progress."""
+        timing = self.timing
         return Telemetry(
             generation=self.generation,
             group_formed_at=self.group_formed_at,
@@ -104,7 +112,7 @@ class WorkerTelemetry:
             wire_bytes=self.wire_bytes,
             dense_bytes=self.dense_bytes,
             left_by=self.left_by,
-            compute_s=round(self.timing.compute_s, 6),
-            wait_s=round(self.timing.wait_s, 6),
-            timed_steps=self.timing.steps,
+            compute_s=round(timing.compute_s, 6) if timing is not None else 0.0,
+            wait_s=round(timing.wait_s, 6) if timing is not None else 0.0,
+            timed_steps=timing.steps if timing is not None else 0,
         )

@@ -19,6 +19,10 @@ Rows, all in this run:
   then report first, ...); the median step rate of each, and the median,
   least and most of the pairs' differences, in percent.  On a shared machine
   the spread is wider than the cost: ``cost`` is what bounds it;
+* ``side_by_side`` (only when named in ``--rows``): the same two jobs at the
+  same time on the same cores, ``--overhead-pairs`` times; the median, least
+  and most of the differences of their step rates over the time both
+  trained;
 * ``slow_1.5x`` and ``slow_3x``: 3 active nodes and 1 warm spare with
   ``action: swap``; at step ``--onset`` one active node is slowed.  Seconds
   from the onset to the ``Straggler`` event and to the ``StragglerSwapped``
@@ -197,6 +201,40 @@ def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The same pair of jobs, ``off`` and ``report``, run at the same time on the same
+    cores, ``--overhead-pairs`` times: both see the same noise, so the ratio of their
+    step rates over the time both trained is the closest to "the same run"."""
+    ratios: list[float] = []
+    for i in range(args.overhead_pairs):
+        specs, dirs = [], []
+        for action in (StragglerAction.OFF, StragglerAction.REPORT):
+            name = f"side-{i}-{action.value}"
+            dirs.append(root / name)
+            specs.append(job(name, dirs[-1], args, nodes=3, spares=0, action=action,
+                             steps=args.overhead_steps))  # fmt: skip
+        runs = [LocalRun(spec, printer=lambda line: None, workdir=str(d), metrics_port=None)
+                for spec, d in zip(specs, dirs, strict=True)]  # fmt: skip
+        with runs[0], runs[1]:
+            for local in runs:
+                local.wait()
+        done = [step_times(d)[0] for d in dirs]
+        start = max(d[min(d) + 10] for d in done)  # both past their warm-up
+        end = min(d[max(d)] for d in done)  # until the first ends
+        off, report = (rate(d, start, end) for d in done)
+        if off is None or report is None:
+            continue
+        ratios.append(report / off)
+        print(f"side by side {i}: off {off:.2f}, report {report:.2f} steps/s over "
+              f"{end - start:.0f} s, ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
+    return {
+        "pairs": len(ratios),
+        "overhead_pct": round(100.0 * (1.0 - statistics.median(ratios)), 2),
+        "overhead_pct_min": round(100.0 * (1.0 - max(ratios)), 2),
+        "overhead_pct_max": round(100.0 * (1.0 - min(ratios)), 2),
+    }
+
+
 def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float) -> dict[str, Any]:
     tmp = root / f"slow-{factor:g}x"
     spec = job(f"slow-{factor:g}x".replace(".", "-"), tmp, args, nodes=3, spares=1,
@@ -299,6 +337,8 @@ def main() -> None:
         if "cost" in args.rows:
             figures["cost"] = {"calls": call_costs(), "ddp": ddp_cost()}
             print(f"cost: {figures['cost']}", flush=True)
+        if "side_by_side" in args.rows:
+            figures["side_by_side"] = side_by_side_rows(args, root)
         if "overhead" in args.rows or "slow" in args.rows:
             figures["overhead"] = overhead_rows(args, root)
             healthy = figures["overhead"]["report_steps_per_s"]

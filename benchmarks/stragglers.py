@@ -34,10 +34,13 @@ Rows, all in this run:
 * ``healthy``: 3 active nodes and 1 spare with ``action: swap`` for
   ``--healthy-seconds`` with no slowdown, while a second job (2 nodes, same
   step) trains beside it on the same cores: the machine's own noise, and
-  more.  False ``Straggler`` calls and false swaps are counted.
+  more.  False ``Straggler`` calls and false swaps are counted, and the
+  machine's load average (least, median, most of a sample every 10 s) is
+  given beside them: on a shared machine it says how much noise there was.
 
 A slow link (``tbf`` on one node's veth) is not a row: a node whose link is
-slow but whose compute is not is not told apart yet (docs/stragglers.md).
+slow but whose compute is not is not told apart (``benchmarks/slow_link.py``
+shows what the step timings see of it; docs/stragglers.md, "Not yet").
 
 The last line is one JSON object with every figure.
 """
@@ -110,7 +113,7 @@ def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: i
             "nodes": {"min": nodes, "max": nodes, "spares": spares},
             "max_steps": steps,
             "fault_tolerance": {
-                "heartbeat_interval": "1s",
+                "heartbeat_interval": args.heartbeat,
                 "stragglers": {"action": action.value, "min_gain": "0s"},
             },
             "checkpoint": {"url": str(tmp / "ckpt"), "every_steps": 0},
@@ -304,9 +307,14 @@ def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 steps=10**9)  # fmt: skip
     second = LocalRun(other, printer=lambda line: None, workdir=str(beside), metrics_port=None)
 
+    loads: list[float] = []  # the machine's 1-minute load average, every 10 s
+
     def train_for_a_while(local: LocalRun) -> None:
         wait_step(local, 20)
-        time.sleep(args.healthy_seconds)  # the row's length: noise is what it measures
+        end = time.monotonic() + args.healthy_seconds  # the row's length: noise is measured
+        while time.monotonic() < end:
+            loads.append(os.getloadavg()[0])
+            time.sleep(min(10.0, max(end - time.monotonic(), 0.0)))
         jobs.request_stop(local.client, spec.name)
 
     with second:
@@ -315,8 +323,13 @@ def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         second.wait()
     calls = [e for e in evs if e.type == "Straggler"]
     swaps = [e for e in evs if e.type == "StragglerSwapped"]
-    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps)}
-    print(f"healthy: {out}" + "".join(f"\n  {e.message}" for e in calls), flush=True)
+    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps),
+           "load_min": round(min(loads), 2), "load_median": round(statistics.median(loads), 2),
+           "load_max": round(max(loads), 2)}  # fmt: skip
+    start = min((e.time for e in evs), default=0.0)
+    said = [e for e in evs if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped")]
+    print(f"healthy: {out}" + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}"
+                                      for e in said), flush=True)  # fmt: skip
     return out
 
 
@@ -326,6 +339,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--onset", type=int, default=80, help="step at which a node is slowed")
     parser.add_argument("--healthy-seconds", type=float, default=120.0)
+    parser.add_argument("--heartbeat", default="1s", help="heartbeat_interval: one window")
     parser.add_argument("--overhead-pairs", type=int, default=6, help="pairs of off/report runs")
     parser.add_argument("--overhead-steps", type=int, default=250, help="steps of each such run")
     parser.add_argument("--rows", nargs="*", default=["cost", "overhead", "slow", "healthy"])

@@ -10,10 +10,19 @@ two thirds of the time).
 
 Rows, all in this run:
 
+* ``cost``: what timing the steps costs inside one worker process
+  (``benchmarks/step_timing_cost.py``): nanoseconds per clock read, and a
+  real DDP step with and without it, in percent of a 50 ms step;
 * ``overhead``: 3 nodes, no slowdown, ``fault_tolerance.stragglers.action``
-  ``off`` (steps not timed) against ``report`` (timed and judged), in
-  alternating order, twice each; the steady step rate of each and the
-  difference, in percent;
+  ``off`` (steps not timed) against ``report`` (timed and judged):
+  ``--overhead-pairs`` pairs of short runs in alternating order (off first,
+  then report first, ...); the median step rate of each, and the median,
+  least and most of the pairs' differences, in percent.  On a shared machine
+  the spread is wider than the cost: ``cost`` is what bounds it;
+* ``side_by_side`` (only when named in ``--rows``): the same two jobs at the
+  same time on the same cores, ``--overhead-pairs`` times; the median, least
+  and most of the differences of their step rates over the time both
+  trained;
 * ``slow_1.5x`` and ``slow_3x``: 3 active nodes and 1 warm spare with
   ``action: swap``; at step ``--onset`` one active node is slowed.  Seconds
   from the onset to the ``Straggler`` event and to the ``StragglerSwapped``
@@ -25,10 +34,13 @@ Rows, all in this run:
 * ``healthy``: 3 active nodes and 1 spare with ``action: swap`` for
   ``--healthy-seconds`` with no slowdown, while a second job (2 nodes, same
   step) trains beside it on the same cores: the machine's own noise, and
-  more.  False ``Straggler`` calls and false swaps are counted.
+  more.  False ``Straggler`` calls and false swaps are counted, and the
+  machine's load average (least, median, most of a sample every 10 s) is
+  given beside them: on a shared machine it says how much noise there was.
 
 A slow link (``tbf`` on one node's veth) is not a row: a node whose link is
-slow but whose compute is not is not told apart yet (docs/stragglers.md).
+slow but whose compute is not is not told apart (``benchmarks/slow_link.py``
+shows what the step timings see of it; docs/stragglers.md, "Not yet").
 
 The last line is one JSON object with every figure.
 """
@@ -49,6 +61,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
 from orchestrator import events, jobs, keys, records  # noqa: E402
 from orchestrator.local_run import LocalRun  # noqa: E402
 from orchestrator.records import NodeRecord, Plan  # noqa: E402
@@ -100,7 +113,7 @@ def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: i
             "nodes": {"min": nodes, "max": nodes, "spares": spares},
             "max_steps": steps,
             "fault_tolerance": {
-                "heartbeat_interval": "1s",
+                "heartbeat_interval": args.heartbeat,
                 "stragglers": {"action": action.value, "min_gain": "0s"},
             },
             "checkpoint": {"url": str(tmp / "ckpt"), "every_steps": 0},
@@ -158,23 +171,70 @@ def wait_step(local: LocalRun, step: int, timeout: float = 180.0) -> None:
 
 
 def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Pairs of short runs, ``off`` and ``report``, in alternating order (ABBA): the
+    machine's drift over a pair cancels out of the pairs' median ratio."""
     rates: dict[str, list[float]] = {"off": [], "report": []}
-    for i, action in enumerate([StragglerAction.OFF, StragglerAction.REPORT] * 2):
-        tmp = root / f"overhead-{i}"
-        spec = job(f"overhead-{i}", tmp, args, nodes=3, spares=0, action=action,
-                   steps=args.steps)  # fmt: skip
-        run(spec, tmp)
-        done, _ = step_times(tmp)
-        first, last = done[min(done) + 10], done[max(done)]  # past the warm-up
-        r = rate(done, first, last)
-        assert r is not None
-        rates[action.value].append(r)
-        print(f"overhead {action.value:>6}: {r:.2f} steps/s", flush=True)
-    off, report = statistics.mean(rates["off"]), statistics.mean(rates["report"])
+    ratios: list[float] = []
+    off_first = (StragglerAction.OFF, StragglerAction.REPORT)
+    for i in range(args.overhead_pairs):
+        pair: dict[str, float] = {}
+        for action in off_first if i % 2 == 0 else off_first[::-1]:
+            name = f"overhead-{i}-{action.value}"
+            tmp = root / name
+            spec = job(name, tmp, args, nodes=3, spares=0, action=action,
+                       steps=args.overhead_steps)  # fmt: skip
+            run(spec, tmp)
+            done, _ = step_times(tmp)
+            first, last = done[min(done) + 10], done[max(done)]  # past the warm-up
+            r = rate(done, first, last)
+            assert r is not None
+            pair[action.value] = r
+            rates[action.value].append(r)
+        ratios.append(pair["report"] / pair["off"])
+        print(f"overhead pair {i}: off {pair['off']:.2f}, report {pair['report']:.2f} steps/s, "
+              f"ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
     return {
-        "off_steps_per_s": round(off, 3),
-        "report_steps_per_s": round(report, 3),
-        "overhead_pct": round(100.0 * (1.0 - report / off), 2),
+        "pairs": len(ratios),
+        "steps_per_run": args.overhead_steps,
+        "off_steps_per_s": round(statistics.median(rates["off"]), 3),
+        "report_steps_per_s": round(statistics.median(rates["report"]), 3),
+        "overhead_pct": round(100.0 * (1.0 - statistics.median(ratios)), 2),
+        "overhead_pct_min": round(100.0 * (1.0 - max(ratios)), 2),
+        "overhead_pct_max": round(100.0 * (1.0 - min(ratios)), 2),
+    }
+
+
+def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The same pair of jobs, ``off`` and ``report``, run at the same time on the same
+    cores, ``--overhead-pairs`` times: both see the same noise, so the ratio of their
+    step rates over the time both trained is the closest to "the same run"."""
+    ratios: list[float] = []
+    for i in range(args.overhead_pairs):
+        specs, dirs = [], []
+        for action in (StragglerAction.OFF, StragglerAction.REPORT):
+            name = f"side-{i}-{action.value}"
+            dirs.append(root / name)
+            specs.append(job(name, dirs[-1], args, nodes=3, spares=0, action=action,
+                             steps=args.overhead_steps))  # fmt: skip
+        runs = [LocalRun(spec, printer=lambda line: None, workdir=str(d), metrics_port=None)
+                for spec, d in zip(specs, dirs, strict=True)]  # fmt: skip
+        with runs[0], runs[1]:
+            for local in runs:
+                local.wait()
+        done = [step_times(d)[0] for d in dirs]
+        start = max(d[min(d) + 10] for d in done)  # both past their warm-up
+        end = min(d[max(d)] for d in done)  # until the first ends
+        off, report = (rate(d, start, end) for d in done)
+        if off is None or report is None:
+            continue
+        ratios.append(report / off)
+        print(f"side by side {i}: off {off:.2f}, report {report:.2f} steps/s over "
+              f"{end - start:.0f} s, ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
+    return {
+        "pairs": len(ratios),
+        "overhead_pct": round(100.0 * (1.0 - statistics.median(ratios)), 2),
+        "overhead_pct_min": round(100.0 * (1.0 - max(ratios)), 2),
+        "overhead_pct_max": round(100.0 * (1.0 - min(ratios)), 2),
     }
 
 
@@ -247,9 +307,14 @@ def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 steps=10**9)  # fmt: skip
     second = LocalRun(other, printer=lambda line: None, workdir=str(beside), metrics_port=None)
 
+    loads: list[float] = []  # the machine's 1-minute load average, every 10 s
+
     def train_for_a_while(local: LocalRun) -> None:
         wait_step(local, 20)
-        time.sleep(args.healthy_seconds)  # the row's length: noise is what it measures
+        end = time.monotonic() + args.healthy_seconds  # the row's length: noise is measured
+        while time.monotonic() < end:
+            loads.append(os.getloadavg()[0])
+            time.sleep(min(10.0, max(end - time.monotonic(), 0.0)))
         jobs.request_stop(local.client, spec.name)
 
     with second:
@@ -258,8 +323,13 @@ def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         second.wait()
     calls = [e for e in evs if e.type == "Straggler"]
     swaps = [e for e in evs if e.type == "StragglerSwapped"]
-    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps)}
-    print(f"healthy: {out}" + "".join(f"\n  {e.message}" for e in calls), flush=True)
+    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps),
+           "load_min": round(min(loads), 2), "load_median": round(statistics.median(loads), 2),
+           "load_max": round(max(loads), 2)}  # fmt: skip
+    start = min((e.time for e in evs), default=0.0)
+    said = [e for e in evs if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped")]
+    print(f"healthy: {out}" + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}"
+                                      for e in said), flush=True)  # fmt: skip
     return out
 
 
@@ -269,12 +339,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--onset", type=int, default=80, help="step at which a node is slowed")
     parser.add_argument("--healthy-seconds", type=float, default=120.0)
-    parser.add_argument("--rows", nargs="*", default=["overhead", "slow", "healthy"])
+    parser.add_argument("--heartbeat", default="1s", help="heartbeat_interval: one window")
+    parser.add_argument("--overhead-pairs", type=int, default=6, help="pairs of off/report runs")
+    parser.add_argument("--overhead-steps", type=int, default=250, help="steps of each such run")
+    parser.add_argument("--rows", nargs="*", default=["cost", "overhead", "slow", "healthy"])
     args = parser.parse_args()
     figures: dict[str, Any] = {"machine_cores": os.cpu_count(), "compute_s": args.compute}
     with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
         root = Path(d)
         healthy = None
+        if "cost" in args.rows:
+            figures["cost"] = {"calls": call_costs(), "ddp": ddp_cost()}
+            print(f"cost: {figures['cost']}", flush=True)
+        if "side_by_side" in args.rows:
+            figures["side_by_side"] = side_by_side_rows(args, root)
         if "overhead" in args.rows or "slow" in args.rows:
             figures["overhead"] = overhead_rows(args, root)
             healthy = figures["overhead"]["report_steps_per_s"]

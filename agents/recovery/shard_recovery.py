@@ -363,8 +363,8 @@ def _from_storage(
 class RecoveryTelemetry(WorkerTelemetry):
     """Worker telemetry that also says where a sharded model's state came from."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, timed: bool = True) -> None:
+        super().__init__(timed)
         self.restored_from: str | None = None
         self.steps_lost = 0
 

@@ -74,9 +74,9 @@ class Session:
         self._state = WorkerState()
         self._finished = False
         self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
-        self._telemetry = RecoveryTelemetry()
         timed = spec.fault_tolerance.stragglers.action is not StragglerAction.OFF
-        self._failures = CollectiveFailures(self._telemetry.timing if timed else None)
+        self._telemetry = RecoveryTelemetry(timed)
+        self._failures = CollectiveFailures(self._telemetry.timing)
         self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
         self._groups: Groups | None = None
         self._fence = GenerationFence(client, env.job)

@@ -39,9 +39,14 @@ __all__ = ["WorkerTelemetry"]
 
 
 class WorkerTelemetry:
-    """Timestamps and totals of one worker process (see the module docstring)."""
+    """Timestamps and totals of one worker process (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        timed: time the steps (``fault_tolerance.stragglers.action`` is not ``off``);
+            without it the step loop reads no clock for them and the totals stay 0.
+    """
+
+    def __init__(self, timed: bool = True) -> None:
         self.generation = 0
         self.group_formed_at: float | None = None
         self.restored_at: float | None = None
@@ -54,8 +59,8 @@ class WorkerTelemetry:
         #: what ended this worker's last failed generation: ``error`` (a collective
         #: raised), ``timeout`` or ``abort`` (see :mod:`agents.runtime.collective_guard`)
         self.left_by: str | None = None
-        #: this rank's compute and wait time per step (fed by the comm hooks)
-        self.timing = StepTiming()
+        #: this rank's compute and wait time per step (fed by the comm hooks), if timed
+        self.timing = StepTiming() if timed else None
         #: a delayed sync's outer loop, once the script wrapped its model
         self.outer: OuterSync | None = None
 
@@ -67,7 +72,8 @@ class WorkerTelemetry:
         self.restored_at = None
         self.restored_step = None
         self.first_step_at = None
-        self.timing.reset()
+        if self.timing is not None:
+            self.timing.reset()
 
     def state_restored(self, step: int) -> None:
         self.restored_at = time.time()
@@ -77,7 +83,8 @@ class WorkerTelemetry:
         """A step of the current generation completed; count its gradient bytes."""
         if self.first_step_at is None:
             self.first_step_at = time.time()
-        self.timing.step_done()
+        if self.timing is not None:
+            self.timing.step_done()
         last = getattr(getattr(hook, "metrics", None), "last", None)
         if last is not None:
             self.wire_bytes += int(last.wire_bytes)
@@ -98,7 +105,7 @@ class WorkerTelemetry:
 
     def record(self) -> Telemetry:
         """The figures as the record published in the worker's progress."""
-        outer = self.outer
+        timing, outer = self.timing, self.outer
         return Telemetry(
             generation=self.generation,
             group_formed_at=self.group_formed_at,
@@ -110,9 +117,9 @@ class WorkerTelemetry:
             wire_bytes=self.wire_bytes,
             dense_bytes=self.dense_bytes,
             left_by=self.left_by,
-            compute_s=round(self.timing.compute_s, 6),
-            wait_s=round(self.timing.wait_s, 6),
-            timed_steps=self.timing.steps,
+            compute_s=round(timing.compute_s, 6) if timing is not None else 0.0,
+            wait_s=round(timing.wait_s, 6) if timing is not None else 0.0,
+            timed_steps=timing.steps if timing is not None else 0,
             outer_steps=sum(outer.counts) if outer is not None else 0,
             site_bytes=outer.totals.bytes_between_sites if outer is not None else 0,
             outer_wait_s=round(outer.totals.outer_wait_s, 6) if outer is not None else 0.0,

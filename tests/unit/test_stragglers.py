@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from agents.runtime.step_timing import StepTiming
+from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator.controller.stragglers import NodeTiming, StragglerWatch, node_timings
 from orchestrator.records import Member, Plan, ProgressRecord, Telemetry
 from orchestrator.spec import StragglerSpec
@@ -177,3 +178,19 @@ def test_step_timing_splits_a_step_into_compute_and_wait(monkeypatch: pytest.Mon
     timing.reset()
     timing.step_done()  # 3.0: after a reset, the clock starts again
     assert timing.steps == 1
+
+
+def test_untimed_telemetry_reads_no_clock_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stragglers.action: off`` times nothing: the step loop reads no clock for it."""
+
+    def no_clock() -> float:
+        raise AssertionError("an untimed step read the step-timing clock")
+
+    monkeypatch.setattr("agents.runtime.step_timing.time.monotonic", no_clock)
+    telemetry = WorkerTelemetry(timed=False)
+    telemetry.group_formed(1)
+    for _ in range(3):
+        telemetry.step_done(None, [])
+    record = telemetry.record()
+    assert (record.compute_s, record.wait_s, record.timed_steps) == (0.0, 0.0, 0)
+    assert WorkerTelemetry().timing is not None  # timed unless told otherwise

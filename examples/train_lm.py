@@ -18,13 +18,15 @@ The flagship example: what a real training loop looks like under ringmaster.
 Run it with ``ringmaster run examples/lm.yaml``, with a node killed mid-run with
 ``ringmaster run examples/lm.yaml --kill-node-at-step 50``: both end with the
 same loss.  ``--short`` (or ``RINGMASTER_LM_SHORT=1``) trains a smaller model on
-shorter windows, for the tests.
+shorter windows, for the tests; ``--width`` and ``--layers`` make it larger (the
+cross-site benchmark widens it so that its gradients weigh on a slow link).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -148,10 +150,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--short", action="store_true", help="the small form, for tests")
+    parser.add_argument("--width", type=int, default=0, help="0: the form's own (64)")
+    parser.add_argument("--layers", type=int, default=0, help="0: the form's own (2)")
     parser.add_argument("--out", help="directory: each rank writes its final numbers there")
     parser.add_argument("--log-every", type=int, default=20)
     args = parser.parse_args()
     size = SHORT if args.short or os.environ.get("RINGMASTER_LM_SHORT") == "1" else FULL
+    size = dataclasses.replace(
+        size, width=args.width or size.width, layers=args.layers or size.layers
+    )
 
     torch.manual_seed(0)
     text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)

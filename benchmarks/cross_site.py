@@ -1,0 +1,370 @@
+"""Training across a slow link: DDP, compressed DDP, DiLoCo and Streaming DiLoCo side by side.
+
+Two sites (``zone`` a and b, one node of one rank each: this machine has two
+cores) in network namespaces joined by one link limited with ``tc … tbf`` in
+both directions (:mod:`_site_link`); etcd and the controller run on the host,
+each site's agents in its namespace, gloo bound to the site link.  Every row is
+a whole ringmaster job of the flagship LM (``examples/train_lm.py``, widened to
+``--width`` x ``--layers`` so that its gradients weigh on the link), all rows
+at equal tokens (the same ``max_steps`` and global batch):
+
+* ``ddp`` with no limit on the link (a FIFO that only counts): the reference;
+* ``ddp``, ``powersgd`` (DDP with the PowerSGD hook, the best compression of
+  ``benchmarks/allreduce.py``), ``diloco`` and ``streaming`` across the limited
+  link, at each rate of ``--rates`` (100 Mbit/s, then 1 Gbit/s);
+* ``diloco_kill``: DiLoCo across the first rate with a warm spare in site b;
+  site b's only node is SIGKILLed (agent and worker) mid inner period, the spare
+  takes its slot and, its site having no live state left, starts from the
+  global parameters (the anchors of the last outer step).
+
+Per row: steps per second (rank 0's step log, from step ``WARM_STEPS`` to the
+last logged step, so the start-up is not counted), bytes across the link per
+step (tc's counters on both ends over the whole job: every byte one site sent
+the other), their ratio to ``ddp``'s in fp32 across the same link, and the
+held-out loss at the end (``evaluate`` in the example; rank 0's: site a's model,
+the one a checkpoint keeps).  The kill row adds the seconds from the failure to
+the job's next step (the controller's ``Recovered`` event) and steps lost.
+
+Needs root (``ip netns``, ``tc``); prints ``SKIPPED`` and a JSON object saying
+why otherwise.  The last stdout line is one JSON object of headline figures.
+
+Usage::
+
+    python benchmarks/cross_site.py [--rates 100mbit,1gbit] [--steps 120] [--width 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
+
+# before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
+apply_grpc_environment()
+
+#: Steps not timed at the start of a row (process groups, first state sync, warm caches).
+WARM_STEPS = 10
+LOG_EVERY = 1
+#: Seconds a row may take before it counts as failed.
+ROW_TIMEOUT_S = float(os.environ.get("RINGMASTER_BENCH_TIMEOUT", "900"))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One job: its name, the link's rate (``None``: no limit), its comm and sync sections."""
+
+    name: str
+    rate: str | None
+    comm: dict[str, Any] = field(default_factory=dict)
+    sync: dict[str, Any] = field(default_factory=dict)
+    kill: bool = False
+
+
+class TimedLines(list[str]):
+    """Output lines with the time each arrived (the services' pumps append to it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def append(self, line: str) -> None:
+        self.times.append(time.monotonic())
+        super().append(line)
+
+
+def rows(args: argparse.Namespace) -> list[Row]:
+    """The rows of one run, in order (see the module docstring)."""
+    powersgd = {"compression": {"type": "powersgd", "rank": 4, "start_iter": WARM_STEPS}}
+    diloco = {"mode": "diloco", "inner_steps": args.inner_steps}
+    streaming = {
+        "mode": "streaming_diloco",
+        "inner_steps": args.inner_steps,
+        "fragments": args.fragments,
+        "delay_steps": args.delay_steps,
+        "outer_quantization": "4bit",
+    }
+    out = [Row("ddp_nolimit", None)]
+    for rate in args.rates.split(","):
+        out += [
+            Row(f"ddp_{rate}", rate),
+            Row(f"powersgd_{rate}", rate, comm=powersgd),
+            Row(f"diloco_{rate}", rate, sync=diloco),
+            Row(f"streaming_{rate}", rate, sync=streaming),
+        ]
+    if not args.no_kill:
+        out.append(
+            Row(f"diloco_kill_{args.rates.split(',')[0]}", out[1].rate, sync=diloco, kill=True)
+        )
+    return out
+
+
+def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
+    from orchestrator.spec_loader import load_job_data
+
+    train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2",
+             "--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]  # fmt: skip
+    return load_job_data(
+        {
+            "name": f"xsite-{row.name.replace('_', '-')}",
+            "entrypoint": {"script": str(REPO / "examples" / "train_lm.py"), "args": train},
+            "nodes": {"min": 2, "max": 2, "spares": 1 if row.kill else 0},
+            "nproc_per_node": 1,
+            "max_steps": args.steps,
+            "checkpoint": {"url": f"file://{out}/ckpt", "every_steps": 0},
+            "comm": row.comm,
+            "sync": row.sync,
+            "fault_tolerance": {"hang_timeout": "120s", "heartbeat_interval": "500ms"},
+        }
+    )
+
+
+# --------------------------------------------------------------------------- one row
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float, lines: list[str]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    tail = "\n".join(lines[-40:])
+    raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}; last output:\n{tail}")
+
+
+def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path) -> dict[str, Any]:
+    """Run ``row``'s job to its end; its figures (see the module docstring)."""
+    from orchestrator import events, jobs, keys, records
+    from orchestrator.etcd.client import connect
+    from orchestrator.etcd.options import EtcdOptions
+    from orchestrator.records import Plan
+    from tests.faults.processes import Services
+
+    out = tmp / row.name
+    spec = job_spec(row, args, out)
+    job = spec.name
+    lines = TimedLines()
+    link.limit(row.rate)
+    site_a, site_b = link.sites
+    recovered: dict[str, Any] = {}
+    killed_step = None
+    with (
+        _kept(lines, args.keep_logs, row.name),
+        Services(lines) as services,
+        connect(EtcdOptions(etcd.endpoints)) as client,
+    ):
+        jobs.submit(client, spec)
+        services.start(
+            "controller", ["controller", "--job", job, "--etcd", ",".join(etcd.endpoints)]
+        )
+
+        def agent(node: str, site: Any) -> None:
+            labels = f"zone={site.name},rack=r{site.name},host={node}"
+            endpoints = ",".join(etcd.endpoints_on(site.node.host_ip))
+            argv = ["agent", "--job", job, "--node", node, "--labels", labels,
+                    "--address", site.wan_ip, "--etcd", endpoints]  # fmt: skip
+            env = {"GLOO_SOCKET_IFNAME": site.wan_if, "OMP_NUM_THREADS": "1"}
+            services.start(node, argv, env=env, prefix=site.command([]))
+
+        agent("node-a0", site_a)
+        agent("node-b0", site_b)
+        if row.kill:
+            _wait(
+                "generation 1", lambda: records.read(client, keys.job_plan(job), Plan), 300, lines
+            )
+            agent("node-b1", site_b)  # the spare starts once both sites train: b0 is active
+            # past half the run, mid inner period: the spare starts from the anchors of the
+            # last outer step and has the inner steps since then to compute again
+            kill_at, h = args.steps // 2, args.inner_steps
+
+            def due(step: int) -> bool:
+                return step >= kill_at and h // 4 <= step % h <= 3 * h // 4
+
+            spare = _wait(
+                f"node-b1 as a warm spare and a step past {kill_at}, mid inner period",
+                lambda: (
+                    (s := jobs.read_status(client, job))
+                    and (s.phase.terminal or ("node-b1" in s.spare_nodes and due(s.step)))
+                    and s
+                ),
+                ROW_TIMEOUT_S,
+                lines,
+            )
+            if spare.phase.terminal:
+                raise RuntimeError(f"{row.name} ended before the kill: give it more --steps")
+            killed_step = spare.step
+            services.signal("node-b0", 9)
+            print(f"  {row.name}: SIGKILL node-b0 (site b's only node) at step {killed_step}")
+        status = _wait(
+            "the end of the job",
+            lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
+            ROW_TIMEOUT_S,
+            lines,
+        )
+        found = [e for e in events.list_events(client, job) if e.type == "Recovered"]
+        if found:
+            recovered = dict(found[0].data)
+            recovered["killed_step"] = killed_step
+            recovered["spare_from_anchors"] = any(
+                "node-b1" in line and "had no state" in line for line in lines
+            )
+    sent = link.bytes_sent()
+    if status.phase.value != "Succeeded":
+        raise RuntimeError(f"{row.name} ended {status.phase.value}:\n" + "\n".join(lines[-60:]))
+    finals = [json.loads(p.read_text()) for p in sorted(out.glob("final-rank*.json"))]
+    return {
+        "steps_per_s": _step_rate(lines),
+        "link_bytes": sent,
+        "link_bytes_per_step": sent / args.steps,
+        "eval_loss": finals[0]["eval_loss"],
+        "eval_loss_sites": [f["eval_loss"] for f in finals],
+        "tokens": finals[0]["tokens"],
+        "recovery": recovered,
+    }
+
+
+@contextlib.contextmanager
+def _kept(lines: list[str], where: str, name: str) -> Iterator[None]:
+    """Write ``lines`` to ``where/name.log`` at the end, however the row ended (``--keep-logs``)."""
+    try:
+        yield
+    finally:
+        if where:
+            Path(where).mkdir(parents=True, exist_ok=True)
+            Path(where, f"{name}.log").write_text("\n".join(lines) + "\n")
+
+
+def _step_rate(lines: TimedLines) -> float:
+    """Steps per second between rank 0's logged step ``WARM_STEPS`` and its last logged step."""
+    logged = []
+    for t, line in zip(lines.times, lines, strict=True):
+        m = re.search(r"\bstep (\d+) loss ", line)
+        if m and int(m.group(1)) >= WARM_STEPS:
+            logged.append((int(m.group(1)), t))
+    if len(logged) < 2:
+        raise RuntimeError(f"fewer than two logged steps past {WARM_STEPS}: {logged}")
+    (s0, t0), (s1, t1) = logged[0], logged[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from _site_link import SiteLink
+
+    from tests.faults.etcd_cluster import EtcdCluster
+
+    results: dict[str, dict[str, Any]] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="rm-cross-site-"))
+    link = SiteLink()
+    try:
+        link.build()
+        hosts = tuple(s.node.host_ip for s in link.sites)
+        print(
+            f"two sites in namespaces, one link between them ({link.sites[0].wan_ip} <-> "
+            f"{link.sites[1].wan_ip}); train_lm width {args.width} x {args.layers} layers, "
+            f"{args.steps} steps",
+            flush=True,
+        )
+        with EtcdCluster(1, extra_hosts=hosts) as etcd:
+            for row in rows(args):
+                if args.only and row.name not in args.only.split(","):
+                    continue
+                started = time.monotonic()
+                r = results[row.name] = run_row(row, args, link, etcd, tmp)
+                sites = [round(x, 4) for x in r["eval_loss_sites"]]
+                print(
+                    f"  {row.name:22s} {r['steps_per_s']:6.2f} steps/s  "
+                    f"{r['link_bytes_per_step'] / 1e6:9.3f} MB/step across the link  "
+                    f"eval loss {r['eval_loss']:.4f} (sites {sites})  "
+                    f"[{time.monotonic() - started:.0f}s]",
+                    flush=True,
+                )
+                if r["recovery"]:
+                    print(f"    recovery: {r['recovery']}", flush=True)
+    finally:
+        link.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summary(results, args)
+
+
+def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The headline figures: one flat JSON object, units in the names (relative figures
+    only where their reference row ran)."""
+    ref = results.get("ddp_nolimit")
+    out: dict[str, Any] = {
+        "model": f"train_lm width {args.width} layers {args.layers}",
+        "steps": args.steps,
+        "inner_steps": args.inner_steps,
+        "streaming_fragments": args.fragments,
+        "streaming_delay_steps": args.delay_steps,
+    }
+    for name, r in results.items():
+        out[f"{name}_steps_per_s"] = round(r["steps_per_s"], 3)
+        out[f"{name}_link_kb_per_step"] = round(r["link_bytes_per_step"] / 1e3, 1)
+        out[f"{name}_eval_loss"] = round(r["eval_loss"], 4)
+        ddp = results.get(f"ddp_{name.rsplit('_', 1)[1]}")
+        if ddp is not None and r["link_bytes_per_step"]:
+            ratio = ddp["link_bytes_per_step"] / r["link_bytes_per_step"]
+            out[f"{name}_bytes_vs_ddp_fp32_x"] = round(ratio, 1)
+        if ref is not None and r is not ref:
+            out[f"{name}_pct_of_nolimit_rate"] = round(
+                100 * r["steps_per_s"] / ref["steps_per_s"], 1
+            )
+            out[f"{name}_eval_loss_vs_nolimit_pct"] = round(
+                100 * (r["eval_loss"] / ref["eval_loss"] - 1), 2
+            )
+        if r["recovery"]:
+            rec = r["recovery"]
+            out[f"{name}_recovery_s"] = round(float(rec.get("total_s", -1)), 3)
+            out[f"{name}_recovery_phases_s"] = rec.get("phases")
+            out[f"{name}_killed_at_step"] = rec.get("killed_step")
+            out[f"{name}_spare_from_anchors"] = rec.get("spare_from_anchors")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="100mbit,1gbit", help="site link rates, each way")
+    parser.add_argument("--steps", type=int, default=120, help="max_steps of every row")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=24, help="H of both DiLoCo rows")
+    parser.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's F")
+    parser.add_argument("--delay-steps", type=int, default=2, help="Streaming DiLoCo's tau")
+    parser.add_argument("--no-kill", action="store_true", help="skip the SIGKILL row")
+    parser.add_argument("--only", default="", help="run only these rows (names, commas)")
+    parser.add_argument("--keep-logs", default="", help="directory: each row's output")
+    args = parser.parse_args()
+    from tests.faults.netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None and shutil.which("tc") is None:
+        reason = "the `tc` command (iproute2) is not installed"
+    if reason is not None:
+        print(f"SKIPPED: two sites need network namespaces and tc ({reason})")
+        print(json.dumps({"skipped": True, "reason": reason}))
+        return 0
+    print(json.dumps(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

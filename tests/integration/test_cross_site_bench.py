@@ -1,0 +1,49 @@
+"""The cross-site benchmark in its short form: one Streaming DiLoCo job across the slow link.
+
+``benchmarks/cross_site.py`` builds two sites in network namespaces joined by a
+``tbf``-limited link and runs whole ringmaster jobs across it.  Here it runs one
+row with a tiny model, and its JSON line is checked for what the benchmark exists
+to report: a step rate, the bytes that crossed the link (from tc's counters: more
+than zero, so the sites' traffic really went over the limited link), and the loss.
+Needs root for the namespaces; skipped otherwise, as the benchmark itself skips.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.faults.netns import unavailable_reason
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_streaming_diloco_row_crosses_the_limited_link() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"two sites need network namespaces: {reason}")
+    args = ["--rates", "100mbit", "--only", "streaming_100mbit", "--no-kill", "--steps", "30",
+            "--width", "32", "--layers", "1", "--inner-steps", "10", "--fragments", "2",
+            "--delay-steps", "1"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "cross_site.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, output
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 30 and result["streaming_fragments"] == 2, result
+    assert result["streaming_100mbit_steps_per_s"] > 0, result
+    # tiny as the model is, its 4-bit fragments and the step boundary's votes crossed
+    assert result["streaming_100mbit_link_kb_per_step"] > 0.5, result
+    assert 0 < result["streaming_100mbit_eval_loss"] < 6, result

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,13 @@ from agents.sync.schedule import FragmentSchedule, cut_fragments
 from examples.train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
 from orchestrator import jobs
 from orchestrator.api import JobPhase
-from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from orchestrator.spec_sync import SyncSpec
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
 from tests.chaos.sharded_jobs import assert_same_params
+from tests.faults.partitioned_job import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -219,7 +218,7 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
         run.add_node("node-3", rack="rack-1")
         wait_for_spare(run, "node-3")
         # mid inner period: the site goes between two outer syncs
-        wait_for(lambda: _step(run) % 10 in (2, 3, 4), "a step 2-4 past a sync")
+        wait_for("a step 2-4 past a sync", lambda: _step(run) % 10 in (2, 3, 4))
         run.kill_node("node-2")
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
@@ -235,38 +234,3 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
 def _step(run: LocalRun) -> int:
     status = jobs.read_status(run.client, run.spec.name)
     return status.step if status is not None else 0
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never saw {what}")
-
-
-def test_a_diloco_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
-    """Three nodes in two sites save at step 20 (after its outer step); two nodes, one
-    per site, resume from it and train to step 40.  The checkpoint holds the first
-    site's state and the outer state (anchors, momentum): every site of the resumed
-    run starts from them, and the run ends as the algorithm by hand."""
-    lines: list[str] = []
-    first = diloco_job("diloco-save", tmp_path, 0, DILOCO, step_time=0.02).to_dict()
-    first["max_steps"], first["checkpoint"]["every_steps"] = 20, 10
-    with quiet_run(load_job_data(first), lines, node_labels=ZONES) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-
-    second = {**first, "name": "diloco-resumed", "max_steps": STEPS}
-    second["nodes"] = {"min": 2, "max": 2, "spares": 0}
-    spec = load_job_data(second)
-    resume = plan_resume(spec)
-    assert (resume.step, resume.world_size) == (20, 3)
-    sites = {"node-0": {"zone": "a"}, "node-1": {"zone": "b"}}
-    with quiet_run(spec, lines, node_labels=sites, resume=resume) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert any("resumed from" in line and "at step 20" in line for line in lines)
-    want = HandRun(spec.sync, [[0], [1, 2]]).train(0, 20).resume_as([[0], [1]]).train(20, STEPS)
-    assert_same_params(torch.load(tmp_path / "final.pt"), want.final())

@@ -13,7 +13,6 @@ staging buffers, not a copy of the state.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from examples.train_wide import digests, tensor_bytes
 from tests.gloo import run_gloo
 
 pytestmark = pytest.mark.integration
@@ -49,36 +49,6 @@ def _state(seed: int) -> dict[str, Any]:
         },
         "label": ("kept", 7),
     }
-
-
-def _digests(state: Any) -> tuple[str, str]:
-    structure, data = hashlib.sha256(), hashlib.sha256()
-
-    def walk(path: str, x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            structure.update(f"{path}:{x.dtype}:{tuple(x.shape)};".encode())
-            data.update(x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            for k in sorted(x):
-                walk(f"{path}/{k}", x[k])
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(f"{path}/{i}", v)
-        else:
-            structure.update(f"{path}={x!r};".encode())
-
-    walk("", state)
-    return structure.hexdigest(), data.hexdigest()
-
-
-def _tensor_bytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, dict):
-        return sum(_tensor_bytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in x)
-    return 0
 
 
 def _status(field: str) -> int:
@@ -117,21 +87,21 @@ def _heal(rank: int, world: int, chunk: int) -> dict[str, Any]:
         chunk_bytes=chunk,
     )
     extra = _status("VmHWM") - rss if measured else None
-    out: dict[str, Any] = {"extra": extra, "state_bytes": _tensor_bytes(mine)}
+    out: dict[str, Any] = {"extra": extra, "state_bytes": tensor_bytes(mine)}
     if got is not None:
-        out["digests"] = _digests(got)
+        out["digests"] = digests(got)
         out["in_place"] = all(
             got["model"][k].data_ptr() == before[k] and got["model"][k] is not mine["model"][k]
             for k in before
         )
-        out["own_model_now_sent"] = _digests(mine["model"]) == _digests(_state(100)["model"])
+        out["own_model_now_sent"] = digests(mine["model"]) == digests(_state(100)["model"])
     return out
 
 
 def test_receivers_get_the_sources_structure_and_data_with_two_chunks_of_memory_added() -> None:
     ranks = run_gloo(_heal, 4, CHUNK, timeout=120)
     source, replacement, allocating, bystander = ranks
-    sent = _digests(_state(100))
+    sent = digests(_state(100))
     assert source["digests"] == sent  # the source's own state, untouched
     assert replacement["digests"] == sent and allocating["digests"] == sent
     # the replacement's model tensors took the bytes in place; the other's are new
@@ -146,6 +116,6 @@ def test_receivers_get_the_sources_structure_and_data_with_two_chunks_of_memory_
     assert source["extra"] <= 2 * CHUNK + SLACK, source["extra"]
     assert bystander["extra"] <= SLACK, bystander["extra"]
     # the replacement allocates only what its own state lacks (all but model and EMA)
-    lacks = state - _tensor_bytes(_state(1)["model"]) - _tensor_bytes(_state(1)["ema"])
+    lacks = state - tensor_bytes(_state(1)["model"]) - tensor_bytes(_state(1)["ema"])
     assert replacement["extra"] <= lacks + 2 * CHUNK + SLACK, (replacement["extra"], lacks)
     assert allocating["extra"] <= state + 2 * CHUNK + SLACK, (allocating["extra"], state)

@@ -91,7 +91,8 @@ def join_sites(
         return NO_STATE
     if NO_STATE in steps:
         src = steps.index(best)
-        state = broadcast_state(capture if rank == src else None, src, control)
+        empty = [r for r, s in enumerate(steps) if s == NO_STATE]
+        state = broadcast_state(capture if rank == src else None, src, control, receivers=empty)
         for r, s in enumerate(steps):
             if s == NO_STATE:
                 table[r] = table[src]

@@ -36,6 +36,7 @@ from agents.sync.schedule import FragmentSchedule, cut_fragments
 from examples.train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
 from orchestrator import jobs
 from orchestrator.api import JobPhase
+from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
@@ -234,3 +235,29 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
 def _step(run: LocalRun) -> int:
     status = jobs.read_status(run.client, run.spec.name)
     return status.step if status is not None else 0
+
+
+def test_a_diloco_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """Three nodes in two sites save at step 20 (after its outer step); two nodes, one
+    per site, resume from it and train to step 40.  The checkpoint holds the first
+    site's state and the outer state (anchors, momentum): every site of the resumed
+    run starts from them, and the run ends as the algorithm by hand."""
+    lines: list[str] = []
+    first = diloco_job("diloco-save", tmp_path, 0, DILOCO, step_time=0.02).to_dict()
+    first["max_steps"], first["checkpoint"]["every_steps"] = 20, 10
+    with quiet_run(load_job_data(first), lines, node_labels=ZONES) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+
+    second = {**first, "name": "diloco-resumed", "max_steps": STEPS}
+    second["nodes"] = {"min": 2, "max": 2, "spares": 0}
+    spec = load_job_data(second)
+    resume = plan_resume(spec)
+    assert (resume.step, resume.world_size) == (20, 3)
+    sites = {"node-0": {"zone": "a"}, "node-1": {"zone": "b"}}
+    with quiet_run(spec, lines, node_labels=sites, resume=resume) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert any("resumed from" in line and "at step 20" in line for line in lines)
+    want = HandRun(spec.sync, [[0], [1, 2]]).train(0, 20).resume_as([[0], [1]]).train(20, STEPS)
+    assert_same_params(torch.load(tmp_path / "final.pt"), want.final())

@@ -49,8 +49,6 @@ NOT_PENDING = -1
 class SyncTotals:
     """What this worker's outer loop did (its telemetry)."""
 
-    #: outer steps applied (all fragments)
-    outer_steps: int = 0
     #: bytes this site's leader received from other sites' leaders
     bytes_between_sites: int = 0
     #: seconds spent waiting in outer syncs (not overlapped with inner steps)
@@ -143,10 +141,9 @@ class OuterSync:
             return
         # another sync.fragments: the fragments are contiguous runs of the same order
         sizes = [a.numel() for a in self.anchors]
-        self.anchors = list(torch.cat(anchors).split(sizes))
-        self.momentum = list(torch.cat([t.float() for t in state["momentum"]]).split(sizes))
-        self.anchors = [a.clone() for a in self.anchors]
-        self.momentum = [m.clone() for m in self.momentum]
+        self.anchors = [a.clone() for a in torch.cat(anchors).split(sizes)]
+        momentum = torch.cat([t.float() for t in state["momentum"]])
+        self.momentum = [m.clone() for m in momentum.split(sizes)]
         self.counts = [max(int(c) for c in state["counts"])] * len(sizes)
         dropped = sum(1 for at in state["pending_at"] if int(at) != NOT_PENDING)
         if dropped:
@@ -225,7 +222,6 @@ class OuterSync:
         self.counts[f] += 1
         self.pending_at[f] = NOT_PENDING
         self.pending_weight[f] = 0.0
-        self.totals.outer_steps += 1
         self.totals.last_sync[f] = done
 
     def _average(self, f: int) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """The tiny job of ``train_tiny.py``, with its model sharded (FSDP2's ``fully_shard``).
 
 ``--sharding fsdp`` shards the MLP over every rank; ``hsdp`` shards it within
-each node and replicates across nodes.  A lost rank's slice comes back from
-its twin (``hsdp``), from a buddy's host-memory copy (``fsdp``, unless
-``--redundancy-every-steps 0``) or from the newest durable checkpoint.  The
+each node and replicates across nodes; ``--mesh tensor=2`` (or
+``replicate=2,shard=1,tensor=2``) splits its two layers over 2 neighbouring
+ranks (tensor parallel) and replicates across the rest.  A lost rank's slice
+comes back from its twin (``hsdp``, ``--mesh``), from a buddy's host-memory copy
+(``fsdp``, unless ``--redundancy-every-steps 0``) or from the newest durable
+checkpoint.  The
 data order is fixed by the step, so a run with a failure ends with the same
 parameters as one without.
 
@@ -32,9 +35,25 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """``replicate=2,tensor=2`` as ``{"replicate": 2, "tensor": 2}``."""
+    try:
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh {text!r}: write dimension=size pairs, e.g. replicate=2,tensor=2"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sharding", default="fsdp", choices=["ddp", "fsdp", "hsdp"])
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=None,
+        help="instead of --sharding: dimension sizes, e.g. replicate=2,tensor=2",
+    )
     parser.add_argument(
         "--redundancy-every-steps",
         type=int,
@@ -56,20 +75,31 @@ def main() -> None:
     extra = {}
     if args.redundancy_every_steps is not None:
         extra["redundancy_every_steps"] = args.redundancy_every_steps
-    model = session.wrap(net, sharding=args.sharding, **extra)
+    if args.mesh is not None:
+        model = session.wrap(net, mesh=args.mesh, **extra)
+    else:
+        model = session.wrap(net, sharding=args.sharding, **extra)
     opt = make_optimizer(args.optimizer, model.parameters())
     session.track(model=model, optimizer=opt)
     loss = torch.tensor(0.0)
-    for step in session.steps(args.steps or None):
+    total = args.steps or session.spec.max_steps
+    whole: dict[str, torch.Tensor] = {}  # a mesh's parameters, gathered after the last step
+    for step in session.steps(total or None):
         with session.guard():
-            xb, yb = batch(step, session.rank, session.world_size, x, y)
-            opt.zero_grad()
-            # mean over the global batch: gradients are averaged over ranks
-            loss = (
-                F.cross_entropy(model(xb), yb, reduction="sum") * session.world_size / GLOBAL_BATCH
+            # tensor-parallel ranks of one replica read the same share of the batch
+            rank, world = (
+                (model.data_rank, model.data_world_size)
+                if args.mesh is not None
+                else (session.rank, session.world_size)
             )
+            xb, yb = batch(step, rank, world, x, y)
+            opt.zero_grad()
+            # mean over the global batch: gradients are averaged over the shares
+            loss = F.cross_entropy(model(xb), yb, reduction="sum") * world / GLOBAL_BATCH
             loss.backward()
             opt.step()
+            if args.mesh is not None and args.out and step + 1 == total:
+                whole = model.full_parameters()  # a collective: while the group is up
             if args.step_time:
                 time.sleep(args.step_time)
         if session.step_failed:
@@ -79,11 +109,12 @@ def main() -> None:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
                 f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")
     if session.finished and args.out:
-        rows = (
-            model.local_parameters()
-            if args.sharding != "ddp"
-            else {n: (0, p.shape[0], p.detach()) for n, p in model.module.named_parameters()}
-        )
+        if args.mesh is not None:  # whole tensors, gathered on every rank
+            rows = {n: (0, p.shape[0], p) for n, p in whole.items()}
+        elif args.sharding != "ddp":
+            rows = model.local_parameters()
+        else:
+            rows = {n: (0, p.shape[0], p.detach()) for n, p in model.module.named_parameters()}
         torch.save(rows, os.path.join(args.out, f"rank-{session.rank}.pt"))
     session.close()
 

@@ -35,8 +35,6 @@ from agents.runtime.sharding import (
     ShardedModel,
     Slice,
     SliceKey,
-    build_mesh,
-    chunk_rows,
     layout_of,
     optimizers_of,
     others_of,
@@ -143,7 +141,7 @@ def join(
     rank, world = placement.rank, placement.world_size
     size = shard_size(model, placement)
     new = layouts(model, placement)
-    mesh = build_mesh(model.mode, world, size, placement.device.type)
+    mesh = model.build_mesh(world, size, placement.device.type)
     holdings = _holdings(held, holds_state, model, buddies)
     mine = [
         (h.slice.step, h.slice.layout.shards, h.slice.layout.index, h.slice.replicated is not None)
@@ -156,15 +154,25 @@ def join(
         if h.slice.replicated is not None
     }
     live_step = held.step if holds_state else NO_STATE
+    dims = _local_dims(holdings) if model.mesh_shape is not None else {}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (mine, kinds, structures, live_step), group=control)
+    dist.all_gather_object(gathered, (mine, kinds, structures, live_step, dims), group=control)
     held_slices = [g[0] for g in gathered]
     best_live = max(g[3] for g in gathered)
     tp = shard_transfer.plan(held_slices, new)
     optimizers = optimizers_of(held.tracked)
     fresh = model.build(mesh, new[rank], placement.device)
+    if tp is not None and model.mesh_shape is not None and tp.old != new[rank].shards:
+        log.warning(
+            "the mesh's replicas were %d ranks and are %d now: its slices come from the "
+            "durable checkpoint (only the replicate dimension changes in memory)",
+            tp.old,
+            new[rank].shards,
+        )
+        tp = None
     if tp is None:
         return _from_storage(model, fresh, optimizers, best_live, durable, world)
+    rows = _rows(model, gathered, tp)
     structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
     targets, states = _targets(model, fresh, structure, optimizers)
 
@@ -177,7 +185,7 @@ def join(
 
     with torch.no_grad():
         received = shard_transfer.execute(
-            tp, rank, new, model.rows, structure, serve, targets, group=control
+            tp, rank, new, rows, structure, serve, targets, group=control
         )
     source_of_rest = rank == tp.replicated_from
     replicated = broadcast_state(
@@ -189,7 +197,7 @@ def join(
         replicated = copy.deepcopy(replicated)
     _apply_replicated(fresh, optimizers, others_of(held.tracked, model), states, replicated)
     model.adopt(optimizers, states)
-    source = _source(model.mode, tp, gathered, new, model.rows)
+    source = _source(model.mode, tp, gathered, new, rows)
     lost = max(0, best_live - tp.step)
     log.warning(
         "slices of step %d restored from %s (%d bytes received here, %d steps lost)",
@@ -218,6 +226,32 @@ def _holdings(
     return out
 
 
+def _local_dims(holdings: list[_Holding]) -> dict[tuple[int, int, int], dict[str, int]]:
+    """Dimension 0 of each parameter's local tensor in each slice held (a mesh's)."""
+    return {
+        (h.slice.step, h.slice.layout.shards, h.slice.layout.index): {
+            fqn: t.shape[0] if t.dim() else 1
+            for (fqn, sub), t in h.slice.tensors.items()
+            if sub == PARAM
+        }
+        for h in holdings
+    }
+
+
+def _rows(
+    model: ShardedModel, gathered: list[Any], tp: shard_transfer.TransferPlan
+) -> shard_transfer.Rows:
+    """Where each chunk's rows lie: dimension-0 chunks, or a mesh's local tensors stacked."""
+    if model.mesh_shape is None:
+        return model.rows
+    table: dict[tuple[str, int], int] = {}
+    for g in gathered:
+        for (step, shards, index), dims in g[4].items():
+            if (step, shards) == (tp.step, tp.old):
+                table.update({(fqn, index): n for fqn, n in dims.items()})
+    return shard_transfer.stacked(table)
+
+
 def _replicated_of(holdings: list[_Holding], step: int, shards: int) -> dict[str, Any]:
     for h in holdings:
         if h.slice.step == step and h.slice.layout.shards == shards and h.slice.replicated:
@@ -232,7 +266,6 @@ def _targets(
     optimizers: dict[str, torch.optim.Optimizer],
 ) -> tuple[dict[SliceKey, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
     """Tensors to fill for the new slice, and the optimizers' new state around them."""
-    layout = model.building.layout
     params = model.building.params
     targets: dict[SliceKey, torch.Tensor] = {}
     states: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in optimizers}
@@ -242,18 +275,25 @@ def _targets(
             targets[key] = model.local_rows(fqn, fresh)
             continue
         oname, skey = sub.split(".", 1)
-        start, stop = chunk_rows(model.rows[fqn], layout)
-        local = torch.empty((stop - start, *trailing), dtype=dtype, device=params[fqn].device)
-        targets[key] = local
         p = params[fqn]
         assert isinstance(p, DTensor)
+        # a state tensor shaped like its parameter (momentum, Adam's moments)
+        mine = model.local_rows(fqn, fresh)
+        if tuple(mine.shape[1:]) != trailing:
+            raise RuntimeError(
+                f"optimizer {oname!r} holds {skey!r} of {fqn} shaped {trailing} after dimension "
+                f"0, the parameter {tuple(mine.shape[1:])}: only state shaped like its parameter "
+                "is sharded"
+            )
+        local = torch.empty(mine.shape, dtype=dtype, device=p.device)
+        targets[key] = local
         states.setdefault(oname, {}).setdefault(fqn, {})[skey] = DTensor.from_local(
             local,
             p.device_mesh,
             p.placements,
             run_check=False,
-            shape=torch.Size((model.rows[fqn], *trailing)),
-            stride=_contiguous_stride((model.rows[fqn], *trailing)),
+            shape=p.shape,
+            stride=_contiguous_stride(tuple(p.shape)),
         )
     return targets, states
 
@@ -296,10 +336,11 @@ def _source(
     tp: shard_transfer.TransferPlan,
     gathered: list[Any],
     new: list[Layout],
-    rows: dict[str, int],
+    rows: shard_transfer.Rows,
 ) -> str:
     """What served the slices: a buddy's copy, a twin or peer, own snapshots, or each its own."""
-    keys = [(name, PARAM) for name in rows]
+    structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
+    keys = [key for key in structure if key[1] == PARAM]
     used: set[tuple[int, int, str]] = set()  # (receiver, holder, kind)
     for receiver, layout in enumerate(new):
         for piece in shard_transfer.pieces(rows, keys, tp.old, layout):
@@ -309,7 +350,7 @@ def _source(
         return SOURCE_BUDDY
     if any(r != h for r, h, _ in used):
         same_layout = tp.old == new[0].shards
-        return SOURCE_TWIN if mode == "hsdp" and same_layout else SOURCE_PEER
+        return SOURCE_TWIN if mode in ("hsdp", "mesh") and same_layout else SOURCE_PEER
     if any(kind == "snapshot" for _, _, kind in used):
         return SOURCE_SNAPSHOT
     return SOURCE_LIVE
@@ -324,14 +365,10 @@ def _from_storage(
     world_size: int,
 ) -> ShardsRestored:
     """No complete set of slices in memory: the script's initial values, then durable."""
-    layout = model.building.layout
     initial = model.initial
     with torch.no_grad():
         if initial is not None:
-            full = dict(initial.named_parameters())
-            for name in model.rows:
-                start, stop = chunk_rows(model.rows[name], layout)
-                model.local_rows(name, fresh).copy_(full[name].detach()[start:stop])
+            model.fill_from(dict(initial.named_parameters()), fresh)
             buffers = dict(fresh.named_buffers())
             for name, b in initial.named_buffers():
                 buffers[name].copy_(b)

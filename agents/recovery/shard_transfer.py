@@ -13,11 +13,17 @@ smaller ones packed into one message per pair of ranks and dtype; a rank that
 holds what it needs copies it locally.  The same plan serves a replacement of equal
 world size (only the new rank receives) and a world-size change (rows are
 redistributed from memory).
+
+Rows are numbered in a space shared by all chunks: for ``fsdp`` and ``hsdp`` the
+parameter's own dimension 0 (``torch.chunk``'s split, a ``dict`` of row counts);
+for a mesh, whose slices are DTensor's local tensors, chunk after chunk of
+their dimension 0 (:func:`stacked`).  Either way an :data:`Extent` says where
+a chunk's rows lie.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,16 +33,41 @@ from agents.recovery.tensor_stream import DIRECT_BYTES
 from agents.runtime.sharding import Layout, SliceKey, chunk_rows
 
 __all__ = [
+    "Extent",
     "Held",
     "Piece",
     "TransferPlan",
     "execute",
     "pieces",
     "plan",
+    "stacked",
 ]
 
 #: What a rank says it holds: (step, shards, index, has the replicated state).
 Held = tuple[int, int, int, bool]
+
+#: ``(fqn, layout)`` → ``[start, stop)`` of the rows that layout's chunk holds.
+Extent = Callable[[str, Layout], tuple[int, int]]
+#: Full row counts by name (dimension-0 chunks), or an :data:`Extent`.
+Rows = Mapping[str, int] | Extent
+
+
+def _extent(rows: Rows) -> Extent:
+    if callable(rows):
+        return rows
+    return lambda fqn, layout: chunk_rows(rows[fqn], layout)
+
+
+def stacked(local_rows: Mapping[tuple[str, int], int]) -> Extent:
+    """An extent for slices that are whole local tensors: chunk ``i`` of a key
+    follows chunk ``i - 1``; ``local_rows[(fqn, i)]`` is chunk ``i``'s dimension 0
+    (a chunk missing from it has none)."""
+
+    def extent(fqn: str, layout: Layout) -> tuple[int, int]:
+        start = sum(local_rows.get((fqn, i), 0) for i in range(layout.index))
+        return start, start + local_rows.get((fqn, layout.index), 0)
+
+    return extent
 
 
 @dataclass(frozen=True)
@@ -95,14 +126,14 @@ def plan(held: list[list[Held]], new: list[Layout]) -> TransferPlan | None:
     return None
 
 
-def pieces(rows: dict[str, int], keys: list[SliceKey], old: int, new: Layout) -> list[Piece]:
+def pieces(rows: Rows, keys: list[SliceKey], old: int, new: Layout) -> list[Piece]:
     """Rows of each key that ``new`` needs, cut at the old chunks' borders."""
+    extent = _extent(rows)
     out = []
     for key in keys:
-        n = rows[key[0]]
-        lo, hi = chunk_rows(n, new)
+        lo, hi = extent(key[0], new)
         for chunk in range(old):
-            a, b = chunk_rows(n, Layout(old, chunk))
+            a, b = extent(key[0], Layout(old, chunk))
             start, stop = max(lo, a), min(hi, b)
             if start < stop:
                 out.append(Piece(key, chunk, start, stop))
@@ -113,7 +144,7 @@ def execute(
     tp: TransferPlan,
     rank: int,
     new: list[Layout],
-    rows: dict[str, int],
+    rows: Rows,
     structure: dict[SliceKey, tuple[torch.dtype, tuple[int, ...]]],
     mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
     targets: dict[SliceKey, torch.Tensor],
@@ -130,6 +161,7 @@ def execute(
         Bytes this rank received from others.
     """
     keys = sorted(structure)
+    rows = _extent(rows)
     world = len(new)
     sends: list[dist.Work] = []
     keep: list[torch.Tensor] = []
@@ -157,7 +189,7 @@ def execute(
             assert work is not None
             sends.append(work)
     need = pieces(rows, keys, tp.old, new[rank])
-    lo = {k: chunk_rows(rows[k[0]], new[rank])[0] for k in keys}
+    lo = {k: rows(k[0], new[rank])[0] for k in keys}
 
     def target(p: Piece) -> torch.Tensor:
         return targets[p.key][p.start - lo[p.key] : p.stop - lo[p.key]]
@@ -213,13 +245,13 @@ def execute(
 def _held_rows(
     p: Piece,
     old: int,
-    rows: dict[str, int],
+    rows: Extent,
     mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
 ) -> torch.Tensor:
     """The rows of piece ``p`` in this rank's copy of its old chunk."""
     held = mine(p.chunk)
     assert held is not None, f"chunk {p.chunk} planned from a rank that lacks it"
-    a = chunk_rows(rows[p.key[0]], Layout(old, p.chunk))[0]
+    a = rows(p.key[0], Layout(old, p.chunk))[0]
     return held[p.key][p.start - a : p.stop - a].detach()
 
 
@@ -233,7 +265,7 @@ def _row_numel(trailing: tuple[int, ...]) -> int:
 def _pack(
     out: list[Piece],
     old: int,
-    rows: dict[str, int],
+    rows: Extent,
     mine: Callable[[int], dict[SliceKey, torch.Tensor] | None],
 ) -> list[torch.Tensor]:
     """The pieces as one flat CPU tensor per dtype (in the receiver's order)."""

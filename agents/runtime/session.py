@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -180,16 +180,19 @@ class Session:
         module: nn.Module,
         hook_installer: HookInstaller | None = None,
         *,
-        sharding: str = "ddp",
+        sharding: str | None = None,
         shard_size: int | None = None,
         redundancy_every_steps: int | None = None,
+        mesh: Mapping[str, int] | None = None,
+        tensor_plan: Mapping[str, Any] | None = None,
     ) -> Any:
         """Wrap ``module`` for data-parallel training across generations.
 
         Args:
             module: the model, built the same way (same seed) on every rank.
             hook_installer: a DDP comm hook of the script's own (``ddp`` only).
-            sharding: ``ddp`` (every rank holds the whole model), ``fsdp`` (FSDP2
+            sharding: ``ddp`` (every rank holds the whole model; the default without
+                ``mesh``), ``fsdp`` (FSDP2
                 over every rank: a lost slice comes from a buddy's copy, else from
                 the durable checkpoint) or ``hsdp`` (shard within groups of
                 ``shard_size`` ranks, replicate across them: a lost slice comes
@@ -198,6 +201,14 @@ class Session:
             redundancy_every_steps: ``fsdp`` only: every this many steps each
                 rank's slice is copied to a buddy on the next node (0: off).
                 Default: the job file's ``fault_tolerance.redundancy.every_steps``.
+            mesh: instead of ``sharding``: ``{"replicate": R, "shard": S, "tensor": T}``
+                (each 1 by default; ``replicate`` -1 or left out: the rest of the
+                world): tensor parallel over ``T`` neighbouring ranks, FSDP2 over
+                ``S``, replicas over the rest; a lost rank's slices come from its
+                twin in another replica.
+            tensor_plan: with ``mesh`` ``tensor`` > 1: module name → ``ParallelStyle``
+                for DTensor's ``parallelize_module``; default: each pair of
+                ``nn.Linear`` in an ``nn.Sequential``, column- then row-wise.
 
         Returns:
             An :class:`~agents.runtime.elastic_ddp.ElasticDDP` for ``ddp``, a
@@ -212,7 +223,9 @@ class Session:
         ``device_ids``, as in a torchrun script.
         """
         models = self._models
-        wrapped = models.wrap(module, hook_installer, sharding, shard_size, redundancy_every_steps)
+        wrapped = models.wrap(
+            module, hook_installer, sharding, shard_size, redundancy_every_steps, mesh, tensor_plan
+        )
         if models.outer is not None:  # a delayed sync's outer state: tracked like the model's
             self._state.tracked["outer"] = self._telemetry.outer = models.outer
             self._votes.meets = models.outer.meets  # the sites vote where they meet

@@ -17,17 +17,20 @@ Modes (``sharding=`` of :meth:`agents.runtime.Session.wrap`):
 * ``fsdp``: one shard dimension over every rank (a 1-D mesh, ZeRO-3);
 * ``hsdp``: a 2-D ``(replicate, shard)`` mesh in rank order, i.e. topology
   order: ``shard_size`` consecutive ranks (by default one node's workers)
-  shard the model, and the groups of them are replicas of each other.
+  shard the model, and the groups of them are replicas of each other;
+* ``mesh`` (``wrap(mesh=...)``): a ``(replicate, shard, tensor)`` mesh: tensor
+  parallel (DTensor's ``parallelize_module``) over neighbouring ranks, FSDP2
+  over ``shard`` and replicas over the rest (:mod:`agents.runtime.mesh_layout`).
 
-A *slice* is what one rank of a shard dimension of ``shards`` ranks holds: for
-every parameter (and every optimizer state tensor shaped like it) the rows of
-chunk ``index`` of dimension 0, chunked as ``torch.chunk`` (and FSDP2) does.
+A *slice* is what one rank of a replica of ``shards`` ranks holds: for every
+parameter (and every optimizer state tensor shaped like it) its local tensor;
+for ``fsdp`` and ``hsdp`` the rows of chunk ``index`` of dimension 0, chunked as
+``torch.chunk`` (and FSDP2) does.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +39,23 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from agents.runtime.mesh_layout import (
+    Layout,
+    MeshShape,
+    build_mesh,
+    check_hsdp_world,
+    chunk_rows,
+    layout_of,
+)
+from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
 
 __all__ = [
     "PARAM",
     "SHARDING_MODES",
     "Layout",
+    "MeshShape",
     "ShardedModel",
     "Slice",
     "SliceKey",
@@ -57,8 +71,8 @@ __all__ = [
     "repoint_optimizer",
 ]
 
-#: The values of ``sharding=``.
-SHARDING_MODES = ("ddp", "fsdp", "hsdp")
+#: The values of ``sharding=`` (``mesh`` is what ``wrap(mesh=...)`` makes).
+SHARDING_MODES = ("ddp", "fsdp", "hsdp", "mesh")
 
 #: Key of a parameter's own rows in a slice (``(fqn, PARAM)``).
 PARAM = "param"
@@ -88,56 +102,11 @@ def redundancy_ignored(mode: str, every_steps: int, default: int) -> str | None:
     """
     if mode == "fsdp" or every_steps == default:
         return None
-    has = "every rank" if mode == "ddp" else "its twin in another replica group"
+    has = "every rank" if mode == "ddp" else "its twin in another replica"
     return (
         f"fault_tolerance.redundancy.every_steps ({every_steps}) is ignored: a "
         f"sharding={mode!r} model keeps no buddy copies (each slice is also held by {has})"
     )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a rank sits on the shard dimension: chunk ``index`` of ``shards``."""
-
-    shards: int
-    index: int
-
-
-def layout_of(mode: str, rank: int, world_size: int, shard_size: int) -> Layout:
-    """This rank's place on the shard dimension for ``mode``."""
-    if mode == "fsdp":
-        return Layout(world_size, rank)
-    return Layout(shard_size, rank % shard_size)
-
-
-def check_hsdp_world(world_size: int, shard_size: int) -> None:
-    """Raise unless ``world_size`` ranks form whole replica groups of ``shard_size``."""
-    if shard_size < 1 or world_size % shard_size:
-        raise ValueError(
-            f"hsdp needs a world size that is a multiple of the shard group size: "
-            f"{world_size} ranks, shard_size {shard_size}; pass shard_size= to wrap() "
-            "or run whole groups of nodes"
-        )
-
-
-def build_mesh(mode: str, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
-    """The generation's mesh: 1-D for ``fsdp``, ``(replicate, shard)`` for ``hsdp``.
-
-    Ranks are laid out in rank order, which is topology order, so a shard
-    group is made of neighbouring ranks and its replicas sit on other nodes.
-    """
-    if mode == "fsdp":
-        return DeviceMesh(device_type, torch.arange(world_size), mesh_dim_names=("shard",))
-    check_hsdp_world(world_size, shard_size)
-    grid = torch.arange(world_size).view(world_size // shard_size, shard_size)
-    return DeviceMesh(device_type, grid, mesh_dim_names=("replicate", "shard"))
-
-
-def chunk_rows(rows: int, layout: Layout) -> tuple[int, int]:
-    """``[start, stop)`` of dimension 0 held by ``layout`` (``torch.chunk``'s split)."""
-    size = math.ceil(rows / layout.shards) if rows else 0
-    start = min(rows, layout.index * size)
-    return start, min(rows, start + size)
 
 
 @dataclass
@@ -196,12 +165,30 @@ class ShardedModel(nn.Module):
     _gen: _Generation | None
     _next: tuple[nn.Module, _Generation] | None
 
-    def __init__(self, module: nn.Module, mode: str, shard_size: int | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mode: str,
+        shard_size: int | None = None,
+        mesh: MeshShape | None = None,
+        tensor_plan: TensorPlan | None = None,
+    ) -> None:
         super().__init__()
         if check_mode(mode) == "ddp":
             raise ValueError("ShardedModel shards; use ElasticDDP for sharding='ddp'")
         if shard_size is not None and shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+        if (mode == "mesh") != (mesh is not None):
+            raise ValueError("a mesh= goes with mode 'mesh' and no other")
+        plan: TensorPlan = {}
+        if mesh is not None and mesh.tensor > 1:
+            plan = default_plan(module) if tensor_plan is None else tensor_plan
+            check_plan(module, plan, mesh.tensor)
+        #: ``wrap(mesh=...)``'s shape, None for ``fsdp``/``hsdp``
+        self.mesh_shape = mesh
+        self.tensor_plan = plan
+        if mesh is not None:
+            shard_size = mesh.replica_size
         for name, p in module.named_parameters():
             if p.dim() == 0:
                 raise ValueError(f"parameter {name} is a scalar; fully_shard shards dimension 0")
@@ -225,6 +212,31 @@ class ShardedModel(nn.Module):
         return self._gen.layout if self._gen is not None else None
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The generation's mesh (its dimensions named ``replicate``, ``shard``, ``tensor``)."""
+        if self._gen is None:
+            raise RuntimeError("no mesh outside a generation: ask inside session.steps()")
+        return self._gen.mesh
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each step's batch this rank reads: tensor-parallel ranks of
+        one replica read the same; every other rank reads its own."""
+        mesh = self.device_mesh
+        tensor = self.mesh_shape.tensor if self.mesh_shape is not None else 1
+        return mesh.get_rank() // tensor
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares each step's batch is dealt into (ranks / tensor)."""
+        tensor = self.mesh_shape.tensor if self.mesh_shape is not None else 1
+        return self.device_mesh.size() // tensor
+
+    def build_mesh(self, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
+        """The mesh of a generation of ``world_size`` ranks."""
+        return build_mesh(self.mode, world_size, shard_size, device_type, self.mesh_shape)
+
+    @property
     def building(self) -> _Generation:
         """The generation :meth:`build` made and :meth:`adopt` has not yet switched to."""
         assert self._next is not None, "build() first"
@@ -233,10 +245,17 @@ class ShardedModel(nn.Module):
     def build(self, mesh: DeviceMesh, layout: Layout, device: torch.device) -> nn.Module:
         """A fresh sharded module on ``mesh`` with uninitialised slices (not yet in use)."""
         fresh = copy.deepcopy(self._blueprint)
-        fully_shard(fresh, mesh=mesh)
+        if self.mesh_shape is None:
+            fully_shard(fresh, mesh=mesh)
+        else:
+            if self.tensor_plan:
+                apply_plan(fresh, mesh["tensor"], self.tensor_plan)
+            fully_shard(fresh, mesh=mesh["replicate", "shard"])
         fresh.to_empty(device=device)
         gen = _Generation(mesh, layout, dict(fresh.named_parameters()))
         for name, p in gen.params.items():
+            if self.mesh_shape is not None:
+                break  # a mesh's local tensors are DTensor's to lay out
             local = p.to_local() if isinstance(p, DTensor) else p
             start, stop = chunk_rows(self.rows[name], layout)
             if local.shape[0] != stop - start:
@@ -247,6 +266,20 @@ class ShardedModel(nn.Module):
                 )
         object.__setattr__(self, "_next", (fresh, gen))
         return fresh
+
+    def fill_from(self, full: Mapping[str, torch.Tensor], module: nn.Module) -> None:
+        """Fill the local slices of ``module`` (being built) from whole tensors
+        (every rank has the same ones: no collective)."""
+        for name, p in self.building.params.items():
+            local = self.local_rows(name, module)
+            if isinstance(p, DTensor):
+                piece = distribute_tensor(
+                    full[name].detach().to(local.device), p.device_mesh, p.placements,
+                    src_data_rank=None,
+                )  # fmt: skip
+                local.copy_(piece.to_local())
+            else:
+                local.copy_(full[name].detach())
 
     def local_rows(self, name: str, module: nn.Module | None = None) -> torch.Tensor:
         """The local rows of parameter ``name`` of the module being built (or in use)."""
@@ -334,10 +367,21 @@ class ShardedModel(nn.Module):
         for n, p in self.params.items():
             yield (f"{prefix}.{n}" if prefix else n), p
 
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, on the CPU (a collective: call it on every rank)."""
+        out = {}
+        for n, p in self.params.items():
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            out[n] = whole.detach().to("cpu", copy=True)
+        return out
+
     def local_parameters(self) -> dict[str, tuple[int, int, torch.Tensor]]:
-        """This rank's rows of each parameter: ``(start, stop, rows)`` (no collective)."""
+        """This rank's rows of each parameter: ``(start, stop, rows)`` (no collective;
+        ``fsdp`` and ``hsdp``: a mesh's slices are not rows, see :meth:`full_parameters`)."""
         gen = self._gen
         assert gen is not None, "no generation built yet"
+        if self.mesh_shape is not None:
+            raise RuntimeError("a mesh's slices are not rows of dimension 0: use full_parameters()")
         return {
             n: (*chunk_rows(self.rows[n], gen.layout), self.local_rows(n).detach().clone())
             for n in gen.params

@@ -23,6 +23,7 @@ from torch import nn
 from agents.recovery.buddy_copies import BuddyCopies
 from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
 from agents.runtime.failures import CollectiveFailures
+from agents.runtime.mesh_layout import MeshShape, mesh_shape
 from agents.runtime.sharding import (
     ShardedModel,
     check_mode,
@@ -38,6 +39,7 @@ __all__ = [
     "WrappedModels",
     "check_delayed",
     "install_spec_hook",
+    "mode_of",
     "uses_spec_hook",
     "wrap_ddp",
     "wrap_sharded",
@@ -80,11 +82,14 @@ class WrappedModels:
         self,
         module: nn.Module,
         hook_installer: HookInstaller | None,
-        sharding: str,
+        sharding: str | None,
         shard_size: int | None,
         redundancy_every_steps: int | None,
+        mesh: Mapping[str, int] | None = None,
+        tensor_plan: Mapping[str, Any] | None = None,
     ) -> ElasticDDP | ShardedModel:
         """See :meth:`agents.runtime.Session.wrap`."""
+        sharding = mode_of(sharding, mesh, tensor_plan)
         ignored = redundancy_ignored(
             check_mode(sharding),
             self._spec.fault_tolerance.redundancy.every_steps,
@@ -101,6 +106,7 @@ class WrappedModels:
             self.sharded, self.buddies = wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
                 spec=self._spec, device=self._device, has_sharded=self.sharded is not None,
+                mesh=mesh_shape(mesh) if mesh is not None else None, tensor_plan=tensor_plan,
             )  # fmt: skip
             return self.sharded
         if self._spec.sync.delayed:
@@ -172,6 +178,26 @@ class WrappedModels:
             self.buddies.stop()
 
 
+def mode_of(
+    sharding: str | None, mesh: Mapping[str, int] | None, tensor_plan: Mapping[str, Any] | None
+) -> str:
+    """The sharding mode ``wrap()``'s arguments ask for (``mesh`` when a mesh is given).
+
+    Raises:
+        ValueError: both ``sharding`` and ``mesh``, or a ``tensor_plan`` without a mesh.
+    """
+    if mesh is not None:
+        if sharding is not None:
+            raise ValueError(
+                f"wrap() takes sharding= or mesh=, not both: mesh= lays out replicas, shards "
+                f"and tensor parallel itself; remove sharding={sharding!r}"
+            )
+        return "mesh"
+    if tensor_plan is not None:
+        raise ValueError('tensor_plan= goes with mesh={"tensor": T, ...}; pass a mesh')
+    return check_mode(sharding or "ddp")
+
+
 def check_delayed(spec: JobSpec, device: torch.device, wrapped_before: bool) -> None:
     """What a delayed sync (``sync.mode`` diloco, streaming_diloco) runs on.
 
@@ -235,6 +261,8 @@ def wrap_sharded(
     spec: JobSpec,
     device: torch.device,
     has_sharded: bool,
+    mesh: MeshShape | None = None,
+    tensor_plan: Mapping[str, Any] | None = None,
 ) -> tuple[ShardedModel, BuddyCopies | None]:
     """``module`` as a :class:`ShardedModel`, and its buddy copies (``fsdp`` with redundancy).
 
@@ -267,7 +295,11 @@ def wrap_sharded(
         )
     if device.type == "cuda":
         module = module.to(device)
-    wrapped = ShardedModel(module, sharding, shard_size)
+    if mesh is None and sharding == "mesh":
+        raise ValueError("sharding='mesh' is what wrap(mesh=...) makes: pass mesh= instead")
+    if tensor_plan is not None and (mesh is None or mesh.tensor == 1):
+        raise ValueError('tensor_plan= splits layers over mesh "tensor"; that dimension is 1')
+    wrapped = ShardedModel(module, sharding, shard_size, mesh, tensor_plan)
     buddies = None
     if sharding == "fsdp":
         every = spec.fault_tolerance.redundancy.every_steps

@@ -28,8 +28,10 @@ def sharded_job(
     spares: int = 1,
     min_nodes: int | None = None,
     optimizer: str = "sgd",
+    mesh: str | None = None,
 ) -> JobSpec:
-    """``nodes`` active nodes of ``nproc`` workers + ``spares``, running train_sharded.py."""
+    """``nodes`` active nodes of ``nproc`` workers + ``spares``, running train_sharded.py
+    (``mesh``: its ``--mesh``, which replaces ``sharding``)."""
     (tmp / "steps").mkdir(exist_ok=True)
     (tmp / "out").mkdir(exist_ok=True)
     return load_job_data(
@@ -38,8 +40,7 @@ def sharded_job(
             "entrypoint": {
                 "script": str(REPO / "examples" / "train_sharded.py"),
                 "args": [
-                    "--sharding",
-                    sharding,
+                    *(["--mesh", mesh] if mesh else ["--sharding", sharding]),
                     "--step-time",
                     str(step_time),
                     "--out",

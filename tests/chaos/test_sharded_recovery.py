@@ -149,3 +149,22 @@ def _assert_applied_once(tmp: Path, steps: int, lost: int) -> None:
         assert firsts == sorted(firsts), f"{worker} applied steps out of order: {seq}"
     counts = collections.Counter(s for seq in step_log(tmp).values() for s in set(seq))
     assert not [s for s in range(steps) if counts[s] == 0], "a step was never applied"
+
+
+def test_tensor_parallel_slices_come_from_twins(tmp_path: Path) -> None:
+    """replicate 2 x tensor 2 (a node each), one spare: the killed node's tensor-parallel
+    slices come from the ranks of the other replica that hold the same ones."""
+    lines: list[str] = []
+    spec = sharded_job(
+        "tp-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh="tensor=2",
+        optimizer="adam",
+    )  # fmt: skip
+    with quiet_run(spec, lines, kill_node_at_step=25) as run:
+        result = run.wait()
+        record = _recovery(run)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries == 1, summary(result, lines)
+    assert record.source == "twin", record.to_dict()
+    assert record.steps_lost == 0, record.to_dict()
+    assert_exactly_once(tmp_path, STEPS)
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))

@@ -7,12 +7,14 @@ from typing import Any
 STEPS = 3
 
 
-def build(seed: int) -> tuple[Any, Any]:
-    """A tiny model (rows that do not split evenly over 2 or 3 ranks) and Adam."""
+def build(seed: int, hidden: int = 7) -> tuple[Any, Any]:
+    """A tiny model (by default rows that do not split evenly over 2 or 3 ranks) and Adam."""
     import torch
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 5)
+    )
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 
@@ -40,11 +42,24 @@ def full_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def wrapped(model: Any, mode: str) -> Any:
+    """``model`` sharded as ``mode``: ``fsdp``, ``hsdp``, ``ddp``, or a mesh written
+    ``mesh:<shard>x<tensor>`` (replicas: the rest), laid out as ``wrap(mesh=...)`` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
+    from agents.runtime.mesh_layout import MeshShape, build_mesh
+    from agents.runtime.tensor_plan import apply_plan, default_plan
+
+    if mode.startswith("mesh:"):
+        shard, tensor = (int(n) for n in mode[5:].split("x"))
+        shape = MeshShape(shard=shard, tensor=tensor)
+        mesh = build_mesh("mesh", dist.get_world_size(), 0, "cpu", shape)
+        apply_plan(model, mesh["tensor"], default_plan(model))
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+        return model
 
     if mode == "fsdp":
         world = dist.get_world_size()
@@ -58,13 +73,13 @@ def wrapped(model: Any, mode: str) -> Any:
     return DistributedDataParallel(model)
 
 
-def train_and_save(rank: int, world: int, url: str, mode: str) -> dict[str, Any]:
+def train_and_save(rank: int, world: int, url: str, mode: str, hidden: int = 7) -> dict[str, Any]:
     """Train ``STEPS`` steps sharded as ``mode``, save synchronously, return the full state."""
     import torch
 
     from checkpoint import Checkpointer, TrainState
 
-    model, optimizer = build(seed=0)
+    model, optimizer = build(seed=0, hidden=hidden)
     model = wrapped(model, mode)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     data = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
@@ -76,20 +91,50 @@ def train_and_save(rank: int, world: int, url: str, mode: str) -> dict[str, Any]
     ckpt = Checkpointer(url, keep=3)
     manifest = ckpt.save_now(STEPS, TrainState(model, optimizer, samples_seen=STEPS))
     ckpt.close()
-    return {"state": full_state(model, optimizer), "objects": [o.path for o in manifest.objects]}
+    return {
+        "state": full_state(model, optimizer),
+        "objects": [o.path for o in manifest.objects],
+        "local_shapes": [tuple(_local(p).shape) for p in model.parameters()],
+        "next_loss": next_loss(model, optimizer),
+    }
 
 
-def resume(rank: int, world: int, url: str, mode: str) -> dict[str, Any]:
-    """Restore into a differently initialised model sharded as ``mode``."""
+def _local(p: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def next_loss(model: Any, optimizer: Any) -> float:
+    """The loss of one more step on a batch every rank shares, after it is taken."""
+    import torch
+
+    probe = torch.randn(8, 6, generator=torch.Generator().manual_seed(99))
+    optimizer.zero_grad()
+    model(probe).pow(2).mean().backward()
+    optimizer.step()
+    return float(model(probe).pow(2).mean())
+
+
+def resume(
+    rank: int, world: int, url: str, mode: str, hidden: int = 7, save_to: str | None = None
+) -> dict[str, Any]:
+    """Restore into a differently initialised model sharded as ``mode`` (and save what
+    was restored to ``save_to``, when given)."""
     import torch
 
     from checkpoint import Checkpointer, TrainState
 
-    model, _ = build(seed=1234)
+    model, _ = build(seed=1234, hidden=hidden)
     model = wrapped(model, mode)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     state = TrainState(model, optimizer)
     ckpt = Checkpointer(url, keep=3)
     result = ckpt.restore(state)
     ckpt.close()
-    return {"step": result.step, "state": full_state(model, optimizer)}
+    if save_to is not None:
+        again = Checkpointer(save_to, keep=3)
+        again.save_now(result.step, TrainState(model, optimizer, samples_seen=result.step))
+        again.close()
+    restored = full_state(model, optimizer)
+    return {"step": result.step, "state": restored, "next_loss": next_loss(model, optimizer)}

@@ -68,3 +68,25 @@ def test_a_fresh_start_leaves_an_unstepped_optimizer_without_state(tmp_path: Pat
     assert result.step is None
     assert not optimizer.state
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_mesh_checkpoints_resume_across_layouts(gloo: Any, tmp_path: Path) -> None:
+    """replicate x tensor (2 x 2) → replicate x shard x tensor (1 x 2 x 2) → DDP → 2 x 2:
+    each resumes the one before (and saves it again): the same state, and the same loss
+    on the next step as the run that saved (tensor parallel sums in another order)."""
+    url = f"file://{tmp_path}/2-D"
+    saved = gloo(train_and_save, 4, url, "mesh:1x2", 8)  # hidden 8: tensor parallel halves it
+    assert _close(saved[0]["state"], saved[-1]["state"])
+    # Linear(6, 8) split by output rows, Linear(8, 5) by input columns; its bias whole
+    assert saved[0]["local_shapes"] == [(4, 6), (4,), (5, 4), (5,)], saved[0]["local_shapes"]
+    for name, world, mode in (
+        ("3-D", 4, "mesh:2x2"),
+        ("ddp", 2, "ddp"),
+        ("2-D again", 4, "mesh:1x2"),
+    ):
+        after = f"file://{tmp_path}/{name.replace(' ', '-')}"
+        for r, out in enumerate(gloo(resume, world, url, mode, 8, after)):
+            assert out["step"] == STEPS
+            assert _close(out["state"], saved[0]["state"]), f"{url} → {name}: rank {r} differs"
+            assert abs(out["next_loss"] - saved[0]["next_loss"]) <= 1e-5, (url, name, out)
+        url = after

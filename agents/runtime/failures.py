@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from agents.runtime.step_timing import StepTiming
 
-__all__ = ["PEER_SETTLE_S", "CollectiveFailures", "peer_failure"]
+__all__ = ["PEER_SETTLE_S", "CollectiveFailures", "peer_failure", "raised_in_collective"]
 
 #: After a step failed without a failed collective, how long the worker waits for
 #: the control plane to publish a newer generation before taking the error as the
@@ -212,4 +212,32 @@ def _gloo_transport_error(error: BaseException) -> bool:
         if isinstance(seen, RuntimeError) and _GLOO_TRANSPORT in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
+    return False
+
+
+#: Where FSDP's collectives run (paths inside torch).
+_COLLECTIVE_CODE = (
+    "/torch/distributed/fsdp/",
+    "/torch/distributed/distributed_c10d.py",
+    "/torch/distributed/_functional_collectives",
+)
+
+
+def raised_in_collective(error: BaseException) -> bool:
+    """True when ``error`` was raised in FSDP or a torch.distributed collective.
+
+    FSDP2 runs its all-gathers and reduce-scatters in module and autograd
+    hooks, where the runtime cannot wrap them; the traceback tells.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+            if any(part in path for part in _COLLECTIVE_CODE):
+                return True
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
     return False

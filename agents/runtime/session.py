@@ -32,13 +32,17 @@ from agents.recovery.shard_recovery import RecoveryTelemetry
 from agents.runtime.boundary import Agreement, StepBoundary, agree
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.elastic_ddp import HookInstaller
-from agents.runtime.failures import PEER_SETTLE_S, CollectiveFailures, peer_failure
+from agents.runtime.failures import (
+    PEER_SETTLE_S,
+    CollectiveFailures,
+    peer_failure,
+    raised_in_collective,
+)
 from agents.runtime.generation import Generations, Joined
 from agents.runtime.heartbeat import Heartbeat
 from agents.runtime.plan_watch import PlanWatcher
 from agents.runtime.process_group import Groups, choose_device, hang_up, quiesce, teardown_group
 from agents.runtime.saving import Saving
-from agents.runtime.sharding import raised_in_collective
 from agents.runtime.storage_faults import StorageFaultError
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook

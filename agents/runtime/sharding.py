@@ -66,7 +66,6 @@ __all__ = [
     "layout_of",
     "optimizers_of",
     "others_of",
-    "raised_in_collective",
     "redundancy_ignored",
     "repoint_optimizer",
 ]
@@ -429,31 +428,3 @@ def others_of(tracked: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
         for n, o in tracked.items()
         if o is not model and not isinstance(o, torch.optim.Optimizer)
     }
-
-
-#: Where FSDP's collectives run (paths inside torch).
-_COLLECTIVE_CODE = (
-    "/torch/distributed/fsdp/",
-    "/torch/distributed/distributed_c10d.py",
-    "/torch/distributed/_functional_collectives",
-)
-
-
-def raised_in_collective(error: BaseException) -> bool:
-    """True when ``error`` was raised in FSDP or a torch.distributed collective.
-
-    FSDP2 runs its all-gathers and reduce-scatters in module and autograd
-    hooks, where the runtime cannot wrap them; the traceback tells.
-    """
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-            if any(part in path for part in _COLLECTIVE_CODE):
-                return True
-            tb = tb.tb_next
-        e = e.__cause__ or e.__context__
-    return False

@@ -123,9 +123,12 @@ class RecoveryRecord(Record):
 
     @property
     def steps_lost(self) -> int:
-        """Completed steps lost, as the workers of a sharded model counted them."""
+        """Completed steps lost, as the workers of a sharded model counted them; from a
+        durable checkpoint at least the steps between it and the step that broke (no
+        worker that held them is left to count them when a whole replica went)."""
         kept = [int(t.get("steps_lost") or 0) for t in self.workers.values()]
-        return max([self.most_steps_lost, *kept])
+        durable = self.steps_rerun if "durable" in self.source.split("+") else 0
+        return max([self.most_steps_lost, *kept, durable])
 
     @property
     def steps_rerun(self) -> int:

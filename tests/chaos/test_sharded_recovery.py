@@ -168,3 +168,43 @@ def test_tensor_parallel_slices_come_from_twins(tmp_path: Path) -> None:
     assert record.steps_lost == 0, record.to_dict()
     assert_exactly_once(tmp_path, STEPS)
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))
+
+
+def test_tensor_parallel_replicas_shrink_in_memory_when_no_spare_is_left(tmp_path: Path) -> None:
+    """replicate 2 x tensor 2, no spare: the survivors go on as one replica, from memory."""
+    lines: list[str] = []
+    spec = sharded_job(
+        "tp-shrink", tmp_path, "mesh", nodes=2, min_nodes=1, spares=0, nproc=2, steps=STEPS,
+        mesh="tensor=2",
+    )  # fmt: skip
+    with quiet_run(spec, lines, kill_node_at_step=25) as run:
+        result = run.wait()
+        record = _recovery(run)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert record.source == "live", record.to_dict()
+    assert record.steps_lost == 0, record.to_dict()
+    assert any("of 2" in line for line in lines), summary(result, lines)
+    _assert_applied_once(tmp_path, STEPS, record.steps_lost)
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
+
+
+def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """tensor 2 on one node, one replica: the node's loss takes every copy of its slices;
+    the spare goes on from the newest checkpoint and the record says how many steps were lost."""
+    lines: list[str] = []
+    spec = sharded_job(
+        "tp-durable", tmp_path, "mesh", nodes=1, nproc=2, steps=STEPS, mesh="tensor=2",
+        every_steps=20,
+    )  # fmt: skip
+    with quiet_run(spec, lines, kill_node_at_step=25) as run:
+        result = run.wait()
+        record = _recovery(run)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert record.source == "durable", record.to_dict()
+    assert record.restored_step in (20, 40), record.to_dict()
+    # no worker that held the lost steps is left: the record counts from the step that broke
+    assert record.steps_lost == record.step - record.restored_step, record.to_dict()
+    _assert_applied_once(tmp_path, STEPS, record.steps_lost)
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))

@@ -218,6 +218,25 @@ def test_a_recovery_of_1000_nodes_x_8_workers_stays_small() -> None:
     assert (again.source, again.steps_lost, again.phases) == (r.source, r.steps_lost, r.phases)
 
 
+def test_a_durable_restore_with_no_survivor_counts_from_the_step_that_broke() -> None:
+    """A whole replica went: no worker held the lost steps to count them; the record
+    counts the steps between the checkpoint restored and the step that broke."""
+    workers = {f"n1-{i}": _worker(11.0, 12.0, 13.0, step=20) for i in range(2)}
+    for t in workers.values():
+        t.update(restored_from="durable", steps_lost=0)
+    r = build_record(
+        generation=2, cause="lease_expiry", nodes=["n0"], reason="lease expired: n0",
+        failure_at=10.0, declared_at=10.5, workers=workers, step=27, observed_s=3.0,
+    )  # fmt: skip
+    assert (r.source, r.restored_step, r.steps_lost) == ("durable", 20, 7)
+    workers = {f"n1-{i}": _worker(11.0, 12.0, 13.0, step=20) for i in range(2)}
+    r = build_record(
+        generation=2, cause="agent_gone", nodes=["n0"], reason="", failure_at=10.0,
+        declared_at=10.5, workers=workers, step=27, observed_s=3.0,
+    )  # fmt: skip
+    assert r.steps_lost == 0  # not a sharded model's restore: steps_rerun says it
+
+
 def test_a_record_stored_before_the_summary_fields_still_reads() -> None:
     old = {
         "v": 1, "generation": 2, "cause": "hang", "nodes": ["n1"], "reason": "",

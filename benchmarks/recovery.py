@@ -25,8 +25,10 @@ a SIGSTOPped worker and a node cut off by a network partition (needs root).
 
 The sharded rows (``examples/train_sharded.py``, FSDP2) kill a node the same
 way: ``hsdp`` (2 nodes x 2 ranks, one spare node: the slices come from their
-twins) and ``fsdp`` with redundancy every step (3 nodes, one spare: from the
-buddy's copy); the ``ddp`` row beside them is the same job unsharded.  The
+twins), ``tensor_parallel`` (``--mesh tensor=2``: each node one replica split
+over its 2 ranks, one spare node: from the twins) and ``fsdp`` with redundancy
+every step (3 nodes, one spare: from the buddy's copy); the ``ddp`` row beside
+them is the same job unsharded.  The
 redundancy overhead rows train ``fsdp`` on 3 nodes without a failure, with
 copies every step, every ``DEFAULT_EVERY_STEPS`` steps (the default) and
 without (twice each, in alternating order), on a wider model
@@ -39,8 +41,8 @@ the copies' costs (``BuddyCopies.stop``: how long the training thread was
 blocked per copy, of which copying to host, and the exchange on its thread).
 
 ``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone; ``--sharded``
-takes row names to run only those (``ddp hsdp fsdp_redundancy fsdp_durable
-overhead``).  The last line is a JSON object.
+takes row names to run only those (``ddp hsdp tensor_parallel fsdp_redundancy
+fsdp_durable overhead``).  The last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def _mean_step_s(logs: Path) -> float:
 SHARDED_ROWS = (
     ("ddp", ["--sharding", "ddp"], 2, 2, 0),
     ("hsdp", ["--sharding", "hsdp"], 2, 2, 0),
+    ("tensor_parallel", ["--mesh", "tensor=2"], 2, 2, 0),  # replicate 2 x tensor 2
     ("fsdp_redundancy", ["--sharding", "fsdp", "--redundancy-every-steps", "1"], 3, 1, 0),
     ("fsdp_durable", ["--sharding", "fsdp", "--redundancy-every-steps", "0"], 3, 1, 10),
 )
@@ -278,7 +281,7 @@ def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
             rows[f"{name}_recovery_s"] = round(recovery, 3)
             rows[f"{name}_steps_lost"] = lost
         if only and "overhead" not in only:
-            return rows
+            return _vs_ddp(rows)
         # the settings alternate (1, 10, 0, 0, 10, 1): a load that drifts during the
         # runs (the machine is shared) weighs on each setting alike
         order = (1, DEFAULT_EVERY_STEPS, 0)
@@ -307,11 +310,16 @@ def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
     rows["redundancy_default_every_steps"] = DEFAULT_EVERY_STEPS
     rows["fsdp_redundancy_default_step_s"] = round(steps[DEFAULT_EVERY_STEPS], 5)
     rows["redundancy_default_overhead"] = round(steps[DEFAULT_EVERY_STEPS] / steps[0] - 1, 3)
-    if "hsdp_recovery_s" in rows and "ddp_recovery_s" in rows:
-        rows["hsdp_vs_ddp"] = round(
-            float(rows["hsdp_recovery_s"]) / float(rows["ddp_recovery_s"]),  # type: ignore[arg-type]
-            2,
-        )
+    return _vs_ddp(rows)
+
+
+def _vs_ddp(rows: dict[str, object]) -> dict[str, object]:
+    """Each sharded row's time to the next step as a ratio to the ddp row's."""
+    ddp = rows.get("ddp_recovery_s")
+    for name in ("hsdp", "tensor_parallel"):
+        mine = rows.get(f"{name}_recovery_s")
+        if isinstance(ddp, float) and isinstance(mine, float) and ddp > 0:
+            rows[f"{name}_vs_ddp"] = round(mine / ddp, 2)
     return rows
 
 

@@ -36,10 +36,9 @@ from agents.runtime.sharding import (
     Slice,
     SliceKey,
     layout_of,
-    optimizers_of,
-    others_of,
 )
 from agents.runtime.telemetry import WorkerTelemetry
+from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from orchestrator.records import Telemetry
 
 if TYPE_CHECKING:

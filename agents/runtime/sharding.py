@@ -10,7 +10,7 @@ of another replica group (``hsdp``), a buddy's host-memory copy
 (:mod:`agents.recovery.buddy_copies`), or a durable checkpoint.  The optimizers the
 script built on :meth:`ShardedModel.parameters` keep working: their parameter
 lists are pointed at the new generation's parameters and their state is put
-back under the new ones (:func:`repoint_optimizer`).
+back under the new ones (:func:`agents.runtime.tracked_optimizers.repoint_optimizer`).
 
 Modes (``sharding=`` of :meth:`agents.runtime.Session.wrap`):
 
@@ -50,10 +50,12 @@ from agents.runtime.mesh_layout import (
     layout_of,
 )
 from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
+from agents.runtime.tracked_optimizers import repoint_optimizer
 
 __all__ = [
     "PARAM",
     "SHARDING_MODES",
+    "DataShare",
     "Layout",
     "MeshShape",
     "ShardedModel",
@@ -64,10 +66,7 @@ __all__ = [
     "check_mode",
     "chunk_rows",
     "layout_of",
-    "optimizers_of",
-    "others_of",
     "redundancy_ignored",
-    "repoint_optimizer",
 ]
 
 #: The values of ``sharding=`` (``mesh`` is what ``wrap(mesh=...)`` makes).
@@ -133,6 +132,22 @@ class Slice:
         """A copy in host memory that later training steps cannot change."""
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in self.tensors.items()}
         return Slice(self.step, self.layout, tensors, copy.deepcopy(self.replicated))
+
+
+class DataShare:
+    """``rank`` and ``world_size`` of the data a sharded model's rank reads, read
+    at each step (tensor-parallel ranks of one replica share a batch)."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self._model = model
+
+    @property
+    def rank(self) -> int:
+        return self._model.data_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._model.data_world_size
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -230,6 +245,11 @@ class ShardedModel(nn.Module):
         """How many shares each step's batch is dealt into (ranks / tensor)."""
         tensor = self.mesh_shape.tensor if self.mesh_shape is not None else 1
         return self.device_mesh.size() // tensor
+
+    @property
+    def data(self) -> DataShare:
+        """This rank's share of the data, as an ``ElasticLoader`` placement."""
+        return DataShare(self)
 
     def build_mesh(self, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
         """The mesh of a generation of ``world_size`` ranks."""
@@ -385,46 +405,3 @@ class ShardedModel(nn.Module):
             n: (*chunk_rows(self.rows[n], gen.layout), self.local_rows(n).detach().clone())
             for n in gen.params
         }
-
-
-def repoint_optimizer(
-    opt: torch.optim.Optimizer,
-    old: dict[str, nn.Parameter],
-    new: dict[str, nn.Parameter],
-    state: dict[str, dict[str, Any]],
-) -> None:
-    """Point ``opt``'s parameter groups from ``old`` parameters to ``new`` ones
-    (matched by name) and replace its state with ``state`` (by name).
-
-    Raises:
-        ValueError: ``opt`` holds a parameter that is not one of ``old``'s.
-    """
-    name_of = {id(p): n for n, p in old.items()}
-    for group in opt.param_groups:
-        names = []
-        for p in group["params"]:
-            if id(p) not in name_of:
-                raise ValueError(
-                    "an optimizer tracked beside a sharded model holds a parameter that is not "
-                    "the model's; build it on model.parameters() after session.wrap()"
-                )
-            names.append(name_of[id(p)])
-        group["params"] = [new[n] for n in names]
-    opt.state.clear()
-    for n, st in state.items():
-        if st:
-            opt.state[new[n]] = st
-
-
-def optimizers_of(tracked: Mapping[str, Any]) -> dict[str, torch.optim.Optimizer]:
-    """The tracked optimizers, by their tracked name."""
-    return {n: o for n, o in tracked.items() if isinstance(o, torch.optim.Optimizer)}
-
-
-def others_of(tracked: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
-    """Tracked objects other than the model and the optimizers (replicated state)."""
-    return {
-        n: o
-        for n, o in tracked.items()
-        if o is not model and not isinstance(o, torch.optim.Optimizer)
-    }

@@ -27,10 +27,9 @@ from agents.runtime.mesh_layout import MeshShape, mesh_shape
 from agents.runtime.sharding import (
     ShardedModel,
     check_mode,
-    optimizers_of,
-    others_of,
     redundancy_ignored,
 )
+from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
 from orchestrator.records import Plan
 from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec

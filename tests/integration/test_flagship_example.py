@@ -31,9 +31,10 @@ STEPS = 36
 KILL_AT = 8
 
 
-def short_lm_job(name: str, tmp: Path, spares: int) -> JobSpec:
-    """examples/lm.yaml in its short form, with its output and checkpoints under ``tmp``."""
-    data: dict[str, Any] = yaml.safe_load((REPO / "examples" / "lm.yaml").read_text())
+def short_lm_job(name: str, tmp: Path, spares: int, example: str = "lm.yaml") -> JobSpec:
+    """examples/lm.yaml (or ``example``) in its short form, with its output and
+    checkpoints under ``tmp``."""
+    data: dict[str, Any] = yaml.safe_load((REPO / "examples" / example).read_text())
     data["name"] = name
     data["entrypoint"]["script"] = str(REPO / data["entrypoint"]["script"])
     data["entrypoint"]["args"] += ["--short", "--warmup", "4", "--out", str(tmp / "out")]
@@ -83,3 +84,28 @@ def test_lm_example_ends_with_the_same_loss_after_a_node_kill(tmp_path: Path) ->
         for key in ("eval_loss", "ema_eval_loss", "train_loss"):
             assert abs(mine[key] - theirs[key]) <= 1e-5, f"rank {rank} {key}: {mine} vs {theirs}"
         assert mine["tokens"] == theirs["tokens"] and mine["step"] == STEPS
+
+
+def test_tensor_parallel_lm_ends_with_the_same_loss_after_a_node_kill(tmp_path: Path) -> None:
+    """examples/lm_mesh.yaml: 2 replicas x tensor 2; the killed node's slices come from
+    its twins and the run ends with the uninterrupted run's losses."""
+    losses = {}
+    for name, spares, kill in (("reference", 0, None), ("killed", 1, KILL_AT)):
+        out = tmp_path / name
+        out.mkdir()
+        lines: list[str] = []
+        spec = short_lm_job(f"lm-mesh-{name}", out, spares, "lm_mesh.yaml")
+        with quiet_run(spec, lines, kill_node_at_step=kill) as run:
+            result = run.wait()
+        assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+        assert result.recoveries == (0 if kill is None else 1), summary(result, lines)
+        got = finals(out)
+        assert len(got) == 4 and all(g["step"] == STEPS for g in got), got
+        losses[name] = got
+        if kill is not None:
+            recovered = [e for e in result.events if e.type == "Recovered"]
+            assert "state from twin, 0 steps lost" in recovered[0].message, recovered
+    assert losses["reference"][0]["eval_loss"] < 5.0, "the model learned nothing (ln 256 = 5.55)"
+    for rank, (mine, theirs) in enumerate(zip(losses["killed"], losses["reference"], strict=True)):
+        for key in ("eval_loss", "train_loss"):
+            assert abs(mine[key] - theirs[key]) <= 1e-5, f"rank {rank} {key}: {mine} vs {theirs}"

@@ -3,7 +3,9 @@
 ``--sharding fsdp`` shards the MLP over every rank; ``hsdp`` shards it within
 each node and replicates across nodes; ``--mesh tensor=2`` (or
 ``replicate=2,shard=1,tensor=2``) splits its two layers over 2 neighbouring
-ranks (tensor parallel) and replicates across the rest.  A lost rank's slice
+ranks (tensor parallel) and replicates across the rest; ``--mesh pipeline=2``
+cuts it into 2 stages run as a pipeline (``--schedule``, ``--microbatches``).
+A lost rank's slice
 comes back from its twin (``hsdp``, ``--mesh``), from a buddy's host-memory copy
 (``fsdp``, unless ``--redundancy-every-steps 0``) or from the newest durable
 checkpoint.  The
@@ -60,6 +62,8 @@ def main() -> None:
         default=None,
         help="fsdp: copy each slice to a buddy every N steps (0: off; default: the runtime's)",
     )
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    parser.add_argument("--microbatches", type=int, default=4, help="with mesh pipeline > 1")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     parser.add_argument("--width", type=int, default=32, help="hidden units of the MLP")
     parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
@@ -75,7 +79,17 @@ def main() -> None:
     extra = {}
     if args.redundancy_every_steps is not None:
         extra["redundancy_every_steps"] = args.redundancy_every_steps
-    if args.mesh is not None:
+    pipelined = args.mesh is not None and args.mesh.get("pipeline", 1) > 1
+    if pipelined:
+        # the schedule averages the micro-batches' losses: each is scaled to stand for
+        # its share of the global batch's mean, as the unpipelined loss below is
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            shares = model.data_world_size * args.microbatches
+            return F.cross_entropy(out, target, reduction="sum") * shares / GLOBAL_BATCH
+
+        pipe = runtime.Pipeline(loss_fn, microbatches=args.microbatches, schedule=args.schedule)
+        model = session.wrap(net, mesh=args.mesh, pipeline=pipe, **extra)
+    elif args.mesh is not None:
         model = session.wrap(net, mesh=args.mesh, **extra)
     else:
         model = session.wrap(net, sharding=args.sharding, **extra)
@@ -94,9 +108,11 @@ def main() -> None:
             )
             xb, yb = batch(step, rank, world, x, y)
             opt.zero_grad()
-            # mean over the global batch: gradients are averaged over the shares
-            loss = F.cross_entropy(model(xb), yb, reduction="sum") * world / GLOBAL_BATCH
-            loss.backward()
+            if pipelined:  # forward and backward through the stages
+                loss = model.step(xb, yb)
+            else:  # mean over the global batch: gradients are averaged over the shares
+                loss = F.cross_entropy(model(xb), yb, reduction="sum") * world / GLOBAL_BATCH
+                loss.backward()
             opt.step()
             if args.mesh is not None and args.out and step + 1 == total:
                 whole = model.full_parameters()  # a collective: while the group is up

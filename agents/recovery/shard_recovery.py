@@ -16,7 +16,6 @@ Runs in the training process.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -24,11 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from agents.api import DurableState, StateLostError, WorkerView
 from agents.recovery import shard_transfer
-from agents.recovery.state_sync import NO_STATE, broadcast_state
+from agents.recovery.slice_state import (
+    apply_replicated,
+    replicated_for,
+    structure_of,
+    targets_for,
+)
+from agents.recovery.state_sync import NO_STATE
 from agents.runtime.sharding import (
     PARAM,
     Layout,
@@ -172,8 +176,8 @@ def join(
     if tp is None:
         return _from_storage(model, fresh, optimizers, best_live, durable, world)
     rows = _rows(model, gathered, tp)
-    structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
-    targets, states = _targets(model, fresh, structure, optimizers)
+    structure = structure_of(gathered, tp)
+    targets, states = targets_for(model, fresh, structure, optimizers)
 
     def serve(chunk: int) -> dict[SliceKey, torch.Tensor] | None:
         for h in holdings:  # live first
@@ -186,15 +190,10 @@ def join(
         received = shard_transfer.execute(
             tp, rank, new, rows, structure, serve, targets, group=control
         )
-    source_of_rest = rank == tp.replicated_from
-    replicated = broadcast_state(
-        (lambda: _replicated_of(holdings, tp.step, tp.old)) if source_of_rest else None,
-        tp.replicated_from,
-        control,
+    replicated = replicated_for(
+        model, [h.slice for h in holdings], gathered, tp, new, rank, control
     )
-    if source_of_rest:  # its own holding, which lives on: the new objects get a copy
-        replicated = copy.deepcopy(replicated)
-    _apply_replicated(fresh, optimizers, others_of(held.tracked, model), states, replicated)
+    apply_replicated(fresh, optimizers, others_of(held.tracked, model), states, replicated)
     model.adopt(optimizers, states)
     source = _source(model.mode, tp, gathered, new, rows)
     lost = max(0, best_live - tp.step)
@@ -251,85 +250,6 @@ def _rows(
     return shard_transfer.stacked(table)
 
 
-def _replicated_of(holdings: list[_Holding], step: int, shards: int) -> dict[str, Any]:
-    for h in holdings:
-        if h.slice.step == step and h.slice.layout.shards == shards and h.slice.replicated:
-            return h.slice.replicated
-    raise AssertionError("planned as the source of replicated state without holding it")
-
-
-def _targets(
-    model: ShardedModel,
-    fresh: torch.nn.Module,
-    structure: dict[SliceKey, tuple[torch.dtype, tuple[int, ...]]],
-    optimizers: dict[str, torch.optim.Optimizer],
-) -> tuple[dict[SliceKey, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
-    """Tensors to fill for the new slice, and the optimizers' new state around them."""
-    params = model.building.params
-    targets: dict[SliceKey, torch.Tensor] = {}
-    states: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in optimizers}
-    for key, (dtype, trailing) in structure.items():
-        fqn, sub = key
-        if sub == PARAM:
-            targets[key] = model.local_rows(fqn, fresh)
-            continue
-        oname, skey = sub.split(".", 1)
-        p = params[fqn]
-        assert isinstance(p, DTensor)
-        # a state tensor shaped like its parameter (momentum, Adam's moments)
-        mine = model.local_rows(fqn, fresh)
-        if tuple(mine.shape[1:]) != trailing:
-            raise RuntimeError(
-                f"optimizer {oname!r} holds {skey!r} of {fqn} shaped {trailing} after dimension "
-                f"0, the parameter {tuple(mine.shape[1:])}: only state shaped like its parameter "
-                "is sharded"
-            )
-        local = torch.empty(mine.shape, dtype=dtype, device=p.device)
-        targets[key] = local
-        states.setdefault(oname, {}).setdefault(fqn, {})[skey] = DTensor.from_local(
-            local,
-            p.device_mesh,
-            p.placements,
-            run_check=False,
-            shape=p.shape,
-            stride=_contiguous_stride(tuple(p.shape)),
-        )
-    return targets, states
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
-
-
-def _apply_replicated(
-    fresh: torch.nn.Module,
-    optimizers: dict[str, torch.optim.Optimizer],
-    others: dict[str, Any],
-    states: dict[str, dict[str, dict[str, Any]]],
-    replicated: dict[str, Any],
-) -> None:
-    with torch.no_grad():
-        buffers = dict(fresh.named_buffers())
-        for name, value in replicated["buffers"].items():
-            buffers[name].copy_(value)
-    for oname, opt in optimizers.items():
-        for group, saved in zip(opt.param_groups, replicated["groups"].get(oname, []), strict=True):
-            group.update(saved)
-        for fqn, scalars in replicated["scalars"].get(oname, {}).items():
-            states.setdefault(oname, {}).setdefault(fqn, {}).update(
-                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-            )
-    for name, st in replicated["objects"].items():
-        if name in others:
-            others[name].load_state_dict(st)
-    torch.set_rng_state(replicated["rng"])
-
-
 def _source(
     mode: str,
     tp: shard_transfer.TransferPlan,
@@ -338,8 +258,7 @@ def _source(
     rows: shard_transfer.Rows,
 ) -> str:
     """What served the slices: a buddy's copy, a twin or peer, own snapshots, or each its own."""
-    structure = gathered[tp.replicated_from][2][(tp.step, tp.old)]
-    keys = [key for key in structure if key[1] == PARAM]
+    keys = [key for key in structure_of(gathered, tp) if key[1] == PARAM]
     used: set[tuple[int, int, str]] = set()  # (receiver, holder, kind)
     for receiver, layout in enumerate(new):
         for piece in shard_transfer.pieces(rows, keys, tp.old, layout):

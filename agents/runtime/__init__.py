@@ -58,17 +58,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agents.runtime.pipeline import Pipeline
     from agents.runtime.session import Session
     from agents.runtime.standalone import StandaloneSession
     from agents.runtime.startup import init
 
-__all__ = ["Session", "StandaloneSession", "init"]
+__all__ = ["Pipeline", "Session", "StandaloneSession", "init"]
 
 #: Where each public name lives.  They are imported on first use, not with the
 #: package: the runtime's own modules and the live-state tiers (:mod:`agents.recovery`)
 #: import the package's modules, and an eager import of the session here would import
 #: them back half-initialised.
 _HOMES = {
+    "Pipeline": "agents.runtime.pipeline",
     "Session": "agents.runtime.session",
     "StandaloneSession": "agents.runtime.standalone",
     "init": "agents.runtime.startup",

@@ -7,13 +7,14 @@ replicas of a slice sit on other nodes.
 
 * ``fsdp``: one ``shard`` dimension over every rank;
 * ``hsdp``: ``(replicate, shard)``, ``shard_size`` ranks per replica;
-* ``mesh`` (``wrap(mesh=...)``): ``(replicate, shard, tensor)``: tensor parallel
-  innermost (its ranks share a node), FSDP2 over ``shard``, and replicas across
-  the rest of the world.
+* ``mesh`` (``wrap(mesh=...)``): ``(replicate, pipeline, shard, tensor)``:
+  tensor parallel innermost (its ranks share a node), FSDP2 over ``shard``,
+  pipeline stages across those groups (the ``pipeline`` dimension is left out
+  when it is 1), and replicas across the rest of the world.
 
 A *layout* is where a rank sits inside its replica: chunk ``index`` of
-``shards``, ``shards`` being the ranks of one replica (``shard * tensor`` for a
-mesh).  Ranks of equal layout in different replicas (*twins*) hold equal
+``shards``, ``shards`` being the ranks of one replica (``pipeline * shard *
+tensor`` for a mesh).  Ranks of equal layout in different replicas (*twins*) hold equal
 slices, which is what recovery draws on.
 """
 
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 #: The dimensions ``wrap(mesh=...)`` takes, outermost first.
-MESH_DIMS = ("replicate", "shard", "tensor")
+MESH_DIMS = ("replicate", "pipeline", "shard", "tensor")
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,21 @@ class MeshShape:
     shard: int = 1
     tensor: int = 1
     replicate: int | None = None
+    pipeline: int = 1
 
     @property
     def replica_size(self) -> int:
-        """Ranks of one replica (``shard * tensor``)."""
-        return self.shard * self.tensor
+        """Ranks of one replica (``pipeline * shard * tensor``)."""
+        return self.pipeline * self.shard * self.tensor
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The generation mesh's dimensions (``pipeline`` only when there are stages)."""
+        return MESH_DIMS if self.pipeline > 1 else ("replicate", "shard", "tensor")
+
+    def stage(self, layout: Layout) -> int:
+        """The pipeline stage a rank of ``layout`` holds."""
+        return layout.index // (self.shard * self.tensor)
 
     def replicas(self, world_size: int) -> int:
         """How many replicas ``world_size`` ranks make.
@@ -76,14 +87,18 @@ class MeshShape:
         if world_size % self.replica_size:
             raise ValueError(
                 f"mesh {self.describe()} needs a world size that is a multiple of "
-                f"shard * tensor = {self.replica_size}; this generation has {world_size} ranks: "
+                f"pipeline * shard * tensor = {self.replica_size}; this generation has "
+                f"{world_size} ranks: "
                 "run whole replicas (nodes * nproc_per_node)"
             )
         return world_size // self.replica_size
 
     def describe(self, world_size: int | None = None) -> str:
         r = self.replicate if world_size is None else self.replicas(world_size)
-        return f"(replicate {'*' if r is None else r}, shard {self.shard}, tensor {self.tensor})"
+        return (
+            f"(replicate {'*' if r is None else r}, pipeline {self.pipeline}, "
+            f"shard {self.shard}, tensor {self.tensor})"
+        )
 
 
 def mesh_shape(spec: Mapping[str, int]) -> MeshShape:
@@ -93,11 +108,6 @@ def mesh_shape(spec: Mapping[str, int]) -> MeshShape:
         ValueError: an unknown dimension or a size that is not a positive integer
             (``replicate`` may also be -1: the rest of the world).
     """
-    if "pipeline" in spec:
-        raise ValueError(
-            "mesh dimension 'pipeline' is not supported in this release: "
-            "use replicate, shard and tensor (see docs/sharded-models.md)"
-        )
     unknown = sorted(set(spec) - set(MESH_DIMS))
     if unknown:
         raise ValueError(
@@ -119,6 +129,7 @@ def mesh_shape(spec: Mapping[str, int]) -> MeshShape:
         shard=sizes.get("shard", 1),
         tensor=sizes.get("tensor", 1),
         replicate=None if replicate == -1 else replicate,
+        pipeline=sizes.get("pipeline", 1),
     )
 
 
@@ -147,12 +158,14 @@ def build_mesh(
     shape: MeshShape | None = None,
 ) -> DeviceMesh:
     """The generation's mesh: 1-D for ``fsdp``, ``(replicate, shard)`` for ``hsdp``,
-    ``(replicate, shard, tensor)`` for ``mesh`` (``shape`` given)."""
+    ``(replicate[, pipeline], shard, tensor)`` for ``mesh`` (``shape`` given)."""
     if mode == "fsdp":
         return DeviceMesh(device_type, torch.arange(world_size), mesh_dim_names=("shard",))
     if shape is not None:
-        grid = torch.arange(world_size).view(shape.replicas(world_size), shape.shard, shape.tensor)
-        return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
+        sizes = {"replicate": shape.replicas(world_size), "pipeline": shape.pipeline}
+        sizes |= {"shard": shape.shard, "tensor": shape.tensor}
+        grid = torch.arange(world_size).view(*(sizes[n] for n in shape.names))
+        return DeviceMesh(device_type, grid, mesh_dim_names=shape.names)
     check_hsdp_world(world_size, shard_size)
     grid = torch.arange(world_size).view(world_size // shard_size, shard_size)
     return DeviceMesh(device_type, grid, mesh_dim_names=("replicate", "shard"))

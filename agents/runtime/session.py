@@ -189,6 +189,7 @@ class Session:
         redundancy_every_steps: int | None = None,
         mesh: Mapping[str, int] | None = None,
         tensor_plan: Mapping[str, Any] | None = None,
+        pipeline: Any = None,
     ) -> Any:
         """Wrap ``module`` for data-parallel training across generations.
 
@@ -213,6 +214,10 @@ class Session:
             tensor_plan: with ``mesh`` ``tensor`` > 1: module name → ``ParallelStyle``
                 for DTensor's ``parallelize_module``; default: each pair of
                 ``nn.Linear`` in an ``nn.Sequential``, column- then row-wise.
+            pipeline: with ``mesh`` ``pipeline`` > 1: a
+                :class:`~agents.runtime.pipeline.Pipeline` (loss, micro-batches,
+                schedule, split points); the model, an ``nn.Sequential``, is cut
+                into stages and trained with ``model.step(inputs, target)``.
 
         Returns:
             An :class:`~agents.runtime.elastic_ddp.ElasticDDP` for ``ddp``, a
@@ -228,8 +233,9 @@ class Session:
         """
         models = self._models
         wrapped = models.wrap(
-            module, hook_installer, sharding, shard_size, redundancy_every_steps, mesh, tensor_plan
-        )
+            module, hook_installer, sharding, shard_size, redundancy_every_steps, mesh,
+            tensor_plan, pipeline,
+        )  # fmt: skip
         if models.outer is not None:  # a delayed sync's outer state: tracked like the model's
             self._state.tracked["outer"] = self._telemetry.outer = models.outer
             self._votes.meets = models.outer.meets  # the sites vote where they meet

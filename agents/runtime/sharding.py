@@ -49,6 +49,7 @@ from agents.runtime.mesh_layout import (
     chunk_rows,
     layout_of,
 )
+from agents.runtime.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
 from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
 from agents.runtime.tracked_optimizers import repoint_optimizer
 
@@ -165,6 +166,7 @@ class _Generation:
     mesh: DeviceMesh
     layout: Layout
     params: dict[str, nn.Parameter] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 class ShardedModel(nn.Module):
@@ -186,6 +188,7 @@ class ShardedModel(nn.Module):
         shard_size: int | None = None,
         mesh: MeshShape | None = None,
         tensor_plan: TensorPlan | None = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
         super().__init__()
         if check_mode(mode) == "ddp":
@@ -198,6 +201,18 @@ class ShardedModel(nn.Module):
         if mesh is not None and mesh.tensor > 1:
             plan = default_plan(module) if tensor_plan is None else tensor_plan
             check_plan(module, plan, mesh.tensor)
+        stages = mesh.pipeline if mesh is not None else 1
+        if (stages > 1) != (pipeline is not None):
+            raise ValueError(
+                'a mesh with "pipeline" > 1 takes pipeline=Pipeline(loss_fn=...), and only it'
+            )
+        #: the children of the model each pipeline stage holds (one stage: all)
+        self.stages = [[n for n, _ in module.named_children()]]
+        self.runner: PipelineRunner | None = None
+        if pipeline is not None:
+            pipeline.check(stages)
+            self.stages = split_stages(module, stages, pipeline.split)
+            self.runner = PipelineRunner(pipeline, stages)
         #: ``wrap(mesh=...)``'s shape, None for ``fsdp``/``hsdp``
         self.mesh_shape = mesh
         self.tensor_plan = plan
@@ -234,17 +249,21 @@ class ShardedModel(nn.Module):
 
     @property
     def data_rank(self) -> int:
-        """Which share of each step's batch this rank reads: tensor-parallel ranks of
-        one replica read the same; every other rank reads its own."""
-        mesh = self.device_mesh
-        tensor = self.mesh_shape.tensor if self.mesh_shape is not None else 1
-        return mesh.get_rank() // tensor
+        """Which share of each step's batch this rank reads: the tensor-parallel ranks
+        and pipeline stages of one replica's shard read the same; the others their own."""
+        mesh, shape = self.device_mesh, self.mesh_shape
+        if shape is None:
+            return mesh.get_rank()
+        at = dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or (), strict=True))
+        return at["replicate"] * shape.shard + at["shard"]
 
     @property
     def data_world_size(self) -> int:
-        """How many shares each step's batch is dealt into (ranks / tensor)."""
-        tensor = self.mesh_shape.tensor if self.mesh_shape is not None else 1
-        return self.device_mesh.size() // tensor
+        """How many shares each step's batch is dealt into (replicas x shard)."""
+        shape = self.mesh_shape
+        if shape is None:
+            return self.device_mesh.size()
+        return self.device_mesh.size() // (shape.pipeline * shape.tensor)
 
     @property
     def data(self) -> DataShare:
@@ -267,11 +286,15 @@ class ShardedModel(nn.Module):
         if self.mesh_shape is None:
             fully_shard(fresh, mesh=mesh)
         else:
-            if self.tensor_plan:
-                apply_plan(fresh, mesh["tensor"], self.tensor_plan)
+            if self.runner is not None:  # this rank's stage: its children, under their names
+                fresh = stage_of(fresh, self.stages[self.mesh_shape.stage(layout)])
+            names = dict(fresh.named_modules())
+            plan = {k: v for k, v in self.tensor_plan.items() if k in names}
+            if plan:
+                apply_plan(fresh, mesh["tensor"], plan)
             fully_shard(fresh, mesh=mesh["replicate", "shard"])
         fresh.to_empty(device=device)
-        gen = _Generation(mesh, layout, dict(fresh.named_parameters()))
+        gen = _Generation(mesh, layout, dict(fresh.named_parameters()), device)
         for name, p in gen.params.items():
             if self.mesh_shape is not None:
                 break  # a mesh's local tensors are DTensor's to lay out
@@ -323,6 +346,15 @@ class ShardedModel(nn.Module):
         self.params = gen.params
         self.initial = None
         object.__setattr__(self, "_gen", gen)
+        if self.runner is not None:
+            self.runner.reset(fresh, gen.mesh, gen.device)
+
+    def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A pipelined model's forward and backward of one step (every rank calls it
+        with the step's batch); the step's loss, on every rank."""
+        if self.runner is None:
+            raise RuntimeError("model.step() runs a pipeline; call the model and backward()")
+        return self.runner.step(inputs, target)
 
     def drop(self) -> None:
         """Forget gradients of a failed step (the module stays until the next build)."""
@@ -369,6 +401,8 @@ class ShardedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._gen is None:
             raise RuntimeError("ShardedModel used outside a training step (no process group yet)")
+        if self.runner is not None:
+            raise RuntimeError("a pipelined model runs through model.step(inputs, target)")
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]

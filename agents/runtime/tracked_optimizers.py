@@ -25,7 +25,9 @@ def repoint_optimizer(
     state: dict[str, dict[str, Any]],
 ) -> None:
     """Point ``opt``'s parameter groups from ``old`` parameters to ``new`` ones
-    (matched by name) and replace its state with ``state`` (by name).
+    (matched by name) and replace its state with ``state`` (by name).  A parameter
+    ``new`` lacks is dropped: a pipeline stage holds only its own (the optimizer was
+    built on the whole model's before the first generation).
 
     Raises:
         ValueError: ``opt`` holds a parameter that is not one of ``old``'s.
@@ -40,7 +42,7 @@ def repoint_optimizer(
                     "the model's; build it on model.parameters() after session.wrap()"
                 )
             names.append(name_of[id(p)])
-        group["params"] = [new[n] for n in names]
+        group["params"] = [new[n] for n in names if n in new]
     opt.state.clear()
     for n, st in state.items():
         if st:

@@ -24,6 +24,7 @@ from agents.recovery.buddy_copies import BuddyCopies
 from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
 from agents.runtime.failures import CollectiveFailures
 from agents.runtime.mesh_layout import MeshShape, mesh_shape
+from agents.runtime.pipeline import Pipeline
 from agents.runtime.sharding import (
     ShardedModel,
     check_mode,
@@ -86,9 +87,17 @@ class WrappedModels:
         redundancy_every_steps: int | None,
         mesh: Mapping[str, int] | None = None,
         tensor_plan: Mapping[str, Any] | None = None,
+        pipeline: Pipeline | None = None,
     ) -> ElasticDDP | ShardedModel:
         """See :meth:`agents.runtime.Session.wrap`."""
         sharding = mode_of(sharding, mesh, tensor_plan)
+        if pipeline is not None and not isinstance(pipeline, Pipeline):
+            raise ValueError(
+                "pipeline= takes agents.runtime.Pipeline(loss_fn=...), not "
+                + type(pipeline).__name__
+            )
+        if pipeline is not None and mesh is None:
+            raise ValueError('pipeline= goes with mesh={"pipeline": P, ...}; pass a mesh')
         ignored = redundancy_ignored(
             check_mode(sharding),
             self._spec.fault_tolerance.redundancy.every_steps,
@@ -106,6 +115,7 @@ class WrappedModels:
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
                 spec=self._spec, device=self._device, has_sharded=self.sharded is not None,
                 mesh=mesh_shape(mesh) if mesh is not None else None, tensor_plan=tensor_plan,
+                pipeline=pipeline,
             )  # fmt: skip
             return self.sharded
         if self._spec.sync.delayed:
@@ -262,6 +272,7 @@ def wrap_sharded(
     has_sharded: bool,
     mesh: MeshShape | None = None,
     tensor_plan: Mapping[str, Any] | None = None,
+    pipeline: Pipeline | None = None,
 ) -> tuple[ShardedModel, BuddyCopies | None]:
     """``module`` as a :class:`ShardedModel`, and its buddy copies (``fsdp`` with redundancy).
 
@@ -298,7 +309,7 @@ def wrap_sharded(
         raise ValueError("sharding='mesh' is what wrap(mesh=...) makes: pass mesh= instead")
     if tensor_plan is not None and (mesh is None or mesh.tensor == 1):
         raise ValueError('tensor_plan= splits layers over mesh "tensor"; that dimension is 1')
-    wrapped = ShardedModel(module, sharding, shard_size, mesh, tensor_plan)
+    wrapped = ShardedModel(module, sharding, shard_size, mesh, tensor_plan, pipeline)
     buddies = None
     if sharding == "fsdp":
         every = spec.fault_tolerance.redundancy.every_steps

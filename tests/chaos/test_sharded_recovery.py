@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from orchestrator import events, keys
 from orchestrator.api import JobPhase
@@ -208,3 +209,29 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     assert record.steps_lost == record.step - record.restored_step, record.to_dict()
     _assert_applied_once(tmp_path, STEPS, record.steps_lost)
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
+
+
+def test_pipeline_stages_come_from_twins(tmp_path: Path) -> None:
+    """replicate 2 x pipeline 2 (a node each), one spare, 1F1B over 4 micro-batches: the
+    killed node's stages come from the other replica, and every stage ends as a
+    fault-free run's."""
+    lines: list[str] = []
+    spec = sharded_job(
+        "pp-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh="pipeline=2",
+        optimizer="adam",
+    )  # fmt: skip
+    with quiet_run(spec, lines, kill_node_at_step=25) as run:
+        result = run.wait()
+        record = _recovery(run)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries == 1, summary(result, lines)
+    assert record.source == "twin", record.to_dict()
+    assert record.steps_lost == 0, record.to_dict()
+    assert_exactly_once(tmp_path, STEPS)
+    # each rank held its stage only: the first layer, or the last
+    held = {f.name: sorted(torch.load(f)) for f in (tmp_path / "out").glob("rank-*.pt")}
+    assert held == {
+        "rank-0.pt": ["0.bias", "0.weight"], "rank-1.pt": ["2.bias", "2.weight"],
+        "rank-2.pt": ["0.bias", "0.weight"], "rank-3.pt": ["2.bias", "2.weight"],
+    }, held  # fmt: skip
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))

@@ -8,6 +8,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from agents.recovery.shard_transfer import pieces, plan, stacked
 from agents.runtime.mesh_layout import Layout, MeshShape, layout_of, mesh_shape
+from agents.runtime.pipeline import Pipeline, split_stages, stage_of
 from agents.runtime.tensor_plan import check_plan, default_plan
 from agents.runtime.wrapping import mode_of
 
@@ -20,15 +21,17 @@ def test_mesh_shape_defaults_and_replicas_from_the_world() -> None:
     assert shape.replicas(4) == 2 and shape.replicas(2) == 1
     assert mesh_shape({"replicate": 2, "shard": 2, "tensor": 2}).replica_size == 4
     assert mesh_shape({"replicate": -1, "shard": 3}) == MeshShape(shard=3)
-    with pytest.raises(ValueError, match=r"multiple of shard \* tensor = 2; this generation has 3"):
+    with pytest.raises(
+        ValueError, match=r"multiple of pipeline \* shard \* tensor = 2; this generation has 3"
+    ):
         shape.replicas(3)
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"tensr": 2}, "mesh dimension 'tensr' is not one of 'replicate', 'shard', 'tensor'"),
-        ({"pipeline": 2}, "'pipeline' is not supported in this release"),
+        ({"tensr": 2}, "mesh dimension 'tensr' is not one of 'replicate', 'pipeline'"),
+        ({"pipelines": 2}, "'pipelines' is not one of 'replicate', 'pipeline', 'shard', 'tensor'"),
         ({"tensor": 0}, r"mesh\['tensor'\] must be 1 or more, got 0"),
         ({"replicate": -2}, r"or -1: the rest of the world"),
         ({"shard": 1.5}, r"mesh\['shard'\] must be an integer"),
@@ -94,3 +97,61 @@ def test_wrap_takes_a_mesh_or_a_sharding_not_both() -> None:
         mode_of("fsdp", {"tensor": 2}, None)
     with pytest.raises(ValueError, match="tensor_plan= goes with mesh="):
         mode_of(None, None, {"0": ColwiseParallel()})
+
+
+def test_a_pipeline_replica_is_its_stages_and_twins_hold_the_same_stage() -> None:
+    """replicate 2 x pipeline 2 x tensor 2: 4 ranks a replica, stage = index // tensor."""
+    shape = mesh_shape({"pipeline": 2, "tensor": 2})
+    assert shape.replica_size == 4 and shape.replicas(8) == 2
+    assert shape.names == ("replicate", "pipeline", "shard", "tensor")
+    assert mesh_shape({"tensor": 2}).names == ("replicate", "shard", "tensor")
+    layouts = [layout_of("mesh", r, 8, shape.replica_size) for r in range(8)]
+    assert [shape.stage(lay) for lay in layouts] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)
+    )  # fmt: skip
+
+
+def test_stages_are_cut_by_parameters_or_where_the_script_says() -> None:
+    net = _mlp()  # parameters: 320, 0, 4160, 0, 130
+    assert split_stages(net, 2, None) == [["0", "1", "2"], ["3", "4"]]
+    assert split_stages(net, 3, None) == [["0", "1", "2"], ["3"], ["4"]]
+    assert split_stages(net, 5, None) == [["0"], ["1"], ["2"], ["3"], ["4"]]
+    assert split_stages(net, 2, ("2",)) == [["0", "1"], ["2", "3", "4"]]
+    stage = stage_of(net, ["2", "3"])
+    assert [n for n, _ in stage.named_parameters()] == ["2.weight", "2.bias"]  # names kept
+    assert stage[0] is net[2]
+
+
+@pytest.mark.parametrize(
+    ("model", "stages", "split", "message"),
+    [
+        (nn.Linear(2, 2), 2, None, "cuts an nn.Sequential into stages; this model is Linear"),
+        (nn.Sequential(nn.Linear(2, 2)), 2, None, "pipeline=2 but the model has 1 children"),
+        (_mlp(), 2, ("7",), r"must name 1 of the model's children"),
+        (_mlp(), 3, ("4", "2"), "in the model's order"),
+        (_mlp(), 2, ("0",), "not its first child"),
+    ],
+)
+def test_stages_that_cannot_be_cut_are_refused(
+    model: nn.Module, stages: int, split: tuple[str, ...] | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_stages(model, stages, split)
+
+
+def test_pipeline_settings_are_checked() -> None:
+    def loss(out: object, target: object) -> object:
+        return out
+
+    Pipeline(loss, microbatches=2, schedule="1f1b").check(2)  # type: ignore[arg-type]
+    Pipeline(loss, microbatches=1, schedule="gpipe").check(4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        Pipeline(loss, microbatches=2).check(4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"schedule='zb'\) is not a schedule"):
+        Pipeline(loss, schedule="zb").check(2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="microbatches=0"):
+        Pipeline(loss, microbatches=0).check(1)  # type: ignore[arg-type]

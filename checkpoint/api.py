@@ -264,6 +264,9 @@ class TrainState:
             rank, balanced by bytes).  Under a delayed sync the sites' models
             differ between syncs: only the first site's ranks write them, so a
             checkpoint holds one site's state, never a mix.
+        stages: per rank, the pipeline stage it holds (None: every rank holds
+            the same keys).  Ranks of one stage must hold the same layout; each
+            replicated key is written by a rank of a stage that holds it.
         objects: further replicated objects by name, anything with
             ``state_dict()``/``load_state_dict()`` (a ``GradScaler``, more LR
             schedulers, EMA weights, a counter, a DCP ``Stateful``).  Their state
@@ -281,6 +284,7 @@ class TrainState:
     rank_state: dict[str, Any] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     replica_writers: tuple[int, ...] | None = None
+    stages: tuple[int, ...] | None = None
 
 
 class SaveStatus(str, Enum):

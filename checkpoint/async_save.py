@@ -43,7 +43,13 @@ from checkpoint.api import (
 )
 from checkpoint.commit import new_token, step_dir_name, write_manifest
 from checkpoint.dcp_errors import describe
-from checkpoint.flat_state import FlatState, assign_owners, layout_digest, owned_keys
+from checkpoint.flat_state import (
+    FlatState,
+    assign_owners,
+    layout_digest,
+    owned_keys,
+    replicated_sizes,
+)
 from checkpoint.fsspec_storage import ChecksummingWriter, Location
 from checkpoint.groups import Coordination
 from checkpoint.retention import apply_retention
@@ -185,6 +191,7 @@ class AsyncSaver:
         wait_if_busy: bool = False,
         busy_timeout: timedelta = DEFAULT_SAVE_TIMEOUT,
         writers: tuple[int, ...] | None = None,
+        stages: tuple[int, ...] | None = None,
     ) -> SaveJob | None:
         """Stage and start uploading; every rank must call this with the same step.
 
@@ -195,6 +202,7 @@ class AsyncSaver:
             wait_if_busy: wait for a save still uploading instead of skipping
                 (controller commands and preemption use this), up to ``busy_timeout``.
             writers: the ranks that write replicated keys (None: all, by bytes).
+            stages: per rank, its pipeline stage (None: all ranks hold the same keys).
 
         Returns:
             The handle, or None when the save was skipped on every rank
@@ -233,14 +241,19 @@ class AsyncSaver:
         steps = {a.step for a in everyone}
         if len(steps) != 1:
             raise CheckpointMismatchError(f"ranks asked to save different steps: {sorted(steps)}")
-        digests = {a.digest for a in everyone}
-        if len(digests) != 1:
+        by_stage: dict[int, set[str]] = {}
+        for r, a in enumerate(everyone):
+            by_stage.setdefault(stages[r] if stages else 0, set()).add(a.digest)
+        if any(len(d) != 1 for d in by_stage.values()):
             raise CheckpointMismatchError(
                 "ranks hold differently shaped replicated state (model/optimizer differ "
                 "across data-parallel ranks); refusing to save"
             )
         directory = self.root.child(step_dir_name(step, everyone[0].token))
-        owners = assign_owners(flat, self.coord.world_size, writers)
+        if len(by_stage) == 1:
+            owners = assign_owners(flat, self.coord.world_size, writers)
+        else:  # pipeline stages hold different keys: each is written by a holder
+            owners = self._stage_owners(flat, stages or (), writers)
         staged = self._stager.stage(flat, owned_keys(owners, self.coord.rank))
         job = SaveJob(step, directory.url, time.perf_counter() - started)
         self._inflight = job
@@ -252,6 +265,27 @@ class AsyncSaver:
         )
         self._thread.start()
         return job
+
+    def _stage_owners(
+        self, flat: FlatState, stages: tuple[int, ...], writers: tuple[int, ...] | None
+    ) -> dict[str, int]:
+        """Owners when the stages' keys differ: the lowest rank of each stage tells
+        its replicated keys and their bytes; each key goes to a rank of a stage
+        holding it."""
+        rank = self.coord.rank
+        first = stages.index(stages[rank]) == rank
+        mine = replicated_sizes(flat) if first else None
+        told: list[dict[str, int] | None] = self.coord.all_gather(mine, self.coord.control)
+        holders: dict[str, list[int]] = {}
+        sizes: dict[str, int] = {}
+        for teller, keys in enumerate(told):
+            if keys is None:
+                continue
+            ranks = [r for r, s in enumerate(stages) if s == stages[teller]]
+            for key, size in keys.items():
+                holders.setdefault(key, []).extend(ranks)
+                sizes[key] = size
+        return assign_owners(flat, self.coord.world_size, writers, holders, sizes)
 
     def _write(self, directory: Location, staged: dict[str, Any]) -> list[ObjectEntry]:
         writer = ChecksummingWriter(directory, thread_count=self.thread_count)

@@ -255,6 +255,7 @@ class Checkpointer:
             wait_if_busy=wait_if_busy,
             busy_timeout=busy_timeout,
             writers=state.replica_writers,
+            stages=state.stages,
         )
 
     def save_now(

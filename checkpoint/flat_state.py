@@ -29,7 +29,7 @@ import hashlib
 import io
 import itertools
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -241,27 +241,42 @@ def nbytes(value: Any) -> int:
     return _OBJECT_COST
 
 
+def replicated_sizes(flat: Mapping[str, Any]) -> dict[str, int]:
+    """Bytes of each replicated key (neither a rank's own nor sharded)."""
+    return {k: nbytes(v) for k, v in flat.items() if not is_rank_key(k) and not is_sharded(v)}
+
+
 def assign_owners(
-    flat: Mapping[str, Any], world_size: int, writers: tuple[int, ...] | None = None
+    flat: Mapping[str, Any],
+    world_size: int,
+    writers: tuple[int, ...] | None = None,
+    holders: Mapping[str, Sequence[int]] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Which rank writes each key: replicated keys balanced by bytes (over ``writers``,
     default every rank), rank keys to their rank, sharded keys to :data:`EVERY_RANK`.
 
     Deterministic from keys and sizes alone, so every rank computes the same
     answer without talking to the others (the layout digest is compared first).
+
+    Args:
+        holders: where ranks hold different keys (pipeline stages): each
+            replicated key of every rank → the ranks that hold it, and ``sizes``
+            its bytes; a key goes to one of its holders.
     """
     owners: dict[str, int] = {}
     loads = [0] * world_size
     candidates = [r for r in (writers or range(world_size)) if 0 <= r < world_size]
     candidates = candidates or list(range(world_size))
-    replicated = sorted(
-        (k for k in flat if not is_rank_key(k) and not is_sharded(flat[k])),
-        key=lambda k: (-nbytes(flat[k]), k),
-    )
+    size_of = dict(sizes) if sizes is not None else replicated_sizes(flat)
+    replicated = sorted(size_of, key=lambda k: (-size_of[k], k))
     for key in replicated:
-        target = min(candidates, key=lambda r: (loads[r], r))
+        pool = candidates
+        if holders is not None:
+            pool = [r for r in candidates if r in holders[key]] or sorted(holders[key])
+        target = min(pool, key=lambda r: (loads[r], r))
         owners[key] = target
-        loads[target] += nbytes(flat[key])
+        loads[target] += size_of[key]
     for key in flat:
         if is_rank_key(key):
             owners[key] = int(key[len(RANK_PREFIX) :])

@@ -201,6 +201,7 @@ class Saving:
 
         held = self._held
         model = held.tracked.get("model")
+        stages = model.rank_stages() if isinstance(model, ShardedModel) else None
         if isinstance(model, ElasticDDP | ShardedModel):
             # the plain (or the fully_shard-ed) module: checkpoints load without ringmaster
             model = model.module
@@ -220,6 +221,7 @@ class Saving:
             rank_state=rank_state,
             objects={k: v for k, v in held.tracked.items() if k not in _OWN_FIELDS},
             replica_writers=_first_site(held.tracked.get("outer")),
+            stages=stages,
         )
 
     def resume(self, world_size: int) -> Resumed | None:

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from agents.runtime.data import DataShare
 from agents.runtime.mesh_layout import (
     Layout,
     MeshShape,
@@ -56,7 +57,6 @@ from agents.runtime.tracked_optimizers import repoint_optimizer
 __all__ = [
     "PARAM",
     "SHARDING_MODES",
-    "DataShare",
     "Layout",
     "MeshShape",
     "ShardedModel",
@@ -133,22 +133,6 @@ class Slice:
         """A copy in host memory that later training steps cannot change."""
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in self.tensors.items()}
         return Slice(self.step, self.layout, tensors, copy.deepcopy(self.replicated))
-
-
-class DataShare:
-    """``rank`` and ``world_size`` of the data a sharded model's rank reads, read
-    at each step (tensor-parallel ranks of one replica share a batch)."""
-
-    def __init__(self, model: ShardedModel) -> None:
-        self._model = model
-
-    @property
-    def rank(self) -> int:
-        return self._model.data_rank
-
-    @property
-    def world_size(self) -> int:
-        return self._model.data_world_size
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -268,7 +252,7 @@ class ShardedModel(nn.Module):
     @property
     def data(self) -> DataShare:
         """This rank's share of the data, as an ``ElasticLoader`` placement."""
-        return DataShare(self)
+        return DataShare(lambda: self.data_rank, lambda: self.data_world_size)
 
     def build_mesh(self, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
         """The mesh of a generation of ``world_size`` ranks."""
@@ -348,6 +332,14 @@ class ShardedModel(nn.Module):
         object.__setattr__(self, "_gen", gen)
         if self.runner is not None:
             self.runner.reset(fresh, gen.mesh, gen.device)
+
+    def rank_stages(self) -> tuple[int, ...] | None:
+        """Per rank of the generation, the pipeline stage it holds (None: no pipeline)."""
+        shape, gen = self.mesh_shape, self._gen
+        if self.runner is None or shape is None or gen is None:
+            return None
+        size = shape.replica_size
+        return tuple(shape.stage(Layout(size, r % size)) for r in range(gen.mesh.size()))
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A pipelined model's forward and backward of one step (every rank calls it

@@ -25,7 +25,7 @@ from checkpoint import (
     SaveStatus,
     TrainState,
 )
-from checkpoint.flat_state import assign_owners, capture, nbytes, rank_key
+from checkpoint.flat_state import assign_owners, capture, nbytes, rank_key, replicated_sizes
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +135,28 @@ def test_owners_balance_bytes_and_keep_rank_keys_home() -> None:
     biggest = max(nbytes(v) for v in flat.values())
     assert max(loads) - min(loads) <= biggest
     assert assign_owners(flat, 3) == owners  # deterministic
+
+
+def test_a_pipeline_stages_keys_are_written_by_ranks_that_hold_them() -> None:
+    """Stage 0 (ranks 0, 2) holds layer 0, stage 1 (ranks 1, 3) layer 1: each key goes
+    to a holder, balanced among them, and every rank computes the same owners."""
+    stage0 = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    stage1 = torch.nn.Sequential()
+    stage1.add_module("1", torch.nn.Linear(64, 8))
+    flats = [capture(TrainState(m), rank=r)[0] for r, m in enumerate([stage0, stage1] * 2)]
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for r, flat in enumerate(flats):
+        for key, size in replicated_sizes(flat).items():
+            holders.setdefault(key, []).append(r)
+            sizes[key] = size
+    owners = [assign_owners(flat, 4, None, holders, sizes) for flat in flats]
+    for r, flat in enumerate(flats):
+        for key in replicated_sizes(flat):
+            assert owners[r][key] in holders[key], (key, owners[r][key])
+            assert all(o[key] == owners[r][key] for o in owners if key in o)
+    assert {owners[0]["model.0.weight"], owners[1]["model.1.weight"]} <= {0, 1, 2, 3}
+    assert owners[0]["model.0.weight"] != owners[0]["model.0.bias"]  # spread over holders
 
 
 def test_prepare_allocates_this_ranks_share_before_the_first_save() -> None:

@@ -6,9 +6,12 @@ query, key, value and output projections, a feed-forward ``nn.Sequential``.
 ``--mesh tensor=2`` splits every block over 2 neighbouring ranks (the
 projections by heads, the feed-forward by hidden units: column-wise in,
 row-wise out) and replicates over the other nodes; ``--mesh shard=2,tensor=2``
-also shards each replica's parameters with FSDP2 (3-D: replicate x shard x
-tensor).  Attention finds its local heads from the width it is given, so the
-same module runs split or whole.
+also shards each replica's parameters with FSDP2 (replicate x shard x tensor);
+``--mesh pipeline=2,tensor=2`` cuts the model into 2 pipeline stages of 2
+tensor-parallel ranks each (3-D: replicate x pipeline x tensor; 1F1B over
+``--microbatches``).  The model is an ``nn.Sequential`` (embeddings, blocks,
+norm, output layer) so that a pipeline can cut it anywhere; attention finds its
+local heads from the width it is given, so the same module runs split or whole.
 
 A lost node's slices come from its twins in another replica (0 steps lost);
 with one replica left, from the durable checkpoint.
@@ -20,6 +23,7 @@ spare), and with a node killed: ``--kill-node-at-step 30``.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -73,23 +77,26 @@ class Block(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
-class MeshLM(nn.Module):
-    """Byte embeddings and positions, ``layers`` blocks, a norm and an output layer."""
+class Embed(nn.Module):
+    """Byte embeddings plus learnt positions."""
 
     def __init__(self, size: Size) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, size.width)
+        self.tokens = nn.Embedding(VOCAB, size.width)
         self.position = nn.Parameter(torch.zeros(size.context, size.width))
-        self.blocks = nn.ModuleList(Block(size.width, size.heads) for _ in range(size.layers))
-        self.norm = nn.LayerNorm(size.width)
-        self.out = nn.Linear(size.width, VOCAB)
-        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.tokens.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens) + self.position[: tokens.shape[1]]
-        for block in self.blocks:
-            h = block(h)
-        return self.out(self.norm(h))
+        return self.tokens(tokens) + self.position[: tokens.shape[1]]
+
+
+def mesh_lm(size: Size) -> nn.Sequential:
+    """Embeddings, ``layers`` blocks, a norm and the output layer, in a row: a pipeline
+    cuts it between any two of them."""
+    parts: dict[str, nn.Module] = {"embed": Embed(size)}
+    parts |= {f"block{i}": Block(size.width, size.heads) for i in range(size.layers)}
+    parts |= {"norm": nn.LayerNorm(size.width), "out": nn.Linear(size.width, VOCAB)}
+    return nn.Sequential(collections.OrderedDict(parts))
 
 
 def tensor_plan(layers: int) -> dict[str, ParallelStyle]:
@@ -97,16 +104,17 @@ def tensor_plan(layers: int) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     for i in range(layers):
         for name in ("q", "k", "v"):
-            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
-        plan[f"blocks.{i}.attn.o"] = RowwiseParallel()
-        plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+            plan[f"block{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"block{i}.attn.o"] = RowwiseParallel()
+        plan[f"block{i}.mlp.0"] = ColwiseParallel()
+        plan[f"block{i}.mlp.2"] = RowwiseParallel()
     return plan
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", type=parse_mesh, default={"tensor": 2}, help="e.g. tensor=2")
+    parser.add_argument("--microbatches", type=int, default=2, help="with mesh pipeline > 1")
     parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20)
@@ -125,10 +133,21 @@ def main() -> None:
 
     session = runtime.init()
     total = args.steps or session.spec.max_steps
+    pipelined = args.mesh.get("pipeline", 1) > 1
+    # a pipeline's loss is per micro-batch, averaged over them: each is weighted so the
+    # average is the step's loss (training) or the mean over the held-out tokens
+    weight = [1.0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (
+            F.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1), reduction="sum") * weight[0]
+        )
+
     model = session.wrap(
-        MeshLM(size),
+        mesh_lm(size),
         mesh=args.mesh,
         tensor_plan=tensor_plan(size.layers) if args.mesh.get("tensor", 1) > 1 else None,
+        pipeline=runtime.Pipeline(loss_fn, args.microbatches) if pipelined else None,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, total))
@@ -142,12 +161,17 @@ def main() -> None:
         with session.guard():
             x, y = loader.batch(step)
             opt.zero_grad()
-            loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), reduction="sum")
-            (loss * loader.loss_scale / size.context).backward()
+            scale = loader.loss_scale / size.context  # this share's part of the step's mean
+            if pipelined:
+                weight[0] = scale * args.microbatches
+                loss = model.step(x, y) / scale  # the share's summed loss, as below
+            else:
+                loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), reduction="sum")
+                (loss * scale).backward()
             opt.step()
             sched.step()
             if step + 1 == total:  # the held-out loss needs the group: evaluate in the last step
-                final = {"eval_loss": evaluate(model, held_out, size.context)}
+                final = {"eval_loss": evaluate(model, held_out, size.context, weight)}
         if session.step_failed:
             continue  # the step runs again in the next generation
         mean = float(loss) / (len(y) * size.context)
@@ -167,11 +191,16 @@ def main() -> None:
 
 
 @torch.no_grad()
-def evaluate(model: Any, data: torch.Tensor, context: int) -> float:
-    """Mean next-byte loss on the held-out windows (every rank computes it alike)."""
+def evaluate(model: Any, data: torch.Tensor, context: int, weight: list[float]) -> float:
+    """Mean next-byte loss on the held-out windows (every rank computes it alike;
+    a pipeline through its stages, weighting its micro-batches' sums by ``weight``)."""
     windows = Windows(data, context)
-    x = torch.stack([windows[i][0] for i in range(len(windows))])
-    y = torch.stack([windows[i][1] for i in range(len(windows))])
+    count = len(windows) - len(windows) % 4  # whole micro-batches for a pipeline of up to 4
+    x = torch.stack([windows[i][0] for i in range(count)])
+    y = torch.stack([windows[i][1] for i in range(count)])
+    if model.runner is not None:
+        weight[0] = model.runner.pipeline.microbatches / y.numel()
+        return float(model.step(x, y, train=False))
     return float(F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)))
 
 

@@ -158,17 +158,26 @@ class PipelineRunner:
     def stage_index(self) -> int:
         return self._stage_index
 
-    def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one step's batch; the mean micro-batch loss (every rank)."""
+    def step(self, inputs: torch.Tensor, target: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """Forward and backward of one step's batch (``train``; else forward only, no
+        gradients); the mean micro-batch loss, on every rank."""
         if self._schedule is None:
             raise RuntimeError("a pipelined model runs inside session.steps()")
+        rows, parts = int(inputs.shape[0]), self.pipeline.microbatches
+        if rows % parts:
+            raise ValueError(
+                f"model.step(): a batch of {rows} rows does not cut into {parts} equal "
+                f"micro-batches (Pipeline(microbatches={parts})); give each rank a batch "
+                f"that is a multiple of {parts}"
+            )
+        run = self._schedule.step if train else self._schedule.eval
         losses: list[torch.Tensor] = []
         if self._stage_index == 0:
-            self._schedule.step(inputs)
+            run(inputs)
         elif self._stage_index == self.stages - 1:
-            self._schedule.step(target=target, losses=losses)
+            run(target=target, losses=losses)
         else:
-            self._schedule.step()
+            run()
         loss = torch.zeros((), device=self._device)
         if losses:
             loss = torch.stack([x.detach().float() for x in losses]).mean().to(self._device)

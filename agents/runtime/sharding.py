@@ -341,12 +341,12 @@ class ShardedModel(nn.Module):
         size = shape.replica_size
         return tuple(shape.stage(Layout(size, r % size)) for r in range(gen.mesh.size()))
 
-    def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, target: torch.Tensor, train: bool = True) -> torch.Tensor:
         """A pipelined model's forward and backward of one step (every rank calls it
-        with the step's batch); the step's loss, on every rank."""
+        with the step's batch; ``train=False``: forward only); the loss, on every rank."""
         if self.runner is None:
             raise RuntimeError("model.step() runs a pipeline; call the model and backward()")
-        return self.runner.step(inputs, target)
+        return self.runner.step(inputs, target, train)
 
     def drop(self) -> None:
         """Forget gradients of a failed step (the module stays until the next build)."""

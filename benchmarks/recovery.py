@@ -26,7 +26,9 @@ a SIGSTOPped worker and a node cut off by a network partition (needs root).
 The sharded rows (``examples/train_sharded.py``, FSDP2) kill a node the same
 way: ``hsdp`` (2 nodes x 2 ranks, one spare node: the slices come from their
 twins), ``tensor_parallel`` (``--mesh tensor=2``: each node one replica split
-over its 2 ranks, one spare node: from the twins) and ``fsdp`` with redundancy
+over its 2 ranks, one spare node: from the twins), ``pipeline`` (``--mesh
+pipeline=2``: each node one replica of 2 stages, 1F1B over 4 micro-batches:
+from the twins) and ``fsdp`` with redundancy
 every step (3 nodes, one spare: from the buddy's copy); the ``ddp`` row beside
 them is the same job unsharded.  The
 redundancy overhead rows train ``fsdp`` on 3 nodes without a failure, with
@@ -41,8 +43,8 @@ the copies' costs (``BuddyCopies.stop``: how long the training thread was
 blocked per copy, of which copying to host, and the exchange on its thread).
 
 ``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone; ``--sharded``
-takes row names to run only those (``ddp hsdp tensor_parallel fsdp_redundancy
-fsdp_durable overhead``).  The last line is a JSON object.
+takes row names to run only those (``ddp hsdp tensor_parallel pipeline
+fsdp_redundancy fsdp_durable overhead``).  The last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -230,6 +232,7 @@ SHARDED_ROWS = (
     ("ddp", ["--sharding", "ddp"], 2, 2, 0),
     ("hsdp", ["--sharding", "hsdp"], 2, 2, 0),
     ("tensor_parallel", ["--mesh", "tensor=2"], 2, 2, 0),  # replicate 2 x tensor 2
+    ("pipeline", ["--mesh", "pipeline=2"], 2, 2, 0),  # replicate 2 x pipeline 2 (1F1B)
     ("fsdp_redundancy", ["--sharding", "fsdp", "--redundancy-every-steps", "1"], 3, 1, 0),
     ("fsdp_durable", ["--sharding", "fsdp", "--redundancy-every-steps", "0"], 3, 1, 10),
 )
@@ -316,7 +319,7 @@ def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
 def _vs_ddp(rows: dict[str, object]) -> dict[str, object]:
     """Each sharded row's time to the next step as a ratio to the ddp row's."""
     ddp = rows.get("ddp_recovery_s")
-    for name in ("hsdp", "tensor_parallel"):
+    for name in ("hsdp", "tensor_parallel", "pipeline"):
         mine = rows.get(f"{name}_recovery_s")
         if isinstance(ddp, float) and isinstance(mine, float) and ddp > 0:
             rows[f"{name}_vs_ddp"] = round(mine / ddp, 2)

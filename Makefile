@@ -28,8 +28,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: lint typecheck  # the 30 slowest tests are listed at the end: the suite's time budget
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)

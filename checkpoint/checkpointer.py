@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -335,8 +336,11 @@ class Checkpointer:
         # step with zero gradients and lr 0); a fresh start must not keep it: Adam's
         # step count would start at 1 and change every update after it.
         unstepped = state.optimizer is not None and not state.optimizer.state
+        started = time.perf_counter()
         target, mapping = capture(state, self.coord.rank)
+        seconds = {"prepare": time.perf_counter() - started}
         outcome = restore_durable(root, target, self.coord, url=url)
+        seconds.update(outcome.seconds)
         if outcome.manifest is None and url is not None:
             raise CheckpointCorruptError(
                 f"the checkpoint asked for, {url}, cannot be used: {'; '.join(outcome.skipped)}"
@@ -350,14 +354,17 @@ class Checkpointer:
                 step=None,
                 samples_seen=state.samples_seen,
                 skipped=outcome.skipped,
+                seconds=seconds,
             )
         # ``extra`` is loaded into a copy first: its saved object also carries ``objects``.
+        started = time.perf_counter()
         loaded = dataclasses.replace(state, extra={})
         restored_rank = apply(loaded, target, mapping, self.coord.rank)
         load_objects(state, loaded.extra, outcome.url or root.url)
         state.extra.clear()
         state.extra.update(loaded.extra)
         state.samples_seen = loaded.samples_seen
+        seconds["apply"] = time.perf_counter() - started
         return RestoreResult(
             source=RestoreSource.DURABLE,
             step=outcome.manifest.step,
@@ -365,6 +372,7 @@ class Checkpointer:
             url=outcome.url,
             rank_state_restored=restored_rank,
             skipped=outcome.skipped,
+            seconds=seconds,
         )
 
     # ------------------------------------------------------------------ inspection

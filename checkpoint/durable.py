@@ -15,7 +15,8 @@ size need not match the current one.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -51,11 +52,14 @@ class DurableRestore:
         manifest: manifest of the checkpoint loaded (None when none was usable).
         url: its directory URL.
         skipped: ``"<name>: <reason>"`` for each committed checkpoint rejected.
+        seconds: time spent finding candidates (``find``), verifying them
+            (``verify``, every candidate tried) and loading the one used (``load``).
     """
 
     manifest: Manifest | None
     url: str | None
     skipped: tuple[str, ...]
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def load_into(directory: Location, target: FlatState, coord: Coordination) -> None:
@@ -129,6 +133,8 @@ def restore_durable(
     Returns:
         What was loaded; ``manifest`` is None when nothing committed verified.
     """
+    started = time.perf_counter()
+    seconds = {"find": 0.0, "verify": 0.0}
     names: list[str] | str = []
     if coord.is_coordinator:
         try:
@@ -138,10 +144,13 @@ def restore_durable(
     names = coord.broadcast(names, coord.control)
     if isinstance(names, str):
         raise CheckpointNotFoundError(names)
+    seconds["find"] = time.perf_counter() - started
     skipped: list[str] = []
     for name in names:
         directory = root.child(name)
+        started = time.perf_counter()
         shares = coord.all_gather(_check_share(directory, coord), coord.control)
+        seconds["verify"] += time.perf_counter() - started
         all_problems = [p for ps, _ in shares for p in ps]
         corrupt = [p for ps, finding in shares if finding for p in ps]
         if coord.is_coordinator and (corrupt or not all_problems):
@@ -151,9 +160,11 @@ def restore_durable(
             log.warning("checkpoint %s failed verification, trying an older one: %s", name, reason)
             skipped.append(f"{name}: {reason}")
             continue
+        started = time.perf_counter()
         load_into(directory, target, coord)
         manifest = read_manifest(directory) if coord.is_coordinator else None
         manifest = coord.broadcast(manifest, coord.control)
+        seconds["load"] = time.perf_counter() - started
         log.info("restored step %d from %s", manifest.step, directory.url)
-        return DurableRestore(manifest=manifest, url=directory.url, skipped=tuple(skipped))
-    return DurableRestore(manifest=None, url=None, skipped=tuple(skipped))
+        return DurableRestore(manifest, directory.url, tuple(skipped), seconds)
+    return DurableRestore(None, None, tuple(skipped), seconds)

@@ -49,9 +49,10 @@ from checkpoint.api import (
 from checkpoint.async_save import AsyncSaver, SaveJob
 from checkpoint.commit import latest_committed, list_checkpoints, verify_checkpoint
 from checkpoint.durable import restore_durable
-from checkpoint.flat_state import apply, capture
+from checkpoint.flat_state import FlatState, apply, capture
 from checkpoint.fsspec_storage import Location
 from checkpoint.groups import Coordination
+from checkpoint.object_state import join_tensors, split_tensors
 from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
 
@@ -61,26 +62,35 @@ log = logging.getLogger(__name__)
 OBJECTS_KEY = "__objects__"
 
 
-def with_objects(state: TrainState) -> TrainState:
-    """``state`` with its ``objects``' state dicts added to (a copy of) ``extra``, to save.
+def capture_with_objects(state: TrainState, rank: int) -> FlatState:
+    """The flat state to save: :func:`capture`'s, plus ``state.objects``.
 
-    The state dicts are serialized when the save is captured, so a later
-    training step cannot change what an asynchronous save writes.
+    Each object's state dict is taken apart (:func:`split_tensors`): its
+    tensors become entries of their own, staged like the model's, and the
+    rest goes into (a copy of) ``extra``, serialized now, so a later training
+    step cannot change what an asynchronous save writes.
     """
     if not state.objects:
-        return state
+        return capture(state, rank)[0]
+    skeletons, tensors = {}, {}
+    for name, obj in state.objects.items():
+        skeletons[name], own = split_tensors(name, obj.state_dict())
+        tensors.update(own)
     extra = dict(state.extra)
-    extra[OBJECTS_KEY] = {name: obj.state_dict() for name, obj in state.objects.items()}
-    return dataclasses.replace(state, extra=extra)
+    extra[OBJECTS_KEY] = skeletons
+    flat, _ = capture(dataclasses.replace(state, extra=extra), rank)
+    flat.update(tensors)
+    return flat
 
 
-def load_objects(state: TrainState, saved: dict[str, Any], where: str) -> None:
-    """Load ``state.objects`` from what a checkpoint's ``extra`` held (see :func:`with_objects`)."""
+def load_objects(state: TrainState, saved: dict[str, Any], loaded: FlatState, where: str) -> None:
+    """Load ``state.objects`` from what a checkpoint's ``extra`` held (their skeletons) and
+    the object entries ``loaded`` (see :func:`capture_with_objects`)."""
     states = saved.pop(OBJECTS_KEY, None) or {}
     missing = []
     for name, obj in state.objects.items():
         if name in states:
-            obj.load_state_dict(states[name])
+            obj.load_state_dict(join_tensors(states[name], loaded, where))
         else:
             missing.append(name)
     if missing:
@@ -118,6 +128,11 @@ class Checkpointer:
             removes only this run's checkpoints (and never another run's
             save in progress under the same root).  "": saves without a run
             id form one lineage of their own.
+        restore_buffer_bytes: bytes of a checkpoint's objects a restore may
+            hold in memory on this rank, so that each object it loads is read
+            once (fetched whole, verified, loaded from memory) instead of
+            twice (verified, then read again by DCP).  None: half of the
+            memory available when the restore starts; 0: always read twice.
     """
 
     def __init__(
@@ -136,14 +151,20 @@ class Checkpointer:
         check_storage: bool = True,
         fence: CommitFence | None = None,
         run_id: str = "",
+        restore_buffer_bytes: int | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
+        if restore_buffer_bytes is not None and restore_buffer_bytes < 0:
+            raise ValueError(
+                f"restore_buffer_bytes must be 0 or more (or None), got {restore_buffer_bytes}"
+            )
         self.root = Location.from_url(url, storage_options, filesystem)
         self._storage_options = storage_options
         self.coord = Coordination(group, collective_timeout)
         self.trigger = SaveTrigger(every_steps, every_seconds)
         self.keep = keep
+        self.restore_buffer_bytes = restore_buffer_bytes
         self.saver = AsyncSaver(
             self.root,
             self.coord,
@@ -248,7 +269,7 @@ class Checkpointer:
         Returns:
             The handle, or None when skipped because a save is still uploading.
         """
-        flat, _ = capture(with_objects(state), self.coord.rank)
+        flat = capture_with_objects(state, self.coord.rank)
         return self.saver.save_async(
             step,
             flat,
@@ -289,7 +310,7 @@ class Checkpointer:
         The first save otherwise pays for allocating and faulting in its
         buffers while the training loop waits.
         """
-        flat, _ = capture(with_objects(state), self.coord.rank)
+        flat = capture_with_objects(state, self.coord.rank)
         self.saver.prepare(flat, state.replica_writers)
 
     def adopt_staging(self, previous: Checkpointer) -> bool:
@@ -339,7 +360,9 @@ class Checkpointer:
         started = time.perf_counter()
         target, mapping = capture(state, self.coord.rank)
         seconds = {"prepare": time.perf_counter() - started}
-        outcome = restore_durable(root, target, self.coord, url=url)
+        outcome = restore_durable(
+            root, target, self.coord, url=url, budget=self.restore_buffer_bytes
+        )
         seconds.update(outcome.seconds)
         if outcome.manifest is None and url is not None:
             raise CheckpointCorruptError(
@@ -360,7 +383,7 @@ class Checkpointer:
         started = time.perf_counter()
         loaded = dataclasses.replace(state, extra={})
         restored_rank = apply(loaded, target, mapping, self.coord.rank)
-        load_objects(state, loaded.extra, outcome.url or root.url)
+        load_objects(state, loaded.extra, target, outcome.url or root.url)
         state.extra.clear()
         state.extra.update(loaded.extra)
         state.samples_seen = loaded.samples_seen

@@ -267,10 +267,12 @@ class TrainState:
         objects: further replicated objects by name, anything with
             ``state_dict()``/``load_state_dict()`` (a ``GradScaler``, more LR
             schedulers, EMA weights, a counter, a DCP ``Stateful``).  Their state
-            dicts are taken when a save starts and travel with ``extra``'s
-            pickled object, so keep them small next to the model; a restore
-            calls ``load_state_dict`` on each one the checkpoint holds and
-            leaves the others as they are (logged).
+            dicts are taken when a save starts; the tensors in them are
+            entries of their own, like the model's (a model-sized EMA is
+            fine), the rest travels in ``extra``'s pickled object
+            (:mod:`checkpoint.object_state`); a restore calls
+            ``load_state_dict`` on each one the checkpoint holds and leaves
+            the others as they are (logged).
     """
 
     model: torch.nn.Module

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -65,6 +64,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 import _wire_limit  # noqa: E402
+from _state_at_size import memory_available  # noqa: E402
 
 #: The step after which an active node is killed; the job runs until its recovery
 #: record is written (the new generation completed a step), then its processes go.
@@ -96,11 +96,6 @@ TARGETS = {
 def memory_needed(state_bytes: float) -> int:
     """Bytes a job of ``state_bytes`` needs free (see :data:`MEMORY_FACTOR`)."""
     return int(MEMORY_FACTOR * state_bytes) + MEMORY_SPARE_BYTES
-
-
-def memory_available() -> int:
-    m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
-    return int(m.group(1)) * 1024 if m else 0
 
 
 def run_heal(

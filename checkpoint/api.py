@@ -18,7 +18,7 @@ Nothing here imports an implementation module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -270,10 +270,12 @@ class TrainState:
         objects: further replicated objects by name, anything with
             ``state_dict()``/``load_state_dict()`` (a ``GradScaler``, more LR
             schedulers, EMA weights, a counter, a DCP ``Stateful``).  Their state
-            dicts are taken when a save starts and travel with ``extra``'s
-            pickled object, so keep them small next to the model; a restore
-            calls ``load_state_dict`` on each one the checkpoint holds and
-            leaves the others as they are (logged).
+            dicts are taken when a save starts; the tensors in them are
+            entries of their own, like the model's (a model-sized EMA is
+            fine), the rest travels in ``extra``'s pickled object
+            (:mod:`checkpoint.object_state`); a restore calls
+            ``load_state_dict`` on each one the checkpoint holds and leaves
+            the others as they are (logged).
     """
 
     model: torch.nn.Module
@@ -350,6 +352,13 @@ class RestoreResult:
         url: checkpoint directory, for durable restores.
         rank_state_restored: whether this rank's per-rank state and RNG came back.
         skipped: durable checkpoints passed over (corrupt, incomplete), newest first.
+        seconds: where the restore's time went, on this rank, by phase:
+            ``prepare`` (the state's tensors as targets; an optimizer that has
+            not stepped gets its state allocated), ``find`` (listing, manifest,
+            completeness), ``verify`` (reading objects back and comparing
+            their checksums with the manifest), ``load`` (DCP's metadata, plan
+            and reads into the targets), ``apply`` (into the model, optimizer,
+            scheduler and objects).  Phases that did not run are absent.
     """
 
     source: RestoreSource
@@ -358,3 +367,4 @@ class RestoreResult:
     url: str | None = None
     rank_state_restored: bool = False
     skipped: tuple[str, ...] = ()
+    seconds: Mapping[str, float] = field(default_factory=dict)

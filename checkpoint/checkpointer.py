@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +49,10 @@ from checkpoint.api import (
 from checkpoint.async_save import AsyncSaver, SaveJob
 from checkpoint.commit import latest_committed, list_checkpoints, verify_checkpoint
 from checkpoint.durable import restore_durable
-from checkpoint.flat_state import apply, capture
+from checkpoint.flat_state import FlatState, apply, capture
 from checkpoint.fsspec_storage import Location
 from checkpoint.groups import Coordination
+from checkpoint.object_state import join_tensors, split_tensors
 from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
 
@@ -60,26 +62,35 @@ log = logging.getLogger(__name__)
 OBJECTS_KEY = "__objects__"
 
 
-def with_objects(state: TrainState) -> TrainState:
-    """``state`` with its ``objects``' state dicts added to (a copy of) ``extra``, to save.
+def capture_with_objects(state: TrainState, rank: int) -> FlatState:
+    """The flat state to save: :func:`capture`'s, plus ``state.objects``.
 
-    The state dicts are serialized when the save is captured, so a later
-    training step cannot change what an asynchronous save writes.
+    Each object's state dict is taken apart (:func:`split_tensors`): its
+    tensors become entries of their own, staged like the model's, and the
+    rest goes into (a copy of) ``extra``, serialized now, so a later training
+    step cannot change what an asynchronous save writes.
     """
     if not state.objects:
-        return state
+        return capture(state, rank)[0]
+    skeletons, tensors = {}, {}
+    for name, obj in state.objects.items():
+        skeletons[name], own = split_tensors(name, obj.state_dict())
+        tensors.update(own)
     extra = dict(state.extra)
-    extra[OBJECTS_KEY] = {name: obj.state_dict() for name, obj in state.objects.items()}
-    return dataclasses.replace(state, extra=extra)
+    extra[OBJECTS_KEY] = skeletons
+    flat, _ = capture(dataclasses.replace(state, extra=extra), rank)
+    flat.update(tensors)
+    return flat
 
 
-def load_objects(state: TrainState, saved: dict[str, Any], where: str) -> None:
-    """Load ``state.objects`` from what a checkpoint's ``extra`` held (see :func:`with_objects`)."""
+def load_objects(state: TrainState, saved: dict[str, Any], loaded: FlatState, where: str) -> None:
+    """Load ``state.objects`` from what a checkpoint's ``extra`` held (their skeletons) and
+    the object entries ``loaded`` (see :func:`capture_with_objects`)."""
     states = saved.pop(OBJECTS_KEY, None) or {}
     missing = []
     for name, obj in state.objects.items():
         if name in states:
-            obj.load_state_dict(states[name])
+            obj.load_state_dict(join_tensors(states[name], loaded, where))
         else:
             missing.append(name)
     if missing:
@@ -117,6 +128,11 @@ class Checkpointer:
             removes only this run's checkpoints (and never another run's
             save in progress under the same root).  "": saves without a run
             id form one lineage of their own.
+        restore_buffer_bytes: bytes of a checkpoint's objects a restore may
+            hold in memory on this rank, so that each object it loads is read
+            once (fetched whole, verified, loaded from memory) instead of
+            twice (verified, then read again by DCP).  None: half of the
+            memory available when the restore starts; 0: always read twice.
     """
 
     def __init__(
@@ -135,14 +151,20 @@ class Checkpointer:
         check_storage: bool = True,
         fence: CommitFence | None = None,
         run_id: str = "",
+        restore_buffer_bytes: int | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
+        if restore_buffer_bytes is not None and restore_buffer_bytes < 0:
+            raise ValueError(
+                f"restore_buffer_bytes must be 0 or more (or None), got {restore_buffer_bytes}"
+            )
         self.root = Location.from_url(url, storage_options, filesystem)
         self._storage_options = storage_options
         self.coord = Coordination(group, collective_timeout)
         self.trigger = SaveTrigger(every_steps, every_seconds)
         self.keep = keep
+        self.restore_buffer_bytes = restore_buffer_bytes
         self.saver = AsyncSaver(
             self.root,
             self.coord,
@@ -247,7 +269,7 @@ class Checkpointer:
         Returns:
             The handle, or None when skipped because a save is still uploading.
         """
-        flat, _ = capture(with_objects(state), self.coord.rank)
+        flat = capture_with_objects(state, self.coord.rank)
         return self.saver.save_async(
             step,
             flat,
@@ -289,7 +311,7 @@ class Checkpointer:
         The first save otherwise pays for allocating and faulting in its
         buffers while the training loop waits.
         """
-        flat, _ = capture(with_objects(state), self.coord.rank)
+        flat = capture_with_objects(state, self.coord.rank)
         self.saver.prepare(flat, state.replica_writers)
 
     def adopt_staging(self, previous: Checkpointer) -> bool:
@@ -336,8 +358,13 @@ class Checkpointer:
         # step with zero gradients and lr 0); a fresh start must not keep it: Adam's
         # step count would start at 1 and change every update after it.
         unstepped = state.optimizer is not None and not state.optimizer.state
+        started = time.perf_counter()
         target, mapping = capture(state, self.coord.rank)
-        outcome = restore_durable(root, target, self.coord, url=url)
+        seconds = {"prepare": time.perf_counter() - started}
+        outcome = restore_durable(
+            root, target, self.coord, url=url, budget=self.restore_buffer_bytes
+        )
+        seconds.update(outcome.seconds)
         if outcome.manifest is None and url is not None:
             raise CheckpointCorruptError(
                 f"the checkpoint asked for, {url}, cannot be used: {'; '.join(outcome.skipped)}"
@@ -351,14 +378,17 @@ class Checkpointer:
                 step=None,
                 samples_seen=state.samples_seen,
                 skipped=outcome.skipped,
+                seconds=seconds,
             )
         # ``extra`` is loaded into a copy first: its saved object also carries ``objects``.
+        started = time.perf_counter()
         loaded = dataclasses.replace(state, extra={})
         restored_rank = apply(loaded, target, mapping, self.coord.rank)
-        load_objects(state, loaded.extra, outcome.url or root.url)
+        load_objects(state, loaded.extra, target, outcome.url or root.url)
         state.extra.clear()
         state.extra.update(loaded.extra)
         state.samples_seen = loaded.samples_seen
+        seconds["apply"] = time.perf_counter() - started
         return RestoreResult(
             source=RestoreSource.DURABLE,
             step=outcome.manifest.step,
@@ -366,6 +396,7 @@ class Checkpointer:
             url=outcome.url,
             rank_state_restored=restored_rank,
             skipped=outcome.skipped,
+            seconds=seconds,
         )
 
     # ------------------------------------------------------------------ inspection

@@ -43,6 +43,7 @@ from checkpoint.api import (
 )
 from checkpoint.fsspec_storage import Location
 from checkpoint.manifest import decode_manifest, encode_manifest
+from checkpoint.restore_reads import fetch_and_verify
 from checkpoint.verification import verification_of
 
 log = logging.getLogger(__name__)
@@ -234,26 +235,11 @@ def verify_objects(
 ) -> VerifyReport:
     """Read ``objects`` of a checkpoint directory and compare size and checksum.
 
-    ``algorithm`` is the manifest's ``checksum_algorithm``.
+    ``algorithm`` is the manifest's ``checksum_algorithm``.  Each object is
+    streamed through its checksum; nothing is kept.
     """
-    problems = []
-    checked = 0
-    for obj in objects:
-        try:
-            size, checksum = directory.checksum_object(directory.path(obj.path), algorithm)
-        except FileNotFoundError:
-            problems.append(f"{obj.path}: missing")
-            continue
-        except OSError as e:
-            raise CheckpointStorageError(f"cannot read {directory.url_of(obj.path)}: {e}") from e
-        checked += size
-        if size != obj.size:
-            problems.append(f"{obj.path}: {size} bytes, manifest says {obj.size}")
-        elif checksum != obj.checksum:
-            problems.append(f"{obj.path}: checksum {checksum}, manifest says {obj.checksum}")
-    return VerifyReport(
-        url=directory.url, ok=not problems, problems=tuple(problems), checked_bytes=checked
-    )
+    report, _ = fetch_and_verify(directory, objects, algorithm, keep=(), budget=0)
+    return report
 
 
 def verify_checkpoint(directory: Location, *, rank: int = 0, world_size: int = 1) -> VerifyReport:

@@ -15,12 +15,15 @@ size need not match the current one.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint import dcp_calls
 from checkpoint.api import (
+    MANIFEST_NAME,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,15 +35,19 @@ from checkpoint.commit import (
     inspect_checkpoint,
     parse_step_dir,
     read_manifest,
-    verify_checkpoint,
 )
 from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, check_fits, is_rank_key
 from checkpoint.fsspec_storage import Location, LocationReader
 from checkpoint.groups import Coordination
+from checkpoint.object_state import match_object_targets
+from checkpoint.restore_reads import default_budget, fetch_and_verify, planned_objects
 from checkpoint.verification import record
 
 log = logging.getLogger(__name__)
+
+#: DCP's metadata object in a checkpoint directory.
+METADATA_NAME = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -51,30 +58,40 @@ class DurableRestore:
         manifest: manifest of the checkpoint loaded (None when none was usable).
         url: its directory URL.
         skipped: ``"<name>: <reason>"`` for each committed checkpoint rejected.
+        seconds: time spent finding candidates (``find``), verifying them
+            (``verify``, every candidate tried) and loading the one used (``load``).
     """
 
     manifest: Manifest | None
     url: str | None
     skipped: tuple[str, ...]
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
-def load_into(directory: Location, target: FlatState, coord: Coordination) -> None:
+def load_into(
+    directory: Location,
+    target: FlatState,
+    coord: Coordination,
+    fetched: Mapping[str, bytes] | None = None,
+) -> None:
     """Fill ``target`` from a checkpoint directory (collective over ``coord``).
 
     Tensors are filled in place; objects are replaced.  This rank's own
     ``rank.<r>`` entry is dropped from ``target`` when the checkpoint has none
-    (it was saved by fewer ranks).
+    (it was saved by fewer ranks).  Objects in ``fetched`` (by filesystem
+    path, verified) are read from there, the others from storage.
 
     Raises:
         CheckpointMismatchError: the checkpoint lacks entries the state expects.
         CheckpointStorageError: reading failed.
     """
-    reader = LocationReader(directory)
+    reader = LocationReader(directory, fetched)
     try:
         metadata = reader.read_metadata()
     except OSError as e:
         raise CheckpointStorageError(f"cannot read metadata of {directory.url}: {e}") from e
     available = metadata.state_dict_metadata
+    match_object_targets(target, available)
     check_fits(target, available, directory.url)
     for key in [k for k in target if is_rank_key(k) and k not in available]:
         del target[key]
@@ -103,20 +120,52 @@ def _candidates(root: Location, url: str | None) -> list[str]:
     return [name]
 
 
-def _check_share(directory: Location, coord: Coordination) -> tuple[list[str], bool]:
-    """This rank's problems with its share of ``directory``, and whether they are findings
-    about the objects (True) rather than storage that could not be read (False)."""
+def _check_share(
+    directory: Location, coord: Coordination, target: FlatState, budget: int
+) -> tuple[list[str], bool, dict[str, bytes]]:
+    """This rank's problems with ``directory``, whether they are findings about the
+    objects (True) rather than storage that could not be read (False), and the
+    verified bytes of the objects this rank will load (see :mod:`checkpoint.restore_reads`).
+
+    A rank checks its share of the objects (every ``world``-th one) and each
+    object it will load, so that all are checked and none is read twice.
+    """
     try:
-        report = verify_checkpoint(directory, rank=coord.rank, world_size=coord.world_size)
-    except CheckpointCorruptError as e:  # a manifest gone meanwhile is no finding either
-        return [str(e)], not isinstance(e.__cause__, FileNotFoundError)
+        manifest = read_manifest(directory)
+    except FileNotFoundError:
+        return [f"{directory.url} has no {MANIFEST_NAME}; it was never committed"], False, {}
+    except CheckpointCorruptError as e:
+        return [str(e)], True, {}
+    except OSError as e:
+        return [f"cannot read {directory.url_of(MANIFEST_NAME)}: {e}"], False, {}
+    share = manifest.objects[coord.rank :: coord.world_size]
+    try:
+        # DCP's metadata first, verified, so that the plan comes from checked bytes
+        meta = [o for o in manifest.objects if o.path == METADATA_NAME]
+        report, fetched = fetch_and_verify(
+            directory, meta, manifest.checksum_algorithm, [METADATA_NAME], budget
+        )
+        keep: set[str] = set()
+        if report.ok and fetched:
+            metadata = LocationReader(directory, fetched).read_metadata()
+            match_object_targets(target, metadata.state_dict_metadata)
+            keep = planned_objects(target, metadata) | {METADATA_NAME}
+        objects = [o for o in manifest.objects if (o in share or o.path in keep) and o not in meta]
+        left = budget - sum(len(b) for b in fetched.values())
+        rest, more = fetch_and_verify(directory, objects, manifest.checksum_algorithm, keep, left)
     except (CheckpointError, OSError) as e:
-        return [str(e)], False
-    return list(report.problems), True
+        return [str(e)], False, {}
+    fetched.update(more)
+    return [*report.problems, *rest.problems], True, fetched
 
 
 def restore_durable(
-    root: Location, target: FlatState, coord: Coordination, *, url: str | None = None
+    root: Location,
+    target: FlatState,
+    coord: Coordination,
+    *,
+    url: str | None = None,
+    budget: int | None = None,
 ) -> DurableRestore:
     """Load the newest committed checkpoint under ``root`` that verifies (collective).
 
@@ -125,10 +174,14 @@ def restore_durable(
         target: flat state to fill (see :func:`load_into`).
         coord: checkpoint groups; every rank calls together.
         url: a specific checkpoint directory under ``root`` instead of the newest.
+        budget: bytes of verified objects this rank may hold to load them
+            without reading them again (None: :func:`default_budget`; 0: none).
 
     Returns:
         What was loaded; ``manifest`` is None when nothing committed verified.
     """
+    started = time.perf_counter()
+    seconds = {"find": 0.0, "verify": 0.0}
     names: list[str] | str = []
     if coord.is_coordinator:
         try:
@@ -138,10 +191,15 @@ def restore_durable(
     names = coord.broadcast(names, coord.control)
     if isinstance(names, str):
         raise CheckpointNotFoundError(names)
+    seconds["find"] = time.perf_counter() - started
     skipped: list[str] = []
     for name in names:
         directory = root.child(name)
-        shares = coord.all_gather(_check_share(directory, coord), coord.control)
+        started = time.perf_counter()
+        limit = default_budget() if budget is None else budget
+        problems, finding, fetched = _check_share(directory, coord, target, limit)
+        shares = coord.all_gather((problems, finding), coord.control)
+        seconds["verify"] += time.perf_counter() - started
         all_problems = [p for ps, _ in shares for p in ps]
         corrupt = [p for ps, finding in shares if finding for p in ps]
         if coord.is_coordinator and (corrupt or not all_problems):
@@ -151,9 +209,12 @@ def restore_durable(
             log.warning("checkpoint %s failed verification, trying an older one: %s", name, reason)
             skipped.append(f"{name}: {reason}")
             continue
-        load_into(directory, target, coord)
+        started = time.perf_counter()
+        load_into(directory, target, coord, fetched)
+        del fetched
         manifest = read_manifest(directory) if coord.is_coordinator else None
         manifest = coord.broadcast(manifest, coord.control)
+        seconds["load"] = time.perf_counter() - started
         log.info("restored step %d from %s", manifest.step, directory.url)
-        return DurableRestore(manifest=manifest, url=directory.url, skipped=tuple(skipped))
-    return DurableRestore(manifest=None, url=None, skipped=tuple(skipped))
+        return DurableRestore(manifest, directory.url, tuple(skipped), seconds)
+    return DurableRestore(None, None, tuple(skipped), seconds)

@@ -5,7 +5,9 @@ The flat form maps dotted keys to tensors or small picklable objects:
 * ``model.*`` — the model's state dict without DDP's ``module.`` prefix,
 * ``optim.*`` — the optimizer keyed by parameter name (so it reshards),
 * ``sched``, ``extra`` (opaque blobs) and ``data.samples_seen`` — replicated,
-* ``rank.<r>`` — an opaque blob of rank ``r``: its RNG states and ``rank_state``.
+* ``rank.<r>`` — an opaque blob of rank ``r``: its RNG states and ``rank_state``,
+* ``objects.<name>.<n>`` — the tensors of ``TrainState.objects``' state dicts
+  (:mod:`checkpoint.object_state`), replicated.
 
 Replicated keys are identical on every data-parallel rank, so each is written
 by one owner rank (:func:`assign_owners` balances bytes across ranks without
@@ -44,6 +46,8 @@ from torch.distributed.tensor import DTensor
 from checkpoint.api import CheckpointMismatchError, TrainState
 
 RANK_PREFIX = "rank."
+#: Prefix of the flat keys of tracked objects' tensors (see :mod:`checkpoint.object_state`).
+OBJECT_PREFIX = "objects."
 #: Owner of a sharded key: every rank writes its own slice.
 EVERY_RANK = -1
 SAMPLES_KEY = "data.samples_seen"
@@ -66,6 +70,11 @@ def rank_key(rank: int) -> str:
 
 def is_rank_key(key: str) -> bool:
     return key.startswith(RANK_PREFIX)
+
+
+def is_object_key(key: str) -> bool:
+    """A tensor of a tracked object's state (loaded by the object, not the model)."""
+    return key.startswith(OBJECT_PREFIX)
 
 
 def _enters(value: Any) -> bool:
@@ -203,7 +212,11 @@ def apply(state: TrainState, flat: FlatState, mapping: KeyPaths, rank: int) -> b
     Returns:
         True when this rank's own blob (RNG, ``rank_state``) was present and applied.
     """
-    replicated = {k: v for k, v in flat.items() if not is_rank_key(k) and k not in _OWN_KEYS}
+    replicated = {
+        k: v
+        for k, v in flat.items()
+        if not is_rank_key(k) and not is_object_key(k) and k not in _OWN_KEYS
+    }
     nested = unflatten(replicated, mapping)
     set_model_state_dict(state.model, nested["model"])
     if state.optimizer is not None:

@@ -28,7 +28,7 @@ import mmap
 import os
 import posixpath
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,11 +293,20 @@ class _FsspecObjects(FileSystemBase):
         fs: the filesystem.
         durable: fsync every written file before it counts as written (local
             disks; see :class:`_ChecksumStream`).
+        fetched: objects already read (and verified), by path: reads of them
+            are served from these bytes instead of the filesystem.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, *, durable: bool = False) -> None:
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        *,
+        durable: bool = False,
+        fetched: Mapping[str, bytes] | None = None,
+    ) -> None:
         self.fs = fs
         self.durable = durable
+        self.fetched = fetched or {}
         self._lock = threading.Lock()
         #: (size, checksum hex) of each object written, by path.
         self.written: dict[str, tuple[int, str]] = {}
@@ -306,6 +315,9 @@ class _FsspecObjects(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = os.fspath(path)
         if not any(c in mode for c in "wa+"):
+            if name in self.fetched:
+                yield io.BytesIO(self.fetched[name])  # shares the bytes, no copy
+                return
             with self.fs.open(name, mode) as stream:
                 yield stream
             return
@@ -408,9 +420,16 @@ class ChecksummingWriter(FileSystemWriter):
 
 
 class LocationReader(FileSystemReader):
-    """DCP's file-system reader over a :class:`Location`'s filesystem object."""
+    """DCP's file-system reader over a :class:`Location`'s filesystem object.
 
-    def __init__(self, location: Location) -> None:
+    Args:
+        location: the checkpoint directory.
+        fetched: objects already read whole and verified, by filesystem path
+            (:func:`checkpoint.restore_reads.fetch_and_verify`): DCP reads
+            them from memory.
+    """
+
+    def __init__(self, location: Location, fetched: Mapping[str, bytes] | None = None) -> None:
         super().__init__(location.root)
-        self.fs = _FsspecObjects(location.fs)  # type: ignore[assignment]
+        self.fs = _FsspecObjects(location.fs, fetched=fetched)  # type: ignore[assignment]
         self.path = location.root

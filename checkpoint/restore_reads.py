@@ -1,0 +1,132 @@
+"""Read a checkpoint's objects once on restore: fetch, verify, then load from memory.
+
+A restore must not put a byte of a checkpoint into the state before every
+object it came from matched the manifest.  Verifying by streaming each object
+through its checksum and then letting DCP read it again costs two reads of
+the whole checkpoint, and DCP's reads are one seek and a few small reads per
+tensor: on an object store, a ranged request each.  So each rank fetches the
+objects it will load whole, one request (or one file read) each, checksums
+the bytes it holds, and, once every rank agrees that the checkpoint
+verifies, DCP loads from those verified bytes: nothing reaches the state
+before the verdict, and every object is read once.
+
+Which objects a rank will load comes from DCP's own load plan for its state
+(a rank of a sharded model loads only the objects its slices are in).  The
+fetched bytes live until the load is done, so their total is bounded
+(``budget``, by default half of the memory available when the restore
+starts); objects past it are verified by streaming and read again by DCP, as
+before.  Runs in the training process, inside :func:`checkpoint.durable.restore_durable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from checkpoint.api import CheckpointStorageError, ObjectEntry, VerifyReport
+from checkpoint.checksums import new_checksum
+from checkpoint.flat_state import is_rank_key
+from checkpoint.fsspec_storage import Location
+
+__all__ = ["default_budget", "fetch_and_verify", "planned_objects"]
+
+log = logging.getLogger(__name__)
+
+#: Share of the memory available that fetched objects may take when no budget is given.
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+def default_budget() -> int:
+    """Half of ``MemAvailable`` (Linux), or 0 (fetch nothing) where it cannot be read."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE)
+    return int(int(m.group(1)) * 1024 * DEFAULT_BUDGET_SHARE) if m else 0
+
+
+def planned_objects(target: Mapping[str, Any], metadata: Any) -> set[str]:
+    """Paths (relative to the checkpoint directory) of the objects DCP will read to fill
+    ``target`` from a checkpoint with DCP ``metadata``: its local plan, as it loads
+    (a rank's own entry the checkpoint lacks is left out, as the load leaves it out).
+
+    Empty when no plan can be made: the load then reports why, and reads from storage.
+    """
+    available = metadata.state_dict_metadata
+    wanted = {k: v for k, v in target.items() if not (is_rank_key(k) and k not in available)}
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        planner.set_up_planner(wanted, metadata, is_coordinator=False)
+        items = planner.create_local_plan().items
+    except Exception as e:  # a state the checkpoint does not fit: load_into says so
+        log.debug("no load plan for the objects to fetch: %s", e)
+        return set()
+    storage = metadata.storage_data or {}
+    paths = set()
+    for item in items:
+        info = storage.get(item.storage_index)
+        if info is not None:
+            paths.add(str(info.relative_path))
+    return paths
+
+
+def fetch_and_verify(
+    directory: Location,
+    objects: Sequence[ObjectEntry],
+    algorithm: str,
+    keep: Iterable[str],
+    budget: int,
+) -> tuple[VerifyReport, dict[str, bytes]]:
+    """Check ``objects`` against their manifest entries, keeping the bytes of those in ``keep``.
+
+    An object in ``keep`` is read whole while the bytes kept so far plus its
+    own stay within ``budget``, and checksummed in memory; any other object
+    is streamed through its checksum (:meth:`Location.checksum_object`).
+
+    Returns:
+        The report, and the bytes of each kept object that matched, by
+        filesystem path (what :class:`checkpoint.fsspec_storage.LocationReader`
+        takes as ``fetched``).  A mismatch keeps nothing of that object.
+
+    Raises:
+        CheckpointStorageError: an object could not be read (not a finding).
+    """
+    wanted = set(keep)
+    fetched: dict[str, bytes] = {}
+    left = budget
+    problems: list[str] = []
+    checked = 0
+    for obj in objects:
+        path = directory.path(obj.path)
+        try:
+            if obj.path in wanted and obj.size <= left:
+                data = bytes(directory.fs.cat_file(path))  # no copy of what cat_file gave
+                crc = new_checksum(algorithm)
+                crc.update(data)
+                size, checksum = len(data), crc.hexdigest()
+            else:
+                data = b""
+                size, checksum = directory.checksum_object(path, algorithm)
+        except FileNotFoundError:
+            problems.append(f"{obj.path}: missing")
+            continue
+        except OSError as e:
+            raise CheckpointStorageError(f"cannot read {directory.url_of(obj.path)}: {e}") from e
+        checked += size
+        if size != obj.size:
+            problems.append(f"{obj.path}: {size} bytes, manifest says {obj.size}")
+        elif checksum != obj.checksum:
+            problems.append(f"{obj.path}: checksum {checksum}, manifest says {obj.checksum}")
+        elif data:
+            fetched[path] = data
+            left -= size
+    report = VerifyReport(
+        url=directory.url, ok=not problems, problems=tuple(problems), checked_bytes=checked
+    )
+    return report, fetched

@@ -51,6 +51,7 @@ from agents.runtime.mesh_layout import (
     layout_of,
 )
 from agents.runtime.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
+from agents.runtime.replica_barrier import ReplicaBarrier
 from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
 from agents.runtime.tracked_optimizers import repoint_optimizer
 
@@ -197,6 +198,8 @@ class ShardedModel(nn.Module):
             pipeline.check(stages)
             self.stages = split_stages(module, stages, pipeline.split)
             self.runner = PipelineRunner(pipeline, stages)
+        #: a replica's ranks apply an optimizer step together (``hsdp``, ``mesh``)
+        self.barrier = ReplicaBarrier()
         #: ``wrap(mesh=...)``'s shape, None for ``fsdp``/``hsdp``
         self.mesh_shape = mesh
         self.tensor_plan = plan
@@ -266,6 +269,8 @@ class ShardedModel(nn.Module):
 
     def build(self, mesh: DeviceMesh, layout: Layout, device: torch.device) -> nn.Module:
         """A fresh sharded module on ``mesh`` with uninitialised slices (not yet in use)."""
+        if self.mode != "fsdp":  # one replica of fsdp is every rank: buddies' snapshots serve
+            self.barrier.form(mesh.get_rank(), mesh.size(), layout.shards)
         fresh = copy.deepcopy(self._blueprint)
         if self.mesh_shape is None:
             fully_shard(fresh, mesh=mesh)
@@ -330,6 +335,7 @@ class ShardedModel(nn.Module):
         self.params = gen.params
         self.initial = None
         object.__setattr__(self, "_gen", gen)
+        self.barrier.attach(optimizers)
         if self.runner is not None:
             self.runner.reset(fresh, gen.mesh, gen.device)
 

@@ -66,6 +66,13 @@ def corpus() -> bytes:
     return Path(argparse.__file__).read_bytes()
 
 
+def split_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The text as bytes: the first 95 % to train on, the rest held out."""
+    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+    split = int(len(text) * 0.95)
+    return text[:split], text[split:]
+
+
 class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Sample ``i``: the bytes at ``[i*c, i*c + c)`` and the same shifted by one."""
 
@@ -161,9 +168,7 @@ def main() -> None:
     )
 
     torch.manual_seed(0)
-    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
-    split = int(len(text) * 0.95)
-    train_data, held_out = text[:split], text[split:]
+    train_data, held_out = split_corpus()
 
     session = runtime.init()
     total = args.steps or session.spec.max_steps

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from train_lm import FULL, SHORT, VOCAB, Size, Windows, corpus, warmup_cosine
+from train_lm import FULL, SHORT, VOCAB, Size, Windows, split_corpus, warmup_cosine
 from train_sharded import parse_mesh
 
 from agents import runtime
@@ -127,9 +127,7 @@ def main() -> None:
         size = dataclasses.replace(size, heads=args.mesh["tensor"])  # a head per rank at least
 
     torch.manual_seed(0)
-    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
-    split = int(len(text) * 0.95)
-    train_data, held_out = text[:split], text[split:]
+    train_data, held_out = split_corpus()
 
     session = runtime.init()
     total = args.steps or session.spec.max_steps

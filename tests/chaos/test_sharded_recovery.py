@@ -5,7 +5,10 @@
 * ``fsdp`` with redundancy every step (3 ranks, one spare): from the buddy's
   host-memory copy;
 * ``fsdp`` without redundancy: from the newest durable checkpoint, and the
-  recovery record says how many steps were lost.
+  recovery record says how many steps were lost;
+* meshes (``wrap(mesh=...)``): replicate 2 x tensor 2 and replicate 2 x
+  pipeline 2 from their twins, replicas shrinking in memory without a spare,
+  and one replica (no twin) from the durable checkpoint.
 
 Every run ends with the parameters of a fault-free run.
 """
@@ -152,25 +155,6 @@ def _assert_applied_once(tmp: Path, steps: int, lost: int) -> None:
     assert not [s for s in range(steps) if counts[s] == 0], "a step was never applied"
 
 
-def test_tensor_parallel_slices_come_from_twins(tmp_path: Path) -> None:
-    """replicate 2 x tensor 2 (a node each), one spare: the killed node's tensor-parallel
-    slices come from the ranks of the other replica that hold the same ones."""
-    lines: list[str] = []
-    spec = sharded_job(
-        "tp-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh="tensor=2",
-        optimizer="adam",
-    )  # fmt: skip
-    with quiet_run(spec, lines, kill_node_at_step=25) as run:
-        result = run.wait()
-        record = _recovery(run)
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert result.recoveries == 1, summary(result, lines)
-    assert record.source == "twin", record.to_dict()
-    assert record.steps_lost == 0, record.to_dict()
-    assert_exactly_once(tmp_path, STEPS)
-    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))
-
-
 def test_tensor_parallel_replicas_shrink_in_memory_when_no_spare_is_left(tmp_path: Path) -> None:
     """replicate 2 x tensor 2, no spare: the survivors go on as one replica, from memory."""
     lines: list[str] = []
@@ -211,13 +195,14 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
 
 
-def test_pipeline_stages_come_from_twins(tmp_path: Path) -> None:
-    """replicate 2 x pipeline 2 (a node each), one spare, 1F1B over 4 micro-batches: the
-    killed node's stages come from the other replica, and every stage ends as a
-    fault-free run's."""
+@pytest.mark.parametrize("mesh", ["tensor=2", "pipeline=2"])
+def test_mesh_slices_come_from_twins(tmp_path: Path, mesh: str) -> None:
+    """replicate 2 x tensor 2, and replicate 2 x pipeline 2 (1F1B over 4 micro-batches),
+    a node each, one spare: the killed node's tensor-parallel slices, or its stages,
+    come from the ranks of the other replica that hold the same ones."""
     lines: list[str] = []
     spec = sharded_job(
-        "pp-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh="pipeline=2",
+        "mesh-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh=mesh,
         optimizer="adam",
     )  # fmt: skip
     with quiet_run(spec, lines, kill_node_at_step=25) as run:
@@ -228,10 +213,10 @@ def test_pipeline_stages_come_from_twins(tmp_path: Path) -> None:
     assert record.source == "twin", record.to_dict()
     assert record.steps_lost == 0, record.to_dict()
     assert_exactly_once(tmp_path, STEPS)
-    # each rank held its stage only: the first layer, or the last
-    held = {f.name: sorted(torch.load(f)) for f in (tmp_path / "out").glob("rank-*.pt")}
-    assert held == {
-        "rank-0.pt": ["0.bias", "0.weight"], "rank-1.pt": ["2.bias", "2.weight"],
-        "rank-2.pt": ["0.bias", "0.weight"], "rank-3.pt": ["2.bias", "2.weight"],
-    }, held  # fmt: skip
+    if mesh.startswith("pipeline"):  # each rank held its stage only: the first layer or the last
+        held = {f.name: sorted(torch.load(f)) for f in (tmp_path / "out").glob("rank-*.pt")}
+        assert held == {
+            "rank-0.pt": ["0.bias", "0.weight"], "rank-1.pt": ["2.bias", "2.weight"],
+            "rank-2.pt": ["0.bias", "0.weight"], "rank-3.pt": ["2.bias", "2.weight"],
+        }, held  # fmt: skip
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))

@@ -73,6 +73,7 @@ from _state_at_size import build_state, fingerprint, memory_available, state_byt
 from checkpoint import Checkpointer, CheckpointStorageError, RestoreSource  # noqa: E402
 from checkpoint.api import MANIFEST_NAME  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
+from tests.faults.s3_credentials import use_test_credentials  # noqa: E402
 
 #: States of memory a size needs (see the module's docstring), and what is left to others.
 MEMORY_FACTOR = 4.5
@@ -119,12 +120,7 @@ class Backend:
 @contextmanager
 def s3_server() -> Iterator[dict[str, Any]]:
     """moto's S3 server on a free loopback port with one bucket; yields storage options."""
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(name, value)
+    use_test_credentials()
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", _SERVER, str(port)],

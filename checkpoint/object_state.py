@@ -19,7 +19,7 @@ stay in the skeleton, as they always were.  Runs in the training process.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,27 +48,33 @@ def _is_plain_tensor(value: Any) -> bool:
     )
 
 
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` rebuilt with ``leaf`` applied to everything that is not a mapping
+    (its type and attributes kept: an ``OrderedDict``'s module versions), list or tuple."""
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _map_leaves(v, leaf)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_map_leaves(v, leaf) for v in value)
+    return leaf(value)
+
+
 def split_tensors(name: str, state: Any) -> tuple[Any, FlatState]:
     """``state`` with each plain tensor replaced by a :class:`TensorSlot`, and the tensors
     by flat key (``objects.<name>.<n>``).  Mappings (their type and attributes kept),
     lists and tuples are entered; the tensors are not copied."""
     tensors: FlatState = {}
 
-    def walk(value: Any) -> Any:
-        if _is_plain_tensor(value):
-            key = f"{OBJECT_PREFIX}{name}.{len(tensors)}"
-            tensors[key] = value.detach()
-            return TensorSlot(key)
-        if isinstance(value, dict):
-            out = copy.copy(value)  # an OrderedDict keeps its _metadata (module versions)
-            for k, v in value.items():
-                out[k] = walk(v)
-            return out
-        if type(value) in (list, tuple):
-            return type(value)(walk(v) for v in value)
-        return value
+    def slot(value: Any) -> Any:
+        if not _is_plain_tensor(value):
+            return value
+        key = f"{OBJECT_PREFIX}{name}.{len(tensors)}"
+        tensors[key] = value.detach()
+        return TensorSlot(key)
 
-    return walk(state), tensors
+    return _map_leaves(state, slot), tensors
 
 
 def join_tensors(skeleton: Any, loaded: Mapping[str, Any], where: str) -> Any:
@@ -78,24 +84,17 @@ def join_tensors(skeleton: Any, loaded: Mapping[str, Any], where: str) -> Any:
         CheckpointMismatchError: a slot's entry is not in ``loaded``.
     """
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, TensorSlot):
-            if value.key not in loaded:
-                raise CheckpointMismatchError(
-                    f"{where} lacks the entry {value.key} that an object's state refers to; "
-                    "the checkpoint is incomplete"
-                )
-            return loaded[value.key]
-        if isinstance(value, dict):
-            out = copy.copy(value)
-            for k, v in value.items():
-                out[k] = walk(v)
-            return out
-        if type(value) in (list, tuple):
-            return type(value)(walk(v) for v in value)
-        return value
+    def fill(value: Any) -> Any:
+        if not isinstance(value, TensorSlot):
+            return value
+        if value.key not in loaded:
+            raise CheckpointMismatchError(
+                f"{where} lacks the entry {value.key} that an object's state refers to; "
+                "the checkpoint is incomplete"
+            )
+        return loaded[value.key]
 
-    return walk(skeleton)
+    return _map_leaves(skeleton, fill)
 
 
 def match_object_targets(target: FlatState, available: Mapping[str, Any]) -> None:

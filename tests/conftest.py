@@ -35,6 +35,7 @@ from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
 from orchestrator.etcd.embedded import EmbeddedEtcd  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
+from tests.faults.s3_credentials import use_test_credentials  # noqa: E402
 from tests.gloo import run_gloo  # noqa: E402
 
 S3_BUCKET = "ringmaster-test"
@@ -115,12 +116,7 @@ class S3Endpoint:
 def s3() -> Iterator[S3Endpoint]:
     from moto.server import ThreadedMotoServer
 
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(name, value)
+    use_test_credentials()
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -54,20 +54,6 @@ def _assert_users_see(run, record: RecoveryRecord) -> None:  # type: ignore[no-u
     assert f'data-source="{record.source}" data-steps-lost="{record.steps_lost}"' in html
 
 
-def test_hsdp_slices_come_from_twins(tmp_path: Path) -> None:
-    lines: list[str] = []
-    spec = sharded_job("hsdp-kill", tmp_path, "hsdp", nodes=2, nproc=2, steps=STEPS)
-    with quiet_run(spec, lines, kill_node_at_step=25) as run:
-        result = run.wait()
-        record = _recovery(run)
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert result.recoveries == 1, summary(result, lines)
-    assert record.source == "twin", record.to_dict()
-    assert record.steps_lost == 0, record.to_dict()
-    assert_exactly_once(tmp_path, STEPS)
-    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
-
-
 def test_fsdp_slice_comes_from_the_buddy_copy(tmp_path: Path) -> None:
     lines: list[str] = []
     spec = sharded_job(
@@ -195,15 +181,21 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
 
 
-@pytest.mark.parametrize("mesh", ["tensor=2", "pipeline=2"])
-def test_mesh_slices_come_from_twins(tmp_path: Path, mesh: str) -> None:
-    """replicate 2 x tensor 2, and replicate 2 x pipeline 2 (1F1B over 4 micro-batches),
-    a node each, one spare: the killed node's tensor-parallel slices, or its stages,
-    come from the ranks of the other replica that hold the same ones."""
+@pytest.mark.parametrize(
+    ("sharding", "mesh", "optimizer"),
+    [("hsdp", None, "sgd"), ("mesh", "tensor=2", "adam"), ("mesh", "pipeline=2", "adam")],
+)
+def test_slices_come_from_twins(
+    tmp_path: Path, sharding: str, mesh: str | None, optimizer: str
+) -> None:
+    """2 nodes x 2 ranks, one replica a node, one spare: hsdp (shard 2), replicate 2 x
+    tensor 2, replicate 2 x pipeline 2 (1F1B over 4 micro-batches).  The killed node's
+    slices, tensor-parallel shards or stages come from the ranks of the other replica
+    that hold the same ones."""
     lines: list[str] = []
     spec = sharded_job(
-        "mesh-kill", tmp_path, "mesh", nodes=2, nproc=2, steps=STEPS, mesh=mesh,
-        optimizer="adam",
+        "twin-kill", tmp_path, sharding, nodes=2, nproc=2, steps=STEPS, mesh=mesh,
+        optimizer=optimizer,
     )  # fmt: skip
     with quiet_run(spec, lines, kill_node_at_step=25) as run:
         result = run.wait()
@@ -213,10 +205,10 @@ def test_mesh_slices_come_from_twins(tmp_path: Path, mesh: str) -> None:
     assert record.source == "twin", record.to_dict()
     assert record.steps_lost == 0, record.to_dict()
     assert_exactly_once(tmp_path, STEPS)
-    if mesh.startswith("pipeline"):  # each rank held its stage only: the first layer or the last
+    if mesh == "pipeline=2":  # each rank held its stage only: the first layer or the last
         held = {f.name: sorted(torch.load(f)) for f in (tmp_path / "out").glob("rank-*.pt")}
         assert held == {
             "rank-0.pt": ["0.bias", "0.weight"], "rank-1.pt": ["2.bias", "2.weight"],
             "rank-2.pt": ["0.bias", "0.weight"], "rank-3.pt": ["2.bias", "2.weight"],
         }, held  # fmt: skip
-    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, "adam"))
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, optimizer))

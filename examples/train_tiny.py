@@ -46,6 +46,14 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
     parser.add_argument("--step-log", help="directory: each worker logs the steps it applied")
+    parser.add_argument(
+        "--hold-at",
+        type=int,
+        default=-1,
+        help="with --go-file: every worker waits before this step until the file exists "
+        "(a test holds the job at one step this way)",
+    )
+    parser.add_argument("--go-file", help="see --hold-at")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -57,6 +65,8 @@ def main() -> None:
     loss = torch.tensor(0.0)
     log_every = int(os.environ.get("RINGMASTER_LOG_EVERY", "20"))
     for step in session.steps(args.steps or None):
+        while step == args.hold_at and args.go_file and not os.path.exists(args.go_file):
+            time.sleep(0.05)  # the same step on every rank: no collective waits on it
         with session.guard():
             xb, yb = batch(step, session.rank, session.world_size, x, y)
             opt.zero_grad()

@@ -176,7 +176,7 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     assert record.source == "durable", record.to_dict()
     assert record.restored_step in (20, 40), record.to_dict()
     # no worker that held the lost steps is left: the record counts from the step that broke
-    assert record.steps_lost == record.step - record.restored_step, record.to_dict()
+    assert record.steps_lost == max(0, record.step - record.restored_step), record.to_dict()
     _assert_applied_once(tmp_path, STEPS, record.steps_lost)
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
 

@@ -47,7 +47,7 @@ from tests.faults.partitioned_job import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-STEPS = 60  # at 0.3 s a step, long enough for a spare started once the job runs
+STEPS = 60
 # node-2 alone in zone a; node-0 and node-1 in zone b, and node-3, the spare
 ZONES = {"node-0": {"zone": "b"}, "node-1": {"zone": "b"}, "node-2": {"zone": "a"},
          "node-3": {"zone": "b"}}  # fmt: skip
@@ -63,7 +63,13 @@ STREAMING = {
 }
 
 
-def wait_for_spare(run: LocalRun, node: str, timeout: float = 60) -> None:
+def spare_ready(run: LocalRun, node: str, go: Path) -> None:
+    """Wait until ``node`` waits as a warm spare, then let the held job go on."""
+    wait_for_spare(run, node)
+    go.touch()
+
+
+def wait_for_spare(run: LocalRun, node: str, timeout: float = 120) -> None:
     """Wait until ``node`` waits as a warm spare of the run's job."""
     deadline = time.monotonic() + timeout
     status = None
@@ -77,12 +83,19 @@ def wait_for_spare(run: LocalRun, node: str, timeout: float = 60) -> None:
     raise AssertionError(f"{node} never became a spare ({status})")
 
 
+#: The step the jobs with a spare started late wait at, until the spare is warm.
+HOLD_AT = 5
+
+
 def diloco_job(
     name: str, tmp: Path, spares: int, sync: dict[str, object], step_time: float = 0.3
 ) -> JobSpec:
-    """Three nodes, ``spares`` spares; by default steps slow enough that a spare started
-    once the job trains is warm before it ends."""
-    base = tiny_job(name, tmp, steps=STEPS, step_time=step_time, spares=spares).to_dict()
+    """Three nodes, ``spares`` spares.  A job with a spare holds at step
+    :data:`HOLD_AT` until the test writes ``tmp/go`` (:func:`spare_ready`)."""
+    hold = ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")] if spares else []
+    base = tiny_job(
+        name, tmp, steps=STEPS, step_time=step_time, spares=spares, extra_args=hold
+    ).to_dict()
     base["nodes"] = {"min": 3, "max": 3, "spares": spares}
     base["sync"] = sync
     return load_job_data(base)
@@ -186,7 +199,7 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     with run:
         wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
-        wait_for_spare(run, "node-3")
+        spare_ready(run, "node-3", tmp_path / "go")
         run.kill_node("node-1")  # site b's: the spare (zone b too) takes its slot
         result = run.wait()
         status = jobs.read_status(run.client, spec.name)
@@ -217,7 +230,7 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
     with run:
         wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
-        wait_for_spare(run, "node-3")
+        spare_ready(run, "node-3", tmp_path / "go")
         # mid inner period: the site goes between two outer syncs
         wait_for("a step 2-4 past a sync", lambda: _step(run) % 10 in (2, 3, 4))
         run.kill_node("node-2")

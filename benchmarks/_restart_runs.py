@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,11 +185,16 @@ def _recovered_phases(client: Any, job: str, until: float) -> dict[str, float]:
     }
 
 
-def torchrun_nodes(port: int, args: list[str]) -> list[subprocess.Popen[bytes]]:
+def torchrun_nodes(
+    port: int, args: list[str], output: Path | None = None
+) -> list[subprocess.Popen[bytes]]:
     """Three ``torchrun --nnodes=2:3`` agents running the script, on the c10d store at
-    ``port``; each in a session of its own (one ``killpg`` takes a whole node)."""
+    ``port``; each in a session of its own (one ``killpg`` takes a whole node), its
+    output (its workers' too) in ``output/agent-<i>.log`` (discarded without one)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env = {k: v for k, v in env.items() if not k.startswith("RINGMASTER_")}
+    if output is not None:
+        env["LOGLEVEL"] = "INFO"  # the agents' rendezvous rounds
     return [
         subprocess.Popen(
             [
@@ -208,11 +214,11 @@ def torchrun_nodes(port: int, args: list[str]) -> list[subprocess.Popen[bytes]]:
                 *args,
             ],
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL if output is None else (output / f"agent-{i}.log").open("wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        for _ in range(3)
+        for i in range(3)
     ]
 
 
@@ -264,7 +270,7 @@ def run_torchrun(
     port = free_port()
     store = store_process(port)
     nodes = torchrun_nodes(
-        port, [*args, "--step-log", str(logs), "--checkpoint-dir", str(tmp / "ckpt")]
+        port, [*args, "--step-log", str(logs), "--checkpoint-dir", str(tmp / "ckpt")], tmp
     )
     killed_at = 0.0
     try:
@@ -299,7 +305,26 @@ def run_torchrun(
         store.wait()
     assert killed_at, f"step {kill_at} not reached under torchrun"
     recovery, lost = measure(logs, killed_at)
-    return {"recovery_s": recovery, "steps_lost": lost, "killed_at": killed_at}
+    out: dict[str, Any] = {"recovery_s": recovery, "steps_lost": lost, "killed_at": killed_at}
+    if recovery == float("inf"):
+        out["why"] = _last_errors(tmp)
+    return out
+
+
+def _last_errors(output: Path) -> list[str]:
+    """Where each torchrun agent was when it was given up on: its last log line of its
+    own (``I``/``W``/``E`` and a date), and its workers' last error line after that."""
+    found = []
+    for f in sorted(output.glob("agent-*.log")):
+        lines = f.read_text(errors="replace").splitlines()
+        own = [i for i, line in enumerate(lines) if re.match(r"[IWE]\d{4} ", line)]
+        if not own:
+            continue
+        last = own[-1]
+        errors = [line for line in lines[last:] if "Error" in line and "frame #" not in line]
+        tail = f"; then {errors[-1].strip()[:200]}" if errors else ""
+        found.append(f"{f.stem}: {lines[last].strip()[:300]}{tail}")
+    return found
 
 
 def _victim(

@@ -228,6 +228,8 @@ def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
             row[f"{name}_s"] = got.pop("recovery_s")
             row[f"{name}_steps_lost"] = got.pop("steps_lost")
             killed_at = got.pop("killed_at")
+            if "why" in got:  # torchrun did not train again: its agents' last errors
+                row[f"{name}_last_errors"] = got.pop("why")
             # ringmaster's own phases (its Recovered event), from the first report
             row.update({f"{name}_event_{key}": value for key, value in got.items()})
             for key, value in _phases(tmp / "steps", killed_at).items():
@@ -273,6 +275,8 @@ def _print_row(row: dict[str, Any]) -> None:
             f"{row[f'{name}_load_average']:.1f})",
             flush=True,
         )
+    for line in row.get("torchrun_last_errors", []):
+        print(f"    torchrun did not train again: {line}", flush=True)
     if row.get("ringmaster_event_detect_s") is not None:
         print(
             f"    ringmaster's Recovered event, from the first report of the break: detect "

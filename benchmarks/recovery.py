@@ -18,7 +18,8 @@ Tier 0 (the restart tier) runs ``examples/train_torchrun.py``, an unmodified
 torchrun script with its own checkpoints (every ``TIER0_CHECKPOINT_EVERY``
 steps), twice more: under ringmaster (``recovery: restart``: every worker
 starts again from a pre-imported standby, rank 0's node hosts the store of
-its generation only) and under the same stock torchrun setup as above.
+its generation only) and under the same stock torchrun setup as above
+(:mod:`_restart_runs`, shared with ``restart_at_size.py``).
 
 Two more rows measure peers that hang instead of dying (:mod:`_stuck_peers`):
 a SIGSTOPped worker and a node cut off by a network partition (needs root).
@@ -68,6 +69,8 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
 apply_grpc_environment()
 
+import _restart_runs  # noqa: E402
+
 from agents.recovery.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
 
@@ -75,7 +78,7 @@ STEPS = 400
 KILL_AT = 100
 STEP_TIME = 0.02
 #: How long torchrun gets to train again after the kill before it counts as not recovered.
-TORCHRUN_PATIENCE_S = 90.0
+TORCHRUN_PATIENCE_S = _restart_runs.TORCHRUN_PATIENCE_S
 #: Tier 0: epochs of examples/train_torchrun.py (32 steps each at world size 2)
 TIER0_EPOCHS = 6
 TIER0_KILL_AT = 105
@@ -355,7 +358,7 @@ def _print_sharded(rows: dict[str, object]) -> None:
     )
 
 
-def _tier0_args(logs: Path) -> list[str]:
+def _tier0_args() -> list[str]:
     return [
         "--epochs",
         str(TIER0_EPOCHS),
@@ -363,169 +366,7 @@ def _tier0_args(logs: Path) -> list[str]:
         str(STEP_TIME),
         "--checkpoint-every",
         str(TIER0_CHECKPOINT_EVERY),
-        "--step-log",
-        str(logs),
     ]
-
-
-def _tier0_entries(logs: Path) -> list[tuple[float, int, int]]:
-    """(time, step, pid) of every step examples/train_torchrun.py logged (``step`` counts
-    completed steps, from 1)."""
-    out = []
-    for f in logs.glob("*.log"):
-        for line in f.read_text().splitlines():
-            step, t, _restart, pid = line.split()
-            out.append((float(t), int(step), int(pid)))
-    return sorted(out)
-
-
-def _tier0_measure(logs: Path, killed_at: float) -> tuple[float, int]:
-    """(seconds from the kill to the first step of a worker started after it, steps lost)."""
-    entries = _tier0_entries(logs)
-    old = {p for t, _, p in entries if t <= killed_at}
-    last_before = max((s for t, s, _ in entries if t <= killed_at), default=0)
-    after = [(t, s) for t, s, p in entries if t > killed_at and p not in old]
-    if not after:
-        return float("inf"), -1
-    resumed = min(s for _, s in after)
-    return after[0][0] - killed_at, max(0, last_before + 1 - resumed)
-
-
-def run_tier0_ringmaster(tmp: Path) -> dict[str, float]:
-    from orchestrator.entrypoint import resolve_recovery
-    from orchestrator.local_run import LocalRun
-    from orchestrator.spec_loader import load_job_data
-
-    logs = tmp / "steps"
-    logs.mkdir()
-    spec = load_job_data(
-        {
-            "name": "bench-tier0",
-            "entrypoint": {
-                "script": str(REPO / "examples" / "train_torchrun.py"),
-                "args": _tier0_args(logs),
-            },
-            "nodes": {"min": 2, "max": 2, "spares": 1},
-            "checkpoint": {"url": f"file://{tmp}/ckpt"},
-        }
-    )
-    spec, why = resolve_recovery(spec, REPO)
-    assert spec.fault_tolerance.recovery.value == "restart", why
-    lines: list[str] = []
-    with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
-        from orchestrator import jobs
-
-        killed_at = 0.0
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            done = [s for _, s, _ in _tier0_entries(logs)]
-            status = jobs.read_status(run.client, spec.name)
-            if done and max(done) >= TIER0_KILL_AT and status and status.active_nodes:
-                killed_at = time.time()
-                run.kill_node(status.active_nodes[0])  # rank 0's node: its store goes too
-                break
-            time.sleep(0.01)
-        result = run.wait()
-    assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
-    recovery, lost = _tier0_measure(logs, killed_at)
-    return {"recovery_s": recovery, "steps_lost": lost}
-
-
-def _torchrun_nodes(port: int, script: Path, args: list[str]) -> list[subprocess.Popen[bytes]]:
-    """Three ``torchrun --nnodes=2:3`` agents on the c10d store at ``port``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env = {k: v for k, v in env.items() if not k.startswith("RINGMASTER_")}
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2:3",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=bench",
-                "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1,"
-                "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
-                "--max-restarts=3",
-                "--monitor-interval=0.1",
-                str(script),
-                *args,
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for _ in range(3)
-    ]
-
-
-def _store_process(port: int) -> subprocess.Popen[bytes]:
-    """torchrun's c10d rendezvous store in a process of its own (no node hosts it)."""
-    store = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time, datetime, torch.distributed as d;"
-            f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False,"
-            " timeout=datetime.timedelta(seconds=600));"
-            "print('ready', flush=True); time.sleep(3600)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    assert store.stdout is not None
-    store.stdout.readline()
-    return store
-
-
-def run_tier0_torchrun(tmp: Path) -> dict[str, float]:
-    logs = tmp / "steps"
-    logs.mkdir()
-    port = free_port()
-    store = _store_process(port)
-    args = [*_tier0_args(logs), "--checkpoint-dir", str(tmp / "ckpt")]
-    nodes = _torchrun_nodes(port, REPO / "examples" / "train_torchrun.py", args)
-    killed_at = 0.0
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            entries = _tier0_entries(logs)
-            trainers = [
-                (n, pid) for _, _, pid in reversed(entries) for n in nodes if n.pid == _parent(pid)
-            ]
-            if entries and max(s for _, s, _ in entries) >= TIER0_KILL_AT and trainers:
-                victim, worker = trainers[0]  # a node that trains, agent and worker
-                killed_at = time.time()
-                os.killpg(victim.pid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker, signal.SIGKILL)
-                break
-            time.sleep(0.01)
-        until = time.time() + TORCHRUN_PATIENCE_S
-        while time.time() < until and killed_at:
-            if _tier0_measure(logs, killed_at)[0] != float("inf"):
-                break
-            if all(n.poll() is not None for n in nodes):
-                break
-            time.sleep(0.1)
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-                n.wait()
-        store.kill()
-        store.wait()
-    recovery, lost = _tier0_measure(logs, killed_at)
-    return {"recovery_s": recovery, "steps_lost": lost}
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
 
 
 def run_torchrun(tmp: Path) -> dict[str, float]:
@@ -533,19 +374,7 @@ def run_torchrun(tmp: Path) -> dict[str, float]:
     logs.mkdir()
     ckpt = tmp / "ckpt.pt"
     port = free_port()
-    store = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time, datetime, torch.distributed as d;"
-            f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False,"
-            " timeout=datetime.timedelta(seconds=600));"
-            "print('ready', flush=True); time.sleep(3600)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    assert store.stdout is not None
-    store.stdout.readline()
+    store = _restart_runs.store_process(port)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = []
     for _ in range(3):
@@ -621,10 +450,7 @@ def _training_node(
     """A torchrun agent whose worker logs steps, and that worker's pid."""
     for f in logs.glob("*.log"):
         worker = int(f.stem)
-        try:
-            parent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
+        parent = _restart_runs.parent_pid(worker)
         for n in nodes:
             if n.pid == parent:
                 return n, worker
@@ -634,12 +460,12 @@ def _training_node(
 def _tier0() -> dict[str, object]:
     """The tier-0 row: the plain torchrun script under ringmaster and under torchrun."""
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        rm = run_tier0_ringmaster(Path(a))
+        rm = _restart_runs.run_ringmaster(Path(a), "bench-tier0", _tier0_args(), TIER0_KILL_AT)
         print(
             f"tier 0, ringmaster (restart): {rm['recovery_s']:.2f}s to the next step, "
             f"{rm['steps_lost']} lost"
         )
-        tr = run_tier0_torchrun(Path(b))
+        tr = _restart_runs.run_torchrun(Path(b), _tier0_args(), TIER0_KILL_AT)
         if tr["recovery_s"] == float("inf"):
             print(f"tier 0, torchrun: no step within {TORCHRUN_PATIENCE_S:g}s of the kill")
         else:

@@ -12,11 +12,20 @@ optimizer, steps done) every ``--checkpoint-every`` steps into
 under plain torchrun); every rank resumes from the newest one rank 0 finds,
 at the same batch of the same epoch, so a run with a failure ends with the
 same parameters as a run without one (at the same world size).
+
+``--width``, ``--hidden-layers`` and ``--optimizer adam`` make its state as
+large as wanted (``benchmarks/restart_at_size.py`` runs it at 0.1 to 2 GB of
+parameters and Adam state, with a small batch so a step stays cheap); with
+``--step-log`` each start also appends one JSON line of when it got where
+(``rank-<rank>.starts``: entered ``main``, process group, checkpoint read,
+state loaded, DDP built), so the part of a restart spent in the script's own
+``torch.load`` can be told apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from datetime import timedelta
@@ -61,6 +70,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--width", type=int, default=32, help="hidden units")
+    parser.add_argument("--hidden-layers", type=int, default=0, help="width x width layers")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--checkpoint-dir", default="checkpoints/train_torchrun")
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
@@ -68,15 +80,23 @@ def main() -> None:
         "--step-log", help="directory: each rank appends 'step time restart pid' lines"
     )
     args = parser.parse_args()
+    times = {"main": time.time()}
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_dir = Path(os.environ.get("RINGMASTER_CHECKPOINT_DIR") or args.checkpoint_dir)
+    times["group"] = time.time()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    layers: list[nn.Module] = [nn.Linear(FEATURES, args.width), nn.ReLU()]
+    for _ in range(args.hidden_layers):
+        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(args.width, CLASSES))
+    if args.optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
@@ -86,16 +106,24 @@ def main() -> None:
     pick = [str(newest_checkpoint(ckpt_dir) or "") if rank == 0 else ""]
     dist.broadcast_object_list(pick, src=0)
     done = 0
+    times["built"] = times["read"] = time.time()
     if pick[0]:
         state = torch.load(pick[0], weights_only=True)
+        times["read"] = time.time()
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         done = int(state["step"])
+        del state  # the optimizer keeps its moments; the loaded parameters go
         if rank == 0:
             print(f"resumed from {pick[0]} at step {done}", flush=True)
+    times["loaded"] = time.time()
     ddp = DistributedDataParallel(model)
+    times["ddp"] = time.time()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log = open(Path(args.step_log) / f"rank-{rank}.log", "a") if args.step_log else None  # noqa: SIM115
+    if args.step_log:
+        with open(Path(args.step_log) / f"rank-{rank}.starts", "a") as starts:
+            starts.write(json.dumps({"pid": os.getpid(), "from": pick[0], **times}) + "\n")
 
     step = done
     for epoch in range(done // per_epoch, args.epochs):

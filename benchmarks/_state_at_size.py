@@ -25,13 +25,25 @@ if TYPE_CHECKING:
 
     from checkpoint import TrainState
 
-__all__ = ["build_state", "fingerprint", "memory_available", "state_bytes"]
+__all__ = ["build_state", "fingerprint", "memory_available", "skipped_for_memory", "state_bytes"]
 
 
 def memory_available() -> int:
     """``MemAvailable`` of this machine, in bytes (0 when it cannot be read)."""
     m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
     return int(m.group(1)) * 1024 if m else 0
+
+
+def skipped_for_memory(size_gb: float, need: int) -> dict[str, object] | None:
+    """The row of a size that needs more memory than is available (None: it fits)."""
+    free = memory_available()
+    if need <= free:
+        return None
+    return {
+        "state_gb": size_gb,
+        "skipped": f"needs about {need / 2**30:.1f} GiB of memory, "
+        f"{free / 2**30:.1f} GiB available",
+    }
 
 
 def build_state(size_gb: float, layers: int, *, seed: int, stepped: bool) -> TrainState:

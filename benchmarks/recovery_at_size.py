@@ -64,7 +64,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 import _wire_limit  # noqa: E402
-from _state_at_size import memory_available  # noqa: E402
+from _state_at_size import skipped_for_memory  # noqa: E402
 
 #: The step after which an active node is killed; the job runs until its recovery
 #: record is written (the new generation completed a step), then its processes go.
@@ -299,13 +299,9 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
-        need, free = memory_needed(size * 1e9), memory_available()
-        if need > free:
-            row: dict[str, Any] = {
-                "state_gb": size,
-                "skipped": f"needs about {need / 2**30:.1f} GiB of memory, "
-                f"{free / 2**30:.1f} GiB available",
-            }
+        skipped = skipped_for_memory(size, memory_needed(size * 1e9))
+        if skipped is not None:
+            row: dict[str, Any] = skipped
         else:
             # the limit's rounds bracket the heal: half before it (at the nominal size),
             # the rest after it (at the bytes it moved)

@@ -69,7 +69,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 import _restart_runs  # noqa: E402
-from recovery_at_size import memory_available  # noqa: E402
+from _state_at_size import skipped_for_memory  # noqa: E402
 
 #: fp32 bytes per parameter in the state: the parameter and Adam's two moments.
 STATE_BYTES_PER_PARAM = 12
@@ -297,13 +297,9 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
-        need, free = memory_needed(size * 1e9), memory_available()
-        if need > free:
-            row: dict[str, Any] = {
-                "state_gb": size,
-                "skipped": f"needs about {need / 2**30:.1f} GiB of memory, "
-                f"{free / 2**30:.1f} GiB available",
-            }
+        skipped = skipped_for_memory(size, memory_needed(size * 1e9))
+        if skipped is not None:
+            row: dict[str, Any] = skipped
         else:
             row = run_size(size, args.cold)
         row = _rounded(row)

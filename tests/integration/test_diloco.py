@@ -91,7 +91,8 @@ def diloco_job(
     name: str, tmp: Path, spares: int, sync: dict[str, object], step_time: float = 0.3
 ) -> JobSpec:
     """Three nodes, ``spares`` spares.  A job with a spare holds at step
-    :data:`HOLD_AT` until the test writes ``tmp/go`` (:func:`spare_ready`)."""
+    :data:`HOLD_AT` until the test writes ``tmp/go`` (:func:`spare_ready`).  Steps of
+    0.3 s by default: slow enough for a test to kill a node within a window of steps."""
     hold = ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")] if spares else []
     base = tiny_job(
         name, tmp, steps=STEPS, step_time=step_time, spares=spares, extra_args=hold
@@ -192,7 +193,7 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     tmp_path: Path, sync: dict[str, object]
 ) -> None:
     lines: list[str] = []
-    spec = diloco_job("diloco-kill", tmp_path, 1, sync)
+    spec = diloco_job("diloco-kill", tmp_path, 1, sync, step_time=0.1)  # held for the spare
     run = quiet_run(spec, lines, node_labels=ZONES)
     # the spare starts once the job trains: the first generation holds both sites
     run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]

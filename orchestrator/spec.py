@@ -197,7 +197,9 @@ class StragglerSpec:
     A node is a straggler when its compute time per step stays at or above
     ``threshold`` times the median of its peers' for ``windows`` windows in a row
     (a window: one heartbeat interval with steps in it).  ``swap`` puts a warm
-    spare in its slot when that gains ``min_gain`` over the swap's cost
+    spare in its slot once the straggler has cost the job ``confirm`` (its peers'
+    time spent waiting for it, summed from its first slow window) and when the
+    swap gains ``min_gain`` over its cost
     (:mod:`orchestrator.controller.straggler_swaps`).
     """
 
@@ -209,9 +211,15 @@ class StragglerSpec:
     #: ``swap``: by how much the time the swap saves over the rest of the job must beat
     #: what the swap costs (the job's last recovery, else 2 s) for a spare to take over
     min_gain: timedelta = timedelta(seconds=10)
+    #: ``swap``: what a straggler must already have cost the job (its compute time over
+    #: its peers' median, summed over its steps since its first slow window) before a
+    #: spare takes its slot; a burst of contention is over long before that
+    confirm: timedelta = timedelta(seconds=5)
 
     def problems(self) -> Problems:
         out: Problems = []
+        if self.confirm.total_seconds() < 0:
+            out.append(("confirm", f"must be 0 or more, got {self.confirm.total_seconds():g}s"))
         if self.min_gain.total_seconds() < 0:
             out.append(("min_gain", f"must be 0 or more, got {self.min_gain.total_seconds():g}s"))
         if not (self.threshold > 1.0 and self.threshold <= 100.0):

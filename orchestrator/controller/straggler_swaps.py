@@ -16,6 +16,9 @@ for the executor:
   The straggler stays up, waiting, but is quarantined: never a spare again
   until its agent restarts (a new registration) or an operator releases it
   (``ringmaster release JOB NODE``);
+* a swap waits until the straggler has cost the job ``confirm`` (its peers'
+  wait for it, summed from its first slow window: :attr:`StragglerWatch.lost`),
+  so that a burst of contention on a busy host does not take a spare;
 * a swap is made only when it pays: the time it saves over the rest of the
   job (the remaining steps at the current step time, less what they would
   take at the peers' pace; without ``max_steps`` the rest is taken as
@@ -57,8 +60,10 @@ def decide_stragglers(
         return out
     called, cleared = watch.tick(plan, world.progress, world.mono)
     for s in called:
-        tail = "" if config.action is StragglerAction.SWAP else (
-            "; reported only (fault_tolerance.stragglers.action: report)")  # fmt: skip
+        tail = "; reported only (fault_tolerance.stragglers.action: report)"
+        if config.action is StragglerAction.SWAP:
+            tail = (f"; it has cost the job {watch.lost.get(s.node, 0.0):.1f}s so far, and a "
+                    f"spare takes its slot at {config.confirm.total_seconds():g}s")  # fmt: skip
         out.append(Emit("Straggler", s.describe() + tail,
                         {"node": s.node, "slowdown": round(s.slowdown, 3)}))  # fmt: skip
     for node in cleared:
@@ -124,6 +129,9 @@ def _swap(
     ]
     if not spares:
         return _kept(watch, node, "no warm spare to take its slot: reported only")
+    lost = watch.lost.get(node, 0.0)
+    if lost < spec.fault_tolerance.stragglers.confirm.total_seconds():
+        return []  # not confirmed yet: it may be a burst of contention
     priced = swap_gain(spec, status, straggler)
     if priced is None:
         return []
@@ -145,8 +153,9 @@ def _swap(
     status.quarantined = sorted(watch.quarantined)
     status.message = f"generation {new_plan.generation}: {why}"
     message = (
-        f"generation {new_plan.generation}: {why}; saves about {gain:.0f}s over the rest of "
-        f"the job against a cost of {cost:.1f}s. {node} is quarantined: not a spare again "
+        f"generation {new_plan.generation}: {why}; it had cost the job {lost:.1f}s, and the "
+        f"swap saves about {gain:.0f}s over the rest of the job against a cost of "
+        f"{cost:.1f}s. {node} is quarantined: not a spare again "
         f"until its agent restarts or `ringmaster release {status.name} {node}`"
     )
     return [PublishPlan(new_plan), Emit("StragglerSwapped", message, {"node": node})]

@@ -134,6 +134,9 @@ class StragglerWatch:
     quarantined: dict[str, float | None] = field(default_factory=dict)
     #: stragglers already told to keep their slot (said once each)
     kept: set[str] = field(default_factory=set)
+    #: seconds each node has cost the job since its first slow window (see the module
+    #: docstring); a node not above the threshold (and not called) has none
+    lost: dict[str, float] = field(default_factory=dict)
     _before: dict[str, Telemetry] = field(default_factory=dict)
     _window_at: float | None = None
     _generation: int = 0
@@ -171,6 +174,11 @@ class StragglerWatch:
             slowdown = mine.compute_s / median
             self.slowdowns[node] = round(slowdown, 3)
             slow = slowdown >= self.spec.threshold
+            if slow or node in self.flagged:
+                excess = max(mine.compute_s - median, 0.0) * mine.steps
+                self.lost[node] = self.lost.get(node, 0.0) + excess
+            else:
+                self.lost.pop(node, None)
             if (node in self.flagged) == slow:
                 self._streak[node] = 0  # no change of state under way
                 continue
@@ -187,6 +195,7 @@ class StragglerWatch:
             else:
                 del self.flagged[node]
                 self.kept.discard(node)
+                self.lost.pop(node, None)
                 cleared.append(node)
         return called, cleared
 
@@ -197,4 +206,5 @@ class StragglerWatch:
             self._streak.pop(node, None)
             self.slowdowns.pop(node, None)
             self.timings.pop(node, None)
+            self.lost.pop(node, None)
             self.kept.discard(node)

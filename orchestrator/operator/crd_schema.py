@@ -92,6 +92,9 @@ DESCRIPTIONS: dict[str, str] = {
     "fault_tolerance.stragglers.min_gain": (
         "swap: time saved over the rest of the job must beat the swap's cost by this."
     ),
+    "fault_tolerance.stragglers.confirm": (
+        "swap: time a straggler must already have cost the job before a spare takes over."
+    ),
     "fault_tolerance.stragglers.threshold": "Slowdown against the peers' median (above 1).",
     "fault_tolerance.stragglers.windows": "Consecutive heartbeat intervals above threshold.",
     "comm.backend": "Collective backend: auto (NCCL where a GPU is seen, else gloo), nccl, gloo.",

@@ -38,6 +38,7 @@ def _job(name: str, tmp: Path, spares: int) -> JobSpec:
     ft.stragglers.action = StragglerAction.SWAP
     ft.stragglers.threshold, ft.stragglers.windows = 1.3, 3
     ft.stragglers.min_gain = timedelta(0)
+    ft.stragglers.confirm = timedelta(seconds=1)  # the default 5 s outlasts this short job
     return spec
 
 
@@ -87,6 +88,8 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
     assert called.data["node"] == slow and called.data["slowdown"] >= 1.3, called
     (swapped,) = [e for e in result.events if e.type == "StragglerSwapped"]
     assert f"replaces {slow} (a straggler" in swapped.message, swapped.message
+    cost = float(swapped.message.split("it had cost the job ")[1].split("s,")[0])
+    assert cost >= 1.0, swapped.message  # not before it had cost the job `confirm`
     generations = [e.message for e in result.events if e.type == "Generation"]
     assert len(generations) == 2 and f"replaces {slow}" in generations[1], generations
     assert_exactly_once(swap_dir, STEPS)

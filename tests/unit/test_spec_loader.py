@@ -126,6 +126,12 @@ def test_full_job_round_trips_through_to_dict() -> None:
             6,
             ["not a parameter of compression 'topk'", "ratio"],
         ),
+        (
+            "name: a\nentrypoint: t.py\nfault_tolerance:\n  stragglers:\n    confirm: soon\n",
+            "fault_tolerance.stragglers.confirm",
+            5,
+            ["a duration", "'soon'"],
+        ),
         ("name: Bad_Name\nentrypoint: t.py\n", "name", 1, ["lowercase"]),
         ("name: a\nentrypoint: {script: a.py, module: b}\n", "entrypoint", 2, ["exactly one"]),
     ],

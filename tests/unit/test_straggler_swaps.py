@@ -59,10 +59,12 @@ def _world(*nodes: str, started: float = 1.0) -> World:
     return world
 
 
-def _slow_b() -> StragglerWatch:
-    """A watch that has called ``b`` 2x as slow as its peer (its windows already judged)."""
+def _slow_b(lost: float = 6.0) -> StragglerWatch:
+    """A watch that has called ``b`` 2x as slow as its peer (its windows already judged),
+    having cost the job ``lost`` seconds (past the default ``confirm`` of 5 s)."""
     watch = StragglerWatch(_spec().fault_tolerance.stragglers)
     watch.flagged["b"] = Straggler("b", 2.0, 0.1, 0.05, 0.0, 0.05, 3)
+    watch.lost["b"] = lost
     return watch
 
 
@@ -88,6 +90,19 @@ def a_straggler_is_swapped_for_a_warm_spare_and_quarantined() -> None:
     # the quarantined node is never a warm spare again (the policy's replacements too)
     world.quarantined = set(watch.quarantined)
     assert not is_warm(_spec(), world, "b", False) and is_warm(_spec(), world, "a", False)
+
+
+def a_swap_waits_until_the_straggler_has_cost_the_job_confirm() -> None:
+    watch, world = _slow_b(lost=4.9), _world("a", "b", "c")
+    assert decide_stragglers(_spec(), watch, _status(), world, []) == []  # nothing said yet
+    watch.lost["b"] = 5.0
+    actions = decide_stragglers(_spec(), watch, _status(), world, [])
+    (swapped,) = _emitted(actions, "StragglerSwapped")
+    assert "it had cost the job 5.0s" in swapped.message
+    spec = _spec()
+    spec.fault_tolerance.stragglers.confirm = timedelta(0)  # 0: swapped at the call
+    assert _emitted(decide_stragglers(spec, _slow_b(lost=0.0), _status(), world, []),
+                    "StragglerSwapped")  # fmt: skip
 
 
 def without_a_spare_the_straggler_keeps_its_slot_said_once() -> None:
@@ -168,6 +183,7 @@ def a_quarantine_from_an_earlier_leader_holds_until_the_agent_restarts() -> None
 
 SCENARIOS: list[Callable[[], None]] = [
     a_straggler_is_swapped_for_a_warm_spare_and_quarantined,
+    a_swap_waits_until_the_straggler_has_cost_the_job_confirm,
     without_a_spare_the_straggler_keeps_its_slot_said_once,
     a_swap_that_does_not_pay_is_not_made,
     report_only_never_swaps,

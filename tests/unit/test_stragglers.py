@@ -145,6 +145,23 @@ def two_nodes_the_slower_is_called() -> None:
     assert [s.node for s in called] == ["b"] and watch.slowdowns["a"] == 0.5
 
 
+def what_a_slow_node_costs_is_summed_from_its_first_slow_window() -> None:
+    watch, beats = StragglerWatch(StragglerSpec(threshold=1.2, windows=2)), Beats()
+    slow = {"a": 0.05, "b": 0.1, "c": 0.05}  # b costs 20 x 50 ms = 1 s a window
+    healthy = {"a": 0.05, "b": 0.05, "c": 0.05}
+    _judge(watch, beats, slow)
+    assert watch.lost == {"b": pytest.approx(1.0)}
+    _judge(watch, beats, healthy)  # the streak breaks before the call: the sum starts over
+    assert watch.lost == {}
+    _judge(watch, beats, slow)
+    assert [s.node for s in _judge(watch, beats, slow)[1][0]] == ["b"]
+    assert watch.lost["b"] == pytest.approx(2.0)  # both windows of the streak count
+    _judge(watch, beats, {"a": 0.05, "b": 0.055, "c": 0.05})  # under the threshold, still
+    assert watch.lost["b"] == pytest.approx(2.1)  # called: what it costs still counts
+    _judge(watch, beats, healthy)
+    assert watch.flagged == {} and watch.lost == {}  # cleared: its cost is forgotten
+
+
 SCENARIOS: list[Callable[[], None]] = [
     a_slow_node_is_called_after_its_windows,
     noisy_but_healthy_is_never_called,
@@ -154,6 +171,7 @@ SCENARIOS: list[Callable[[], None]] = [
     a_recovered_node_is_cleared_then_called_again,
     one_node_with_timings_has_no_peers,
     two_nodes_the_slower_is_called,
+    what_a_slow_node_costs_is_summed_from_its_first_slow_window,
 ]
 
 

@@ -48,6 +48,9 @@ MAX_SESSIONS = 8
 
 #: A request's handler: the request (a JSON object) in, the answer (a JSON object) out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+#: A streamed request's handler: it also reads what the client sends after the
+#: request line from the connection (:mod:`orchestrator.link_probe`'s sink).
+StreamHandler = Callable[[dict[str, Any], socket.socket], dict[str, Any]]
 
 
 class RequestError(OrchestratorError):
@@ -71,6 +74,7 @@ class LivenessServer:
         address: the host to listen on (the port is chosen: see ``.address``).
         status: the status line every connection gets first.
         requests: ``op`` → handler, for the requests answered after the status.
+        streams: ``op`` → handler of a request followed by a stream of bytes.
     """
 
     def __init__(
@@ -78,9 +82,11 @@ class LivenessServer:
         address: str,
         status: Callable[[], dict[str, Any]],
         requests: Mapping[str, Handler] | None = None,
+        streams: Mapping[str, StreamHandler] | None = None,
     ) -> None:
         self._status = status
         self._requests = dict(requests or {})
+        self._streams = dict(streams or {})
         self._sessions = threading.BoundedSemaphore(MAX_SESSIONS)
         self._sock = socket.create_server((address, 0), backlog=16)
         self._sock.settimeout(0.5)
@@ -102,7 +108,7 @@ class LivenessServer:
             except Exception:
                 conn.close()
                 continue
-            if self._requests and self._sessions.acquire(blocking=False):
+            if (self._requests or self._streams) and self._sessions.acquire(blocking=False):
                 threading.Thread(
                     target=self._session, args=(conn,), name="liveness-request", daemon=True
                 ).start()
@@ -114,24 +120,29 @@ class LivenessServer:
         try:
             with conn, contextlib.suppress(OSError, RequestError):
                 conn.settimeout(REQUEST_WAIT)
-                line = _read_line(conn, MAX_REQUEST)
+                line = read_line(conn, MAX_REQUEST)
                 if not line:
                     return  # a probe: it read the status and closed
-                answer = self._answer(line)
+                answer = self._answer(line, conn)
                 conn.sendall(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
         finally:
             self._sessions.release()
 
-    def _answer(self, line: bytes) -> dict[str, Any]:
+    def _answer(self, line: bytes, conn: socket.socket) -> dict[str, Any]:
         try:
             request = json.loads(line)
         except ValueError:
             return {"error": "the request is not one line of JSON"}
         op = request.get("op") if isinstance(request, dict) else None
+        stream = self._streams.get(op) if isinstance(op, str) else None
         handler = self._requests.get(op) if isinstance(op, str) else None
-        if handler is None:
-            return {"error": f"unknown request {op!r}: this port answers {sorted(self._requests)}"}
+        if handler is None and stream is None:
+            known = sorted([*self._requests, *self._streams])
+            return {"error": f"unknown request {op!r}: this port answers {known}"}
         try:
+            if stream is not None:
+                return stream(request, conn)
+            assert handler is not None
             return handler(request)
         except RequestError as e:
             return {"error": str(e)}
@@ -178,7 +189,7 @@ def probe(address: str, timeout: float = 0.25) -> tuple[Liveness, dict[str, Any]
     return Liveness.ALIVE, answer if isinstance(answer, dict) else {}
 
 
-def _read_line(conn: socket.socket, limit: int) -> bytes:
+def read_line(conn: socket.socket, limit: int) -> bytes:
     """Bytes up to a newline (excluded); what came before EOF; ``RequestError`` past ``limit``."""
     data = bytearray()
     while True:
@@ -206,11 +217,11 @@ def ask(address: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as conn:
             conn.settimeout(timeout)
-            if not _read_line(conn, MAX_REQUEST):
+            if not read_line(conn, MAX_REQUEST):
                 raise AgentUnreachableError(f"the agent at {address} closed without a status")
             try:
                 conn.sendall(json.dumps(request).encode() + b"\n")
-                data = _read_line(conn, MAX_ANSWER)
+                data = read_line(conn, MAX_ANSWER)
             except (ConnectionResetError, BrokenPipeError):
                 # it closed after its status (a port without requests) before the
                 # request got there: the kernel answers the request with a reset

@@ -76,6 +76,7 @@ from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import send_command
+from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, sink
 from orchestrator.liveness import LivenessServer
 from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
@@ -186,7 +187,10 @@ class NodeAgent:
             self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
             self._lease.keep_alive(on_lost=self._on_lease_lost)
             self._liveness = LivenessServer(
-                self.address, self._liveness_status, log_files.requests(self.job, self.node)
+                self.address,
+                self._liveness_status,
+                {**log_files.requests(self.job, self.node), PROBE_OP: probe_peers},
+                streams={SINK_OP: sink},  # the controller measures links through it
             )
             if not restart:
                 interval = spec.fault_tolerance.heartbeat_interval.total_seconds()

@@ -104,6 +104,15 @@ class WriteControl:
 
 
 @dataclass(frozen=True)
+class ProbeLinks:
+    """Ask the nodes' agents to measure their links to each other, in the background
+    (:mod:`orchestrator.link_probe`); the result reaches the next ticks' world."""
+
+    #: node → its agent's port (``host:port``)
+    ports: dict[str, str]
+
+
+@dataclass(frozen=True)
 class DeleteCommand:
     """A user's command was taken: remove it."""
 
@@ -122,4 +131,5 @@ Action = (
     | WriteControl
     | DeleteCommand
     | ReleaseNode
+    | ProbeLinks
 )

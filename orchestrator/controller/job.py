@@ -36,12 +36,14 @@ from orchestrator.controller.actions import (
     FailureSeen,
     KillWorker,
     PhaseChanged,
+    ProbeLinks,
     PublishPlan,
     Recovered,
     ReleaseNode,
     WriteControl,
 )
 from orchestrator.controller.hangs import STALE_BEATS
+from orchestrator.controller.link_prober import LinkProber
 from orchestrator.controller.plans import restart_tier
 from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import StragglerWatch
@@ -92,6 +94,7 @@ class JobController:
         # a node quarantined under an earlier leader stays so (its registration is read
         # again at the first tick: a restarted agent releases it)
         self.stragglers.quarantined = {n: None for n in self.status.quarantined}
+        self.prober = LinkProber()
         self.metrics = metrics
         self._last_written: dict[str, Any] = {}
         #: this run's hold on the checkpoint root (the controller runs where the job's
@@ -112,6 +115,7 @@ class JobController:
             return
         world = self.reader.read()
         world.quarantined = set(self.stragglers.quarantined)
+        world.link_probe = self.prober.take()
         decision = policy.decide(self.spec, self.memory, self.status, world)
         self.memory = decision.memory
         self.status = decision.status
@@ -260,6 +264,8 @@ class JobController:
             )
         elif isinstance(action, ReleaseNode):
             pass  # applied by the straggler decisions (no I/O)
+        elif isinstance(action, ProbeLinks):
+            self.prober.start(action.ports)
         else:  # pragma: no cover - every action kind is handled above
             raise TypeError(f"unknown controller action {action!r}")
 

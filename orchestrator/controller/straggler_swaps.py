@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 
 from orchestrator.api import JobPhase
-from orchestrator.controller.actions import Action, Emit, PublishPlan, ReleaseNode
+from orchestrator.controller.actions import Action, Emit, ProbeLinks, PublishPlan, ReleaseNode
 from orchestrator.controller.plans import is_warm, make_plan, swap_in_spares, topology_ordered
+from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.controller.stragglers import Straggler, StragglerWatch
 from orchestrator.controller.world import World
 from orchestrator.records import JobStatus, Plan
@@ -54,11 +55,24 @@ def decide_stragglers(
     plan = world.plan
     config = spec.fault_tolerance.stragglers
     busy = any(isinstance(a, PublishPlan) for a in actions)  # the policy changes the group
+    probed = world.link_probe
     if config.action is StragglerAction.OFF or plan is None or busy:
+        if probed is not None:
+            watch.links.verdict(LinkProbeResult({}))  # measured for a group that is going
         return out
     if status.phase is not JobPhase.RUNNING:
+        if probed is not None:
+            watch.links.verdict(LinkProbeResult({}))
         return out
     called, cleared = watch.tick(plan, world.progress, world.mono)
+    if probed is not None:
+        members = {m.node for m in plan.members}
+        called += watch.take_probe(probed, members)
+        if not called:
+            out.append(Emit("LinkProbe", f"links measured, none slower than the others: "
+                            f"{_rates(probed)}", {"slow": ""}))  # fmt: skip
+    if watch.probe_wanted:
+        out += _probe(watch, world, plan)
     for s in called:
         tail = "; reported only (fault_tolerance.stragglers.action: report)"
         if config.action is StragglerAction.SWAP:
@@ -74,6 +88,31 @@ def decide_stragglers(
     if config.action is StragglerAction.SWAP:
         out += _swap(spec, watch, status, world, plan)
     return out
+
+
+def _probe(watch: StragglerWatch, world: World, plan: Plan) -> list[Action]:
+    """Ask the members' and the spares' agents to measure their links."""
+    watch.probe_wanted = False
+    nodes = [m.node for m in plan.members] + [n for n in plan.spares if n in world.nodes]
+    ports = {n: world.nodes[n].liveness for n in nodes if n in world.nodes}
+    usable = {n: p for n, p in ports.items() if p}
+    if len(usable) < 3:  # two ends of one slow pair cannot say which end is slow
+        watch.links.verdict(LinkProbeResult({}))
+        return []
+    links = watch.links
+    return [
+        ProbeLinks(usable),
+        Emit("LinkProbe", f"the ranks wait {links.wait_s * 1000:.1f} ms per step for the "
+             f"gradient exchange (at least {(links.base_wait_s or 0) * 1000:.1f} ms before) "
+             f"and no node computes slower than the others: measuring the links between "
+             f"{', '.join(sorted(usable))}", {"nodes": sorted(usable)}),
+    ]  # fmt: skip
+
+
+def _rates(probed: LinkProbeResult) -> str:
+    pairs = [f"{a}->{b} {bps / 1e6:.1f} MB/s" for a, row in sorted(probed.rates.items())
+             for b, bps in sorted(row.items())]  # fmt: skip
+    return ", ".join(pairs) or "no answer"
 
 
 def swap_gain(spec: JobSpec, status: JobStatus, straggler: Straggler) -> tuple[float, float] | None:

@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from orchestrator import keys
+from orchestrator.controller.slow_links import LinkProbeResult, LinkWatch
 from orchestrator.records import Plan, ProgressRecord, Telemetry
 from orchestrator.spec import StragglerSpec
 
@@ -57,6 +58,8 @@ class Straggler:
         wait_s: how long it waited for others per step (near 0 when it is the slow one).
         peers_wait_s: how long its peers waited per step (for it).
         windows: windows in a row it stayed above the threshold.
+        cause: ``compute``, or ``link`` (:mod:`orchestrator.controller.slow_links`).
+        evidence: a link straggler's evidence, in words.
     """
 
     node: str
@@ -66,8 +69,12 @@ class Straggler:
     wait_s: float
     peers_wait_s: float
     windows: int
+    cause: str = "compute"
+    evidence: str = ""
 
     def describe(self) -> str:
+        if self.evidence:
+            return self.evidence
         return (
             f"{self.node} computes {self.slowdown:.2f}x as long per step as its peers "
             f"({self.compute_s * 1000:.1f} ms against a median of {self.peers_s * 1000:.1f} "
@@ -137,9 +144,16 @@ class StragglerWatch:
     #: seconds each node has cost the job since its first slow window (see the module
     #: docstring); a node not above the threshold (and not called) has none
     lost: dict[str, float] = field(default_factory=dict)
+    #: slow links (:mod:`orchestrator.controller.slow_links`), judged with each window
+    links: LinkWatch = field(init=False)
+    #: the last window asks the agents to measure their links
+    probe_wanted: bool = False
     _before: dict[str, Telemetry] = field(default_factory=dict)
     _window_at: float | None = None
     _generation: int = 0
+
+    def __post_init__(self) -> None:
+        self.links = LinkWatch(self.spec)
 
     def tick(
         self, plan: Plan, progress: dict[str, ProgressRecord], mono: float
@@ -157,7 +171,33 @@ class StragglerWatch:
         if not timings:
             return [], []
         self.timings = timings
-        return self.judge(timings)
+        called, cleared = self.judge(timings)
+        per_step = {n: (t.compute_s, t.wait_s, t.steps) for n, t in timings.items()}
+        self.probe_wanted, cost, ended = self.links.window(plan.generation, per_step, mono)
+        slow_link = next((n for n, s in self.flagged.items() if s.cause == "link"), None)
+        if slow_link is not None and ended:
+            del self.flagged[slow_link]
+            self.kept.discard(slow_link)
+            self.lost.pop(slow_link, None)
+            cleared.append(slow_link)
+        elif slow_link is not None:
+            self.lost[slow_link] = self.lost.get(slow_link, 0.0) + cost
+        return called, cleared
+
+    def take_probe(self, result: LinkProbeResult, members: set[str]) -> list[Straggler]:
+        """A link probe's result: the node called for its slow link, if any (a member)."""
+        call = self.links.verdict(result)
+        if call is None:
+            return []
+        if call.node not in members or call.node in self.flagged:
+            self.links.forget({call.node})  # a spare's link, or called for its compute
+            return []
+        straggler = Straggler(call.node, call.slowdown, call.wait_s, call.base_wait_s,
+                              call.wait_s, call.wait_s, call.windows, cause="link",
+                              evidence=call.describe())  # fmt: skip
+        self.flagged[call.node] = straggler
+        self.lost[call.node] = self.links.lost_s
+        return [straggler]
 
     def judge(self, timings: dict[str, NodeTiming]) -> tuple[list[Straggler], list[str]]:
         """Take one window's timings; return the nodes newly called stragglers and the
@@ -167,6 +207,9 @@ class StragglerWatch:
         if len(timings) < 2:
             return called, cleared
         for node, mine in sorted(timings.items()):
+            flagged = self.flagged.get(node)
+            if flagged is not None and flagged.cause == "link":
+                continue  # the link watch clears it
             peers = [t for n, t in timings.items() if n != node]
             median = statistics.median(t.compute_s for t in peers)
             if median <= 0:
@@ -208,3 +251,4 @@ class StragglerWatch:
             self.timings.pop(node, None)
             self.lost.pop(node, None)
             self.kept.discard(node)
+        self.links.forget(nodes)

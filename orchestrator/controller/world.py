@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from orchestrator import events, keys, records
+from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.liveness import Liveness, probe
 from orchestrator.records import (
@@ -77,6 +78,8 @@ class World:
             exited (the agents' ``WorkerExited`` events of this run).
         quarantined: nodes swapped out for being slow: never warm spares
             (:mod:`orchestrator.controller.straggler_swaps`).
+        link_probe: the links the agents measured since the last tick, if a probe
+            ended (:mod:`orchestrator.controller.slow_links`).
     """
 
     now: float
@@ -95,6 +98,7 @@ class World:
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
     quarantined: set[str] = field(default_factory=set)
+    link_probe: LinkProbeResult | None = None
 
 
 class RecordCache(Generic[R]):

@@ -1,0 +1,135 @@
+"""Measuring the links between nodes: how many bytes a second one agent gets to another.
+
+A slow link (a degraded NIC, a congested switch port) slows every rank of a
+synchronous job alike: each waits in the all-reduce for the one whose bytes
+crawl, and no rank's own timings say which it is.  The controller then asks
+the nodes' agents to measure (:mod:`orchestrator.controller.slow_links` decides
+when, and what the figures say):
+
+* each agent's port (:mod:`orchestrator.liveness`) has a **sink**
+  (:data:`SINK_OP`): after the request line the client streams bytes for a
+  while, closes its side, and the sink answers how many it received;
+* an agent asked to **probe** (:data:`PROBE_OP`, with the peers' ports) streams
+  to each peer in turn for ``seconds`` (at most ``max_bytes``) and answers
+  each one's rate in bytes a second, the best of ``rounds`` tries (a try
+  slowed by the host's scheduler says nothing of the link; one faster than the
+  link is impossible).
+
+The client's send buffer is kept small, so what the kernel still holds when
+the client stops is drained within the measured time: the rate is the bytes
+received over the time from the first byte sent to the sink's answer.  The
+probes run on the agents' own connections, which take the same network path
+as their workers' collectives (the node's address).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+from orchestrator.liveness import AgentUnreachableError, RequestError, read_line
+
+__all__ = [
+    "MAX_PROBE_BYTES",
+    "PROBE_OP",
+    "SINK_OP",
+    "probe_peers",
+    "send_probe",
+    "sink",
+]
+
+#: The request a sink answers after reading a client's stream.
+SINK_OP = "link-sink"
+#: The request an agent answers by probing its peers.
+PROBE_OP = "probe-links"
+#: Most bytes one probe sends (and a sink reads).
+MAX_PROBE_BYTES = 256 * 1024 * 1024
+#: Send buffer of a probing connection: small, so little is left in flight at the end.
+SEND_BUFFER = 64 * 1024
+#: Seconds a sink waits for the next bytes before it gives up on a client.
+SINK_IDLE_S = 10.0
+_CHUNK = bytes(64 * 1024)
+
+
+def sink(request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
+    """Read what the client streams until it closes its side; answer the count."""
+    del request
+    conn.settimeout(SINK_IDLE_S)
+    received = 0
+    buf = bytearray(256 * 1024)
+    while received <= MAX_PROBE_BYTES:
+        n = conn.recv_into(buf)
+        if n == 0:
+            break
+        received += n
+    return {"received": received}
+
+
+def send_probe(address: str, seconds: float, max_bytes: int, timeout: float = 30.0) -> float:
+    """Stream to the sink at ``host:port`` for ``seconds`` (at most ``max_bytes``).
+
+    Returns:
+        Bytes a second that reached the sink.
+
+    Raises:
+        AgentUnreachableError: the peer's port did not answer, or not as a sink.
+    """
+    host, _, port = address.rpartition(":")
+    request = json.dumps({"op": SINK_OP}).encode() + b"\n"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            conn.settimeout(timeout)
+            if not read_line(conn, 64 * 1024):
+                raise AgentUnreachableError(f"the agent at {address} closed without a status")
+            conn.sendall(request)
+            started = time.perf_counter()
+            sent, limit = 0, min(max_bytes, MAX_PROBE_BYTES)
+            while sent < limit and time.perf_counter() - started < seconds:
+                n = conn.send(_CHUNK[: min(len(_CHUNK), limit - sent)])
+                sent += n
+            conn.shutdown(socket.SHUT_WR)
+            line = read_line(conn, 64 * 1024)
+            elapsed = time.perf_counter() - started
+    except RequestError as e:
+        raise AgentUnreachableError(f"the agent at {address} answered {e}") from e
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise AgentUnreachableError(
+            f"the agent at {address} stopped reading the probe ({e}): it has no link sink "
+            "(a ringmaster older than this one?) or it went away"
+        ) from e
+    except (OSError, ValueError) as e:
+        raise AgentUnreachableError(f"probing the link to {address}: {e}") from e
+    try:
+        received = int(json.loads(line)["received"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise AgentUnreachableError(
+            f"the agent at {address} has no link sink (a ringmaster older than this one?)"
+        ) from e
+    return received / max(elapsed, 1e-9)
+
+
+def probe_peers(request: dict[str, Any]) -> dict[str, Any]:
+    """An agent's answer to :data:`PROBE_OP`: its rate to each peer (see the docstring).
+
+    The request: ``peers`` (node → ``host:port``), ``seconds`` and ``max_bytes``
+    per try, ``rounds`` tries per peer.  A peer that cannot be reached is
+    answered with its error, not a rate.
+    """
+    peers = request.get("peers")
+    if not isinstance(peers, dict):
+        raise RequestError("probe-links needs 'peers': node -> host:port")
+    seconds = float(request.get("seconds", 0.2))
+    max_bytes = int(request.get("max_bytes", 16 * 1024 * 1024))
+    rounds = max(1, int(request.get("rounds", 2)))
+    rates: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for node, address in sorted(peers.items()):
+        try:
+            rates[node] = max(send_probe(str(address), seconds, max_bytes)
+                              for _ in range(rounds))  # fmt: skip
+        except AgentUnreachableError as e:
+            errors[node] = str(e)
+    return {"rates": rates, "errors": errors}

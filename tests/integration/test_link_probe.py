@@ -1,0 +1,86 @@
+"""Measuring links between agents' ports: the sink, the probe, and a link limited by ``tc``.
+
+Real sockets: agents' ports (:class:`~orchestrator.liveness.LivenessServer` with
+the link sink, as every node agent serves it) on this host, and one inside a
+network namespace whose veth is limited with ``tbf`` on both ends (needs root;
+skipped with the reason where namespaces cannot be made).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, send_probe, sink
+from orchestrator.liveness import AgentUnreachableError, LivenessServer, ask
+from tests.faults.netns import IsolatedNode, unavailable_reason
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _port(address: str = "127.0.0.1") -> LivenessServer:
+    return LivenessServer(address, dict, {PROBE_OP: probe_peers}, streams={SINK_OP: sink})
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_agent_measures_its_peers_and_says_which_it_could_not_reach() -> None:
+    with _port() as a, _port() as b:
+        gone = _closed_port()
+        answer = ask(a.address, {"op": PROBE_OP, "peers": {"b": b.address, "x": gone},
+                                 "seconds": 0.1, "max_bytes": 4 << 20}, timeout=30)  # fmt: skip
+    assert set(answer["rates"]) == {"b"} and answer["rates"]["b"] > 10e6, answer
+    assert gone in answer["errors"]["x"], answer
+
+
+def test_a_port_without_a_sink_is_named() -> None:
+    with (
+        LivenessServer("127.0.0.1", dict, {"other": dict}) as old,
+        pytest.raises(AgentUnreachableError, match="no link sink"),
+    ):
+        send_probe(old.address, 0.1, 1 << 20)
+
+
+def test_a_link_limited_by_tc_measures_near_its_limit() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with IsolatedNode("probe") as node, _port() as local:
+        tbf = ["root", "tbf", "rate", "8mbit", "burst", "32kb", "latency", "50ms"]
+        subprocess.run(["tc", "qdisc", "add", "dev", node.host_if, *tbf], check=True)
+        inside = ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add"]
+        subprocess.run([*inside, "dev", node.node_if, *tbf], check=True)
+        code = (
+            "import sys, time\n"
+            "from orchestrator.liveness import LivenessServer\n"
+            "from orchestrator.link_probe import SINK_OP, sink\n"
+            f"s = LivenessServer({node.node_ip!r}, dict, streams={{SINK_OP: sink}})\n"
+            "print(s.address, flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        with subprocess.Popen(node.command([sys.executable, "-c", code]), env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) as server:  # fmt: skip
+            assert server.stdin is not None and server.stdout is not None
+            try:
+                remote = server.stdout.readline().strip()
+                assert remote, "the namespace's port did not start"
+                slow = max(send_probe(remote, 0.5, 64 << 20) for _ in range(2))
+                fast = max(send_probe(local.address, 0.1, 16 << 20) for _ in range(2))
+            finally:
+                server.stdin.close()  # the server exits at the end of its input
+    # 8 Mbit/s is 1 MB/s; the bucket's 32 kB burst and the ends' timing leave it near
+    assert 0.6e6 < slow < 1.3e6, slow
+    assert fast > 20 * slow, (fast, slow)

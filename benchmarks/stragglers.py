@@ -38,9 +38,10 @@ Rows, all in this run:
   machine's load average (least, median, most of a sample every 10 s) is
   given beside them: on a shared machine it says how much noise there was.
 
-A slow link (``tbf`` on one node's veth) is not a row: a node whose link is
-slow but whose compute is not is not told apart (``benchmarks/slow_link.py``
-shows what the step timings see of it; docs/stragglers.md, "Not yet").
+* ``slow_link`` (``benchmarks/_slow_link_row.py``, needs root): 2 active
+  nodes and 1 spare, one of them in a network namespace whose veth is
+  limited to ``--link-rate`` at step ``--onset``; seconds to the link probe,
+  the call and the swap, the step rate before, during and after.
 
 The last line is one JSON object with every figure.
 """
@@ -61,89 +62,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._slow_link_row import link_row  # noqa: E402
+from benchmarks._straggler_jobs import job, rate, step_times  # noqa: E402
 from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
 from orchestrator import events, jobs, keys, records  # noqa: E402
 from orchestrator.local_run import LocalRun  # noqa: E402
 from orchestrator.records import NodeRecord, Plan  # noqa: E402
 from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
-from orchestrator.spec_loader import load_job_data  # noqa: E402
 from tests.faults.duty_cycle import DutyCycle, stopped_share  # noqa: E402
-
-#: The training script: a compute-bound step, every applied step logged with its time.
-SCRIPT = """\
-import os, sys, time
-import torch
-from torch import nn
-from agents import runtime
-
-compute, log_dir = float(sys.argv[1]), sys.argv[2]
-session = runtime.init()
-torch.manual_seed(0)
-model = session.wrap(nn.Linear(32, 8))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-session.track(model=model, optimizer=opt)
-log = None
-for step in session.steps():
-    with session.guard():
-        opt.zero_grad()
-        end = time.process_time() + compute
-        while time.process_time() < end:
-            pass
-        model(torch.randn(16, 32)).pow(2).sum().backward()
-        opt.step()
-    if session.step_failed:
-        continue
-    if log is None:
-        log = open(os.path.join(log_dir, f"{session.worker}-{os.getpid()}.log"), "a")
-    log.write(f"{step} {time.time()}\\n")
-    log.flush()
-session.close()
-"""
-
-
-def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: int,
-        action: StragglerAction, steps: int) -> JobSpec:  # fmt: skip
-    (tmp / "steps").mkdir(parents=True, exist_ok=True)
-    script = tmp / "spin.py"
-    script.write_text(SCRIPT)
-    spec = load_job_data(
-        {
-            "name": name,
-            "entrypoint": {"script": str(script), "args": [str(args.compute), str(tmp / "steps")]},
-            "nodes": {"min": nodes, "max": nodes, "spares": spares},
-            "max_steps": steps,
-            "fault_tolerance": {
-                "heartbeat_interval": args.heartbeat,
-                "stragglers": {"action": action.value, "min_gain": "0s"},
-            },
-            "checkpoint": {"url": str(tmp / "ckpt"), "every_steps": 0},
-        }
-    )
-    return spec
-
-
-def step_times(tmp: Path) -> tuple[dict[int, float], int]:
-    """Each step's completion time (the first worker to log it), and the steps applied
-    twice by one worker or never by any (of those up to the highest seen)."""
-    done: dict[int, float] = {}
-    lost = 0
-    for f in (tmp / "steps").glob("*.log"):
-        seen: set[int] = set()
-        for line in f.read_text().splitlines():
-            step, at = line.split()
-            s = int(step)
-            lost += s in seen
-            seen.add(s)
-            done[s] = min(done.get(s, float("inf")), float(at))
-    if done:
-        lost += sum(1 for s in range(max(done) + 1) if s not in done)
-    return done, lost
-
-
-def rate(done: dict[int, float], start: float, end: float) -> float | None:
-    """Steps per second completed between ``start`` and ``end`` (wall clock)."""
-    inside = [t for t in done.values() if start <= t <= end]
-    return len(inside) / (end - start) if end > start and len(inside) > 1 else None
 
 
 def run(spec: JobSpec, tmp: Path, during: Any = None) -> tuple[Any, list[events.Event]]:
@@ -342,7 +268,11 @@ def main() -> None:
     parser.add_argument("--heartbeat", default="1s", help="heartbeat_interval: one window")
     parser.add_argument("--overhead-pairs", type=int, default=6, help="pairs of off/report runs")
     parser.add_argument("--overhead-steps", type=int, default=250, help="steps of each such run")
-    parser.add_argument("--rows", nargs="*", default=["cost", "overhead", "slow", "healthy"])
+    parser.add_argument("--link-rate", default="100mbit", help="the link row's tbf rate")
+    parser.add_argument("--link-width", type=int, default=512,
+                        help="the link row's model: width x width parameters")  # fmt: skip
+    parser.add_argument("--rows", nargs="*",
+                        default=["cost", "overhead", "slow", "link", "healthy"])  # fmt: skip
     args = parser.parse_args()
     figures: dict[str, Any] = {"machine_cores": os.cpu_count(), "compute_s": args.compute}
     with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
@@ -359,6 +289,8 @@ def main() -> None:
         if "slow" in args.rows and healthy:
             for factor in (1.5, 3.0):
                 figures[f"slow_{factor:g}x"] = slow_row(args, root, factor, healthy)
+        if "link" in args.rows:
+            figures["slow_link"] = link_row(args, root)
         if "healthy" in args.rows:
             figures["healthy"] = healthy_row(args, root)
     figures["units"] = {"*_s": "seconds", "*_ratio": "step rate / healthy step rate",

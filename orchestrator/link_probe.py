@@ -15,17 +15,21 @@ when, and what the figures say):
   slowed by the host's scheduler says nothing of the link; one faster than the
   link is impossible).
 
-The client's send buffer is kept small, so what the kernel still holds when
-the client stops is drained within the measured time: the rate is the bytes
-received over the time from the first byte sent to the sink's answer.  The
+The sink times what it receives (from its first bytes to ``seconds`` later)
+and answers while the client still sends; the client then resets the
+connection, so what is still queued for a slow link is dropped, not waited
+for: a try takes about ``seconds`` on any link.  The
 probes run on the agents' own connections, which take the same network path
 as their workers' collectives (the node's address).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
+import struct
 import time
 from typing import Any
 
@@ -54,30 +58,41 @@ _CHUNK = bytes(64 * 1024)
 
 
 def sink(request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
-    """Read what the client streams until it closes its side; answer the count."""
-    del request
+    """Read a client's stream for ``seconds`` from its first bytes (or to its end); answer
+    the bytes that came after the first read and the time they took."""
+    window = min(max(float(request.get("seconds", 0.2)), 0.01), 30.0)
     conn.settimeout(SINK_IDLE_S)
-    received = 0
     buf = bytearray(256 * 1024)
-    while received <= MAX_PROBE_BYTES:
+    received, first, last = 0, 0.0, 0.0
+    while True:
         n = conn.recv_into(buf)
+        now = time.perf_counter()
         if n == 0:
             break
-        received += n
-    return {"received": received}
+        if not first:
+            first = last = now  # the clock starts at the first bytes: they are not counted
+            continue
+        received, last = received + n, now
+        if now - first >= window or received > MAX_PROBE_BYTES:
+            break
+    return {"received": received, "seconds": last - first}
 
 
 def send_probe(address: str, seconds: float, max_bytes: int, timeout: float = 30.0) -> float:
-    """Stream to the sink at ``host:port`` for ``seconds`` (at most ``max_bytes``).
+    """Stream to the sink at ``host:port`` until it answers (after ``seconds`` of bytes)
+    or ``max_bytes`` are sent.
+
+    The connection is reset once the answer is in, so what is still queued for a
+    slow link is dropped rather than waited for.
 
     Returns:
-        Bytes a second that reached the sink.
+        Bytes a second that reached the sink, as the sink timed them.
 
     Raises:
         AgentUnreachableError: the peer's port did not answer, or not as a sink.
     """
     host, _, port = address.rpartition(":")
-    request = json.dumps({"op": SINK_OP}).encode() + b"\n"
+    request = json.dumps({"op": SINK_OP, "seconds": seconds}).encode() + b"\n"
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as conn:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
@@ -85,14 +100,8 @@ def send_probe(address: str, seconds: float, max_bytes: int, timeout: float = 30
             if not read_line(conn, 64 * 1024):
                 raise AgentUnreachableError(f"the agent at {address} closed without a status")
             conn.sendall(request)
-            started = time.perf_counter()
-            sent, limit = 0, min(max_bytes, MAX_PROBE_BYTES)
-            while sent < limit and time.perf_counter() - started < seconds:
-                n = conn.send(_CHUNK[: min(len(_CHUNK), limit - sent)])
-                sent += n
-            conn.shutdown(socket.SHUT_WR)
-            line = read_line(conn, 64 * 1024)
-            elapsed = time.perf_counter() - started
+            line = _stream_until_answered(conn, min(max_bytes, MAX_PROBE_BYTES), timeout)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except RequestError as e:
         raise AgentUnreachableError(f"the agent at {address} answered {e}") from e
     except (BrokenPipeError, ConnectionResetError) as e:
@@ -103,12 +112,37 @@ def send_probe(address: str, seconds: float, max_bytes: int, timeout: float = 30
     except (OSError, ValueError) as e:
         raise AgentUnreachableError(f"probing the link to {address}: {e}") from e
     try:
-        received = int(json.loads(line)["received"])
+        answer = json.loads(line)
+        received, took = int(answer["received"]), float(answer["seconds"])
     except (ValueError, KeyError, TypeError) as e:
         raise AgentUnreachableError(
-            f"the agent at {address} has no link sink (a ringmaster older than this one?)"
+            f"the agent at {address} has no link sink (a ringmaster older than this one?): "
+            f"it answered {line[:200]!r}"
         ) from e
-    return received / max(elapsed, 1e-9)
+    return received / took if took > 0 else 0.0
+
+
+def _stream_until_answered(conn: socket.socket, limit: int, timeout: float) -> bytes:
+    """Send zeros until the peer's answer line can be read (or ``limit`` bytes went)."""
+    conn.setblocking(False)
+    sent, data, deadline = 0, bytearray(), time.monotonic() + timeout
+    writing = True
+    while time.monotonic() < deadline:
+        readable, writable, _ = select.select([conn], [conn] if writing else [], [], 0.5)
+        if readable:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if b"\n" in data:
+                return bytes(data[: data.index(b"\n")])
+        if writable and writing:
+            with contextlib.suppress(BlockingIOError):
+                sent += conn.send(_CHUNK[: min(len(_CHUNK), limit - sent)])
+            if sent >= limit:
+                conn.shutdown(socket.SHUT_WR)  # the sink answers at the end of the stream
+                writing = False
+    raise TimeoutError(f"no answer within {timeout:g}s")
 
 
 def probe_peers(request: dict[str, Any]) -> dict[str, Any]:

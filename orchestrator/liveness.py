@@ -125,6 +125,8 @@ class LivenessServer:
                     return  # a probe: it read the status and closed
                 answer = self._answer(line, conn)
                 conn.sendall(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
+                if self._is_stream(line):  # let the client read the answer before it stops
+                    _drain(conn)
         finally:
             self._sessions.release()
 
@@ -149,6 +151,11 @@ class LivenessServer:
         except Exception as e:  # the answer says so; the port stays up
             log.warning("request %s failed: %s", op, e, exc_info=True)
             return {"error": f"{op} failed on the agent: {type(e).__name__}: {e}"}
+
+    def _is_stream(self, line: bytes) -> bool:
+        with contextlib.suppress(ValueError, AttributeError):
+            return json.loads(line).get("op") in self._streams
+        return False
 
     def close(self) -> None:
         self._closed.set()
@@ -187,6 +194,15 @@ def probe(address: str, timeout: float = 0.25) -> tuple[Liveness, dict[str, Any]
     except ValueError:
         return Liveness.UNKNOWN, {}
     return Liveness.ALIVE, answer if isinstance(answer, dict) else {}
+
+
+def _drain(conn: socket.socket) -> None:
+    """Read and drop what a streaming client still sends, until it closes or resets (a
+    close with unread bytes would reset the connection and could drop the answer)."""
+    with contextlib.suppress(OSError):
+        conn.settimeout(REQUEST_WAIT)
+        while conn.recv(65536):
+            pass
 
 
 def read_line(conn: socket.socket, limit: int) -> bytes:

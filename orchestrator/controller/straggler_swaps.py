@@ -93,8 +93,10 @@ def decide_stragglers(
 def _probe(watch: StragglerWatch, world: World, plan: Plan) -> list[Action]:
     """Ask the members' and the spares' agents to measure their links."""
     watch.probe_wanted = False
-    nodes = [m.node for m in plan.members] + [n for n in plan.spares if n in world.nodes]
-    ports = {n: world.nodes[n].liveness for n in nodes if n in world.nodes}
+    members = [m.node for m in plan.members]
+    nodes = members + sorted(n for n in world.nodes if n not in members)  # spares too
+    ports = {n: world.nodes[n].liveness for n in nodes
+             if n in world.nodes and n not in world.quarantined}  # fmt: skip
     usable = {n: p for n, p in ports.items() if p}
     if len(usable) < 3:  # two ends of one slow pair cannot say which end is slow
         watch.links.verdict(LinkProbeResult({}))

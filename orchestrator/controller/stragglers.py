@@ -189,14 +189,16 @@ class StragglerWatch:
         call = self.links.verdict(result)
         if call is None:
             return []
-        if call.node not in members or call.node in self.flagged:
-            self.links.forget({call.node})  # a spare's link, or called for its compute
+        if call.node not in members:
+            self.links.forget({call.node})  # a spare's link: not the job's straggler
             return []
+        if call.node in self.flagged:  # called for its compute: its link is the cause
+            self.kept.discard(call.node)
         straggler = Straggler(call.node, call.slowdown, call.wait_s, call.base_wait_s,
                               call.wait_s, call.wait_s, call.windows, cause="link",
                               evidence=call.describe())  # fmt: skip
         self.flagged[call.node] = straggler
-        self.lost[call.node] = self.links.lost_s
+        self.lost[call.node] = max(self.links.lost_s, self.lost.get(call.node, 0.0))
         return [straggler]
 
     def judge(self, timings: dict[str, NodeTiming]) -> tuple[list[Straggler], list[str]]:

@@ -79,8 +79,14 @@ def test_a_link_limited_by_tc_measures_near_its_limit() -> None:
                 assert remote, "the namespace's port did not start"
                 slow = max(send_probe(remote, 0.5, 64 << 20) for _ in range(2))
                 fast = max(send_probe(local.address, 0.1, 16 << 20) for _ in range(2))
+                for end in (["tc", "qdisc", "change", "dev", node.host_if],
+                            [*inside[:-1], "change", "dev", node.node_if]):  # fmt: skip
+                    subprocess.run([*end, *tbf[:2], "rate", "64kbit", *tbf[4:]], check=True)
+                crawl = max(send_probe(remote, 0.5, 64 << 20) for _ in range(2))
             finally:
                 server.stdin.close()  # the server exits at the end of its input
     # 8 Mbit/s is 1 MB/s; the bucket's 32 kB burst and the ends' timing leave it near
     assert 0.6e6 < slow < 1.3e6, slow
     assert fast > 20 * slow, (fast, slow)
+    # 64 kbit/s is 8 kB/s: what the sink timed, not the queue the reset dropped
+    assert 4e3 < crawl < 12e3, crawl

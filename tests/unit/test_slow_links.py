@@ -107,7 +107,7 @@ def _timed(beats: dict[str, Telemetry], per_step: dict[str, tuple[float, float, 
                               timed_steps=t.timed_steps + steps)  # fmt: skip
 
 
-PLAN = Plan(1, [Member("a", 0, 1), Member("b", 1, 1), Member("c", 2, 1)], spares=["d"])
+PLAN = Plan(1, [Member("a", 0, 1), Member("b", 1, 1), Member("c", 2, 1)])  # d: a spare since
 
 
 def _world(beats: dict[str, Telemetry], mono: float) -> World:

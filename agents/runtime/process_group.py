@@ -84,18 +84,24 @@ class Groups:
         store: ``(host, port)`` of the generation's bootstrap store.
         sockets: the inodes of the TCP sockets this process opened for the
             generation's groups (see :func:`hang_up`).
+        stepwise: groups formed in the generation whose collectives run once a
+            step or more (a delayed sync's site group): the learnt timeout
+            applies to them as well.
     """
 
     backend: str
     control: dist.ProcessGroup | None
     store: tuple[str, int]
     sockets: frozenset[int] = frozenset()
+    stepwise: tuple[dist.ProcessGroup, ...] = ()
 
     def each(self) -> list[dist.ProcessGroup]:
-        """The data group, then the control group when there is one of its own."""
+        """The data group, the control group when there is one of its own, then the
+        stepwise groups."""
         world = dist.group.WORLD
         groups = [world] if isinstance(world, dist.ProcessGroup) else []
-        return groups + ([self.control] if self.control is not None else [])
+        control = [self.control] if self.control is not None else []
+        return groups + control + list(self.stepwise)
 
 
 def choose_device(backend: str, local_rank: int) -> tuple[str, torch.device]:

@@ -13,6 +13,7 @@ property here, and the loop that leaves and joins generations reads best whole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -317,7 +318,9 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                self._models.after_step(st.step, st.tracked)  # and a delayed sync's outer steps
+                outer_wait = self._models.waits_between_sites(st.step)
+                with self._guard.relaxed() if outer_wait else contextlib.nullcontext():
+                    self._models.after_step(st.step, st.tracked)  # and a delayed sync's
                 self._telemetry.step_done(st.hook, self._models.ddps)
                 self._generations.step_completed()
                 if not self._models.catching_up(st.step):  # a site catching up does not vote
@@ -405,7 +408,9 @@ class Session:
         self._telemetry.state_restored(st.step)
         self._votes.joined()
         self._models.rebuild(st.step if st.has_state else None)
-        self._groups = self._generations.settled(joined)
+        self._groups = dataclasses.replace(
+            self._generations.settled(joined), stepwise=self._models.stepwise_groups()
+        )
         self._heartbeat.start()
         self._heartbeat.poke()
         self._guard.attach(self._groups, st.generation)

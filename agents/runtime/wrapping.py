@@ -147,9 +147,21 @@ class WrappedModels:
             with self._failures.collective():
                 self.outer.resume(step)
 
+    def waits_between_sites(self, step: int) -> bool:
+        """The boundary at ``step`` waits for an outer result (longer than a step)."""
+        return self.outer is not None and self.outer.waits_at(step)
+
     def catching_up(self, step: int) -> bool:
         """A delayed sync's site trains steps the other sites completed (no vote then)."""
         return self.outer is not None and step <= self.outer.catch_up_to
+
+    def stepwise_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """A delayed sync's site group: its DDP's collectives run every step, so the
+        learnt operation timeout suits them (a boundary that waits for an outer result
+        runs with the ceiling instead: :meth:`waits_between_sites`).  The leaders'
+        group is left out: an outer sync may take many steps' time across a slow link."""
+        groups = self.outer.groups if self.outer is not None else None
+        return (groups.inner,) if groups is not None else ()
 
     def _data_group(self) -> dist.ProcessGroup | None:
         """The group a DDP averages over: its site's under a delayed sync, else every rank."""

@@ -164,6 +164,15 @@ class OuterSync:
             if at != NOT_PENDING and at + self.schedule.delay_steps <= done:
                 self._finish(f, done)
 
+    def waits_at(self, done: int) -> bool:
+        """The boundary with ``done`` steps complete waits for an outer result (a sync
+        finishes there): the site's ranks wait in its broadcast while their leader
+        waits for the other sites."""
+        delay = self.schedule.delay_steps
+        if delay == 0 and self.schedule.starts_between(self.started, done):
+            return True
+        return any(at != NOT_PENDING and at + delay <= done for at in self.pending_at)
+
     def meets(self, done: int) -> bool:
         """The sites meet at the boundary with ``done`` steps complete (a sync starts)."""
         return self.schedule.starts_at(done) is not None

@@ -188,6 +188,21 @@ def test_outer_state_round_trips_and_re_cuts_to_other_fragments() -> None:
         other.load_state_dict(state)
 
 
+def test_a_boundary_waits_between_sites_only_where_a_sync_finishes() -> None:
+    """Where it does, the session lifts the learnt timeout off the site's group."""
+    diloco = OuterSync(SyncSpec(mode=SyncMode.DILOCO, inner_steps=4), list(_model().parameters()))
+    waits = []
+    for done in range(1, 10):  # each boundary asks before its syncs start
+        waits += [done] if diloco.waits_at(done) else []
+        diloco.started = done
+    assert waits == [4, 8]
+    spec = SyncSpec(mode=SyncMode.STREAMING_DILOCO, inner_steps=4, fragments=2, delay_steps=1)
+    streaming = OuterSync(spec, list(_model().parameters()))
+    assert not streaming.waits_at(2)  # fragment 0 starts at 2: its all-gather runs behind
+    streaming.pending_at[0], streaming.started = 2, 2
+    assert streaming.waits_at(3) and not streaming.waits_at(2)  # its result, one step later
+
+
 # -- the job file --------------------------------------------------------------------------
 
 

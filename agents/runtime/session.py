@@ -291,6 +291,8 @@ class Session:
             RecoveryError: the job could not be recovered in-process.
         """
         limit = total if total is not None else (self._spec.max_steps or math.inf)
+        if self._models.outer is not None and limit != math.inf:
+            self._models.outer.end = int(limit)  # a delayed sync ends on the global model
         try:
             self._apply(self._generations.join_next(1, self._state, self._models))
             yield from self._loop(limit)

@@ -16,7 +16,12 @@ sites' contributions, hands the average to its site's ranks (a broadcast on
 the site's group) and every rank applies the outer step.  With a delay the
 all-gather runs in the background while the next inner steps compute.
 
-Joining a generation (:meth:`OuterSync.join`, :mod:`agents.sync.site_join`)
+The last boundary of the run (:attr:`OuterSync.end`) waits for every sync still
+under way, applies it, and leaves each fragment at its anchor: training ends
+on the global model, the same on every site, as DiLoCo evaluates it (a
+site's inner steps since a fragment's last sync are not kept).
+
+Joining a generation (:func:`agents.sync.site_join.join_sites`)
 forms the sites' groups and brings each site to its own freshest state.
 """
 
@@ -96,6 +101,10 @@ class OuterSync:
         #: boundaries up to this step count skip the step boundary's vote: this site
         #: trains steps the others completed before the generation broke
         self.catch_up_to = 0
+        #: the steps complete at the end of training (the session's ``steps()`` limit),
+        #: if it has one: that boundary finishes every sync under way and leaves each
+        #: fragment at its anchor, the global model (the same on every site)
+        self.end: int | None = None
         self.totals = SyncTotals(last_sync=[0] * len(runs))
 
     @property
@@ -159,16 +168,22 @@ class OuterSync:
             if self.pending_at[f] == NOT_PENDING:
                 self._start(f, at)
         self.started = max(self.started, done)
+        last = self.end is not None and done >= self.end
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
             at = self.pending_at[f]
-            if at != NOT_PENDING and at + self.schedule.delay_steps <= done:
+            if at != NOT_PENDING and (at + self.schedule.delay_steps <= done or last):
                 self._finish(f, done)
+        if last:  # the run ends on the global model, not on a site's inner steps
+            for f in range(self.fragments):
+                self.take_anchor(f)
 
     def waits_at(self, done: int) -> bool:
         """The boundary with ``done`` steps complete waits for an outer result (a sync
         finishes there): the site's ranks wait in its broadcast while their leader
         waits for the other sites."""
         delay = self.schedule.delay_steps
+        if self.end is not None and done >= self.end:
+            delay = 0  # the last boundary waits for every sync under way
         if delay == 0 and self.schedule.starts_between(self.started, done):
             return True
         return any(at != NOT_PENDING and at + delay <= done for at in self.pending_at)

@@ -3,9 +3,10 @@
 I/O, run by the executor (:mod:`orchestrator.controller.job`) for a
 :class:`~orchestrator.controller.actions.ProbeLinks` action.  One thread asks
 the agents one after the other (two probes at once would share a link and
-halve each other's figures); the tick that follows the last answer finds the
-result in its world (:attr:`World.link_probe`), and the pure
-:mod:`orchestrator.controller.slow_links` reads it.
+halve each other's figures), each to stream to its next two nodes: a probe
+of ``n`` nodes takes about ``n x 2 x 2 x 0.2`` seconds.  The tick that follows
+the last answer finds the result in its world (:attr:`World.link_probe`), and
+the pure :mod:`orchestrator.controller.slow_links` reads it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from orchestrator.controller.slow_links import LinkProbeResult
+from orchestrator.controller.slow_links import LinkProbeResult, probe_pairs
 from orchestrator.link_probe import PROBE_OP
 from orchestrator.liveness import AgentUnreachableError, RequestError, ask
 
@@ -38,7 +39,8 @@ class LinkProber:
         self._thread: threading.Thread | None = None
 
     def start(self, ports: dict[str, str]) -> None:
-        """Measure every pair of ``ports``' nodes (node → its agent's ``host:port``)."""
+        """Measure the links of ``ports``' nodes (node → its agent's ``host:port``, in the
+        order :func:`~orchestrator.controller.slow_links.probe_pairs` pairs them)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._thread = threading.Thread(
@@ -55,9 +57,10 @@ class LinkProber:
     def _run(self, ports: dict[str, str]) -> None:
         rates: dict[str, dict[str, float]] = {}
         errors: dict[str, str] = {}
-        budget = len(ports) * PROBE_ROUNDS * (PROBE_SECONDS + 5.0) + 10.0
-        for node, port in sorted(ports.items()):
-            peers = {n: p for n, p in ports.items() if n != node}
+        pairs = probe_pairs(list(ports))
+        for node, port in ports.items():
+            peers = {n: ports[n] for n in pairs[node]}
+            budget = len(peers) * PROBE_ROUNDS * (PROBE_SECONDS + 5.0) + 10.0
             request = {"op": PROBE_OP, "peers": peers, "seconds": PROBE_SECONDS,
                        "max_bytes": PROBE_MAX_BYTES, "rounds": PROBE_ROUNDS}  # fmt: skip
             try:

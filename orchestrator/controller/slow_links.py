@@ -16,10 +16,10 @@ a link is slow, not *which* node's:
    here, while every rank's wait grows by several times that: it may be
    called a compute straggler first; the probe's verdict then names the
    cause.)
-2. **Measure**: the controller asks every node's agent to stream bytes to each
-   other node's agent (:mod:`orchestrator.link_probe`) and gets each pair's
-   rate: the members' and the spares' (a third node tells which end of a slow
-   pair is slow).
+2. **Measure**: the controller asks every node's agent to stream bytes to the
+   next two nodes' agents (:func:`probe_pairs`, :mod:`orchestrator.link_probe`)
+   and gets each pair's rate: the members' and the spares' (a third node tells
+   which end of a slow pair is slow).
 3. **Call** the node whose best link (the fastest pair it is in, sending or
    receiving) is :data:`LINK_GAP` times slower than every other node's best: all
    of its links are slow, and some without it are not.  That node is a
@@ -42,12 +42,23 @@ from dataclasses import dataclass, field
 
 from orchestrator.spec import StragglerSpec
 
-__all__ = ["LINK_GAP", "PROBE_COOLDOWN_S", "LinkCall", "LinkProbeResult", "LinkWatch"]
+__all__ = [
+    "LINK_GAP",
+    "PEERS_PER_NODE",
+    "PROBE_COOLDOWN_S",
+    "LinkCall",
+    "LinkProbeResult",
+    "LinkWatch",
+    "probe_pairs",
+    "slow_end",
+]
 
 #: How many times slower a node's best link must be than every other node's best.
 LINK_GAP = 2.0
 #: Seconds after a probe before another one is asked for.
 PROBE_COOLDOWN_S = 60.0
+#: Peers each node streams to in a probe (:func:`probe_pairs`).
+PEERS_PER_NODE = 2
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,17 @@ class LinkCall:
             f"{self.base_wait_s * 1000:.1f} ms before), and the job steps "
             f"{self.slowdown:.2f}x as long for {self.windows} windows in a row"
         )
+
+
+def probe_pairs(nodes: list[str], per_node: int = PEERS_PER_NODE) -> dict[str, list[str]]:
+    """Whom each node streams to: the next ``per_node`` nodes in ``nodes``' order, round
+    the end (every pair when there are few nodes).  Each node is then in ``2 x
+    per_node`` pairs, so one slow node's pairs are all slow while each other node has
+    a pair without it, and a probe of ``n`` nodes takes ``n x per_node`` tries, not
+    ``n x (n - 1)``."""
+    n = len(nodes)
+    k = min(per_node, n - 1)
+    return {node: [nodes[(i + j) % n] for j in range(1, k + 1)] for i, node in enumerate(nodes)}
 
 
 def best_links(result: LinkProbeResult) -> dict[str, float]:

@@ -84,7 +84,8 @@ DESCRIPTIONS: dict[str, str] = {
     ),
     "fault_tolerance.stragglers": (
         "Slow nodes: a node whose compute time per step stays above threshold x its "
-        "peers' median for windows heartbeat intervals is reported."
+        "peers' median for windows heartbeat intervals, or whose links the agents "
+        "measure slower than the others' when every rank waits longer, is reported."
     ),
     "fault_tolerance.stragglers.action": (
         "swap (a warm spare takes the slot), report (event, metric, status mark) or off."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from pathlib import Path
 
@@ -61,11 +62,18 @@ def tiny_job(
 
 def quiet_run(spec: JobSpec, lines: list[str], **kwargs: object) -> LocalRun:
     """A local run whose output goes to ``lines`` (and to pytest's captured stdout,
-    shown when a test fails, also on a timeout)."""
+    shown when a test fails, also on a timeout).
+
+    The lines go to the process's own standard output (``sys.__stdout__``, which
+    pytest captures at the descriptor), not to whatever ``sys.stdout`` is at the
+    time: a line the run prints late, while a test runs a CLI command through
+    click's ``CliRunner`` (which swaps ``sys.stdout``), would otherwise land in that
+    command's output (seen once: a worker's last line inside ``events --json``)."""
+    out = sys.__stdout__ or sys.stdout
 
     def keep(line: str) -> None:
         lines.append(line)
-        print(line, flush=True)
+        print(line, file=out, flush=True)
 
     return LocalRun(spec, printer=keep, workdir=str(REPO), **kwargs)  # type: ignore[arg-type]
 

@@ -123,6 +123,7 @@ class HandRun:
         self.outer = OuterOptimizer.of_spec(sync.outer_optimizer)
         self.schedule = FragmentSchedule(sync.inner_steps, sync.fragments, sync.delay_steps)
         self.started: dict[int, list[tuple[float, torch.Tensor]]] = {}
+        self.started_at: dict[int, int] = {}
 
     def _regroup(self, model: nn.Module, opt: Any, sites: list[list[int]]) -> None:
         self.sites = sites
@@ -140,7 +141,6 @@ class HandRun:
         anchors (the global model), its optimizer the second site's, and a sync that
         starts there averages the other sites' pseudo-gradients only."""
         world = sum(len(s) for s in self.sites)
-        kind = self.sync.outer_quantization
         for step in range(start, end):
             for model, opt, ranks in zip(self.models, self.opts, self.sites, strict=True):
                 grads = []
@@ -157,6 +157,7 @@ class HandRun:
             lost = done == lost_at
             f = self.schedule.starts_at(done)
             if f is not None:  # a lost site's pseudo-gradient does not count
+                self.started_at[f] = done
                 self.started[f] = [
                     (0.0 if lost and i == 0 else 1.0, pseudo_gradient(self.anchors[f], s[f]))
                     for i, s in enumerate(self.frags)
@@ -165,18 +166,29 @@ class HandRun:
                 write_back(list(self.models[0].parameters()), torch.cat(self.anchors))
                 self.opts[0].load_state_dict(copy.deepcopy(self.opts[1].state_dict()))
             f = self.schedule.applies_at(done)
-            if f is not None:
-                mine = [g for _, g in self.started[f]]
-                weights = [w for w, _ in self.started.pop(f)]
-                n = self.anchors[f].numel()
-                sent = [decode(encode(g, kind), kind, n) for g in mine]
-                avg = average(list(zip(weights, sent, strict=True)))
-                old = self.anchors[f].clone()
-                self.outer.step(self.anchors[f], self.bufs[f], avg)
-                for site, g in zip(self.frags, mine, strict=True):
-                    moved = flatten(site[f]) - (old - g) if self.sync.delay_steps else 0
-                    write_back(site[f], self.anchors[f] + moved)
+            due = [f] if f is not None else []
+            if done == STEPS:  # the run's end: every sync under way, in the order started
+                due = sorted(self.started, key=lambda g: self.started_at[g])
+            for f in due:
+                self._apply(f)
+            if done == STEPS:  # and it ends on the global model
+                for site in self.frags:
+                    for f, anchor in enumerate(self.anchors):
+                        write_back(site[f], anchor)
         return self
+
+    def _apply(self, f: int) -> None:
+        kind = self.sync.outer_quantization
+        mine = [g for _, g in self.started[f]]
+        weights = [w for w, _ in self.started.pop(f)]
+        n = self.anchors[f].numel()
+        sent = [decode(encode(g, kind), kind, n) for g in mine]
+        avg = average(list(zip(weights, sent, strict=True)))
+        old = self.anchors[f].clone()
+        self.outer.step(self.anchors[f], self.bufs[f], avg)
+        for site, g in zip(self.frags, mine, strict=True):
+            moved = flatten(site[f]) - (old - g) if self.sync.delay_steps else 0
+            write_back(site[f], self.anchors[f] + moved)
 
     def resume_as(self, sites: list[list[int]]) -> HandRun:
         """A durable resume on ``sites``: every site starts from the first site's state."""
@@ -184,7 +196,8 @@ class HandRun:
         return self
 
     def final(self) -> dict[str, torch.Tensor]:
-        """What rank 0 (the first site) saves at the end."""
+        """What rank 0 (the first site) saves at the end: the global model, after a run
+        to :data:`STEPS`."""
         return {k: v.clone() for k, v in self.models[0].state_dict().items()}
 
 
@@ -210,7 +223,7 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     # status: the outer loop's steps (fragments' syncs applied by rank 0) and bytes
     assert status is not None and status.sync, summary(result, lines)
     schedule = FragmentSchedule(10, spec.sync.fragments, spec.sync.delay_steps)
-    applied = sum(1 for d in range(1, STEPS + 1) if schedule.applies_at(d) is not None)
+    applied = len(schedule.starts_between(0, STEPS))  # the end applies what it started
     assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync
     assert status.sync["site_bytes"] > 0, status.sync
     # sites [node-2] and [the two of zone b], as if nothing had failed

@@ -201,6 +201,8 @@ def test_a_boundary_waits_between_sites_only_where_a_sync_finishes() -> None:
     assert not streaming.waits_at(2)  # fragment 0 starts at 2: its all-gather runs behind
     streaming.pending_at[0], streaming.started = 2, 2
     assert streaming.waits_at(3) and not streaming.waits_at(2)  # its result, one step later
+    streaming.end = 2  # the run's last boundary waits for every sync under way
+    assert streaming.waits_at(2)
 
 
 # -- the job file --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from orchestrator.controller.slow_links import (
     PROBE_COOLDOWN_S,
     LinkProbeResult,
     LinkWatch,
+    probe_pairs,
     slow_end,
 )
 from orchestrator.controller.straggler_swaps import decide_stragglers
@@ -80,6 +81,13 @@ def the_node_whose_every_link_is_slow_is_called() -> None:
     assert slow_end(LinkProbeResult({"a": {"b": MB}, "b": {"a": 1000 * MB}})) is None
     # a node that could not be measured is left out, not called
     assert slow_end(replace(C_SLOW, errors={"c": "refused"})) is None
+
+
+def each_node_streams_to_the_next_two() -> None:
+    assert probe_pairs(["a", "b", "c"]) == {"a": ["b", "c"], "b": ["c", "a"], "c": ["a", "b"]}
+    pairs = probe_pairs([f"n{i}" for i in range(100)])
+    assert pairs["n99"] == ["n0", "n1"] and sum(len(p) for p in pairs.values()) == 200
+    assert probe_pairs(["a", "b"]) == {"a": ["b"], "b": ["a"]}
 
 
 def a_called_link_is_cleared_when_the_wait_is_back() -> None:
@@ -159,6 +167,7 @@ SCENARIOS: list[Callable[[], None]] = [
     a_compute_straggler_is_not_a_slow_link,
     a_new_generation_measures_the_rise_afresh,
     the_node_whose_every_link_is_slow_is_called,
+    each_node_streams_to_the_next_two,
     a_called_link_is_cleared_when_the_wait_is_back,
     the_controller_measures_calls_and_swaps_a_slow_link,
 ]

@@ -230,6 +230,7 @@ def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
             killed_at = got.pop("killed_at")
             if "why" in got:  # torchrun did not train again: its agents' last errors
                 row[f"{name}_last_errors"] = got.pop("why")
+                row[f"{name}_restart_counts"] = got.pop("restart_counts")
             # ringmaster's own phases (its Recovered event), from the first report
             row.update({f"{name}_event_{key}": value for key, value in got.items()})
             for key, value in _phases(tmp / "steps", killed_at).items():
@@ -277,6 +278,10 @@ def _print_row(row: dict[str, Any]) -> None:
         )
     for line in row.get("torchrun_last_errors", []):
         print(f"    torchrun did not train again: {line}", flush=True)
+    counts = row.get("torchrun_restart_counts")
+    if counts and len(set(counts.values())) > 1:
+        print(f"    torchrun's agents disagree on their restart count ({counts}): their new "
+              "workers wait for each other under different store prefixes", flush=True)  # fmt: skip
     if row.get("ringmaster_event_detect_s") is not None:
         print(
             f"    ringmaster's Recovered event, from the first report of the break: detect "

@@ -16,7 +16,6 @@ netns``, ``tc``); without it the row says why it was skipped.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,13 +26,6 @@ from orchestrator import events, jobs
 from orchestrator.spec import StragglerAction
 
 __all__ = ["link_row"]
-
-
-def _limit(node: Any, rate_: str) -> None:
-    tbf = ["root", "tbf", "rate", rate_, "burst", "64kb", "latency", "400ms"]
-    subprocess.run(["tc", "qdisc", "add", "dev", node.host_if, *tbf], check=True)
-    inside = ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add"]
-    subprocess.run([*inside, "dev", node.node_if, *tbf], check=True)
 
 
 def _since(marks: dict[str, float], key: str, onset: float) -> float | None:
@@ -60,7 +52,7 @@ def link_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         wait_for("the onset step with a warm spare",
                  lambda: (s := jobs.read_status(client, name)) and s.step >= args.onset
                  and s.spare_nodes, timeout=300)  # fmt: skip
-        _limit(node, args.link_rate)
+        node.limit(args.link_rate, burst="64kb", latency="400ms")
         marks["onset"] = time.time()
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and "swap" not in marks:

@@ -33,7 +33,7 @@ from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CheckpointRecord, Plan
 from orchestrator.spec import JobSpec
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
-from tests.faults.netns import IsolatedNode, unavailable_reason
+from tests.faults.netns import IsolatedNode, isolated_or_skip
 from tests.faults.partitioned_job import partitioned_job, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -75,10 +75,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
 
 @pytest.fixture
 def isolated() -> Iterator[IsolatedNode]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"partition test needs network namespaces: {reason}")
-    with IsolatedNode("part") as node:
+    with isolated_or_skip("part", "the partition test") as node:
         yield node
 
 

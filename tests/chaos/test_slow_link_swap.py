@@ -12,7 +12,6 @@ applied exactly once and the job ends at its full pace.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,7 +24,7 @@ from orchestrator.api import JobPhase
 from orchestrator.records import Plan
 from orchestrator.spec import JobSpec, StragglerAction
 from tests.chaos.jobs import assert_exactly_once, tiny_job
-from tests.faults.netns import IsolatedNode, unavailable_reason
+from tests.faults.netns import IsolatedNode, isolated_or_skip
 from tests.faults.partitioned_job import partitioned_job, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,18 +47,8 @@ def _job(tmp: Path) -> JobSpec:
 
 @pytest.fixture
 def isolated() -> Iterator[IsolatedNode]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"a slow link needs network namespaces: {reason}")
-    with IsolatedNode("slow") as node:
+    with isolated_or_skip("slow", "a slow link") as node:
         yield node
-
-
-def _limit(node: IsolatedNode) -> None:
-    tbf = ["root", "tbf", "rate", RATE, "burst", "16kb", "latency", "400ms"]
-    subprocess.run(["tc", "qdisc", "add", "dev", node.host_if, *tbf], check=True)
-    inside = ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add"]
-    subprocess.run([*inside, "dev", node.node_if, *tbf], check=True)
 
 
 def test_a_slow_link_is_measured_called_and_swapped(tmp_path: Path, isolated: IsolatedNode) -> None:
@@ -73,7 +62,7 @@ def test_a_slow_link_is_measured_called_and_swapped(tmp_path: Path, isolated: Is
             "step 60 with a warm spare",
             lambda: (s := jobs.read_status(client, job)) and s.step >= 60 and s.spare_nodes,
         )
-        _limit(isolated)
+        isolated.limit(RATE, burst="16kb", latency="400ms")
         deadline = time.monotonic() + 90
         while not any(e.type == "StragglerSwapped" for e in events.list_events(client, job)):
             assert time.monotonic() < deadline, "\n".join(

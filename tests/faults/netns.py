@@ -22,6 +22,7 @@ import itertools
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -48,6 +49,18 @@ def unavailable_reason() -> str | None:
         return f"cannot create a network namespace: {detail.strip()}"
     _ip("netns", "del", probe, check=False)
     return None
+
+
+@contextlib.contextmanager
+def isolated_or_skip(label: str, needed_by: str) -> Iterator[IsolatedNode]:
+    """An :class:`IsolatedNode` for a test, or the test skipped with the reason."""
+    reason = unavailable_reason()
+    if reason is not None:
+        import pytest
+
+        pytest.skip(f"{needed_by} needs network namespaces: {reason}")
+    with IsolatedNode(label) as node:
+        yield node
 
 
 class IsolatedNode:
@@ -109,6 +122,14 @@ class IsolatedNode:
         (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.node_ip} {self.namespace}\n"
                                    f"{self.host_ip} host-of-{self.namespace}\n")  # fmt: skip
         (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n")
+
+    def limit(self, rate: str, burst: str = "32kb", latency: str = "50ms") -> None:
+        """Limit the link both ways to ``rate`` (``tc … tbf`` on both ends of the veth),
+        as a slow NIC or a congested port would."""
+        tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+        subprocess.run(["tc", "qdisc", "replace", "dev", self.host_if, *tbf], check=True)
+        subprocess.run(self.command(["tc", "qdisc", "replace", "dev", self.node_if, *tbf]),
+                       check=True)  # fmt: skip
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace."""

@@ -57,10 +57,7 @@ def test_a_link_limited_by_tc_measures_near_its_limit() -> None:
     if reason is not None:
         pytest.skip(reason)
     with IsolatedNode("probe") as node, _port() as local:
-        tbf = ["root", "tbf", "rate", "8mbit", "burst", "32kb", "latency", "50ms"]
-        subprocess.run(["tc", "qdisc", "add", "dev", node.host_if, *tbf], check=True)
-        inside = ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add"]
-        subprocess.run([*inside, "dev", node.node_if, *tbf], check=True)
+        node.limit("8mbit")
         code = (
             "import sys, time\n"
             "from orchestrator.liveness import LivenessServer\n"
@@ -79,9 +76,7 @@ def test_a_link_limited_by_tc_measures_near_its_limit() -> None:
                 assert remote, "the namespace's port did not start"
                 slow = max(send_probe(remote, 0.5, 64 << 20) for _ in range(2))
                 fast = max(send_probe(local.address, 0.1, 16 << 20) for _ in range(2))
-                for end in (["tc", "qdisc", "change", "dev", node.host_if],
-                            [*inside[:-1], "change", "dev", node.node_if]):  # fmt: skip
-                    subprocess.run([*end, *tbf[:2], "rate", "64kbit", *tbf[4:]], check=True)
+                node.limit("64kbit")
                 crawl = max(send_probe(remote, 0.5, 64 << 20) for _ in range(2))
             finally:
                 server.stdin.close()  # the server exits at the end of its input

@@ -186,9 +186,9 @@ def _recovered_phases(client: Any, job: str, until: float) -> dict[str, float]:
 
 
 def torchrun_nodes(
-    port: int, args: list[str], output: Path | None = None
+    port: int, args: list[str], output: Path | None = None, script: Path = SCRIPT
 ) -> list[subprocess.Popen[bytes]]:
-    """Three ``torchrun --nnodes=2:3`` agents running the script, on the c10d store at
+    """Three ``torchrun --nnodes=2:3`` agents running ``script``, on the c10d store at
     ``port``; each in a session of its own (one ``killpg`` takes a whole node), its
     output (its workers' too) in ``output/agent-<i>.log`` (discarded without one)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -210,7 +210,7 @@ def torchrun_nodes(
                 "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
                 "--max-restarts=3",
                 "--monitor-interval=0.1",
-                str(SCRIPT),
+                str(script),
                 *args,
             ],
             env=env,

@@ -375,40 +375,10 @@ def run_torchrun(tmp: Path) -> dict[str, float]:
     ckpt = tmp / "ckpt.pt"
     port = free_port()
     store = _restart_runs.store_process(port)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    nodes = []
-    for _ in range(3):
-        nodes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes=2:3",
-                    "--nproc-per-node=1",
-                    "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}",
-                    "--rdzv-id=bench",
-                    "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1,"
-                    "close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
-                    "--max-restarts=3",
-                    "--monitor-interval=0.1",
-                    str(REPO / "benchmarks" / "_torchrun_job.py"),
-                    "--steps",
-                    str(STEPS),
-                    "--ckpt",
-                    str(ckpt),
-                    "--steplog-dir",
-                    str(logs),
-                    "--step-time",
-                    str(STEP_TIME),
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        )
+    args = ["--steps", str(STEPS), "--ckpt", str(ckpt), "--steplog-dir", str(logs),
+            "--step-time", str(STEP_TIME)]  # fmt: skip
+    script = REPO / "benchmarks" / "_torchrun_job.py"  # its own script: a tiny model
+    nodes = _restart_runs.torchrun_nodes(port, args, script=script)
     killed_at = 0.0
     try:
         deadline = time.time() + 180
@@ -439,6 +409,7 @@ def run_torchrun(tmp: Path) -> dict[str, float]:
                 n.wait()
         store.kill()
         store.wait()
+        _restart_runs.kill_leftovers(str(logs))
     recovery, lost = _measure(logs, killed_at, by_file=True)
     completed = max((s for _, s in _steps_by_time(logs)), default=-1) + 1
     return {"recovery_s": recovery, "steps_lost": lost, "completed": completed}

@@ -69,8 +69,10 @@ def decide_stragglers(
         members = {m.node for m in plan.members}
         called += watch.take_probe(probed, members)
         if not called:
+            rates = {a: {b: round(bps / 1e6, 3) for b, bps in row.items()}
+                     for a, row in probed.rates.items()}  # fmt: skip
             out.append(Emit("LinkProbe", f"links measured, none slower than the others: "
-                            f"{_rates(probed)}", {"slow": ""}))  # fmt: skip
+                            f"{_rates(probed)}", {"rates_mb_s": rates}))  # fmt: skip
     if watch.probe_wanted:
         out += _probe(watch, world, plan)
     for s in called:

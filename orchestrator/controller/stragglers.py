@@ -194,9 +194,9 @@ class StragglerWatch:
             return []
         if call.node in self.flagged:  # called for its compute: its link is the cause
             self.kept.discard(call.node)
-        straggler = Straggler(call.node, call.slowdown, call.wait_s, call.base_wait_s,
-                              call.wait_s, call.wait_s, call.windows, cause="link",
-                              evidence=call.describe())  # fmt: skip
+        # no compute figures: a link straggler computes about as long as its peers
+        straggler = Straggler(call.node, call.slowdown, 0.0, 0.0, call.wait_s, call.wait_s,
+                              call.windows, cause="link", evidence=call.describe())  # fmt: skip
         self.flagged[call.node] = straggler
         self.lost[call.node] = max(self.links.lost_s, self.lost.get(call.node, 0.0))
         return [straggler]

@@ -162,6 +162,22 @@ def the_controller_measures_calls_and_swaps_a_slow_link() -> None:
     assert [m.node for m in publish.plan.members] == ["a", "b", "d"]
 
 
+def a_probe_that_calls_nobody_says_the_rates() -> None:
+    spec = JobSpec(name="job", entrypoint=EntrypointSpec(script="t.py"),
+                   nodes=NodesSpec(min=3, max=3, spares=1)).validate()  # fmt: skip
+    watch = StragglerWatch(spec.fault_tolerance.stragglers, window_s=1.0)
+    watch.links.probing = True
+    world = _world({n: Telemetry(generation=1) for n in "abc"}, 1.0)
+    world.link_probe = ALIKE
+    status = JobStatus("job", JobPhase.RUNNING, step=100, steps_per_s=10.0)
+    (said,) = [a for a in decide_stragglers(spec, watch, status, world, [])
+               if isinstance(a, Emit)]  # fmt: skip
+    assert said.type == "LinkProbe" and "none slower than the others: a->b 10.0 MB/s" in (
+        said.message
+    )
+    assert said.data["rates_mb_s"]["c"] == {"a": 9.0, "b": 10.0} and not watch.links.probing
+
+
 SCENARIOS: list[Callable[[], None]] = [
     a_risen_wait_asks_for_one_probe_then_waits_out_the_cooldown,
     a_compute_straggler_is_not_a_slow_link,
@@ -170,6 +186,7 @@ SCENARIOS: list[Callable[[], None]] = [
     each_node_streams_to_the_next_two,
     a_called_link_is_cleared_when_the_wait_is_back,
     the_controller_measures_calls_and_swaps_a_slow_link,
+    a_probe_that_calls_nobody_says_the_rates,
 ]
 
 

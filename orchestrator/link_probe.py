@@ -59,23 +59,35 @@ _CHUNK = bytes(64 * 1024)
 
 def sink(request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
     """Read a client's stream for ``seconds`` from its first bytes (or to its end); answer
-    the bytes that came after the first read and the time they took."""
+    the bytes that came after the first read and the time they took.  The time is the
+    whole window, not the last packet's: on a slow link a window holds few packets."""
     window = min(max(float(request.get("seconds", 0.2)), 0.01), 30.0)
-    conn.settimeout(SINK_IDLE_S)
     buf = bytearray(256 * 1024)
-    received, first, last = 0, 0.0, 0.0
+    received, first, end = 0, 0.0, 0.0
     while True:
-        n = conn.recv_into(buf)
+        left = first + window - time.perf_counter() if first else SINK_IDLE_S
+        if left <= 0:
+            end = first + window
+            break
+        conn.settimeout(min(left, SINK_IDLE_S))
+        try:
+            n = conn.recv_into(buf)
+        except TimeoutError:
+            if not first:
+                raise
+            continue  # the window ends at the top of the loop
         now = time.perf_counter()
         if n == 0:
+            end = now
             break
         if not first:
-            first = last = now  # the clock starts at the first bytes: they are not counted
+            first = now  # the clock starts at the first bytes: they are not counted
             continue
-        received, last = received + n, now
-        if now - first >= window or received > MAX_PROBE_BYTES:
+        received += n
+        if received > MAX_PROBE_BYTES:
+            end = now
             break
-    return {"received": received, "seconds": last - first}
+    return {"received": received, "seconds": max(end - first, 0.0) if first else 0.0}
 
 
 def send_probe(address: str, seconds: float, max_bytes: int, timeout: float = 30.0) -> float:

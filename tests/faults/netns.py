@@ -23,12 +23,9 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from types import TracebackType
 
 _counter = itertools.count()
-#: Where ``ip netns exec`` finds a namespace's own ``hosts`` and ``resolv.conf``.
-NETNS_ETC = Path("/etc/netns")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -106,22 +103,10 @@ class IsolatedNode:
             _ip(*inside, "link", "set", self.node_if, "up")
             _ip(*inside, "link", "set", "lo", "up")
             _ip(*inside, "route", "add", "default", "via", self.host_ip)
-            self._name_files()
         except subprocess.CalledProcessError as e:
             self.destroy()
             raise RuntimeError(f"could not set up namespace {self.namespace}: {e.stderr}") from e
         return self
-
-    def _name_files(self) -> None:
-        """The namespace's own ``hosts`` and a ``resolv.conf`` with no server, which ``ip
-        netns exec`` puts in place of the host's: c10d's store looks up the name of each
-        client's address, and a lookup that reaches for the host's DNS server (not
-        reachable from the namespace) blocked every rendezvous for 10 s."""
-        etc = NETNS_ETC / self.namespace
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.node_ip} {self.namespace}\n"
-                                   f"{self.host_ip} host-of-{self.namespace}\n")  # fmt: skip
-        (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n")
 
     def limit(self, rate: str, burst: str = "32kb", latency: str = "50ms") -> None:
         """Limit the link both ways to ``rate`` (``tc … tbf`` on both ends of the veth),
@@ -154,7 +139,6 @@ class IsolatedNode:
     def destroy(self) -> None:
         """Remove the namespace and the veth pair (idempotent)."""
         _ip("link", "del", self.host_if, check=False)
-        shutil.rmtree(NETNS_ETC / self.namespace, ignore_errors=True)
         if self.created:
             _ip("netns", "del", self.namespace, check=False)
             self.created = False

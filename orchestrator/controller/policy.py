@@ -290,8 +290,9 @@ class _Decider:
             self.phase(JobPhase.STOPPED, f"stopped on request at step {max(steps, default=0)}")
             return
         if all_done or finished_all:
-            # A worker that applied the last step holds the final state: a failure
-            # of its peers after that loses nothing, so nobody waits for a new group.
+            # whoever applied the last step holds the final state: no new group is awaited
+            if status.phase is JobPhase.RECOVERING and not self.restart_tier:
+                self.actions.append(Recovered(plan))  # it trained to the end unseen: over
             if self.restart_tier:  # the script's steps are not seen
                 self.phase(
                     JobPhase.SUCCEEDED,

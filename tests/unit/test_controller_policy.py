@@ -471,6 +471,19 @@ def finished_workers_succeed() -> None:
     assert run.status.step == 300 and run.status.message == "finished at step 300"
 
 
+def a_recovery_the_end_overtakes_is_still_recorded() -> None:
+    """A new generation that trains to the last step before a tick sees it training: the
+    job succeeds and its recovery is closed (its record written) all the same."""
+    run = Run(_spec())
+    run.status.phase = JobPhase.RECOVERING
+    done = DoneRecord(step=300, generation=2, at=NOW)
+    plan = _plan(2, "a", "c")
+    world = _world(["a", "c"], plan, done={"a-0": done, "c-0": done})
+    world.progress = {w: _beat(2, step=300) for w in ("a-0", "c-0")}
+    run.tick(world)
+    assert run.of(Recovered) == [Recovered(plan)] and run.status.phase is JobPhase.SUCCEEDED
+
+
 def inputs_are_not_modified() -> None:
     spec, memory, status = _spec(), policy.Memory(), JobStatus("job", JobPhase.RUNNING)
     world = _world(["a", "c", "d"], _plan(1, "a", "b"))
@@ -694,6 +707,7 @@ SCENARIOS: list[Callable[[], None]] = [
     planned_switch_is_not_a_failure,
     stop_command_reaches_the_workers,
     finished_workers_succeed,
+    a_recovery_the_end_overtakes_is_still_recorded,
     inputs_are_not_modified,
     restart_tier_starts_without_heartbeats,
     restart_tier_refuses_to_start_nodes_that_do_not_share_the_scripts_checkpoint,

@@ -80,8 +80,10 @@ def _tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
 
     assert state.optimizer is not None
     named = [(f"model.{k}", v) for k, v in state.model.state_dict().items()]
-    for i, s in enumerate(state.optimizer.state_dict()["state"].values()):
-        named += [(f"optim.{i}.{k}", v) for k, v in s.items() if torch.is_tensor(v)]
+    saved = state.optimizer.state_dict()["state"]
+    for i in sorted(saved):  # by parameter and entry name: the entries' order is not state
+        named += [(f"optim.{i}.{k}", saved[i][k]) for k in sorted(saved[i])]
+    named = [(k, v) for k, v in named if torch.is_tensor(v)]
     for name, obj in state.objects.items():
         named += [(f"{name}.{k}", v) for k, v in obj.state_dict().items()]
     return named

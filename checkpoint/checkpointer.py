@@ -53,6 +53,7 @@ from checkpoint.flat_state import FlatState, apply, capture
 from checkpoint.fsspec_storage import Location
 from checkpoint.groups import Coordination
 from checkpoint.object_state import join_tensors, split_tensors
+from checkpoint.optimizer_shapes import shape_from_newest
 from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
 
@@ -359,11 +360,27 @@ class Checkpointer:
         # step count would start at 1 and change every update after it.
         unstepped = state.optimizer is not None and not state.optimizer.state
         started = time.perf_counter()
+        shaping = None
+        if unstepped:
+            assert state.optimizer is not None
+            shaping = shape_from_newest(state.model, state.optimizer, root, url)
         target, mapping = capture(state, self.coord.rank)
         seconds = {"prepare": time.perf_counter() - started}
-        outcome = restore_durable(
-            root, target, self.coord, url=url, budget=self.restore_buffer_bytes
-        )
+        try:
+            outcome = restore_durable(
+                root,
+                target,
+                self.coord,
+                url=url,
+                budget=self.restore_buffer_bytes,
+                before_load=shaping.join if shaping is not None else None,
+            )
+        except BaseException:
+            if shaping is not None:
+                shaping.join()
+            if unstepped and state.optimizer is not None:
+                state.optimizer.state.clear()  # shaped or stepped for the load: not the user's
+            raise
         seconds.update(outcome.seconds)
         if outcome.manifest is None and url is not None:
             raise CheckpointCorruptError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,8 +38,9 @@ from checkpoint.commit import (
 )
 from checkpoint.dcp_errors import describe
 from checkpoint.flat_state import FlatState, check_fits, is_rank_key
-from checkpoint.fsspec_storage import Location, LocationReader
+from checkpoint.fsspec_storage import Buffer, Location
 from checkpoint.groups import Coordination
+from checkpoint.location_reader import LocationReader
 from checkpoint.object_state import match_object_targets
 from checkpoint.restore_reads import default_budget, fetch_and_verify, planned_objects
 from checkpoint.verification import record
@@ -72,7 +73,7 @@ def load_into(
     directory: Location,
     target: FlatState,
     coord: Coordination,
-    fetched: Mapping[str, bytes] | None = None,
+    fetched: Mapping[str, Buffer] | None = None,
 ) -> None:
     """Fill ``target`` from a checkpoint directory (collective over ``coord``).
 
@@ -122,7 +123,7 @@ def _candidates(root: Location, url: str | None) -> list[str]:
 
 def _check_share(
     directory: Location, coord: Coordination, target: FlatState, budget: int
-) -> tuple[list[str], bool, dict[str, bytes]]:
+) -> tuple[list[str], bool, dict[str, Buffer]]:
     """This rank's problems with ``directory``, whether they are findings about the
     objects (True) rather than storage that could not be read (False), and the
     verified bytes of the objects this rank will load (see :mod:`checkpoint.restore_reads`).
@@ -151,7 +152,7 @@ def _check_share(
             match_object_targets(target, metadata.state_dict_metadata)
             keep = planned_objects(target, metadata) | {METADATA_NAME}
         objects = [o for o in manifest.objects if (o in share or o.path in keep) and o not in meta]
-        left = budget - sum(len(b) for b in fetched.values())
+        left = budget - sum(len(b) for b in fetched.values() if isinstance(b, bytes))
         rest, more = fetch_and_verify(directory, objects, manifest.checksum_algorithm, keep, left)
     except (CheckpointError, OSError) as e:
         return [str(e)], False, {}
@@ -166,6 +167,7 @@ def restore_durable(
     *,
     url: str | None = None,
     budget: int | None = None,
+    before_load: Callable[[], None] | None = None,
 ) -> DurableRestore:
     """Load the newest committed checkpoint under ``root`` that verifies (collective).
 
@@ -176,6 +178,8 @@ def restore_durable(
         url: a specific checkpoint directory under ``root`` instead of the newest.
         budget: bytes of verified objects this rank may hold to load them
             without reading them again (None: :func:`default_budget`; 0: none).
+        before_load: called once a checkpoint verified, before anything is
+            loaded into ``target`` (the restore waits for it).
 
     Returns:
         What was loaded; ``manifest`` is None when nothing committed verified.
@@ -210,6 +214,8 @@ def restore_durable(
             skipped.append(f"{name}: {reason}")
             continue
         started = time.perf_counter()
+        if before_load is not None:
+            before_load()
         load_into(directory, target, coord, fetched)
         del fetched
         manifest = read_manifest(directory) if coord.is_coordinator else None

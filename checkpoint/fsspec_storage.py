@@ -13,7 +13,8 @@ the checksum costs no time of its own), see :class:`_ChecksumStream`.
 While it writes, torch's own per-record zip CRC-32 is switched off
 (:func:`torch_zip_crc_off`): it would be a second checksum pass over the
 same bytes, and the manifest's checksum covers every byte of the object.
-:class:`LocationReader` is DCP's file-system reader on the same filesystem object.
+:class:`checkpoint.location_reader.LocationReader` is DCP's file-system reader
+on the same filesystem object.
 
 Both stand on torch's public ``FileSystemWriter``/``FileSystemReader`` with
 :class:`_FsspecObjects` in place of their local ``FileSystem``: DCP lays out
@@ -38,13 +39,16 @@ import torch
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
-    FileSystemReader,
     FileSystemWriter,
 )
 
 from checkpoint.api import CheckpointStorageError, ObjectEntry
+from checkpoint.buffer_stream import BufferStream
 from checkpoint.checksums import DEFAULT_ALGORITHM, RunningChecksum, new_checksum
 from checkpoint.manifest import CHECKSUM_CHUNK_BYTES
+
+#: Bytes of an object held in memory: read whole (``bytes``) or a mapped local file.
+Buffer = bytes | mmap.mmap
 
 #: Suffix DCP uses for the metadata object before renaming it into place.
 _TMP_SUFFIX = ".tmp"
@@ -293,8 +297,8 @@ class _FsspecObjects(FileSystemBase):
         fs: the filesystem.
         durable: fsync every written file before it counts as written (local
             disks; see :class:`_ChecksumStream`).
-        fetched: objects already read (and verified), by path: reads of them
-            are served from these bytes instead of the filesystem.
+        fetched: objects already read or mapped (and verified), by path:
+            reads of them are served from these bytes instead of the filesystem.
     """
 
     def __init__(
@@ -302,7 +306,7 @@ class _FsspecObjects(FileSystemBase):
         fs: fsspec.AbstractFileSystem,
         *,
         durable: bool = False,
-        fetched: Mapping[str, bytes] | None = None,
+        fetched: Mapping[str, Buffer] | None = None,
     ) -> None:
         self.fs = fs
         self.durable = durable
@@ -316,7 +320,7 @@ class _FsspecObjects(FileSystemBase):
         name = os.fspath(path)
         if not any(c in mode for c in "wa+"):
             if name in self.fetched:
-                yield io.BytesIO(self.fetched[name])  # shares the bytes, no copy
+                yield BufferStream(self.fetched[name])  # reads the bytes held, no copy
                 return
             with self.fs.open(name, mode) as stream:
                 yield stream
@@ -417,19 +421,3 @@ class ChecksummingWriter(FileSystemWriter):
             if not name.endswith(_TMP_SUFFIX):
                 out.append(ObjectEntry(path=name, size=size, checksum=checksum))
         return out
-
-
-class LocationReader(FileSystemReader):
-    """DCP's file-system reader over a :class:`Location`'s filesystem object.
-
-    Args:
-        location: the checkpoint directory.
-        fetched: objects already read whole and verified, by filesystem path
-            (:func:`checkpoint.restore_reads.fetch_and_verify`): DCP reads
-            them from memory.
-    """
-
-    def __init__(self, location: Location, fetched: Mapping[str, bytes] | None = None) -> None:
-        super().__init__(location.root)
-        self.fs = _FsspecObjects(location.fs, fetched=fetched)  # type: ignore[assignment]
-        self.path = location.root

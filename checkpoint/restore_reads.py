@@ -8,32 +8,40 @@ tensor: on an object store, a ranged request each.  So each rank fetches the
 objects it will load whole, one request (or one file read) each, checksums
 the bytes it holds, and, once every rank agrees that the checkpoint
 verifies, DCP loads from those verified bytes: nothing reaches the state
-before the verdict, and every object is read once.
+before the verdict, and every object is read once.  On a local disk the
+objects are mapped instead of read (:func:`map_object`): the checksum and
+then the load read the page cache directly, and no memory of the process
+holds a copy.  Each tensor is then copied once, from the verified bytes into
+the state (:class:`checkpoint.location_reader.LocationReader`).
 
 Which objects a rank will load comes from DCP's own load plan for its state
 (a rank of a sharded model loads only the objects its slices are in).  The
 fetched bytes live until the load is done, so their total is bounded
 (``budget``, by default half of the memory available when the restore
-starts); objects past it are verified by streaming and read again by DCP, as
-before.  Runs in the training process, inside :func:`checkpoint.durable.restore_durable`.
+starts; mapped objects take none of it); objects past it are verified by
+streaming and read again by DCP.  Runs in the training process, inside
+:func:`checkpoint.durable.restore_durable`.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from checkpoint.api import CheckpointStorageError, ObjectEntry, VerifyReport
 from checkpoint.checksums import new_checksum
 from checkpoint.flat_state import is_rank_key
-from checkpoint.fsspec_storage import Location
+from checkpoint.fsspec_storage import Buffer, Location
 
-__all__ = ["default_budget", "fetch_and_verify", "planned_objects"]
+__all__ = ["default_budget", "fetch_and_verify", "map_object", "mappable", "planned_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +84,55 @@ def planned_objects(target: Mapping[str, Any], metadata: Any) -> set[str]:
     return paths
 
 
+def map_object(path: str) -> mmap.mmap:
+    """Map a local object read-only (shared: the page cache itself, no copy).
+
+    A committed checkpoint's objects are never written again (a new
+    checkpoint goes to a new directory, retention unlinks whole files), so
+    the bytes verified through the mapping are the bytes loaded from it.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise _Empty(path)
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    mapped.madvise(mmap.MADV_SEQUENTIAL)
+    return mapped
+
+
+class _Empty(Exception):
+    """An empty object: nothing to map (read it as usual)."""
+
+
+def mappable(directory: Location) -> bool:
+    """True where objects are mapped: fsspec's own local filesystem (not a subclass of
+    it, which may count or change what is read)."""
+    return type(directory.fs) is LocalFileSystem
+
+
+def _read_whole(directory: Location, path: str) -> Buffer:
+    if mappable(directory):
+        try:
+            return map_object(path)
+        except _Empty:
+            return b""
+    return bytes(directory.fs.cat_file(path))  # no copy of what cat_file gave
+
+
 def fetch_and_verify(
     directory: Location,
     objects: Sequence[ObjectEntry],
     algorithm: str,
     keep: Iterable[str],
     budget: int,
-) -> tuple[VerifyReport, dict[str, bytes]]:
+) -> tuple[VerifyReport, dict[str, Buffer]]:
     """Check ``objects`` against their manifest entries, keeping the bytes of those in ``keep``.
 
-    An object in ``keep`` is read whole while the bytes kept so far plus its
-    own stay within ``budget``, and checksummed in memory; any other object
-    is streamed through its checksum (:meth:`Location.checksum_object`).
+    On a local disk (:func:`mappable`) every object is mapped and checksummed through the
+    mapping, and the mappings of those in ``keep`` are kept.  Elsewhere an
+    object in ``keep`` is read whole while the bytes kept so far plus its own
+    stay within ``budget``, and checksummed in memory; any other object is
+    streamed through its checksum (:meth:`Location.checksum_object`).
 
     Returns:
         The report, and the bytes of each kept object that matched, by
@@ -98,20 +143,22 @@ def fetch_and_verify(
         CheckpointStorageError: an object could not be read (not a finding).
     """
     wanted = set(keep)
-    fetched: dict[str, bytes] = {}
+    fetched: dict[str, Buffer] = {}
     left = budget
     problems: list[str] = []
     checked = 0
     for obj in objects:
         path = directory.path(obj.path)
         try:
-            if obj.path in wanted and obj.size <= left:
-                data = bytes(directory.fs.cat_file(path))  # no copy of what cat_file gave
+            data: Buffer = b""
+            if mappable(directory) or (obj.path in wanted and obj.size <= left):
+                data = _read_whole(directory, path)
                 crc = new_checksum(algorithm)
                 crc.update(data)
                 size, checksum = len(data), crc.hexdigest()
+                if obj.path not in wanted:
+                    data = b""  # verified only: a mapping is closed when dropped
             else:
-                data = b""
                 size, checksum = directory.checksum_object(path, algorithm)
         except FileNotFoundError:
             problems.append(f"{obj.path}: missing")
@@ -125,7 +172,7 @@ def fetch_and_verify(
             problems.append(f"{obj.path}: checksum {checksum}, manifest says {obj.checksum}")
         elif data:
             fetched[path] = data
-            left -= size
+            left -= size if isinstance(data, bytes) else 0
     report = VerifyReport(
         url=directory.url, ok=not problems, problems=tuple(problems), checked_bytes=checked
     )

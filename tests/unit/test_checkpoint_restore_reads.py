@@ -76,8 +76,9 @@ def _state(seed: int) -> TrainState:
 def _tensors(state: TrainState) -> list[torch.Tensor]:
     assert state.optimizer is not None
     out = list(state.model.state_dict().values()) + list(state.objects["ema"].parameters())
-    for s in state.optimizer.state_dict()["state"].values():
-        out += [t for t in s.values() if torch.is_tensor(t)]
+    saved = state.optimizer.state_dict()["state"]
+    for index in sorted(saved):  # by parameter and entry name: their order is not state
+        out += [saved[index][k] for k in sorted(saved[index]) if torch.is_tensor(saved[index][k])]
     history = state.objects["counter"].state["history"]
     return [*out, history[0], history[2][0]]
 

@@ -134,6 +134,8 @@ class Checkpointer:
             once (fetched whole, verified, loaded from memory) instead of
             twice (verified, then read again by DCP).  None: half of the
             memory available when the restore starts; 0: always read twice.
+            On a local disk objects are mapped, not held: this limit does
+            not apply there.
     """
 
     def __init__(

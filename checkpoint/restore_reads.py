@@ -116,6 +116,10 @@ def _read_whole(directory: Location, path: str) -> Buffer:
             return map_object(path)
         except _Empty:
             return b""
+        except (OSError, ValueError) as e:  # a filesystem that cannot map: read it
+            if isinstance(e, FileNotFoundError):
+                raise
+            log.debug("cannot map %s, reading it: %s", path, e)
     return bytes(directory.fs.cat_file(path))  # no copy of what cat_file gave
 
 

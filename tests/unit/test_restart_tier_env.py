@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from agents.node.restart_tier import FIRST_OUTPUT_WAIT, first_progress, torchrun_env
+from agents.node.restart_tier import (
+    FIRST_OUTPUT_WAIT,
+    RECOVERY_REFILL_DELAY,
+    REFILL_DELAY,
+    first_progress,
+    refill_delay,
+    torchrun_env,
+)
 from agents.node.store_address import listening
 from orchestrator.checkpoint_reach import script_checkpoint_dir
 from orchestrator.controller.job import launched
@@ -108,3 +115,10 @@ def test_a_recovery_ends_at_the_first_output_any_agent_saw() -> None:
     nodes["n1"] = _node(3, 10.0, None)
     assert launched(plan, nodes)["n1-0"].telemetry.first_step_at == 10.0  # nobody told
     assert launched(plan, {"n1": _node(2, 10.0, 10.7)}) == {}  # an older generation's launch
+
+
+def test_used_standbys_are_replaced_later_after_a_recovery_than_at_the_start() -> None:
+    # at the job's start soon (an early failure finds them warm); after a relaunch only
+    # once the new workers have had time to load and step without the imports beside them
+    assert refill_delay(1) == REFILL_DELAY < 2.0
+    assert refill_delay(2) == refill_delay(7) == RECOVERY_REFILL_DELAY >= 5.0

@@ -103,10 +103,7 @@ def measure(rate: str, slow: int, steps: int, compute: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ringmaster-slow-link-") as d, \
             IsolatedNode("slowlink") as node:  # fmt: skip
         if rate != "none":
-            tbf = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "50ms"]
-            subprocess.run(["tc", "qdisc", "add", "dev", node.host_if, *tbf], check=True)
-            inside = ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add"]
-            subprocess.run([*inside, "dev", node.node_if, *tbf], check=True)
+            node.limit(rate)
         procs = []
         for r in range(WORLD):
             argv = [py, __file__, "--worker", str(r), "--addr", node.host_ip, "--out",

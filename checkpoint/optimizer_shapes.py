@@ -129,14 +129,19 @@ def shape_from_newest(
 
 
 def _touch_in_background(optimizer: torch.optim.Optimizer) -> threading.Thread:
-    """Write every page of the new state once, in a thread, while the restore verifies.
+    """Write every page of the new host state once, in a thread, while the restore verifies.
 
     Memory a process has never written costs a page fault per page on first
     write: at a gigabyte of Adam state about a tenth of a second, which the
     load would otherwise pay while it copies.  Torch releases the interpreter
     lock while it fills, so this overlaps the checksums.
     """
-    tensors = [t for s in optimizer.state.values() for t in s.values() if t.numel() > 1]
+    tensors = [
+        t
+        for s in optimizer.state.values()
+        for t in s.values()
+        if t.numel() > 1 and t.device.type == "cpu"  # device memory is not paged in
+    ]
 
     def touch() -> None:
         with torch.no_grad():

@@ -168,25 +168,29 @@ class OuterSync:
             if self.pending_at[f] == NOT_PENDING:
                 self._start(f, at)
         self.started = max(self.started, done)
-        last = self.end is not None and done >= self.end
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
-            at = self.pending_at[f]
-            if at != NOT_PENDING and (at + self.schedule.delay_steps <= done or last):
+            if self._due(self.pending_at[f], done):
                 self._finish(f, done)
-        if last:  # the run ends on the global model, not on a site's inner steps
+        if self._is_last(done):  # the run ends on the global model, not on a site's inner steps
             for f in range(self.fragments):
                 self.take_anchor(f)
 
     def waits_at(self, done: int) -> bool:
         """The boundary with ``done`` steps complete waits for an outer result (a sync
         finishes there): the site's ranks wait in its broadcast while their leader
-        waits for the other sites."""
-        delay = self.schedule.delay_steps
-        if self.end is not None and done >= self.end:
-            delay = 0  # the last boundary waits for every sync under way
-        if delay == 0 and self.schedule.starts_between(self.started, done):
-            return True
-        return any(at != NOT_PENDING and at + delay <= done for at in self.pending_at)
+        waits for the other sites.  The same rule as :meth:`after_step`'s."""
+        starting = self.schedule.starts_between(self.started, done)
+        if starting and (self.schedule.delay_steps == 0 or self._is_last(done)):
+            return True  # a sync that starts here finishes here too
+        return any(self._due(at, done) for at in self.pending_at)
+
+    def _is_last(self, done: int) -> bool:
+        return self.end is not None and done >= self.end
+
+    def _due(self, at: int, done: int) -> bool:
+        """A sync started at ``at`` finishes at ``done``: its delay has run out, or the
+        run ends there (the last boundary waits for every sync under way)."""
+        return at != NOT_PENDING and (at + self.schedule.delay_steps <= done or self._is_last(done))
 
     def meets(self, done: int) -> bool:
         """The sites meet at the boundary with ``done`` steps complete (a sync starts)."""

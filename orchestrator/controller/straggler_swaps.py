@@ -69,8 +69,7 @@ def decide_stragglers(
         members = {m.node for m in plan.members}
         called += watch.take_probe(probed, members)
         if not called:
-            rates = {a: {b: round(bps / 1e6, 3) for b, bps in row.items()}
-                     for a, row in probed.rates.items()}  # fmt: skip
+            rates = _rates_mb_s(probed)
             out.append(Emit("LinkProbe", f"links measured, none slower than the others: "
                             f"{_rates(probed)}", {"rates_mb_s": rates}))  # fmt: skip
     if watch.probe_wanted:
@@ -113,9 +112,15 @@ def _probe(watch: StragglerWatch, world: World, plan: Plan) -> list[Action]:
     ]  # fmt: skip
 
 
+def _rates_mb_s(probed: LinkProbeResult) -> dict[str, dict[str, float]]:
+    """The probe's rates in MB/s (10^6 bytes per second), by sender and receiver."""
+    return {a: {b: round(bps / 1e6, 3) for b, bps in sorted(row.items())}
+            for a, row in sorted(probed.rates.items())}  # fmt: skip
+
+
 def _rates(probed: LinkProbeResult) -> str:
-    pairs = [f"{a}->{b} {bps / 1e6:.1f} MB/s" for a, row in sorted(probed.rates.items())
-             for b, bps in sorted(row.items())]  # fmt: skip
+    pairs = [f"{a}->{b} {mb:.1f} MB/s" for a, row in _rates_mb_s(probed).items()
+             for b, mb in row.items()]  # fmt: skip
     return ", ".join(pairs) or "no answer"
 
 

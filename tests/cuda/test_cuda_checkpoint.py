@@ -33,6 +33,11 @@ def test_async_save_from_gpu_holds_the_step_it_was_asked_for(tmp_path: Path) -> 
     model(x).square().mean().backward()
     opt.step()
     at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moments = {
+        (i, k): v.detach().clone()
+        for i, s in opt.state_dict()["state"].items()
+        for k, v in s.items()
+    }
     ckpt = Checkpointer(f"file://{tmp_path}/ckpt", keep=2)
     state = TrainState(model, opt, samples_seen=64)
     ckpt.prepare(state)  # buffers allocated (and pinned) before the timed save
@@ -53,12 +58,20 @@ def test_async_save_from_gpu_holds_the_step_it_was_asked_for(tmp_path: Path) -> 
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
-    result = Checkpointer(f"file://{tmp_path}/ckpt").restore(
-        TrainState(fresh, torch.optim.Adam(fresh.parameters(), lr=1e-2))
-    )
+    unstepped = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    result = Checkpointer(f"file://{tmp_path}/ckpt").restore(TrainState(fresh, unstepped))
     assert result.step == 1
     for k, v in fresh.state_dict().items():
         assert v.is_cuda, f"{k} restored to {v.device}"
         assert torch.equal(v, at_save[k]), f"{k}: the checkpoint holds a later step's values"
+    # the optimizer that never stepped gets the saved moments on the GPU (its state is
+    # shaped from the checkpoint, not made by a zero-gradient step)
+    restored = unstepped.state_dict()["state"]
+    assert {(i, k) for i, s in restored.items() for k in s} == set(moments)
+    for (i, k), v in moments.items():
+        got = restored[i][k]
+        assert got.device == v.device, f"{k} of parameter {i} restored to {got.device}"
+        assert torch.equal(got, v), f"{k} of parameter {i} differs from the one saved"
+    assert all(p.grad is None for p in fresh.parameters())
     record("gpu_async_save_small", blocking_ms=round(blocked * 1e3, 2))
     ckpt.close()

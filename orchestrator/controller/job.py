@@ -131,6 +131,8 @@ class JobController:
             for node, t in self.stragglers.timings.items():
                 slowdown = self.stragglers.slowdowns.get(node)
                 self.metrics.node_timing(self.job, node, t.compute_s, slowdown)
+            if world.link_probe is not None:
+                self.metrics.link_rates(self.job, world.link_probe.rates)
         self._write_status()
         if self.status.phase.terminal:
             self.writer.close(release=True)

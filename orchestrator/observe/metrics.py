@@ -36,6 +36,9 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
 * ``ringmaster_node_step_compute_seconds`` and ``ringmaster_node_slowdown`` (gauges;
   ringmaster_job, node): a node's compute time per step in the last window, and
   that over its peers' median (:mod:`orchestrator.controller.stragglers`)
+* ``ringmaster_link_bytes_per_second`` (gauge; ringmaster_job, sender, receiver): the
+  rate the last link probe measured from one node's agent to another's
+  (:mod:`orchestrator.link_probe`, run when step timings point at a slow link)
 * ``ringmaster_job_effective_training_ratio``, ``ringmaster_job_productive_seconds``
 
 And of etcd itself, read when scraped (:class:`EtcdCollector`, once the
@@ -218,6 +221,12 @@ class JobMetrics:
             [JOB_LABEL, "node"],
             registry=r,
         )
+        self.link_rate = Gauge(
+            "ringmaster_link_bytes_per_second",
+            "Bytes a second the last link probe measured from sender to receiver",
+            [JOB_LABEL, "sender", "receiver"],
+            registry=r,
+        )
         self._worker_bytes: dict[tuple[str, str], tuple[int, int]] = {}
         self._site_bytes: dict[tuple[str, str], int] = {}
         #: Last step and productive seconds seen per job (the counters add increases only).
@@ -302,6 +311,12 @@ class JobMetrics:
         self.node_compute.labels(job, node).set(compute_s)
         if slowdown is not None:
             self.node_slowdown.labels(job, node).set(slowdown)
+
+    def link_rates(self, job: str, rates: dict[str, dict[str, float]]) -> None:
+        """A link probe's result: ``rates[sender][receiver]`` in bytes a second."""
+        for sender, row in rates.items():
+            for receiver, bps in row.items():
+                self.link_rate.labels(job, sender, receiver).set(bps)
 
     def checkpoint(self, job: str, blocking_s: float | None, upload_s: float | None) -> None:
         self.checkpoints.labels(job).inc()

@@ -68,3 +68,16 @@ def test_steps_and_productive_time_are_counters_that_only_grow() -> None:
     }
     assert types["ringmaster_job_steps"] == "counter"
     assert types["ringmaster_job_step"] == "gauge"
+
+
+def test_a_link_probe_sets_a_rate_per_measured_link() -> None:
+    metrics = JobMetrics()
+    metrics.link_rates("j", {"node-0": {"node-1": 12.5e6, "node-2": 1.2e6}})
+    metrics.link_rates("j", {"node-0": {"node-1": 11.0e6}})  # a later probe: the last rate
+    got = samples(metrics)
+
+    def rate(sender: str, receiver: str) -> float:
+        labels = {(JOB_LABEL, "j"), ("sender", sender), ("receiver", receiver)}
+        return got[("ringmaster_link_bytes_per_second", frozenset(labels))]
+
+    assert rate("node-0", "node-1") == 11.0e6 and rate("node-0", "node-2") == 1.2e6

@@ -23,7 +23,10 @@ step (tc's counters on both ends over the whole job: every byte one site sent
 the other), their ratio to ``ddp``'s in fp32 across the same link, and the
 held-out loss at the end (``evaluate`` in the example; rank 0's: site a's model,
 the one a checkpoint keeps).  The kill row adds the seconds from the failure to
-the job's next step (the controller's ``Recovered`` event) and steps lost.
+the job's next step (the controller's ``Recovered`` event) and steps lost, and
+the outer steps lost or applied twice: each rank's count of outer steps at the
+end (``Session.outer_steps``, per fragment) against the same rank's in the
+fault-free DiLoCo row at the same rate (``--only`` both rows to get it).
 
 Needs root (``ip netns``, ``tc``); prints ``SKIPPED`` and a JSON object saying
 why otherwise.  The last stdout line is one JSON object of headline figures.
@@ -236,6 +239,7 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
         "eval_loss_sites": [f["eval_loss"] for f in finals],
         "tokens": finals[0]["tokens"],
         "recovery": recovered,
+        "outer_steps": [f.get("outer_steps", []) for f in finals],
     }
 
 
@@ -305,6 +309,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary(results, args)
 
 
+def outer_steps_off(row: dict[str, Any], fault_free: dict[str, Any]) -> int:
+    """Outer steps a row applied that its fault-free run did not, or missed: per rank
+    and fragment, the difference of the counts each rank ended with, summed."""
+    ranks = max(len(row["outer_steps"]), len(fault_free["outer_steps"]))
+    off = 0
+    for i in range(ranks):
+        got = row["outer_steps"][i] if i < len(row["outer_steps"]) else []
+        want = fault_free["outer_steps"][i] if i < len(fault_free["outer_steps"]) else []
+        width = max(len(got), len(want))
+        off += sum(
+            abs((got[f] if f < len(got) else 0) - (want[f] if f < len(want) else 0))
+            for f in range(width)
+        )
+    return off
+
+
 def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The headline figures: one flat JSON object, units in the names (relative figures
     only where their reference row ran)."""
@@ -331,6 +351,11 @@ def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
             out[f"{name}_eval_loss_vs_nolimit_pct"] = round(
                 100 * (r["eval_loss"] / ref["eval_loss"] - 1), 2
             )
+        if any(r["outer_steps"]):
+            out[f"{name}_outer_steps_by_rank"] = r["outer_steps"]
+        fault_free = results.get(name.replace("_kill", ""))
+        if r["recovery"] and fault_free is not None and fault_free is not r:
+            out[f"{name}_outer_steps_lost_or_twice"] = outer_steps_off(r, fault_free)
         if r["recovery"]:
             rec = r["recovery"]
             out[f"{name}_recovery_s"] = round(float(rec.get("total_s", -1)), 3)

@@ -222,6 +222,7 @@ def main() -> None:
             "train_loss": float(loss_sum) / (len(y) * size.context),
             "tokens": seen.tokens,
             "recoveries": session.recoveries,
+            "outer_steps": list(session.outer_steps),
         }
         if session.rank == 0:
             print(

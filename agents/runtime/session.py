@@ -174,6 +174,13 @@ class Session:
         return self._state.restored_from
 
     @property
+    def outer_steps(self) -> tuple[int, ...]:
+        """Outer steps applied on this rank so far, per fragment, under a delayed sync
+        (``sync.mode`` diloco or streaming_diloco); empty otherwise."""
+        outer = self._telemetry.outer
+        return tuple(int(c) for c in outer.counts) if outer is not None else ()
+
+    @property
     def step_failed(self) -> bool:
         """True after a :meth:`guard` body whose step failed (it will run again)."""
         return self._step_error is not None

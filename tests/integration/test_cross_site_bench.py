@@ -4,7 +4,8 @@
 ``tbf``-limited link and runs whole ringmaster jobs across it.  Here it runs one
 row with a tiny model, and its JSON line is checked for what the benchmark exists
 to report: a step rate, the bytes that crossed the link (from tc's counters: more
-than zero, so the sites' traffic really went over the limited link), and the loss.
+than zero, so the sites' traffic really went over the limited link), the loss,
+and each rank's outer steps per fragment.
 Needs root for the namespaces; skipped otherwise, as the benchmark itself skips.
 """
 
@@ -47,3 +48,5 @@ def test_a_streaming_diloco_row_crosses_the_limited_link() -> None:
     # tiny as the model is, its 4-bit fragments and the step boundary's votes crossed
     assert result["streaming_100mbit_link_kb_per_step"] > 0.5, result
     assert 0 < result["streaming_100mbit_eval_loss"] < 6, result
+    # both sites applied every outer step of each fragment (30 steps, H 10: three each)
+    assert result["streaming_100mbit_outer_steps_by_rank"] == [[3, 3], [3, 3]], result

@@ -35,6 +35,11 @@ class BufferStream(io.RawIOBase):
         self._pos += n
         return n
 
+    def readall(self) -> bytes:
+        data = bytes(self._view[self._pos :])  # one copy, not a loop of small reads
+        self._pos = len(self._view)
+        return data
+
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
         if base + offset < 0:

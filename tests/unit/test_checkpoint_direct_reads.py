@@ -32,6 +32,7 @@ from checkpoint import (
     RestoreSource,
     TrainState,
 )
+from checkpoint.buffer_stream import BufferStream
 from checkpoint.fsspec_storage import Location, torch_zip_crc_off
 from checkpoint.location_reader import LocationReader
 from checkpoint.optimizer_shapes import parameter_names, shape_from_checkpoint
@@ -245,3 +246,18 @@ def test_a_failed_or_empty_restore_leaves_no_optimizer_state(tmp_path: Path) -> 
     assert fresh.optimizer is not None
     result = Checkpointer(f"file://{tmp_path}/empty").restore(fresh)
     assert result.source is RestoreSource.NONE and not fresh.optimizer.state
+
+
+def test_a_buffer_stream_reads_seeks_and_reads_all_without_copying_the_buffer() -> None:
+    data = bytearray(b"0123456789")
+    stream = BufferStream(data)
+    stream.seek(3)
+    assert stream.read(2) == b"34" and stream.tell() == 5
+    data[5] = ord("X")  # the stream reads the buffer itself, not a copy of it
+    assert stream.read() == b"X6789" and stream.read() == b""
+    stream.seek(-2, io.SEEK_END)
+    assert stream.read(-1) == b"89"
+    stream.seek(0)
+    assert stream.readall() == bytes(data)
+    with pytest.raises(ValueError, match="negative"):
+        stream.seek(-1)

@@ -10,7 +10,8 @@ the load then overwrites.
 :func:`shape_from_checkpoint` makes the same state from the checkpoint's own
 metadata instead: for each parameter, each tensor the checkpoint holds for it
 (``optim.state.<parameter>.<name>``), empty, of the saved size and dtype.  It
-does so only when the checkpoint accounts for every parameter and every
+does so only when the checkpoint's parameter groups have this optimizer's
+keys (the same kind of optimizer), it accounts for every parameter and every
 saved entry belongs to one, and the model is not sharded (``DTensor``
 parameters keep torch's way); otherwise it leaves the optimizer as it was
 and torch's step runs as before.  Nothing it allocates is read before the
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Flat-state prefix of per-parameter optimizer state (see :mod:`checkpoint.flat_state`).
 STATE_PREFIX = "optim.state."
+#: Flat-state prefix of the optimizer's parameter groups.
+GROUPS_PREFIX = "optim.param_groups."
 #: Module wrappers whose attribute name torch leaves out of a parameter's name in state dicts.
 _WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
@@ -71,6 +74,8 @@ def shape_from_checkpoint(
     params = parameter_names(model)
     if any(isinstance(p, DTensor) for p in params.values()):
         return False
+    if not _same_kind(optimizer, saved):
+        return False
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     wanted = {name for name, p in params.items() if id(p) in optimized}
     shapes: dict[str, dict[str, TensorStorageMetadata]] = {}
@@ -99,6 +104,20 @@ def shape_from_checkpoint(
             for entry, meta in entries.items()
         }
     return True
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> bool:
+    """The checkpoint's parameter groups have the keys this optimizer's have: the same
+    kind of optimizer (an SGD checkpoint's state would not fit Adam, and the load is
+    left to say so)."""
+    groups: dict[int, set[str]] = {}
+    for key in saved:
+        if key.startswith(GROUPS_PREFIX):
+            index, _, name = key[len(GROUPS_PREFIX) :].partition(".")
+            if index.isdigit():
+                groups.setdefault(int(index), set()).add(name)
+    live = {i: set(g) for i, g in enumerate(optimizer.param_groups)}
+    return bool(live) and groups == live
 
 
 def shape_from_newest(

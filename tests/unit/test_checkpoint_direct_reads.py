@@ -261,3 +261,22 @@ def test_a_buffer_stream_reads_seeks_and_reads_all_without_copying_the_buffer() 
     assert stream.readall() == bytes(data)
     with pytest.raises(ValueError, match="negative"):
         stream.seek(-1)
+
+
+def test_another_kind_of_optimizer_is_not_shaped_and_the_load_says_so(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 6)).sum().backward()
+    sgd.step()
+    Checkpointer(f"file://{tmp_path}/ckpt").save_now(1, TrainState(model, sgd))
+    info = Checkpointer(f"file://{tmp_path}/ckpt").latest()
+    assert info is not None
+    directory = Location.from_url(f"file://{tmp_path}/ckpt/{info.name}")
+    entries = LocationReader(directory).read_metadata().state_dict_metadata
+    fresh = _state(1, stepped=False)  # Adam: its groups have other keys than SGD's
+    assert fresh.optimizer is not None
+    assert not shape_from_checkpoint(fresh.model, fresh.optimizer, entries)
+    with pytest.raises(CheckpointMismatchError, match="different model or optimizer"):
+        Checkpointer(f"file://{tmp_path}/ckpt").restore(fresh)
+    assert not fresh.optimizer.state

@@ -157,7 +157,7 @@ def test_a_local_restore_copies_every_tensor_from_the_mapped_objects(
     result = Checkpointer(f"file://{tmp_path}/ckpt").restore(fresh)
     assert result.source is RestoreSource.DURABLE and result.step == 5
     assert _equal(saved, fresh)
-    # 4 parameters, 3 Adam entries each, 4 more in the model's own state: all direct
+    # the model's 4 tensors and Adam's 3 entries for each of them: every one read directly
     (reader,) = readers
     assert reader.dcp_items == 0 and reader.direct_items == 4 + 4 * 3
     assert reader.fetched and all(isinstance(b, mmap.mmap) for b in reader.fetched.values())

@@ -336,9 +336,9 @@ def kill_leftovers(marker: str) -> int:
 
 def restart_counts(output: Path, killed: str) -> dict[str, int]:
     """Each surviving torchrun agent's last ``restart_count`` (from its INFO log; not the
-    ``killed`` one's).  The
-    workers' store keys are prefixed with it (``/worker/attempt_<n>``): agents that
-    disagree start workers that wait for each other under different prefixes."""
+    ``killed`` one's).  The workers' store keys are prefixed with it
+    (``/worker/attempt_<n>``): agents that disagree start workers that wait for each
+    other under different prefixes."""
     counts = {}
     for f in sorted(output.glob("agent-*.log")):
         if f.stem == killed:

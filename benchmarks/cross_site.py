@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -312,17 +313,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def outer_steps_off(row: dict[str, Any], fault_free: dict[str, Any]) -> int:
     """Outer steps a row applied that its fault-free run did not, or missed: per rank
     and fragment, the difference of the counts each rank ended with, summed."""
-    ranks = max(len(row["outer_steps"]), len(fault_free["outer_steps"]))
-    off = 0
-    for i in range(ranks):
-        got = row["outer_steps"][i] if i < len(row["outer_steps"]) else []
-        want = fault_free["outer_steps"][i] if i < len(fault_free["outer_steps"]) else []
-        width = max(len(got), len(want))
-        off += sum(
-            abs((got[f] if f < len(got) else 0) - (want[f] if f < len(want) else 0))
-            for f in range(width)
-        )
-    return off
+    ranks = zip_longest(row["outer_steps"], fault_free["outer_steps"], fillvalue=[])
+    return sum(
+        abs(got - want)
+        for got_rank, want_rank in ranks
+        for got, want in zip_longest(got_rank, want_rank, fillvalue=0)
+    )
 
 
 def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

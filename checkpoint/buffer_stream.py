@@ -50,10 +50,6 @@ class BufferStream(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def view(self) -> memoryview:
-        """The whole buffer, as bytes (no copy)."""
-        return self._view
-
     def close(self) -> None:
         self._view.release()
         super().close()

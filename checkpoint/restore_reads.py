@@ -84,24 +84,20 @@ def planned_objects(target: Mapping[str, Any], metadata: Any) -> set[str]:
     return paths
 
 
-def map_object(path: str) -> mmap.mmap:
-    """Map a local object read-only (shared: the page cache itself, no copy).
+def map_object(path: str) -> Buffer:
+    """Map a local object read-only (shared: the page cache itself, no copy); an empty
+    object, which cannot be mapped, is ``b""``.
 
     A committed checkpoint's objects are never written again (a new
     checkpoint goes to a new directory, retention unlinks whole files), so
     the bytes verified through the mapping are the bytes loaded from it.
     """
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise _Empty(path)
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
     mapped.madvise(mmap.MADV_SEQUENTIAL)
     return mapped
-
-
-class _Empty(Exception):
-    """An empty object: nothing to map (read it as usual)."""
 
 
 def mappable(directory: Location) -> bool:
@@ -114,11 +110,9 @@ def _read_whole(directory: Location, path: str) -> Buffer:
     if mappable(directory):
         try:
             return map_object(path)
-        except _Empty:
-            return b""
+        except FileNotFoundError:
+            raise
         except (OSError, ValueError) as e:  # a filesystem that cannot map: read it
-            if isinstance(e, FileNotFoundError):
-                raise
             log.debug("cannot map %s, reading it: %s", path, e)
     return bytes(directory.fs.cat_file(path))  # no copy of what cat_file gave
 

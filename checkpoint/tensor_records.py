@@ -66,8 +66,8 @@ class _StorageType:
 def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Tensor:
     if not isinstance(storage, _Storage) or not isinstance(offset, int):
         raise _NotPlain("not a storage")
-    # rest: requires_grad, backward hooks (an empty OrderedDict), optionally metadata
-    if len(rest) > 3 or (len(rest) >= 2 and rest[1]) or (len(rest) == 3 and rest[2]):
+    # rest: requires_grad, then backward hooks and metadata, both empty for a plain tensor
+    if len(rest) > 3 or any(rest[1:]):
         raise _NotPlain("tensor with hooks or metadata")
     return _Tensor(storage, offset, tuple(size), tuple(stride))
 
@@ -118,10 +118,9 @@ def tensor_in_record(record: memoryview) -> torch.Tensor | None:
     try:
         with zipfile.ZipFile(BufferStream(record)) as archive:
             return _tensor(record, archive)
-    except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, EOFError):
-        return None
-    except (KeyError, ValueError, TypeError, AttributeError):  # a pickle of another shape
-        return None
+    except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, EOFError,
+            KeyError, ValueError, TypeError, AttributeError):  # fmt: skip
+        return None  # not the plain form (or not a record at all)
 
 
 def _tensor(record: memoryview, archive: zipfile.ZipFile) -> torch.Tensor:

@@ -55,10 +55,22 @@ def open_client(options: EtcdOptions) -> Members:
     tls_problems: dict[str, str] = {}
     first = start_at(len(options.endpoints))
     order = [*options.endpoints[first:], *options.endpoints[:first]]
-    while True:
+
+    def probe(ep: str) -> None:
+        """Ask whether ``ep`` fails for a TLS reason (a probe that timed out says nothing)."""
+        if ep not in tls_problems and probes.get(ep, 0) < TLS_PROBES:
+            probes[ep] = probes.get(ep, 0) + 1
+            mismatch = diagnosis.tls_mismatch(options, *host_port(ep))
+            if mismatch:
+                tls_problems[ep] = mismatch
+
+    def tls_verdict() -> None:
         if tls_problems and set(tls_problems) | set(reasons) >= set(options.endpoints):
             # Every endpoint failed and some for a TLS reason: that will not heal.
             raise EtcdAuthError("; ".join(tls_problems.values()))
+
+    while True:
+        tls_verdict()
         for ep in order:
             host, port = host_port(ep)
             remaining = max(deadline - time.monotonic(), 0.2)
@@ -68,14 +80,16 @@ def open_client(options: EtcdOptions) -> Members:
                 raise
             except Exception as e:
                 reasons[ep] = diagnosis.reason(e)
-                if ep not in tls_problems and probes.get(ep, 0) < TLS_PROBES:
-                    probes[ep] = probes.get(ep, 0) + 1
-                    mismatch = diagnosis.tls_mismatch(options, host, port)
-                    if mismatch:
-                        tls_problems[ep] = mismatch
+                probe(ep)
                 continue
             return _members(options, creds, ep, raw)
         if time.monotonic() >= deadline:
+            # One connection attempt may have taken the whole deadline after a probe
+            # that timed out: before giving up, ask once more why the endpoints failed.
+            for ep in order:
+                if ep in reasons:
+                    probe(ep)
+            tls_verdict()
             raise EtcdUnavailableError(list(options.endpoints), options.connect_timeout, reasons)
         time.sleep(min(backoff.next(), max(deadline - time.monotonic(), 0.0)))
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from orchestrator.api import EtcdAuthError, JobPhase
-from orchestrator.etcd import diagnosis
+from orchestrator.etcd import channel, diagnosis
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser
 from orchestrator.etcd.options import EtcdOptions
@@ -160,6 +160,36 @@ def test_cli_submit_and_status_with_a_password_from_the_environment(
     done = ringmaster(["status", "cli-auth"], env)
     assert done.returncode == 0, done.stderr
     assert "cli-auth" in done.stdout and "Pending" in done.stdout
+
+
+def test_a_connection_attempt_that_takes_the_whole_deadline_still_gets_its_diagnosis(
+    auth_server: EmbeddedEtcd, certs: TLSFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine one TLS handshake against the plain-text server may wait out the
+    whole ``connect_timeout`` right after a probe that timed out: before it gives up,
+    ``connect`` asks once more why, and says TLS, not "could not reach etcd"."""
+    real_probe, real_open = diagnosis.tls_mismatch, channel.open_endpoint
+    calls: list[str | None] = []
+
+    def slow_first(options: EtcdOptions, host: str, port: int) -> str | None:
+        found = None if not calls else real_probe(options, host, port)
+        calls.append(found)
+        return found
+
+    def slow_open(
+        options: EtcdOptions, host: str, port: int, creds: object, timeout: float
+    ) -> object:
+        time.sleep(timeout)  # the handshake waited the whole time left
+        return real_open(options, host, port, creds, 0.2)
+
+    monkeypatch.setattr(diagnosis, "tls_mismatch", slow_first)
+    monkeypatch.setattr(channel, "open_endpoint", slow_open)
+    options = EtcdOptions(
+        (auth_server.endpoint,), ca_cert=str(certs.ca), connect_timeout=timedelta(seconds=1)
+    )
+    with pytest.raises(EtcdAuthError, match="does not answer TLS"):
+        connect(options)
+    assert calls[0] is None and calls[-1] is not None, calls
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,14 @@ may send one JSON line ``{"op": ..., ...}`` and read one JSON line back.  The
 agent serves its workers' output this way (``ringmaster logs``, see
 :mod:`agents.node.log_files`).  A probe that just reads the status and closes is
 answered as before, and a slow or silent client holds only its own thread.
+
+A probe is asked only once something already broke.  A **watch**
+(``{"op": "watch"}``, :data:`WATCH_OP`) asks nothing more: the server answers
+``{"watching": true}`` and keeps the connection open for as long as it runs.
+When the server closes, it first sends ``{"bye": true}``; when the agent's
+process dies, its kernel closes the connection with no such line.  So the
+controller (:mod:`orchestrator.controller.node_watch`) learns of a killed
+agent when it dies, not when a peer's next collective fails.
 """
 
 from __future__ import annotations
@@ -45,6 +53,11 @@ MAX_ANSWER = 16 * 1024 * 1024
 REQUEST_WAIT = 5.0
 #: Requests a server answers at once; a connection beyond gets the status only.
 MAX_SESSIONS = 8
+#: The request that keeps a connection open until the server closes (see above).
+WATCH_OP = "watch"
+#: What a watch is answered at once, and what the server sends it when it closes.
+WATCHING = b'{"watching": true}\n'
+BYE = b'{"bye": true}\n'
 
 #: A request's handler: the request (a JSON object) in, the answer (a JSON object) out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -88,6 +101,9 @@ class LivenessServer:
         self._requests = dict(requests or {})
         self._streams = dict(streams or {})
         self._sessions = threading.BoundedSemaphore(MAX_SESSIONS)
+        #: open watches (connections the server keeps until it closes)
+        self._watches: list[socket.socket] = []
+        self._watch_lock = threading.Lock()
         self._sock = socket.create_server((address, 0), backlog=16)
         self._sock.settimeout(0.5)
         self.address = f"{address}:{self._sock.getsockname()[1]}"
@@ -108,7 +124,7 @@ class LivenessServer:
             except Exception:
                 conn.close()
                 continue
-            if (self._requests or self._streams) and self._sessions.acquire(blocking=False):
+            if self._sessions.acquire(blocking=False):
                 threading.Thread(
                     target=self._session, args=(conn,), name="liveness-request", daemon=True
                 ).start()
@@ -118,11 +134,18 @@ class LivenessServer:
     def _session(self, conn: socket.socket) -> None:
         """Answer the one request a client may send after the status line."""
         try:
-            with conn, contextlib.suppress(OSError, RequestError):
+            with contextlib.ExitStack() as held, contextlib.suppress(OSError, RequestError):
+                held.callback(conn.close)
                 conn.settimeout(REQUEST_WAIT)
                 line = read_line(conn, MAX_REQUEST)
                 if not line:
                     return  # a probe: it read the status and closed
+                if _op(line) == WATCH_OP:
+                    self._watch(conn)
+                    held.pop_all()  # kept open until this server closes
+                    return
+                if not (self._requests or self._streams):
+                    return  # a port that serves watches only: closed, as before requests
                 answer = self._answer(line, conn)
                 conn.sendall(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
                 if self._is_stream(line):  # let the client read the answer before it stops
@@ -153,14 +176,34 @@ class LivenessServer:
             return {"error": f"{op} failed on the agent: {type(e).__name__}: {e}"}
 
     def _is_stream(self, line: bytes) -> bool:
-        with contextlib.suppress(ValueError, AttributeError):
-            return json.loads(line).get("op") in self._streams
-        return False
+        return _op(line) in self._streams
+
+    def _watch(self, conn: socket.socket) -> None:
+        """Keep ``conn`` open until this server closes (watches whose client left are
+        dropped here, so a controller that comes and goes leaves no connections)."""
+        conn.sendall(WATCHING)
+        with self._watch_lock:
+            for left in [w for w in self._watches if _hung_up(w)]:
+                left.close()
+                self._watches.remove(left)
+            if self._closed.is_set():
+                conn.sendall(BYE)
+                conn.close()
+            else:
+                self._watches.append(conn)
 
     def close(self) -> None:
+        """Stop accepting; each watch is told the close is a planned one, then closed."""
         self._closed.set()
         with contextlib.suppress(OSError):
             self._sock.close()
+        with self._watch_lock:
+            watches, self._watches = self._watches, []
+        for conn in watches:
+            with contextlib.suppress(OSError):
+                conn.settimeout(0.2)
+                conn.sendall(BYE)
+            conn.close()
         self._thread.join(timeout=2)
 
     def __enter__(self) -> LivenessServer:
@@ -194,6 +237,27 @@ def probe(address: str, timeout: float = 0.25) -> tuple[Liveness, dict[str, Any]
     except ValueError:
         return Liveness.UNKNOWN, {}
     return Liveness.ALIVE, answer if isinstance(answer, dict) else {}
+
+
+def _op(line: bytes) -> object:
+    """The ``op`` of a request line, None if it is not a JSON object."""
+    with contextlib.suppress(ValueError, AttributeError):
+        return json.loads(line).get("op")
+    return None
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the client of a watch closed its end (a read would find EOF or an error)."""
+    try:
+        conn.setblocking(False)
+        try:
+            return conn.recv(1, socket.MSG_PEEK) == b""
+        finally:
+            conn.setblocking(True)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _drain(conn: socket.socket) -> None:

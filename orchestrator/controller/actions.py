@@ -63,6 +63,8 @@ class DeclareFailed:
     why: str
     step: int
     agent_gone: frozenset[str] = frozenset()
+    #: when the failure was seen (wall clock), where that was before the deciding tick
+    seen_at: float | None = None
 
 
 @dataclass(frozen=True)

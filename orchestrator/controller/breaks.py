@@ -26,6 +26,7 @@ __all__ = [
     "consequences",
     "culprit",
     "failure_reason",
+    "gone_unreported",
     "judge_break",
     "reports_pending",
 ]
@@ -40,8 +41,10 @@ class Verdict:
 
     failed: set[str]
     why: str
-    #: those of ``failed`` whose agent refused a liveness probe
+    #: those of ``failed`` whose agent refused a liveness probe or whose watch closed
     agent_gone: set[str]
+    #: when the failure was seen (wall clock), where that was before the tick deciding it
+    at: float | None = None
 
 
 def judge_break(
@@ -54,9 +57,11 @@ def judge_break(
         in_grace: after an etcd outage: reports and registrations are still coming back.
     """
     silent = silent_members(plan, world.reports)
-    # a refused liveness probe is first-hand: it needs no grace, not even after an
-    # outage; nor does a node whose worker was killed for a hang (it cannot report)
-    known = (world.dead | hung) & silent
+    gone = world.dead | set(world.closed)
+    # a refused liveness probe (or a watch closed unannounced) is first-hand: it needs
+    # no grace, not even after an outage; nor does a node whose worker was killed for a
+    # hang (it cannot report)
+    known = (gone | hung) & silent
     # a silent member whose agent answered a probe is late, not gone: at a thousand
     # nodes the survivors' reports take a while to land, and waiting for them, or
     # replacing the late ones, would make one failure cost many
@@ -72,7 +77,22 @@ def judge_break(
     # whoever neither answered nor reported; if every silent member's agent
     # answers (a worker of theirs died, not the node), those members
     failed = (silent - late) or silent
-    return Verdict(failed, failure_reason(failed, world.dead, hung), world.dead & failed)
+    why = failure_reason(failed, world.dead, hung, set(world.closed))
+    return Verdict(failed, why, gone & failed)
+
+
+def gone_unreported(plan: Plan, world: World, in_grace: bool) -> Verdict | None:
+    """Members gone with no break reported: a watch closed unannounced (first-hand:
+    even in an outage's grace), or (after that grace) their registration expired."""
+    members = {m.node for m in plan.members}
+    if closed := world.closed.keys() & members:
+        why = failure_reason(closed, world.dead, set(), closed)
+        return Verdict(closed, why, closed, min(world.closed[n] for n in closed))
+    if in_grace:
+        return None  # registrations are still coming back
+    if expired := {n for n in members if n not in world.nodes}:
+        return Verdict(expired, f"lease expired: {', '.join(sorted(expired))}", set())
+    return None
 
 
 def reports_pending(plan: Plan, world: World, first_report_at: float) -> bool:
@@ -81,7 +101,7 @@ def reports_pending(plan: Plan, world: World, first_report_at: float) -> bool:
     Their reports tell whose failure came first (the script's own error, or
     the collective it broke on the peers).
     """
-    waiting = silent_members(plan, world.reports) - world.dead
+    waiting = silent_members(plan, world.reports) - world.dead - set(world.closed)
     return bool(waiting) and world.mono - first_report_at < REPORT_GRACE.total_seconds()
 
 
@@ -93,10 +113,14 @@ def culprit(reports: dict[str, BreakReport]) -> tuple[str, BreakReport]:
     )
 
 
-def failure_reason(failed: Set[str], dead: Set[str], hung: Set[str]) -> str:
+def failure_reason(
+    failed: Set[str], dead: Set[str], hung: Set[str], closed: Set[str] = frozenset()
+) -> str:
     """Why ``failed`` are replaced, in the words of the failure event."""
     names = ", ".join(sorted(failed))
-    if failed <= dead:
+    if failed <= closed:
+        return f"agent of {names} gone (its liveness watch closed)"
+    if failed <= dead | closed:
         return f"agent of {names} gone (liveness port refused)"
     if hung and failed <= set(hung) | dead:
         return f"a worker of {names} hung and was killed"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +45,7 @@ from orchestrator.controller.actions import (
 )
 from orchestrator.controller.hangs import STALE_BEATS
 from orchestrator.controller.link_prober import LinkProber
+from orchestrator.controller.node_watch import NodeWatch
 from orchestrator.controller.plans import restart_tier
 from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import StragglerWatch
@@ -73,7 +75,14 @@ STATUS_REFRESH = timedelta(seconds=2)
 class JobController:
     """Reconciles one job; :meth:`tick` is called whenever something may have changed."""
 
-    def __init__(self, client: EtcdClient, job: str, metrics: JobMetrics | None = None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str,
+        metrics: JobMetrics | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        """``wake``: asks for a tick at once (an agent was found gone between ticks)."""
         self.client = client
         self.job = job
         self.spec, self.spec_hash = read_spec(client, job)
@@ -87,6 +96,7 @@ class JobController:
             job,
             since=self.observer.submitted_at,
             quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
+            watch=NodeWatch(on_gone=wake),
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
         ft = self.spec.fault_tolerance
@@ -109,6 +119,7 @@ class JobController:
 
     def tick(self) -> None:
         if self.status.phase.terminal:
+            self._end_watch()
             self.writer.close(release=True)
             return
         if not self._root_held():
@@ -135,13 +146,21 @@ class JobController:
                 self.metrics.link_rates(self.job, world.link_probe.rates)
         self._write_status()
         if self.status.phase.terminal:
+            self._end_watch()
             self.writer.close(release=True)
 
     def close(self, wait: float = 0.0) -> None:
         """Stop renewing the root's heartbeat (a controller that stops; the job goes on),
-        waiting up to ``wait`` seconds for a release the job's end asked for."""
+        waiting up to ``wait`` seconds for a release the job's end asked for; stop
+        watching the agents."""
+        self._end_watch()
         self.writer.close(release=False)
         self.writer.join(wait)
+
+    def _end_watch(self) -> None:
+        if self.reader.watch is not None:
+            self.reader.watch.close()
+            self.reader.watch = None
 
     def _root_held(self) -> bool:
         """Whether this run holds its checkpoint root; ends the job when it cannot."""
@@ -204,6 +223,7 @@ class JobController:
                 action.step,
                 set(action.agent_gone),
                 at=world.now,  # when the snapshot it was decided on was read
+                seen_at=action.seen_at,
             )
             log.warning("[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)),
                         action.why, cause)  # fmt: skip

@@ -59,14 +59,14 @@ def restart_tier(spec: JobSpec, nodes: dict[str, NodeRecord]) -> bool:
 
 
 def is_warm(spec: JobSpec, world: World, node: str, restart_tier: bool) -> bool:
-    """A registered node whose every worker is alive and beating (ready for a slot), and
-    that is not quarantined for being slow.
+    """A registered node whose every worker is alive and beating (ready for a slot), that
+    is not quarantined for being slow, and whose agent's watch did not close.
 
     In the restart tier, a registered node: its agent registers once its
     standbys are started, and its workers write no heartbeats.
     """
     info = world.nodes.get(node)
-    if info is None or node in world.quarantined:
+    if info is None or node in world.quarantined or node in world.closed:
         return False
     if restart_tier:
         return True

@@ -13,7 +13,8 @@ Per job it:
   the last-call timeout), in topology order, the rest as warm spares;
 * on a break (workers reported the generation broken) replaces the members
   the rules of :mod:`orchestrator.controller.breaks` name (a refused liveness
-  probe at once, a late member never, the rest after ``REPORT_GRACE``), and a
+  probe at once, a late member never, the rest after ``REPORT_GRACE``), a
+  member whose agent's watch closed unannounced (before any report), and a
   member whose registration lease expired;
 * kills a worker whose heartbeat stopped for 3 heartbeat intervals (a frozen
   process; not when every heartbeat stopped at once: then their way to etcd
@@ -49,6 +50,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from orchestrator.api import JobPhase
+from orchestrator.controller import breaks
 from orchestrator.controller.actions import (
     Action,
     CheckpointCommitted,
@@ -59,7 +61,6 @@ from orchestrator.controller.actions import (
     PublishPlan,
     Recovered,
 )
-from orchestrator.controller.breaks import consequences, culprit, judge_break, reports_pending
 from orchestrator.controller.commands import take_commands
 from orchestrator.controller.hangs import hung_workers
 from orchestrator.controller.plans import (
@@ -307,7 +308,7 @@ class _Decider:
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors
             # came from the collectives it left (one the runtime could not see).
-            node_gone = w.dead & silent_members(plan, w.reports)
+            node_gone = (w.dead | set(w.closed)) & silent_members(plan, w.reports)
             if self.restart_tier and self.wait_for_reports(plan):
                 return
             if any(r.user_error for r in w.reports.values()) and not node_gone:
@@ -315,12 +316,11 @@ class _Decider:
             else:
                 self.handle_break(plan)
             return
+        if (lost := breaks.gone_unreported(plan, w, self.in_grace())) is not None:
+            self.replace(plan, lost)
+            return
         if self.in_grace():
             return  # registrations and heartbeats are still coming back
-        gone = {n for n in members if n not in w.nodes}
-        if gone:
-            self.replace(plan, gone, f"lease expired: {', '.join(sorted(gone))}")
-            return
         kills = hung_workers(self.spec, plan, self.w, self.m.killed)
         if kills:
             before = self.m.hung[1] if self.m.hung[0] == plan.generation else frozenset()
@@ -348,13 +348,13 @@ class _Decider:
         """Restart tier: give silent members, not known dead, time to report first."""
         if self.m.reported is None or self.m.reported[0] != plan.generation:
             self.m.reported = (plan.generation, self.w.mono)
-        return reports_pending(plan, self.w, self.m.reported[1])
+        return breaks.reports_pending(plan, self.w, self.m.reported[1])
 
     def user_error(self, plan: Plan) -> None:
         """The training script raised in a step: restart up to max_restarts, then fail."""
         if plan.generation not in self.m.user_errors:
             self.m.user_errors.append(plan.generation)
-        worker, report = culprit(self.w.reports)
+        worker, report = breaks.culprit(self.w.reports)
         if report.fault:  # the job's checkpoints: a restart would meet the same fault
             self.phase(JobPhase.FAILED, f"worker {worker}: {report.reason}", fault=report.fault)
             return
@@ -399,13 +399,12 @@ class _Decider:
                         JobPhase.RECOVERING, f"generation {plan.generation} broke: {first.reason}"
                     )
         hung = m.hung[1] if m.hung[0] == plan.generation else frozenset()
-        verdict = judge_break(plan, w, hung, m.break_seen_at, self.in_grace())
+        verdict = breaks.judge_break(plan, w, hung, m.break_seen_at, self.in_grace())
         if verdict is not None:
-            self.replace(plan, verdict.failed, verdict.why, agent_gone=verdict.agent_gone)
+            self.replace(plan, verdict)
 
-    def replace(
-        self, plan: Plan, failed: set[str], why: str, agent_gone: set[str] | None = None
-    ) -> None:
+    def replace(self, plan: Plan, verdict: breaks.Verdict) -> None:
+        failed, why = verdict.failed, verdict.why
         members = [m.node for m in plan.members]
         spares = [
             n
@@ -443,8 +442,7 @@ class _Decider:
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
         # the plan first: every worker waits for it; what the failure was is recorded after
         self.actions.append(PublishPlan(new_plan))
-        self.actions.append(
-            DeclareFailed(frozenset(failed), why, self.status.step, frozenset(agent_gone or ()))
-        )
-        after = consequences(why, self.w.reports, failed) if self.restart_tier else ""
+        gone, step = frozenset(verdict.agent_gone), self.status.step
+        self.actions.append(DeclareFailed(frozenset(failed), why, step, gone, verdict.at))
+        after = breaks.consequences(why, self.w.reports, failed) if self.restart_tier else ""
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}{after}")

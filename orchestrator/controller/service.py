@@ -175,7 +175,9 @@ class Controller:
                 # won again (another may have decided meanwhile): read it back from etcd
                 if jc is not None:
                     jc.close()
-                jc = self._jobs[name] = JobController(self.client, name, self.metrics)
+                jc = self._jobs[name] = JobController(
+                    self.client, name, self.metrics, wake=self._wake.set
+                )
                 self._terms[name] = term
             jc.tick()
             if self.job_leadership is not None and jc.status.phase.terminal:

@@ -9,7 +9,9 @@ turns into actions.  Every value is a typed record from
 Liveness probes are facts too: when workers reported a broken generation,
 each member node none of whose workers reported is probed once on its
 agent's liveness port (:mod:`orchestrator.liveness`), and the verdict is part
-of the snapshot.  A refused connection means the agent is gone.
+of the snapshot.  A refused connection means the agent is gone.  So does a
+watch connection that closed unannounced (:mod:`orchestrator.controller.node_watch`),
+which needs no report first.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from orchestrator import events, keys, records
+from orchestrator.controller.node_watch import NodeWatch
 from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.liveness import Liveness, probe
@@ -68,6 +71,9 @@ class World:
         done: workers that finished their training loop.
         reports: break reports of the current generation, by worker id.
         dead: member nodes whose agent refused a liveness probe during this break.
+        closed: registered nodes whose agent's watch connection closed unannounced (the
+            agent's process is gone: :mod:`orchestrator.controller.node_watch`), with
+            when that was seen (wall clock).
         alive: member nodes whose agent answered a liveness probe during this break
             (probed while they had not reported: their reports may still be on the way).
         answering: member nodes with a worker whose heartbeat went quiet (older
@@ -93,6 +99,7 @@ class World:
     done: dict[str, DoneRecord] = field(default_factory=dict)
     reports: dict[str, BreakReport] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    closed: dict[str, float] = field(default_factory=dict)
     alive: set[str] = field(default_factory=set)
     answering: set[str] = field(default_factory=set)
     silence: tuple[float, float] | None = None
@@ -190,10 +197,17 @@ class WorldReader:
     """Reads snapshots of one job; remembers which nodes it probed in which break."""
 
     def __init__(
-        self, client: EtcdClient, job: str, since: float = 0.0, quiet_after: float = 6.0
+        self,
+        client: EtcdClient,
+        job: str,
+        since: float = 0.0,
+        quiet_after: float = 6.0,
+        watch: NodeWatch | None = None,
     ) -> None:
         self.client = client
         self.job = job
+        #: the registered agents' watch connections, if this reader keeps them
+        self.watch = watch
         #: seconds without a heartbeat after which a worker's agent is probed
         self.quiet_after = quiet_after
         #: node -> (when probed, monotonic; whether its agent answered; the latest beat
@@ -226,6 +240,9 @@ class WorldReader:
         world = World(now=time.time(), mono=time.monotonic())
         world.commands = self.commands()
         world.nodes = self._nodes.read(self.client, keys.job_nodes(job))
+        if self.watch is not None:
+            self.watch.follow({n: r.liveness for n, r in world.nodes.items() if r.liveness})
+            world.closed = self.watch.gone()
         world.plan = records.read(self.client, keys.job_plan(job), Plan)
         world.progress = self._read_progress(world.plan)
         world.control = (

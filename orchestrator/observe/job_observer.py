@@ -236,13 +236,16 @@ class JobObserver:
         step: int,
         agent_gone: set[str] | None = None,
         at: float | None = None,
+        seen_at: float | None = None,
     ) -> str:
-        """The controller replaces ``failed`` (decided at ``at``, wall-clock; default now);
-        returns the failure cause."""
+        """The controller replaces ``failed`` (decided at ``at``, wall-clock; default now;
+        the failure seen at ``seen_at``, if before); returns the failure cause."""
         now = time.time() if at is None else at
         if self._pending is None:
             self._pending = _Pending(now, step)
         pending = self._pending
+        if seen_at is not None:
+            pending.failure_at = min(pending.failure_at, seen_at)
         if pending.declared_at is None:
             pending.declared_at = now
         since = pending.failure_at - CAUSE_LOOKBACK.total_seconds()

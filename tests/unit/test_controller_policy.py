@@ -275,6 +275,28 @@ def lease_expiry_preempted_node_is_replaced() -> None:
     assert "lease expired: b" in run.of(DeclareFailed)[0].why
 
 
+def a_member_whose_watch_closed_is_replaced_before_any_report() -> None:
+    """The agent's watch connection closed unannounced: no report, no grace, even in an
+    outage's grace; a spare whose watch closed is no spare."""
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    # c sorts first and shares a's rack, d shares b's: c's agent is gone too
+    closed = {"b": NOW - 0.2, "c": NOW - 5}
+    run.tick(_world(["a", "b", "c", "d"], plan, closed=closed, silence=(49.0, 8.0)))
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == {"b"} and declared.agent_gone == {"b"}
+    assert declared.seen_at == NOW - 0.2  # the recovery is timed from the close
+    assert declared.why == "agent of b gone (its liveness watch closed)"
+    (new,) = run.plans()
+    assert _order(new) == ["a", "d"] and "c" not in new.spares
+    assert run.status.recoveries == 1 and "c" not in run.status.spare_nodes
+    # reports that land afterwards name the closed watch, and wait for no grace either
+    run = Run(_spec())
+    world = _world(["a", "b", "d"], plan, reports={"a-0": _report()}, closed={"b": NOW})
+    run.tick(world)
+    assert run.of(DeclareFailed)[0].why == "agent of b gone (its liveness watch closed)"
+
+
 def hung_worker_is_killed_by_pid() -> None:
     run = Run(_spec(hang_timeout=timedelta(seconds=60)))
     plan = _plan(1, "a", "b")
@@ -690,6 +712,7 @@ SCENARIOS: list[Callable[[], None]] = [
     no_spare_in_the_rack_reorders_the_ring,
     a_spare_from_another_rack_keeps_the_slot_when_the_ring_stays_short,
     lease_expiry_preempted_node_is_replaced,
+    a_member_whose_watch_closed_is_replaced_before_any_report,
     hung_worker_is_killed_by_pid,
     frozen_worker_is_killed_without_waiting_for_hang_timeout,
     quiet_worker_of_an_unreachable_node_is_not_killed,

@@ -49,7 +49,7 @@ from orchestrator.controller.node_watch import NodeWatch
 from orchestrator.controller.plans import restart_tier
 from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import StragglerWatch
-from orchestrator.controller.world import World, WorldReader
+from orchestrator.controller.world import World, WorldReader, read_reports
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
@@ -240,7 +240,11 @@ class JobController:
             progress = world.progress
             if restart_tier(self.spec, world.nodes):
                 progress = launched(action.plan, world.nodes)
-            record = self.observer.recovered(self.status, action.plan, progress)
+            broke_at = None
+            if self.observer.unreported():  # the survivors' reports came after the plan
+                late = read_reports(client, job, action.plan.generation - 1).values()
+                broke_at = min((r.step for r in late if not r.planned), default=None)
+            record = self.observer.recovered(self.status, action.plan, progress, broke_at)
             if record is not None:
                 log.warning(
                     "[%s] recovered: generation %d trains again %.2fs after the failure (%s)",

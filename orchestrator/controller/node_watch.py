@@ -72,13 +72,14 @@ class NodeWatch:
         self._pending: dict[str, tuple[str, Future[socket.socket]]] = {}
         #: nodes with an open watch, as the loop last saw them
         self._watching: frozenset[str] = frozenset()
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._pool = ThreadPoolExecutor(CONNECT_THREADS, thread_name_prefix="node-watch-connect")
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        # made by the first follow() with an agent to watch (a controller of agents
+        # that have no liveness port holds nothing)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def follow(self, addresses: Mapping[str, str]) -> None:
         """Watch these nodes' agents (node -> liveness address) and no others."""
@@ -87,6 +88,10 @@ class NodeWatch:
                 return
             self._want = dict(addresses)
             if self._thread is None:
+                self._wake_r, self._wake_w = socket.socketpair()
+                self._wake_r.setblocking(False)
+                self._selector.register(self._wake_r, selectors.EVENT_READ)
+                self._pool = ThreadPoolExecutor(CONNECT_THREADS, "node-watch-connect")
                 self._thread = threading.Thread(target=self._loop, name="node-watch", daemon=True)
                 self._thread.start()
         self._poke()
@@ -103,17 +108,20 @@ class NodeWatch:
             return set(self._watching)
 
     def close(self) -> None:
-        self._closed.set()
+        with self._lock:
+            self._closed.set()
         self._poke()
         if self._thread is not None:
             self._thread.join(timeout=2)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         for _, conn in self._open.values():
             conn.close()
         self._open.clear()
         self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        for end in (self._wake_r, self._wake_w):
+            if end is not None:
+                end.close()
 
     def __enter__(self) -> NodeWatch:
         return self
@@ -124,8 +132,9 @@ class NodeWatch:
     # -- the loop's thread -------------------------------------------------------------
 
     def _poke(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
 
     def _loop(self) -> None:
         while not self._closed.is_set():
@@ -159,6 +168,7 @@ class NodeWatch:
                 or self._retry.get(address, (0.0, 0.0))[0] > now
             ):
                 continue
+            assert self._pool is not None
             future = self._pool.submit(_connect, address)
             future.add_done_callback(lambda _: self._poke())
             self._pending[node] = (address, future)

@@ -58,6 +58,8 @@ class _Pending:
         self.nodes: set[str] = set()
         self.cause: str | None = None
         self.reason = ""
+        #: whether ``step`` came from a report of the break (not a heartbeat's step)
+        self.reported = False
 
 
 class JobObserver:
@@ -227,6 +229,12 @@ class JobObserver:
         at = min((r.at for r in reports.values()), default=time.time())
         if self._pending is None:
             self._pending = _Pending(at, step)
+            self._pending.reported = True
+
+    def unreported(self) -> bool:
+        """Whether the recovery under way was declared before any worker reported the
+        break (an agent's watch closed): its step is only the last heartbeat's."""
+        return self._pending is not None and not self._pending.reported
 
     def declared(
         self,
@@ -267,12 +275,23 @@ class JobObserver:
         return cause.value
 
     def recovered(
-        self, status: JobStatus, plan: Plan, progress: dict[str, ProgressRecord]
+        self,
+        status: JobStatus,
+        plan: Plan,
+        progress: dict[str, ProgressRecord],
+        broke_at: int | None = None,
     ) -> RecoveryRecord | None:
-        """Every worker of ``plan`` trains again: store the recovery's record."""
+        """Every worker of ``plan`` trains again: store the recovery's record.
+
+        Args:
+            broke_at: for a recovery declared before any report (:meth:`unreported`),
+                the step the replaced generation's survivors reported breaking at.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        if not pending.reported and broke_at is not None:
+            pending.step = broke_at
         workers = {
             w: dataclasses.asdict(p.telemetry)
             for w, p in self._plan_workers(plan, progress).items()

@@ -240,18 +240,21 @@ def test_break_reports_are_dropped_two_generations_on(etcd_client: EtcdClient) -
 
     register(["a", "b", "c", "d"])
     jc = JobController(etcd_client, job)
-    jc.tick()
-    assert plan().generation == 1 and [m.node for m in plan().members] == ["a", "b"]
-    etcd_client.delete(keys.job_node(job, "b"))  # b's lease expired
-    register(["a", "c", "d"])
-    jc.tick()
-    assert plan().generation == 2
-    report(1, "a")  # generation 1's reports (late ones: the policy reads the current's)
-    assert kept(1) == 2
-    etcd_client.delete(keys.job_node(job, "c"))
-    register(["a", "d"])
-    jc.tick()
-    assert plan().generation == 3
+    try:
+        jc.tick()
+        assert plan().generation == 1 and [m.node for m in plan().members] == ["a", "b"]
+        etcd_client.delete(keys.job_node(job, "b"))  # b's lease expired
+        register(["a", "c", "d"])
+        jc.tick()
+        assert plan().generation == 2
+        report(1, "a")  # generation 1's reports (late ones: the policy reads the current's)
+        assert kept(1) == 2
+        etcd_client.delete(keys.job_node(job, "c"))
+        register(["a", "d"])
+        jc.tick()
+        assert plan().generation == 3
+    finally:
+        jc.close()  # its watches of the agents
     assert kept(1) == 0  # two generations on: gone
     # the previous generation's stay, for a look and for the reports still on their way
     assert keys.job_node_reports(job, 2) not in keys.stale_report_prefixes(job, 3)

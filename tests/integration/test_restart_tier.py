@@ -150,10 +150,13 @@ def test_sigkill_node_spare_restarts_script_from_its_checkpoint(
     assert "Traceback" not in before and "[event] WorkerExited" not in before, before[-3000:]
     assert "[event] Phase: Recovering" not in before, before[-3000:]
     folded = [x for x in lines if f"after {victim} failed (a consequence, not the cause)" in x]
-    # gloo words the lost peer as a reset or a close, depending on which side saw it first
-    assert len(folded) == 1 and "RuntimeError" in folded[0], folded
+    # the survivor's worker died on the collective its peer left (its traceback is folded
+    # after the failure; gloo words the lost peer as a reset or a close, depending on which
+    # side saw it first), or its agent stopped it for the new generation before it got
+    # there (the controller's watch saw the death first): nothing to fold
+    assert len(folded) <= 1, folded
     lost_peer = ("Connection reset by peer", "Connection closed by peer")
-    assert any(t in folded[0] for t in lost_peer), folded
+    assert all("RuntimeError" in x and any(t in x for t in lost_peer) for x in folded), folded
     (recovering,) = [e.message for e in result.events if e.message.startswith("Recovering")]
     assert f"replaces {victim}" in recovering and "RuntimeError" not in recovering, recovering
     (recovered,) = [e.message for e in result.events if e.type == "Recovered"]

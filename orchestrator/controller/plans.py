@@ -238,7 +238,8 @@ def survivor_first(order: list[str], previous: list[str], failed: set[str]) -> l
 
 
 def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) -> bool:
-    """Every worker of ``plan`` stepped past ``since_step`` in it (the recovery is over).
+    """Every worker of ``plan`` stepped past ``since_step`` in it, and completed a step in
+    it where its telemetry tells (the recovery is over).
 
     In the restart tier (no step heartbeats): once every member's agent launched
     it and, where the agents report it, a worker showed progress (a first line of
@@ -254,5 +255,10 @@ def trains_again(plan: Plan, world: World, restart_tier: bool, since_step: int) 
     for x in workers_of(plan):
         p = world.progress.get(x)
         if p is None or p.generation != plan.generation or p.step <= since_step:
+            return False
+        # the step alone may be a stale heartbeat's (a death seen before any report):
+        # a worker restored in this generation that has not stepped in it is not done
+        t = p.telemetry
+        if t.generation == plan.generation and t.first_step_at is None:
             return False
     return True

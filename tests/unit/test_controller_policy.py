@@ -38,6 +38,7 @@ from orchestrator.records import (
     NodeRecord,
     Plan,
     ProgressRecord,
+    Telemetry,
 )
 from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode, SyncMode
 from orchestrator.topology import min_ring_crossings, ring_crossings
@@ -290,6 +291,18 @@ def a_member_whose_watch_closed_is_replaced_before_any_report() -> None:
     (new,) = run.plans()
     assert _order(new) == ["a", "d"] and "c" not in new.spares
     assert run.status.recoveries == 1 and "c" not in run.status.spare_nodes
+    # the heartbeats' step (10) was stale: a worker restored at step 12 in generation 2 has
+    # not trained again until it completed a step there
+    later = _world(["a", "d"], new, mono=51.0 + policy.OUTAGE_GRACE.total_seconds())
+    later.progress = {w: _beat(2, step=12) for w in ("a-0", "d-0")}
+    for p in later.progress.values():
+        p.telemetry = Telemetry(generation=2, restored_step=12)
+    run.tick(later)
+    assert run.status.phase is JobPhase.RECOVERING and run.of(Recovered) == []
+    later.progress["a-0"].telemetry.first_step_at = NOW
+    later.progress["d-0"].telemetry.first_step_at = NOW
+    run.tick(later)
+    assert run.status.phase is JobPhase.RUNNING and len(run.of(Recovered)) == 1
     # reports that land afterwards name the closed watch, and wait for no grace either
     run = Run(_spec())
     world = _world(["a", "b", "d"], plan, reports={"a-0": _report()}, closed={"b": NOW})

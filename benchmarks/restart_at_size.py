@@ -231,7 +231,7 @@ def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
             if "why" in got:  # torchrun did not train again: its agents' last errors
                 row[f"{name}_last_errors"] = got.pop("why")
                 row[f"{name}_restart_counts"] = got.pop("restart_counts")
-            # ringmaster's own phases (its Recovered event), from the first report
+            # ringmaster's own phases (its Recovered event), from the failure it saw first
             row.update({f"{name}_event_{key}": value for key, value in got.items()})
             for key, value in _phases(tmp / "steps", killed_at).items():
                 row[f"{name}_{key}"] = value
@@ -284,7 +284,7 @@ def _print_row(row: dict[str, Any]) -> None:
               "workers wait for each other under different store prefixes", flush=True)  # fmt: skip
     if row.get("ringmaster_event_detect_s") is not None:
         print(
-            f"    ringmaster's Recovered event, from the first report of the break: detect "
+            f"    ringmaster's Recovered event, from the failure it saw first: detect "
             f"{row['ringmaster_event_detect_s']:.2f}s, relaunch "
             f"{row['ringmaster_event_relaunch_s']:.2f}s",
             flush=True,

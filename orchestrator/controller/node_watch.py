@@ -145,7 +145,7 @@ class NodeWatch:
             self._start_connections(want)
             with self._lock:
                 self._watching = frozenset(self._open)
-            for key, _ in self._selector.select(timeout=self._next_retry()):
+            for key, _ in self._selector.select(timeout=self._next_retry(want)):
                 if key.fileobj is self._wake_r:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
@@ -157,16 +157,21 @@ class NodeWatch:
             if want.get(node) != address:
                 self._forget(node)
 
+    def _unwatched(self, want: dict[str, str]) -> dict[str, str]:
+        """The nodes of ``want`` to connect to (now, or when their retry is due)."""
+        return {
+            node: address
+            for node, address in want.items()
+            if node not in self._open
+            and node not in self._pending
+            and address not in self._done
+            and self._gone.get(node, ("", 0.0))[0] != address
+        }
+
     def _start_connections(self, want: dict[str, str]) -> None:
         now = time.monotonic()
-        for node, address in want.items():
-            if (
-                node in self._open
-                or node in self._pending
-                or address in self._done
-                or self._gone.get(node, ("", 0.0))[0] == address
-                or self._retry.get(address, (0.0, 0.0))[0] > now
-            ):
+        for node, address in self._unwatched(want).items():
+            if self._retry.get(address, (0.0, 0.0))[0] > now:
                 continue
             assert self._pool is not None
             future = self._pool.submit(_connect, address)
@@ -197,9 +202,13 @@ class NodeWatch:
             self._selector.register(conn, selectors.EVENT_READ, node)
             self._open[node] = (address, conn)
 
-    def _next_retry(self) -> float | None:
-        waits = [at for at, _ in self._retry.values()]
-        return max(0.0, min(waits) - time.monotonic()) if waits else None
+    def _next_retry(self, want: dict[str, str]) -> float | None:
+        """Seconds until a connection waiting to be tried again is due (None: none waits)."""
+        wanted = set(want.values())
+        self._retry = {a: r for a, r in self._retry.items() if a in wanted}
+        waiting = set(self._unwatched(want).values())
+        due = [at for a, (at, _) in self._retry.items() if a in waiting]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _read(self, node: str) -> None:
         address, conn = self._open[node]

@@ -103,6 +103,9 @@ def test_nothing_listening_is_not_gone_and_is_watched_once_it_listens() -> None:
         watch.follow({"n1": address})  # registered before it listens
         _wait_until(lambda: address in watch._retry, "the refused attempt")
         assert watch.watching() == set() and watch.gone() == {}
+        # a node no longer followed is not tried again (nor waited for: the loop sleeps)
+        watch.follow({})
+        _wait_until(lambda: not watch._retry, "the retry forgotten")
         placeholder.close()
         with LivenessServer("127.0.0.1", dict) as server:
             watch.follow({"n1": server.address})

@@ -68,6 +68,8 @@ class NodeWatch:
         self._done: set[str] = set()
         #: node -> (address, connection) of the open watches; the loop's thread only
         self._open: dict[str, tuple[str, socket.socket]] = {}
+        #: node -> what its open watch received (a bye may come in pieces)
+        self._heard: dict[str, bytes] = {}
         #: node -> (address, the attempt to connect to it)
         self._pending: dict[str, tuple[str, Future[socket.socket]]] = {}
         #: nodes with an open watch, as the loop last saw them
@@ -115,6 +117,9 @@ class NodeWatch:
             self._thread.join(timeout=2)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        for _, future in self._pending.values():  # those still running close on landing
+            if future.done() and future.exception() is None:
+                future.result().close()
         for _, conn in self._open.values():
             conn.close()
         self._open.clear()
@@ -156,6 +161,9 @@ class NodeWatch:
         for node, (address, _) in list(self._open.items()):
             if want.get(node) != address:
                 self._forget(node)
+        with self._lock:  # nodes gone from the registrations are forgotten
+            self._gone = {n: g for n, g in self._gone.items() if want.get(n) == g[0]}
+        self._done &= set(want.values())
 
     def _unwatched(self, want: dict[str, str]) -> dict[str, str]:
         """The nodes of ``want`` to connect to (now, or when their retry is due)."""
@@ -175,8 +183,15 @@ class NodeWatch:
                 continue
             assert self._pool is not None
             future = self._pool.submit(_connect, address)
-            future.add_done_callback(lambda _: self._poke())
+            future.add_done_callback(self._landed)
             self._pending[node] = (address, future)
+
+    def _landed(self, future: Future[socket.socket]) -> None:
+        """A connection attempt ended: the loop takes it, or it is closed after close()."""
+        if not self._closed.is_set():
+            self._poke()
+        elif not future.cancelled() and future.exception() is None:
+            future.result().close()
 
     def _take_connections(self, want: dict[str, str]) -> None:
         for node, (address, future) in list(self._pending.items()):
@@ -218,10 +233,12 @@ class NodeWatch:
             return
         except OSError:  # reset: the peer's kernel answered for a process that is gone
             data = b""
-        if data and BYE.strip() not in data:
+        heard = self._heard[node] = (self._heard.get(node, b"") + data)[:64]
+        planned = BYE.strip() in heard
+        if data and not planned:
             return  # nothing else is sent on a watch
         self._forget(node)
-        if data:  # the agent closed it on purpose: its registration goes with it
+        if planned:  # the agent closed it on purpose: its registration goes with it
             self._done.add(address)
             return
         log.info("the agent of %s (%s) is gone: its watch closed unannounced", node, address)
@@ -232,6 +249,7 @@ class NodeWatch:
 
     def _forget(self, node: str) -> None:
         _, conn = self._open.pop(node)
+        self._heard.pop(node, None)
         self._selector.unregister(conn)
         conn.close()
 

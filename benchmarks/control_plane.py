@@ -221,9 +221,11 @@ class Bench:
             status = self.status()
             if status is not None and ok(status):
                 return time.time()
+            if status is not None and status.phase.terminal:
+                break  # it will not get there
             time.sleep(0.05)
         raise BenchError(
-            f"{what}: not within {timeout:g}s (status: "
+            f"{what}: not within {timeout:g}s, or the job ended (status: "
             f"{status.phase.value if status else None}, {status.message if status else ''}); "
             f"controller log:\n{self.controller.tail()}"
         )

@@ -141,6 +141,7 @@ class ControllerProcess:
         self.log_path = log_path
         # INFO: its probe rounds are read back from the log (probe_rounds)
         env = {**grpc_environment(), **os.environ, "RINGMASTER_LOG_LEVEL": "INFO"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 die_with_parent(
@@ -159,7 +160,9 @@ class ControllerProcess:
                 ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd=REPO,
+                # the job's checkpoint.url (./checkpoints) is the run's own: a run that
+                # was killed leaves no writer marker where the next one writes
+                cwd=log_path.parent,
                 env=env,
             )
 

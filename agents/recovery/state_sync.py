@@ -39,6 +39,7 @@ __all__ = [
     "agree_on_source",
     "broadcast_state",
     "join_tensors",
+    "map_tensors",
     "slots_of",
     "split_tensors",
     "sync_state",
@@ -140,16 +141,16 @@ class _TensorSlot:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _map_tensors(x: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
+def map_tensors(x: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
     """``x`` with ``fn`` applied to every ``leaf`` inside its dicts, lists and tuples."""
     if isinstance(x, leaf):
         return fn(x)
     if isinstance(x, dict):
-        return {k: _map_tensors(v, fn, leaf) for k, v in x.items()}
+        return {k: map_tensors(v, fn, leaf) for k, v in x.items()}
     if isinstance(x, list):
-        return [_map_tensors(v, fn, leaf) for v in x]
+        return [map_tensors(v, fn, leaf) for v in x]
     if isinstance(x, tuple):
-        return tuple(_map_tensors(v, fn, leaf) for v in x)
+        return tuple(map_tensors(v, fn, leaf) for v in x)
     return x
 
 
@@ -164,18 +165,18 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
         tensors.append(t)
         return _TensorSlot(t.device.type, t.dtype, tuple(t.shape), len(tensors) - 1)
 
-    return _map_tensors(state, slot, torch.Tensor), tensors
+    return map_tensors(state, slot, torch.Tensor), tensors
 
 
 def join_tensors(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """The inverse of :func:`split_tensors`: each slot becomes its tensor."""
-    return _map_tensors(skeleton, lambda x: tensors[x.index], _TensorSlot)
+    return map_tensors(skeleton, lambda x: tensors[x.index], _TensorSlot)
 
 
 def slots_of(skeleton: Any) -> list[_TensorSlot]:
     """The skeleton's slots in the order of their tensors."""
     found: list[_TensorSlot] = []
-    _map_tensors(skeleton, found.append, _TensorSlot)
+    map_tensors(skeleton, found.append, _TensorSlot)
     return sorted(found, key=lambda x: x.index)
 
 

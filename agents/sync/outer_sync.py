@@ -111,6 +111,11 @@ class OuterSync:
     def fragments(self) -> int:
         return len(self._fragments)
 
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters the anchors stand for, fragment after fragment."""
+        return [p for fragment in self._fragments for p in fragment]
+
     # -- tracked state -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

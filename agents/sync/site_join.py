@@ -13,7 +13,9 @@ anywhere sends its state) would hand one site's work to another.  Instead:
    - A site where no rank holds state (all its nodes are new, or it comes
      back) takes the state of the most advanced site, then the sites' common
      parameters (the anchors): it starts from the global model, and the syncs
-     under way count it with weight 0.
+     under way count it with weight 0.  The sending site's own parameters are
+     left out of what crosses the slow link: the anchors replace them on
+     arrival (:func:`without_parameters`, :func:`put_back`).
    - A fragment whose outer step went through on one site but not on another
      (the generation broke while the result was shared inside a site, or
      before its delay ran out) takes that site's result, used when this
@@ -26,20 +28,22 @@ anywhere sends its state) would hand one site's work to another.  Instead:
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from agents.recovery.state_sync import NO_STATE, broadcast_state, sync_state
+from agents.recovery.state_sync import NO_STATE, broadcast_state, map_tensors, sync_state
 from agents.sync.outer_sync import NOT_PENDING, OuterSync
 from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
 from orchestrator.records import Plan
 
-__all__ = ["join_sites"]
+__all__ = ["FromAnchors", "join_sites", "put_back", "without_parameters"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -92,12 +96,14 @@ def join_sites(
     if NO_STATE in steps:
         src = steps.index(best)
         empty = [r for r, s in enumerate(steps) if s == NO_STATE]
-        state = broadcast_state(capture if rank == src else None, src, control, receivers=empty)
+        params = outer.parameters
+        sent = functools.partial(without_parameters, capture, params) if rank == src else None
+        state = broadcast_state(sent, src, control, receivers=empty)
         for r, s in enumerate(steps):
             if s == NO_STATE:
                 table[r] = table[src]
         if step == NO_STATE:
-            restore(state)
+            restore(put_back(state, capture()))  # its own parameters: the anchors follow
             for f in range(outer.fragments):
                 outer.take_anchor(f)
             outer.pending_weight = [0.0] * outer.fragments
@@ -140,3 +146,40 @@ def _reconcile_fragments(
         outer.pending_at[f] = NOT_PENDING
         outer.pending_weight[f] = 0.0
         outer.take_anchor(f)
+
+
+@dataclass(frozen=True)
+class FromAnchors:
+    """In a state sent to a site without state: a parameter left out (the anchors
+    replace it on arrival)."""
+
+
+def without_parameters(capture: Callable[[], Any], params: Sequence[torch.Tensor]) -> Any:
+    """``capture()`` with each tensor that is one of ``params`` (a model's state dict holds
+    its parameters' own storage) replaced by :class:`FromAnchors`."""
+    held = {_place(p) for p in params}
+    return map_tensors(capture(), lambda t: FromAnchors() if _place(t) in held else t, torch.Tensor)
+
+
+def put_back(state: Any, own: Any) -> Any:
+    """``state`` with each :class:`FromAnchors` replaced by what ``own`` (the receiving
+    rank's own state, of the same structure) holds at that place."""
+    if isinstance(state, FromAnchors):
+        if not isinstance(own, torch.Tensor):
+            raise RuntimeError(
+                "a site without state got another site's state whose structure differs from "
+                "its own (a parameter left out has no counterpart here): do the sites run the "
+                "same model?"
+            )
+        return own
+    if isinstance(state, dict) and isinstance(own, dict):
+        return {k: put_back(v, own.get(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and isinstance(own, (list, tuple)):
+        kept = [put_back(v, o) for v, o in zip(state, own, strict=True)]
+        return kept if isinstance(state, list) else tuple(kept)
+    return state
+
+
+def _place(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], torch.dtype]:
+    """Where a tensor's values lie: two tensors at one place are the same values."""
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.dtype)

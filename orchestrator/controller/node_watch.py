@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from orchestrator.liveness import BYE, MAX_REQUEST, WATCH_OP, WATCHING, read_line
+from orchestrator.liveness import BYE, MAX_ANSWER, MAX_REQUEST, WATCH_OP, WATCHING, read_line
 
 __all__ = ["CONNECT_THREADS", "HANDSHAKE_TIMEOUT", "NodeWatch"]
 
@@ -271,7 +271,7 @@ def _connect(address: str) -> socket.socket:
         raise _NotNow(str(e)) from e
     try:
         conn.settimeout(HANDSHAKE_TIMEOUT)
-        if not read_line(conn, MAX_REQUEST):
+        if not read_line(conn, MAX_ANSWER):  # the status, as a probe reads it
             raise _NotNow("closed before its status")
         conn.sendall(b'{"op": "%s"}\n' % WATCH_OP.encode())
         answer = read_line(conn, MAX_REQUEST)

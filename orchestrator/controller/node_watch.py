@@ -143,19 +143,27 @@ class NodeWatch:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
-            with self._lock:
-                want = dict(self._want)
-            self._drop_unwanted(want)
-            self._take_connections(want)
-            self._start_connections(want)
-            with self._lock:
-                self._watching = frozenset(self._open)
-            for key, _ in self._selector.select(timeout=self._next_retry(want)):
-                if key.fileobj is self._wake_r:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(4096)
-                else:
-                    self._read(key.data)
+            try:
+                self._round()
+            except Exception:  # the watch must outlive a surprise; the probes remain
+                log.warning("the agents' watch failed a round; going on", exc_info=True)
+                self._closed.wait(1.0)
+
+    def _round(self) -> None:
+        """One round: follow the registrations, take and start connections, wait."""
+        with self._lock:
+            want = dict(self._want)
+        self._drop_unwanted(want)
+        self._take_connections(want)
+        self._start_connections(want)
+        with self._lock:
+            self._watching = frozenset(self._open)
+        for key, _ in self._selector.select(timeout=self._next_retry(want)):
+            if key.fileobj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            else:
+                self._read(key.data)
 
     def _drop_unwanted(self, want: dict[str, str]) -> None:
         for node, (address, _) in list(self._open.items()):

@@ -44,7 +44,7 @@ class Verdict:
     #: those of ``failed`` whose agent refused a liveness probe or whose watch closed
     agent_gone: set[str]
     #: when the failure was seen (wall clock), where that was before the tick deciding it
-    at: float | None = None
+    seen_at: float | None = None
 
 
 def judge_break(
@@ -57,7 +57,7 @@ def judge_break(
         in_grace: after an etcd outage: reports and registrations are still coming back.
     """
     silent = silent_members(plan, world.reports)
-    gone = world.dead | set(world.closed)
+    gone = world.agents_gone
     # a refused liveness probe (or a watch closed unannounced) is first-hand: it needs
     # no grace, not even after an outage; nor does a node whose worker was killed for a
     # hang (it cannot report)
@@ -101,7 +101,7 @@ def reports_pending(plan: Plan, world: World, first_report_at: float) -> bool:
     Their reports tell whose failure came first (the script's own error, or
     the collective it broke on the peers).
     """
-    waiting = silent_members(plan, world.reports) - world.dead - set(world.closed)
+    waiting = silent_members(plan, world.reports) - world.agents_gone
     return bool(waiting) and world.mono - first_report_at < REPORT_GRACE.total_seconds()
 
 

@@ -25,6 +25,7 @@ watched.  Runs in the controller; the policy reads only :meth:`NodeWatch.gone`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import selectors
 import socket
@@ -281,7 +282,7 @@ def _connect(address: str) -> socket.socket:
         conn.settimeout(HANDSHAKE_TIMEOUT)
         if not read_line(conn, MAX_ANSWER):  # the status, as a probe reads it
             raise _NotNow("closed before its status")
-        conn.sendall(b'{"op": "%s"}\n' % WATCH_OP.encode())
+        conn.sendall(json.dumps({"op": WATCH_OP}).encode() + b"\n")
         answer = read_line(conn, MAX_REQUEST)
     except _NotNow:
         conn.close()

@@ -308,7 +308,7 @@ class _Decider:
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors
             # came from the collectives it left (one the runtime could not see).
-            node_gone = (w.dead | set(w.closed)) & silent_members(plan, w.reports)
+            node_gone = w.agents_gone & silent_members(plan, w.reports)
             if self.restart_tier and self.wait_for_reports(plan):
                 return
             if any(r.user_error for r in w.reports.values()) and not node_gone:
@@ -443,6 +443,6 @@ class _Decider:
         # the plan first: every worker waits for it; what the failure was is recorded after
         self.actions.append(PublishPlan(new_plan))
         gone, step = frozenset(verdict.agent_gone), self.status.step
-        self.actions.append(DeclareFailed(frozenset(failed), why, step, gone, verdict.at))
+        self.actions.append(DeclareFailed(frozenset(failed), why, step, gone, verdict.seen_at))
         after = breaks.consequences(why, self.w.reports, failed) if self.restart_tier else ""
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}{after}")

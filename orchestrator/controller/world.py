@@ -107,6 +107,11 @@ class World:
     quarantined: set[str] = field(default_factory=set)
     link_probe: LinkProbeResult | None = None
 
+    @property
+    def agents_gone(self) -> set[str]:
+        """Nodes whose agent is known gone first-hand: a refused probe or a closed watch."""
+        return self.dead | self.closed.keys()
+
 
 class RecordCache(Generic[R]):
     """The records under one prefix, decoded again only where a key's revision moved.

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -38,10 +38,10 @@ def agent() -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc.stdout.close()
 
 
-def _wait_until(predicate: object, what: str, timeout: float = 10.0) -> None:
+def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     done = threading.Event()
     for _ in range(int(timeout / 0.02)):
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
         done.wait(0.02)
     raise AssertionError(f"timed out waiting for {what}")

@@ -80,7 +80,11 @@ def agree_on_source(
 
 
 def sync_state(
-    my_step: int, capture: Any, restore: Any, group: dist.ProcessGroup | None = None
+    my_step: int,
+    capture: Any,
+    restore: Any,
+    group: dist.ProcessGroup | None = None,
+    data_group: dist.ProcessGroup | None = None,
 ) -> SyncResult:
     """Make every rank hold the freshest live state.
 
@@ -90,7 +94,9 @@ def sync_state(
             on a fresh rank behind it for the tensors to receive into).
         restore: ``(object) -> None`` loading a state (called on ranks behind the source).
         group: the gloo group to use (None: the default group, which must be gloo);
-            a part of the ranks syncs among itself (host tensors only).
+            a part of the ranks syncs among itself.
+        data_group: the group device tensors travel on (None: the default group):
+            the same ranks as ``group``, on the data backend.
 
     Returns:
         The decision; ``step == NO_STATE`` when no rank has state (a fresh job).
@@ -111,6 +117,7 @@ def sync_state(
         src,
         group,
         receivers=behind_ranks,
+        data_group=data_group,
         # a fresh process has nothing to lose: its own tensors take the bytes
         into=capture() if behind and my_step == NO_STATE else None,
     )
@@ -214,6 +221,7 @@ def broadcast_state(
     group: dist.ProcessGroup | None,
     *,
     receivers: Sequence[int] | None = None,
+    data_group: dist.ProcessGroup | None = None,
     into: Any = None,
     chunk_bytes: int = tensor_stream.CHUNK_BYTES,
 ) -> Any:
@@ -222,15 +230,17 @@ def broadcast_state(
     The structure is pickled on ``group`` (gloo) to every rank; the tensors
     travel without a copy of the whole (:func:`~agents.recovery.tensor_stream.transfer`):
     host tensors point to point on ``group`` to the receivers only, device
-    tensors by a broadcast on the default (data) group.  A receiver allocates
-    each tensor from the structure, on its own current device, unless ``into``
-    holds one to receive it into.
+    tensors by a broadcast on ``data_group`` (the default group unless given).
+    A receiver allocates each tensor from the structure, on its own current
+    device, unless ``into`` holds one to receive it into.
 
     Args:
         capture: ``() -> object``, the state (on the source; None elsewhere).
         src: the source rank.
         group: the gloo group of the structure and the host tensors.
         receivers: the ranks that take the state (None: every rank but ``src``).
+        data_group: the group of the device tensors' broadcast (None: the default
+            group); every rank of ``group`` is in it, and only those.
         into: a receiver's own state of the same structure: each of its tensors
             whose place, shape, dtype and device match is overwritten with the
             source's instead of allocating one (it is left part-written if the
@@ -271,7 +281,7 @@ def broadcast_state(
         if not chosen:
             continue
         route = (
-            tensor_stream.Route(None, True, _device_for(slots[chosen[0]]))
+            tensor_stream.Route(data_group, True, _device_for(slots[chosen[0]]))
             if device_route  # the data backend (NCCL on GPUs) broadcasts device tensors
             else tensor_stream.Route(group, False, torch.device("cpu"))
         )

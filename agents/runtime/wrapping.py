@@ -119,7 +119,7 @@ class WrappedModels:
             )  # fmt: skip
             return self.sharded
         if self._spec.sync.delayed:
-            check_delayed(self._spec, self._device, bool(self.ddps))
+            check_delayed(self._spec, bool(self.ddps))
         if hook_installer is None and uses_spec_hook(self._spec.comm):
             hook_installer = self._spec_hook
         wrapped = wrap_ddp(
@@ -219,20 +219,15 @@ def mode_of(
     return check_mode(sharding or "ddp")
 
 
-def check_delayed(spec: JobSpec, device: torch.device, wrapped_before: bool) -> None:
+def check_delayed(spec: JobSpec, wrapped_before: bool) -> None:
     """What a delayed sync (``sync.mode`` diloco, streaming_diloco) runs on.
 
     Raises:
-        ValueError: a second model, or a GPU worker (the sites' groups are gloo's).
+        ValueError: a second model.
     """
     mode = spec.sync.mode.value
     if wrapped_before:
         raise ValueError(f"sync.mode {mode} syncs one model per job; this session wrapped one")
-    if device.type != "cpu":
-        raise ValueError(
-            f"sync.mode {mode} runs on CPU workers (gloo) in this release; this worker trains "
-            f"on {device}: use comm.backend: gloo, or sync.mode: ddp"
-        )
 
 
 def uses_spec_hook(comm: CommSpec) -> bool:

@@ -1,8 +1,10 @@
 """The outer step of DiLoCo: pseudo-gradients, their average, the outer optimizer (pure).
 
 Runs in the training process; no collective is called here.  Per fragment
-of the model, the *anchor* is the flat float32 copy of its parameters as
-they were after the last outer step (the sites' common, global value).  A
+of the model, the *anchor* is the flat float32 copy of its parameters, in
+host memory, as they were after the last outer step (the sites' common,
+global value).  On a GPU worker the outer state thus costs no device memory;
+a sync copies the fragment out and back once per ``inner_steps`` steps.  A
 site's *pseudo-gradient* is the anchor minus its parameters now: what its
 inner steps moved, with the sign of a gradient.  The sites' average goes
 through SGD with (Nesterov) momentum on the anchor::
@@ -29,8 +31,15 @@ __all__ = ["OuterOptimizer", "average", "flatten", "pseudo_gradient", "write_bac
 
 
 def flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parameters as one new float32 vector, in order."""
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
+    """The parameters as one new float32 vector in host memory, in order (each
+    copied straight in from its device and dtype: no copy of the whole on a GPU)."""
+    out = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        out[offset : offset + n].copy_(p.detach().reshape(-1))
+        offset += n
+    return out
 
 
 def write_back(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

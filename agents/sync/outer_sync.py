@@ -3,10 +3,10 @@
 Runs in the training process.  :class:`OuterSync` is tracked state like a
 model or an optimizer (the session tracks it as ``outer``): the anchors (the
 sites' common parameters after the last outer step, one flat float32 vector
-per fragment), the outer optimizer's momentum, how many outer steps each
-fragment took, and the syncs that started but whose result is not used yet
-(with a delay).  A replacement receives it from a live peer of its site; it
-goes into durable checkpoints.
+per fragment, in host memory also on a GPU worker), the outer optimizer's
+momentum, how many outer steps each fragment took, and the syncs that started
+but whose result is not used yet (with a delay).  A replacement receives it
+from a live peer of its site; it goes into durable checkpoints.
 
 At each step boundary (:meth:`OuterSync.after_step`) a fragment whose sync is
 due computes its pseudo-gradient; the site's leader sends it to the other
@@ -130,12 +130,13 @@ class OuterSync:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a saved outer state; one cut into another number of fragments is re-cut.
+        """Load a saved outer state (into host memory, wherever a restore put its
+        tensors); one cut into another number of fragments is re-cut.
 
         Raises:
             ValueError: the state is of a model with another number of parameters.
         """
-        anchors = [t.float() for t in state["anchors"]]
+        anchors = [_host(t) for t in state["anchors"]]
         numel = sum(a.numel() for a in self.anchors)
         if sum(a.numel() for a in anchors) != numel:
             raise ValueError(
@@ -147,16 +148,16 @@ class OuterSync:
             a.numel() == b.numel() for a, b in zip(anchors, self.anchors, strict=True)
         ):
             self.anchors = [a.clone() for a in anchors]
-            self.momentum = [t.float().clone() for t in state["momentum"]]
+            self.momentum = [_host(t).clone() for t in state["momentum"]]
             self.counts = [int(c) for c in state["counts"]]
             self.pending_at = [int(c) for c in state["pending_at"]]
-            self.pending_delta = [t.float().clone() for t in state["pending_delta"]]
+            self.pending_delta = [_host(t).clone() for t in state["pending_delta"]]
             self.pending_weight = [float(w) for w in state["pending_weight"]]
             return
         # another sync.fragments: the fragments are contiguous runs of the same order
         sizes = [a.numel() for a in self.anchors]
         self.anchors = [a.clone() for a in torch.cat(anchors).split(sizes)]
-        momentum = torch.cat([t.float() for t in state["momentum"]])
+        momentum = torch.cat([_host(t) for t in state["momentum"]])
         self.momentum = [m.clone() for m in momentum.split(sizes)]
         self.counts = [max(int(c) for c in state["counts"])] * len(sizes)
         dropped = sum(1 for at in state["pending_at"] if int(at) != NOT_PENDING)
@@ -272,10 +273,17 @@ class OuterSync:
             decoded = [decode(list(p), kind, numel) for p in parts]
             weights = flight.weights.tolist()
             avg = average(list(zip(weights, decoded, strict=True)))
-        if len(groups.sites.ranks[groups.index]) > 1:
-            dist.broadcast(avg, src=groups.leader, group=groups.inner)
+        if len(groups.sites.ranks[groups.index]) > 1:  # on the site's data backend
+            shared = avg.to(groups.device)
+            dist.broadcast(shared, src=groups.leader, group=groups.inner)
+            avg = shared.cpu()
         self.totals.outer_wait_s += time.perf_counter() - waited
         return avg
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (the outer state itself is in host memory)."""
+        return self._fragments[0][0].device
 
     def _need_groups(self) -> SiteGroups:
         if self.groups is None:
@@ -293,3 +301,8 @@ class OuterSync:
     def take_anchor(self, f: int) -> None:
         """Set fragment ``f``'s parameters to its anchor (the sites' common value)."""
         write_back(self._fragments[f], self.anchors[f])
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32 in host memory (itself when it is already)."""
+    return t.detach().to("cpu", torch.float32)

@@ -82,8 +82,8 @@ def join_sites(
             outer.spec.site_label, outer.spec.site_label,
         )  # fmt: skip
     outer.drop()
-    outer.groups = groups = form_site_groups(sites, rank)
-    step = sync_state(mine, capture, restore, group=groups.inner).step
+    outer.groups = groups = form_site_groups(sites, rank, outer.device)
+    step = sync_state(mine, capture, restore, group=groups.inner_host, data_group=groups.inner).step
     row = torch.tensor([step, *outer.counts], dtype=torch.int64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row, group=control)

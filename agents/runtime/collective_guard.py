@@ -8,7 +8,11 @@ promises nothing either way.  Two things end such a wait here:
   ``multiple`` times the slowest recent step (``comm.op_timeout_multiple``),
   never less than ``comm.op_timeout_floor`` and never more than twice
   ``fault_tolerance.hang_timeout`` (the fixed timeout used before enough
-  steps were seen).  It ends the wait on every backend.
+  steps were seen).  It ends the wait on every backend.  Under a delayed
+  sync the sites' leaders' group, whose all-gathers span many steps, and a
+  boundary that waits for an outer result take ``multiple`` times the
+  slowest recent outer sync instead (within the same floor and ceiling;
+  the ceiling until this generation finished one).
 * **an abort when the generation moves on**: once etcd shows a newer
   generation (the controller declared a peer dead) and the current step has
   not reached its boundary within a short grace, the generation's groups are
@@ -34,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -70,6 +74,8 @@ class OpTimeout:
         self.ceiling = max(ceiling, floor)
         self._recent: deque[float] = deque(maxlen=window)
         self._seen = 0  # steps of the current generation
+        self._outer: deque[float] = deque(maxlen=window)
+        self._outer_seen = 0  # outer syncs of the current generation
 
     @classmethod
     def of_job(cls, spec: JobSpec) -> OpTimeout:
@@ -85,6 +91,19 @@ class OpTimeout:
     def new_generation(self) -> None:
         """A generation starts: the ceiling applies again until it has warmed up."""
         self._seen = 0
+        self._outer_seen = 0
+
+    def observe_outer(self, sync_seconds: float) -> None:
+        """An outer sync took ``sync_seconds`` from its start to its result's use."""
+        if self._outer_seen >= 1:  # a generation's first may wait for a site catching up
+            self._outer.append(sync_seconds)
+        self._outer_seen += 1
+
+    def between_sites(self) -> float:
+        """Seconds a collective between sites (or a boundary that waits for one) may take."""
+        if self._outer_seen < 2 or not self._outer:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.multiple * max(self._outer)))
 
     def observe(self, step_seconds: float) -> None:
         if self._seen >= WARMUP_STEPS:  # warm-up steps say nothing of steady state
@@ -155,13 +174,21 @@ class CollectiveGuard:
             if self._groups is not None and not self._relaxed:
                 self._apply(self.timeout.current())
 
+    def outer_synced(self, seconds: float) -> None:
+        """An outer sync took ``seconds``; adapt the timeout between sites."""
+        self.timeout.observe_outer(seconds)
+        with self._lock:
+            if self._groups is not None and not self._relaxed:
+                self._apply(self.timeout.current(), force=True)
+
     @contextmanager
-    def relaxed(self) -> Iterator[None]:
-        """Collectives inside (a durable save's) get the ceiling, not the learnt timeout."""
+    def relaxed(self, seconds: float | None = None) -> Iterator[None]:
+        """Collectives inside get ``seconds`` (None: the ceiling, as a durable save's
+        do), not the learnt timeout."""
         with self._lock:
             self._relaxed += 1
             if self._groups is not None:
-                self._apply(self.timeout.ceiling, force=True)
+                self._apply(self.timeout.ceiling if seconds is None else seconds, force=True)
         try:
             yield
         finally:
@@ -169,6 +196,12 @@ class CollectiveGuard:
                 self._relaxed -= 1
                 if self._groups is not None and not self._relaxed:
                     self._apply(self.timeout.current(), force=True)
+
+    def between_sites(self) -> AbstractContextManager[None]:
+        """A boundary that waits for an outer result (a site's ranks wait in its
+        broadcast while their leader waits for the other sites): every group gets
+        the timeout between sites where it is the longer."""
+        return self.relaxed(max(self.timeout.current(), self.timeout.between_sites()))
 
     def ended_by(self, error: BaseException) -> str:
         """What ended the failed step: ``timeout``, ``abort`` or ``error`` (it raised).
@@ -193,8 +226,11 @@ class CollectiveGuard:
         assert self._groups is not None
         if not force and abs(seconds - self._applied) <= _REAPPLY * self._applied:
             return
+        # while relaxed, the groups between sites get no less than the others
+        between = self.timeout.between_sites()
+        between = max(between, seconds) if self._relaxed else between
         try:
-            set_op_timeout(self._groups, timedelta(seconds=seconds))
+            set_op_timeout(self._groups, timedelta(seconds=seconds), timedelta(seconds=between))
             self._applied = seconds
         except (RuntimeError, AttributeError) as e:  # a torch without per-group timeouts
             log.debug("operation timeout not applied: %s", e)

@@ -322,7 +322,8 @@ class Generations:
                 restore = functools.partial(_restore, held.tracked)
                 if models.outer is not None:  # a delayed sync: each site its own state
                     outer, control = models.outer, groups.control
-                    synced = join_sites(outer, plan, rank, mine, capture, restore, control)
+                    ceiling = self._spec.fault_tolerance.hang_timeout * 2
+                    synced = join_sites(outer, plan, rank, mine, capture, restore, control, ceiling)
                 else:
                     synced = sync_state(mine, capture, restore, group=groups.control).step
                 if synced != NO_STATE:

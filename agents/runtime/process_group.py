@@ -87,6 +87,9 @@ class Groups:
         stepwise: groups formed in the generation whose collectives run once a
             step or more (a delayed sync's site group): the learnt timeout
             applies to them as well.
+        between_sites: a delayed sync's leaders' group (on its site's leader),
+            whose collectives span many steps: a timeout learnt from the outer
+            syncs applies to it.
     """
 
     backend: str
@@ -94,6 +97,7 @@ class Groups:
     store: tuple[str, int]
     sockets: frozenset[int] = frozenset()
     stepwise: tuple[dist.ProcessGroup, ...] = ()
+    between_sites: tuple[dist.ProcessGroup, ...] = ()
 
     def each(self) -> list[dist.ProcessGroup]:
         """The data group, the control group when there is one of its own, then the
@@ -335,10 +339,15 @@ def hang_up(sockets: frozenset[int]) -> int:
     return done
 
 
-def set_op_timeout(groups: Groups, timeout: timedelta) -> None:
-    """Give every later collective of ``groups`` at most ``timeout``."""
+def set_op_timeout(
+    groups: Groups, timeout: timedelta, between_sites: timedelta | None = None
+) -> None:
+    """Give every later collective of ``groups`` at most ``timeout``, of the groups
+    between sites at most ``between_sites`` (None: ``timeout`` too)."""
     for group in groups.each():
         group.set_timeout(timeout)
+    for group in groups.between_sites:
+        group.set_timeout(between_sites or timeout)
 
 
 #: How long the training thread lets go of the GIL after the last collective, so

@@ -328,8 +328,10 @@ class Session:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
                 outer_wait = self._models.waits_between_sites(st.step)
-                with self._guard.relaxed() if outer_wait else contextlib.nullcontext():
+                with self._guard.between_sites() if outer_wait else contextlib.nullcontext():
                     self._models.after_step(st.step, st.tracked)  # and a delayed sync's
+                for seconds in self._models.outer_syncs_taken():
+                    self._guard.outer_synced(seconds)
                 self._telemetry.step_done(st.hook, self._models.ddps)
                 self._generations.step_completed()
                 if not self._models.catching_up(st.step):  # a site catching up does not vote
@@ -418,7 +420,9 @@ class Session:
         self._votes.joined()
         self._models.rebuild(st.step if st.has_state else None)
         self._groups = dataclasses.replace(
-            self._generations.settled(joined), stepwise=self._models.stepwise_groups()
+            self._generations.settled(joined),
+            stepwise=self._models.stepwise_groups(),
+            between_sites=self._models.between_sites_groups(),
         )
         self._heartbeat.start()
         self._heartbeat.poke()

@@ -163,6 +163,17 @@ class WrappedModels:
         groups = self.outer.groups if self.outer is not None else None
         return (groups.inner,) if groups is not None else ()
 
+    def between_sites_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """A delayed sync's leaders' group, on a site's leader (its timeout is learnt
+        from the outer syncs)."""
+        groups = self.outer.groups if self.outer is not None else None
+        return (groups.outer,) if groups is not None and groups.outer is not None else ()
+
+    def outer_syncs_taken(self) -> list[float]:
+        """The seconds each outer sync finished since the last call took (see
+        :meth:`agents.sync.outer_sync.OuterSync.took`)."""
+        return self.outer.took() if self.outer is not None else []
+
     def _data_group(self) -> dist.ProcessGroup | None:
         """The group a DDP averages over: its site's under a delayed sync, else every rank."""
         groups = self.outer.groups if self.outer is not None else None

@@ -106,6 +106,8 @@ class OuterSync:
         #: fragment at its anchor, the global model (the same on every site)
         self.end: int | None = None
         self.totals = SyncTotals(last_sync=[0] * len(runs))
+        self._began = [0.0] * len(runs)  # when each fragment's sync under way started here
+        self._took: list[float] = []
 
     @property
     def fragments(self) -> int:
@@ -207,10 +209,19 @@ class OuterSync:
         started, the syncs a broken generation left under way, and finish those due."""
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
             if self.pending_at[f] != NOT_PENDING and f not in self.resolved:
+                self._began[f] = time.perf_counter()
                 self._exchange(f)
         self.after_step(done)
 
+    def took(self) -> list[float]:
+        """The seconds from start to use of each sync finished here since the last call
+        (one whose result came from another site's generation is left out): what the
+        timeout between sites is learnt from."""
+        took, self._took = self._took, []
+        return took
+
     def _start(self, f: int, at: int) -> None:
+        self._began[f] = time.perf_counter()
         self.pending_delta[f] = pseudo_gradient(self.anchors[f], self._fragments[f])
         self.pending_weight[f] = 1.0
         self.pending_at[f] = at
@@ -248,6 +259,8 @@ class OuterSync:
             self.anchors[f], self.momentum[f] = self.resolved.pop(f)
         else:
             self._optimizer.step(self.anchors[f], self.momentum[f], self._average(f))
+            if self._began[f]:
+                self._took.append(time.perf_counter() - self._began[f])
         if self.schedule.delay_steps:  # keep what the inner steps since the start changed
             moved = flatten(self._fragments[f]) - (old - self.pending_delta[f])
             write_back(self._fragments[f], self.anchors[f] + moved)

@@ -16,6 +16,7 @@ to.  They go with the generation's default group
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,17 +56,22 @@ class SiteGroups:
         return self.outer is not None
 
 
-def form_site_groups(sites: Sites, rank: int, device: torch.device) -> SiteGroups:
+def form_site_groups(
+    sites: Sites, rank: int, device: torch.device, timeout: timedelta
+) -> SiteGroups:
     """Create the groups of ``sites`` (every rank of the generation calls this).
 
     Args:
         device: this worker's device (its GPU is where NCCL's tensors go).
+        timeout: what a collective of these groups may take until the generation's
+            guard learns better (the generation's own groups'; torch's default for a
+            new group is 30 minutes).
     """
     index = sites.index_of(rank)
     gloo_data = dist.get_backend() == "gloo"
-    inner = _each_site(sites, index, None)
-    inner_host = inner if gloo_data else _each_site(sites, index, "gloo")
-    outer = dist.new_group(ranks=list(sites.leaders), backend="gloo")
+    inner = _each_site(sites, index, None, timeout)
+    inner_host = inner if gloo_data else _each_site(sites, index, "gloo", timeout)
+    outer = dist.new_group(ranks=list(sites.leaders), backend="gloo", timeout=timeout)
     leader = sites.leaders[index]
     return SiteGroups(
         sites=sites,
@@ -78,11 +84,13 @@ def form_site_groups(sites: Sites, rank: int, device: torch.device) -> SiteGroup
     )
 
 
-def _each_site(sites: Sites, index: int, backend: str | None) -> dist.ProcessGroup:
+def _each_site(
+    sites: Sites, index: int, backend: str | None, timeout: timedelta
+) -> dist.ProcessGroup:
     """One group per site on ``backend`` (None: the default group's); this site's."""
     mine: dist.ProcessGroup | None = None
     for i, ranks in enumerate(sites.ranks):
-        group = dist.new_group(ranks=list(ranks), backend=backend)
+        group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
         if i == index:
             mine = group
     assert isinstance(mine, dist.ProcessGroup)

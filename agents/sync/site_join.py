@@ -32,6 +32,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ def join_sites(
     capture: Callable[[], Any],
     restore: Callable[[Any], None],
     control: dist.ProcessGroup | None,
+    timeout: timedelta,
 ) -> int:
     """Form the sites' groups and bring each site to its state (see the module docstring).
 
@@ -71,6 +73,7 @@ def join_sites(
         capture: this rank's live state (called on a source only).
         restore: loads a live state into the tracked objects.
         control: the generation's gloo control group (None: the default group).
+        timeout: the generation's collective timeout (the sites' groups start with it).
     """
     sites = Sites.of_plan(plan, outer.spec.site_label)
     if len(sites) == 1 and rank == 0:
@@ -82,7 +85,7 @@ def join_sites(
             outer.spec.site_label, outer.spec.site_label,
         )  # fmt: skip
     outer.drop()
-    outer.groups = groups = form_site_groups(sites, rank, outer.device)
+    outer.groups = groups = form_site_groups(sites, rank, outer.device, timeout)
     step = sync_state(mine, capture, restore, group=groups.inner_host, data_group=groups.inner).step
     row = torch.tensor([step, *outer.counts], dtype=torch.int64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]

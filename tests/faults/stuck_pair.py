@@ -23,11 +23,18 @@ WORKER = Path(__file__).with_name("stuck_pair_worker.py")
 
 
 def run_stuck_pair(
-    etcd_endpoint: str, tmp: Path, *, backend: str, op_timeout: float, pause: float = 0.0
+    etcd_endpoint: str,
+    tmp: Path,
+    *,
+    backend: str,
+    op_timeout: float,
+    pause: float = 0.0,
+    between_sites: bool = False,
 ) -> dict[str, Any]:
     moved, out = tmp / "moved", tmp / "rank0.json"
     args = [etcd_endpoint, f"stuck-{uuid.uuid4().hex[:8]}", "--moved", str(moved),
-            "--out", str(out), "--backend", backend, "--op-timeout", str(op_timeout)]  # fmt: skip
+            "--out", str(out), "--backend", backend, "--op-timeout", str(op_timeout),
+            *(["--between-sites"] if between_sites else [])]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     procs = [

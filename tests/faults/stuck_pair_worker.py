@@ -9,14 +9,19 @@ all-reducing and writes how its stuck collective ended to ``--out``.
 
 Arguments: RANK ETCD_ENDPOINT JOB --moved FILE --out FILE [--backend nccl|gloo]
 [--op-timeout SECONDS] (the guard's ceiling, what applies before any step is learnt)
+[--between-sites] (the ranks are two sites of a delayed sync, each its own leader:
+the stuck collective runs on the leaders' group, whose timeout the guard learns
+from two outer syncs of 0.05 s: its floor of 1 s, not the ceiling)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,6 +29,8 @@ import torch.distributed as dist
 
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.process_group import choose_device, form_group, teardown_group
+from agents.sync.site_groups import form_site_groups
+from agents.sync.sites import Sites
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 
@@ -37,19 +44,30 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--backend", default="nccl")
     p.add_argument("--op-timeout", type=float, default=120.0)
+    p.add_argument("--between-sites", action="store_true")
     a = p.parse_args()
     os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # a failed work raises in wait()
     client = connect(EtcdOptions(endpoints=parse_endpoints(a.endpoint)))
     backend, device = choose_device(a.backend, a.rank if a.backend == "nccl" else 0)
     groups = form_group(client, a.job, 1, a.rank, 2, "127.0.0.1", backend=backend, device=device)
+    group = None  # the default group
+    if a.between_sites:
+        sites = Sites(("a", "b"), ((0,), (1,)))
+        site = form_site_groups(sites, a.rank, device, timedelta(seconds=a.op_timeout))
+        groups = dataclasses.replace(groups, between_sites=(site.outer,))
+        group = site.outer
+    floor = 1.0 if a.between_sites else a.op_timeout
     guard = CollectiveGuard(
-        OpTimeout(floor=a.op_timeout, multiple=10, ceiling=a.op_timeout),
+        OpTimeout(floor=floor, multiple=10, ceiling=a.op_timeout),
         latest_generation=lambda: 2 if a.moved.exists() else 1,
     )
     guard.attach(groups, 1)
-    t = torch.ones(1 << 16, device=device)
+    if a.between_sites:
+        guard.outer_synced(0.05)  # a generation's first sync is not learnt from
+        guard.outer_synced(0.05)
+    t = torch.ones(1 << 16, device=device if group is None else torch.device("cpu"))
     for _ in range(5):
-        dist.all_reduce(t, async_op=True).wait()
+        dist.all_reduce(t, group=group, async_op=True).wait()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if a.rank == 1:
@@ -59,7 +77,7 @@ def main() -> None:
     started = time.monotonic()
     try:
         while True:
-            dist.all_reduce(t, async_op=True).wait()
+            dist.all_reduce(t, group=group, async_op=True).wait()
     except Exception as e:  # the stuck collective's error is the result
         a.out.write_text(
             json.dumps(

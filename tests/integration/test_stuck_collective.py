@@ -30,3 +30,18 @@ def test_gloo_wait_on_a_stopped_peer_ends_at_the_operation_timeout(
     assert result["ended_by"] == "timeout", result
     # the learnt timeout, not torch's default (30 min) or twice hang_timeout
     assert 1.0 < result["seconds"] < 10.0, result
+
+
+def test_a_wait_between_sites_ends_at_the_timeout_learnt_from_outer_syncs(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """Two sites of a delayed sync, one rank each: the other site's leader stops while
+    this one waits in a collective of the leaders' group.  The guard learnt from two
+    outer syncs of 0.05 s that such a wait may take its floor, 1 s: the wait ends
+    there, not at the ceiling the group was formed with (60 s here; torch's own
+    default for a new group is 30 minutes)."""
+    result = run_stuck_pair(
+        etcd.endpoint, tmp_path, backend="gloo", op_timeout=60.0, between_sites=True
+    )
+    assert result["ended_by"] == "timeout", result
+    assert 0.5 < result["seconds"] < 10.0, result

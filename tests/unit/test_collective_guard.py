@@ -49,6 +49,29 @@ def test_abort_grace_lets_a_planned_step_end_on_its_own() -> None:
     assert t.abort_grace() == pytest.approx(4.0)
 
 
+def test_the_timeout_between_sites_follows_the_slowest_recent_outer_sync() -> None:
+    t = OpTimeout(floor=5, multiple=10, ceiling=600, window=4)
+    _warm(t)
+    t.observe(0.1)
+    assert (t.current(), t.between_sites()) == (5, 600)  # no outer sync seen yet
+    t.observe_outer(50.0)  # a generation's first sync may wait for a site catching up
+    assert t.between_sites() == 600
+    t.observe_outer(1.5)
+    assert t.between_sites() == pytest.approx(15.0)  # 10 x the slowest sync, not the steps'
+    t.observe_outer(0.2)
+    assert t.between_sites() == pytest.approx(15.0)
+    t.new_generation()  # a new generation's first sync is not learnt from either
+    assert t.between_sites() == 600
+    t.observe_outer(0.1)
+    t.observe_outer(0.1)
+    assert t.between_sites() == pytest.approx(15.0)  # the window spans generations
+    for _ in range(4):
+        t.observe_outer(0.1)
+    assert t.between_sites() == 5  # the slow one left the window; never under the floor
+    t.observe_outer(100.0)
+    assert t.between_sites() == 600  # never above twice hang_timeout
+
+
 def test_ended_by_names_the_mechanism() -> None:
     guard = CollectiveGuard(OpTimeout(5, 10, 600), latest_generation=lambda: 0)
     try:

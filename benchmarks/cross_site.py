@@ -95,13 +95,15 @@ class TimedLines(list[str]):
 def rows(args: argparse.Namespace) -> list[Row]:
     """The rows of one run, in order (see the module docstring)."""
     powersgd = {"compression": {"type": "powersgd", "rank": 4, "start_iter": WARM_STEPS}}
-    diloco = {"mode": "diloco", "inner_steps": args.inner_steps}
+    outer = {"name": args.outer_optimizer, "lr": args.outer_lr, "momentum": args.outer_momentum}
+    diloco = {"mode": "diloco", "inner_steps": args.inner_steps, "outer_optimizer": outer}
     streaming = {
         "mode": "streaming_diloco",
         "inner_steps": args.inner_steps,
         "fragments": args.fragments,
         "delay_steps": args.delay_steps,
         "outer_quantization": "4bit",
+        "outer_optimizer": outer,
     }
     out = [Row("ddp_nolimit", None)]
     for rate in args.rates.split(","):
@@ -331,12 +333,15 @@ def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
         "inner_steps": args.inner_steps,
         "streaming_fragments": args.fragments,
         "streaming_delay_steps": args.delay_steps,
+        "outer_optimizer": f"{args.outer_optimizer} lr {args.outer_lr} momentum "
+        f"{args.outer_momentum}",
     }
     for name, r in results.items():
         out[f"{name}_steps_per_s"] = round(r["steps_per_s"], 3)
         out[f"{name}_link_kb_per_step"] = round(r["link_bytes_per_step"] / 1e3, 1)
         out[f"{name}_eval_loss"] = round(r["eval_loss"], 4)
-        ddp = results.get(f"ddp_{name.rsplit('_', 1)[1]}")
+        # DDP in fp32 sends the same bytes whatever the link: the no-limit row stands in
+        ddp = results.get(f"ddp_{name.rsplit('_', 1)[1]}") or ref
         if ddp is not None and r["link_bytes_per_step"]:
             ratio = ddp["link_bytes_per_step"] / r["link_bytes_per_step"]
             out[f"{name}_bytes_vs_ddp_fp32_x"] = round(ratio, 1)
@@ -370,6 +375,9 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=24, help="H of both DiLoCo rows")
     parser.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's F")
     parser.add_argument("--delay-steps", type=int, default=2, help="Streaming DiLoCo's tau")
+    parser.add_argument("--outer-optimizer", default="nesterov", help="nesterov or sgd")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="both DiLoCo rows'")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="both DiLoCo rows'")
     parser.add_argument("--no-kill", action="store_true", help="skip the SIGKILL row")
     parser.add_argument("--only", default="", help="run only these rows (names, commas)")
     parser.add_argument("--keep-logs", default="", help="directory: each row's output")

@@ -24,6 +24,7 @@ import torch
 from orchestrator.api import JobPhase
 from orchestrator.etcd.options import EtcdOptions
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
+from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -38,14 +39,9 @@ def cluster() -> Iterator[EtcdCluster]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final parameters of a fault-free run of the same job."""
-    tmp = tmp_path_factory.mktemp("reference")
-    lines: list[str] = []
-    with quiet_run(tiny_job("reference", tmp, steps=STEPS, spares=0), lines) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    return torch.load(tmp / "final.pt")  # type: ignore[no-any-return]
+def reference() -> dict[str, torch.Tensor]:
+    """Final parameters of a fault-free run of the same job (computed here)."""
+    return tiny_final(STEPS)
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -21,6 +21,7 @@ from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
+from tests.chaos.tiny_by_hand import tiny_final
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -28,17 +29,9 @@ STEPS = 120
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final parameters of a fault-free run of the same job."""
-    tmp = tmp_path_factory.mktemp("reference")
-    lines: list[str] = []
-    spec = tiny_job("reference", tmp, steps=STEPS, spares=0)
-    with quiet_run(spec, lines) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert result.recoveries == 0
-    assert_exactly_once(tmp, STEPS)
-    return torch.load(tmp / "final.pt")  # type: ignore[no-any-return]
+def reference() -> dict[str, torch.Tensor]:
+    """Final parameters of a fault-free run of the same job (computed here)."""
+    return tiny_final(STEPS)
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

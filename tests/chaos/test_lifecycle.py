@@ -36,8 +36,9 @@ from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.records import JobStatus
 from orchestrator.runs import list_runs
-from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job
+from tests.chaos.jobs import assert_exactly_once, tiny_job
 from tests.chaos.test_hot_swap import assert_same_params
+from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.processes import Services
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -49,17 +50,9 @@ NODES = ("node-a", "node-b", "node-c")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final parameters of an uninterrupted run of the same job."""
-    tmp = tmp_path_factory.mktemp("reference")
-    lines: list[str] = []
-    spec = tiny_job("reference", tmp, steps=STEPS, step_time=STEP_TIME, spares=0)
-    with quiet_run(spec, lines) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert result.recoveries == 0, summary(result, lines)
-    params: dict[str, torch.Tensor] = torch.load(tmp / "final.pt")
-    return params
+def reference() -> dict[str, torch.Tensor]:
+    """Final parameters of an uninterrupted run of the same job (computed here)."""
+    return tiny_final(STEPS)
 
 
 def _tail(lines: list[str], n: int = 60) -> str:

@@ -32,7 +32,8 @@ from orchestrator.controller.world import read_progress
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.records import CheckpointRecord, Plan
 from orchestrator.spec import JobSpec
-from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
+from tests.chaos.jobs import assert_exactly_once, step_log, tiny_job
+from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.netns import IsolatedNode, isolated_or_skip
 from tests.faults.partitioned_job import partitioned_job, wait_for
 
@@ -63,14 +64,9 @@ def partition_job(name: str, tmp: Path, spares: int) -> JobSpec:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final parameters of a fault-free run of the same job."""
-    tmp = tmp_path_factory.mktemp("reference")
-    lines: list[str] = []
-    with quiet_run(partition_job("reference", tmp, spares=0), lines) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    return torch.load(tmp / "final.pt")  # type: ignore[no-any-return]
+def reference() -> dict[str, torch.Tensor]:
+    """Final parameters of a fault-free run of the same job (computed here)."""
+    return tiny_final(STEPS)
 
 
 @pytest.fixture

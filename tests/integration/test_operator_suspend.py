@@ -39,7 +39,6 @@ import pytest
 import torch
 
 from orchestrator import jobs, keys, records
-from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
@@ -48,7 +47,8 @@ from orchestrator.operator.handlers import Runtime, sync_job
 from orchestrator.operator.records import EtcdJobRecords
 from orchestrator.operator.status import rfc3339
 from orchestrator.records import CheckpointRecord
-from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, step_log, summary, tiny_job
+from tests.chaos.jobs import REPO, assert_exactly_once, step_log
+from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.processes import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -63,16 +63,9 @@ NAMESPACE = "ml"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final parameters of an uninterrupted run of the same job."""
-    tmp = tmp_path_factory.mktemp("reference")
-    lines: list[str] = []
-    spec = tiny_job("reference", tmp, steps=STEPS, step_time=STEP_TIME, spares=0)
-    with quiet_run(spec, lines) as run:
-        result = run.wait()
-    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    params: dict[str, torch.Tensor] = torch.load(tmp / "final.pt")
-    return params
+def reference() -> dict[str, torch.Tensor]:
+    """Final parameters of an uninterrupted run of the same job (computed here)."""
+    return tiny_final(STEPS)
 
 
 def training_job(tmp: Path, endpoint: str) -> dict[str, Any]:

@@ -434,7 +434,11 @@ class Session:
         """The step boundary: vote when one is due (:mod:`agents.runtime.boundary`), then act."""
         st = self._state
         agreed = self._vote(step_seconds) if self._votes.votes_at(st.step) else None
-        decision = self._votes.decide(st.step, st.generation, agreed, self._saving.trigger)
+        generation = st.generation
+        if agreed is None and self._models.outer is not None:  # between the sites' meetings
+            with self._failures.collective():
+                generation = self._models.site_generation(self._watch.latest_generation())
+        decision = self._votes.decide(st.step, generation, agreed, self._saving.trigger)
         if decision.pause:
             st.paused = f"etcd unreachable at step {st.step}"
             try:

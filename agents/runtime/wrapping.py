@@ -156,12 +156,29 @@ class WrappedModels:
         return self.outer is not None and step <= self.outer.catch_up_to
 
     def stepwise_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """A delayed sync's site group: its DDP's collectives run every step, so the
-        learnt operation timeout suits them (a boundary that waits for an outer result
-        runs with the ceiling instead: :meth:`waits_between_sites`).  The leaders'
-        group is left out: an outer sync may take many steps' time across a slow link."""
+        """A delayed sync's site groups: their collectives run every step (its DDP's,
+        the check of :meth:`site_generation`), so the learnt operation timeout suits
+        them (a boundary that waits for an outer result runs with the timeout between
+        sites where it is longer: :meth:`waits_between_sites`).  The leaders' group is
+        left out: an outer sync may take many steps' time across a slow link."""
         groups = self.outer.groups if self.outer is not None else None
-        return (groups.inner,) if groups is not None else ()
+        if groups is None:
+            return ()
+        host = (groups.inner_host,) if groups.inner_host is not groups.inner else ()
+        return (groups.inner, *host)
+
+    def site_generation(self, latest: int) -> int:
+        """Under a delayed sync, at a boundary between the sites' meetings: the newest
+        generation a rank of this site has seen (``latest``: this rank's).  A site
+        leaves a generation that moved on at its next step, together (its DDP spans
+        it), instead of training on to its next outer sync: a site waiting to come
+        back would otherwise wait up to ``inner_steps`` steps, and then catch them up."""
+        groups = self.outer.groups if self.outer is not None else None
+        if groups is None or len(groups.sites.ranks[groups.index]) == 1:
+            return latest
+        newest = torch.tensor([latest], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=groups.inner_host)
+        return int(newest.item())
 
     def between_sites_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """A delayed sync's leaders' group, on a site's leader (its timeout is learnt

@@ -252,9 +252,10 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     back = [line for line in lines if "site a had no state" in line]
     assert back and back[0].startswith("[node-3]"), summary(result, lines)
-    # site b notices at its next meeting with site a: the outer sync of a multiple of 10,
-    # which then averages site b's pseudo-gradient alone
+    # site b leaves the generation at its next step (not at its next meeting with site a):
+    # the spare starts from the anchors there, and the next sync averages both sites
     lost_at = int(back[0].rsplit("at step ", 1)[1])
+    assert lost_at % 10 != 0, lost_at  # mid inner period, where site b was
     want = HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS, lost_at=lost_at).final()
     assert_same_params(torch.load(tmp_path / "final.pt"), want)
 

@@ -118,6 +118,15 @@ class OuterSync:
         """The parameters the anchors stand for, fragment after fragment."""
         return [p for fragment in self._fragments for p in fragment]
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The outer state's tensors whose values nothing will read: the pseudo-gradient
+        kept for a fragment with no sync under way (the next sync's start overwrites it),
+        and the momentum of an outer step without momentum.  A site without state is
+        not sent them (:func:`agents.sync.site_join.join_sites`)."""
+        idle = [d for d, at in zip(self.pending_delta, self.pending_at, strict=True)
+                if at == NOT_PENDING]  # fmt: skip
+        return idle + (list(self.momentum) if not self._optimizer.momentum else [])
+
     # -- tracked state -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ anywhere sends its state) would hand one site's work to another.  Instead:
      parameters (the anchors): it starts from the global model, and the syncs
      under way count it with weight 0.  The sending site's own parameters are
      left out of what crosses the slow link: the anchors replace them on
-     arrival (:func:`without_parameters`, :func:`put_back`).
+     arrival (:func:`without_parameters`, :func:`put_back`), and so are the
+     outer buffers not in use.
    - A fragment whose outer step went through on one site but not on another
      (the generation broke while the result was shared inside a site, or
      before its delay ran out) takes that site's result, used when this
@@ -44,7 +45,7 @@ from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
 from orchestrator.records import Plan
 
-__all__ = ["FromAnchors", "join_sites", "put_back", "without_parameters"]
+__all__ = ["LeftOut", "join_sites", "put_back", "without_parameters"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -99,8 +100,8 @@ def join_sites(
     if NO_STATE in steps:
         src = steps.index(best)
         empty = [r for r, s in enumerate(steps) if s == NO_STATE]
-        params = outer.parameters
-        sent = functools.partial(without_parameters, capture, params) if rank == src else None
+        left_out = [*outer.parameters, *outer.idle_buffers()]
+        sent = functools.partial(without_parameters, capture, left_out) if rank == src else None
         state = broadcast_state(sent, src, control, receivers=empty)
         for r, s in enumerate(steps):
             if s == NO_STATE:
@@ -152,22 +153,23 @@ def _reconcile_fragments(
 
 
 @dataclass(frozen=True)
-class FromAnchors:
-    """In a state sent to a site without state: a parameter left out (the anchors
-    replace it on arrival)."""
+class LeftOut:
+    """In a state sent to a site without state: a tensor left out, whose place the
+    receiver's own tensor takes (a parameter, which the anchors then overwrite, or an
+    outer buffer not in use: see :meth:`~agents.sync.outer_sync.OuterSync.idle_buffers`)."""
 
 
 def without_parameters(capture: Callable[[], Any], params: Sequence[torch.Tensor]) -> Any:
     """``capture()`` with each tensor that is one of ``params`` (a model's state dict holds
-    its parameters' own storage) replaced by :class:`FromAnchors`."""
+    its parameters' own storage) replaced by :class:`LeftOut`."""
     held = {_place(p) for p in params}
-    return map_tensors(capture(), lambda t: FromAnchors() if _place(t) in held else t, torch.Tensor)
+    return map_tensors(capture(), lambda t: LeftOut() if _place(t) in held else t, torch.Tensor)
 
 
 def put_back(state: Any, own: Any) -> Any:
-    """``state`` with each :class:`FromAnchors` replaced by what ``own`` (the receiving
+    """``state`` with each :class:`LeftOut` replaced by what ``own`` (the receiving
     rank's own state, of the same structure) holds at that place."""
-    if isinstance(state, FromAnchors):
+    if isinstance(state, LeftOut):
         if not isinstance(own, torch.Tensor):
             raise RuntimeError(
                 "a site without state got another site's state whose structure differs from "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agents.recovery.state_sync import split_tensors
-from agents.sync.site_join import FromAnchors, put_back, without_parameters
+from agents.sync.site_join import LeftOut, put_back, without_parameters
 
 pytestmark = pytest.mark.unit
 
@@ -34,12 +34,12 @@ def test_only_the_models_own_parameters_are_left_out() -> None:
     sent = without_parameters(lambda: _state(model), list(model.parameters()))
     kept = sent["tracked"]["model"]
     # both names of the tied weight, and the norm's affine parameters, stay behind
-    left_out = sorted(k for k, v in kept.items() if isinstance(v, FromAnchors))
+    left_out = sorted(k for k, v in kept.items() if isinstance(v, LeftOut))
     assert left_out == ["embed.weight", "norm.bias", "norm.weight", "out.weight"]
     # buffers (running statistics) are not parameters: they travel
     assert torch.equal(kept["norm.running_mean"], model.norm.running_mean)
     # a copy of the parameters (an EMA) is not the parameters: it travels whole
-    assert not any(isinstance(v, FromAnchors) for v in sent["tracked"]["ema"].values())
+    assert not any(isinstance(v, LeftOut) for v in sent["tracked"]["ema"].values())
     full = sum(t.numel() for t in split_tensors(_state(model))[1])
     less = sum(t.numel() for t in split_tensors(sent)[1])
     assert full - less == 7 * 4 * 2 + 4 + 4  # the tied weight twice, the norm's two
@@ -66,3 +66,31 @@ def test_a_receiver_of_another_structure_is_told_so() -> None:
     other = {"step": 0, "tracked": {"model": {}, "ema": {}}, "rng": None}
     with pytest.raises(RuntimeError, match="same model"):
         put_back(sent, other)
+
+
+def test_the_outer_buffers_nothing_reads_are_left_out_too() -> None:
+    """A fragment with no sync under way keeps a stale pseudo-gradient (its next start
+    overwrites it), and an outer step without momentum never reads its buffer: neither
+    is sent; a pending fragment's pseudo-gradient and a used momentum are."""
+    from agents.sync.outer_sync import NOT_PENDING, OuterSync
+    from orchestrator.spec_sync import OuterOptimizerName, OuterOptimizerSpec, SyncMode, SyncSpec
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for name, momentum in ((OuterOptimizerName.NESTEROV, 0.9), (OuterOptimizerName.SGD, 0.0)):
+        spec = SyncSpec(
+            mode=SyncMode.STREAMING_DILOCO,
+            inner_steps=8,
+            fragments=2,
+            delay_steps=1,
+            outer_optimizer=OuterOptimizerSpec(name=name, lr=1.0, momentum=momentum),
+        )
+        outer = OuterSync(spec, list(model.parameters()))
+        outer.pending_at = [4, NOT_PENDING]  # fragment 0's sync is under way
+        sent = without_parameters(outer.state_dict, [*outer.parameters, *outer.idle_buffers()])
+        assert isinstance(sent["pending_delta"][1], LeftOut)
+        assert isinstance(sent["pending_delta"][0], torch.Tensor)
+        moments = sent["momentum"]
+        assert all(isinstance(m, LeftOut if momentum == 0 else torch.Tensor) for m in moments)
+        assert all(isinstance(a, torch.Tensor) for a in sent["anchors"])
+        back = put_back(sent, outer.state_dict())  # the receiver's own take the places
+        assert all(isinstance(t, torch.Tensor) for t in back["pending_delta"] + back["momentum"])

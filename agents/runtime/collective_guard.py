@@ -12,7 +12,8 @@ promises nothing either way.  Two things end such a wait here:
   sync the sites' leaders' group, whose all-gathers span many steps, and a
   boundary that waits for an outer result take ``multiple`` times the
   slowest recent outer sync instead (within the same floor and ceiling;
-  the ceiling until this generation finished one).
+  the ceiling until this generation finished its second: its first may
+  wait for a site catching up).
 * **an abort when the generation moves on**: once etcd shows a newer
   generation (the controller declared a peer dead) and the current step has
   not reached its boundary within a short grace, the generation's groups are

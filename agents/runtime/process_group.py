@@ -85,7 +85,7 @@ class Groups:
         sockets: the inodes of the TCP sockets this process opened for the
             generation's groups (see :func:`hang_up`).
         stepwise: groups formed in the generation whose collectives run once a
-            step or more (a delayed sync's site group): the learnt timeout
+            step or more (a delayed sync's site groups): the learnt timeout
             applies to them as well.
         between_sites: a delayed sync's leaders' group (on its site's leader),
             whose collectives span many steps: a timeout learnt from the outer
@@ -347,7 +347,7 @@ def set_op_timeout(
     for group in groups.each():
         group.set_timeout(timeout)
     for group in groups.between_sites:
-        group.set_timeout(between_sites or timeout)
+        group.set_timeout(timeout if between_sites is None else between_sites)
 
 
 #: How long the training thread lets go of the GIL after the last collective, so

@@ -4,7 +4,8 @@ Runs in the training process; no collective is called here.  Per fragment
 of the model, the *anchor* is the flat float32 copy of its parameters, in
 host memory, as they were after the last outer step (the sites' common,
 global value).  On a GPU worker the outer state thus costs no device memory;
-a sync copies the fragment out and back once per ``inner_steps`` steps.  A
+a sync copies the fragment out and back (out twice with a delay) once per
+``inner_steps`` steps.  A
 site's *pseudo-gradient* is the anchor minus its parameters now: what its
 inner steps moved, with the sign of a gradient.  The sites' average goes
 through SGD with (Nesterov) momentum on the anchor::

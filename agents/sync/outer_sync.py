@@ -319,6 +319,7 @@ class OuterSync:
         self._inflight.clear()
         self.resolved.clear()
         self.groups = None
+        self._took.clear()  # a new generation learns from its own syncs
 
     def take_anchor(self, f: int) -> None:
         """Set fragment ``f``'s parameters to its anchor (the sites' common value)."""

@@ -7,7 +7,8 @@ pseudo-gradients between sites.  That group is gloo's whatever the data
 backend: the outer state lives in host memory (see
 :mod:`agents.sync.outer_sync`), and a link between sites is a TCP link.
 Under NCCL each site also gets a gloo group of its own for what a state sync
-sends on the host (the structure, host tensors).  Every rank creates every
+sends on the host (the structure, host tensors) and for the per-step check
+that the generation moved on.  Every rank creates every
 group, in the same order, as torch requires; each keeps the ones it belongs
 to.  They go with the generation's default group
 (:func:`~agents.runtime.process_group.teardown_group` destroys them all).
@@ -36,7 +37,8 @@ class SiteGroups:
         inner: this site's group on the data backend (its DDP, the device tensors
             of its state sync, the outer result's broadcast).
         inner_host: this site's gloo group (the structure and host tensors of its
-            state sync); ``inner`` itself when the data backend is gloo.
+            state sync, the per-step generation check); ``inner`` itself when the
+            data backend is gloo.
         outer: the leaders' gloo group (None on a rank that is not its site's leader).
         leader: this site's leader (global rank).
         device: where tensors sent on ``inner`` must be (the worker's GPU under

@@ -159,10 +159,11 @@ class LeftOut:
     outer buffer not in use: see :meth:`~agents.sync.outer_sync.OuterSync.idle_buffers`)."""
 
 
-def without_parameters(capture: Callable[[], Any], params: Sequence[torch.Tensor]) -> Any:
-    """``capture()`` with each tensor that is one of ``params`` (a model's state dict holds
-    its parameters' own storage) replaced by :class:`LeftOut`."""
-    held = {_place(p) for p in params}
+def without_parameters(capture: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Any:
+    """``capture()`` with each tensor that is one of ``tensors`` (the anchored parameters,
+    which a model's state dict holds by their own storage, and the idle outer buffers)
+    replaced by :class:`LeftOut`."""
+    held = {_place(t) for t in tensors}
     return map_tensors(capture(), lambda t: LeftOut() if _place(t) in held else t, torch.Tensor)
 
 

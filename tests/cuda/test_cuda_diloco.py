@@ -54,7 +54,8 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
 def test_two_sites_on_gloo_hot_swap_in_a_site_ends_as_a_fault_free_run(tmp_path: Path) -> None:
     gloo = {"backend": "gloo"}
     ref, kill = tmp_path / "ref", tmp_path / "kill"
-    ref.mkdir(), kill.mkdir()
+    ref.mkdir()
+    kill.mkdir()
     lines: list[str] = []
     spec = _on(diloco_job("cuda-diloco-ref", ref, 0, STREAMING, step_time=0.05), comm=gloo)
     with quiet_run(spec, lines, node_labels=ZONES) as run:

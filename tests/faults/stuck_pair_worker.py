@@ -54,6 +54,7 @@ def main() -> None:
     if a.between_sites:
         sites = Sites(("a", "b"), ((0,), (1,)))
         site = form_site_groups(sites, a.rank, device, timedelta(seconds=a.op_timeout))
+        assert site.outer is not None  # each rank is its own site's leader
         groups = dataclasses.replace(groups, between_sites=(site.outer,))
         group = site.outer
     floor = 1.0 if a.between_sites else a.op_timeout

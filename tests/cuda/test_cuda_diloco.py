@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
-from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, wait_for_step
+from tests.chaos.jobs import assert_exactly_once, quiet_run, summary
 from tests.cuda.conftest import record
-from tests.integration.test_diloco import STEPS, STREAMING, ZONES, diloco_job, spare_ready
+from tests.integration.test_diloco import STEPS, STREAMING, ZONES, diloco_job, kill_in_site_b
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -65,15 +64,7 @@ def test_two_sites_on_gloo_hot_swap_in_a_site_ends_as_a_fault_free_run(tmp_path:
 
     spec = _on(diloco_job("cuda-diloco-kill", kill, 1, STREAMING, step_time=0.05), comm=gloo)
     started = time.monotonic()
-    run = quiet_run(spec, lines, node_labels=ZONES)
-    run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
-    with run:
-        wait_for_step(run, 0)
-        run.add_node("node-3", rack="rack-1")
-        spare_ready(run, "node-3", kill / "go")
-        run.kill_node("node-1")  # site b's: the spare (zone b too) takes its slot
-        result = run.wait()
-        status = jobs.read_status(run.client, spec.name)
+    result, status = kill_in_site_b(spec, kill, lines)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries >= 1, summary(result, lines)
     assert_exactly_once(kill, STEPS)

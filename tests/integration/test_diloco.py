@@ -201,22 +201,29 @@ class HandRun:
         return {k: v.clone() for k, v in self.models[0].state_dict().items()}
 
 
-@pytest.mark.parametrize("sync", [DILOCO, STREAMING], ids=["diloco", "streaming"])
-def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
-    tmp_path: Path, sync: dict[str, object]
-) -> None:
-    lines: list[str] = []
-    spec = diloco_job("diloco-kill", tmp_path, 1, sync, step_time=0.1)  # held for the spare
+def kill_in_site_b(spec: JobSpec, tmp: Path, lines: list[str]) -> tuple[Any, Any]:
+    """Run ``spec`` (a :func:`diloco_job` with a spare, held at :data:`HOLD_AT`) with node-3
+    as site b's warm spare, kill node-1 of site b once the spare is warm; the result and
+    the job's last status."""
     run = quiet_run(spec, lines, node_labels=ZONES)
     # the spare starts once the job trains: the first generation holds both sites
     run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
     with run:
         wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
-        spare_ready(run, "node-3", tmp_path / "go")
+        spare_ready(run, "node-3", tmp / "go")
         run.kill_node("node-1")  # site b's: the spare (zone b too) takes its slot
         result = run.wait()
-        status = jobs.read_status(run.client, spec.name)
+        return result, jobs.read_status(run.client, spec.name)
+
+
+@pytest.mark.parametrize("sync", [DILOCO, STREAMING], ids=["diloco", "streaming"])
+def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
+    tmp_path: Path, sync: dict[str, object]
+) -> None:
+    lines: list[str] = []
+    spec = diloco_job("diloco-kill", tmp_path, 1, sync, step_time=0.1)  # held for the spare
+    result, status = kill_in_site_b(spec, tmp_path, lines)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries >= 1, summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)

@@ -102,7 +102,7 @@ class OpTimeout:
 
     def between_sites(self) -> float:
         """Seconds a collective between sites (or a boundary that waits for one) may take."""
-        if self._outer_seen < 2 or not self._outer:
+        if self._outer_seen < 2:  # the second sync of this generation was recorded
             return self.ceiling
         return min(self.ceiling, max(self.floor, self.multiple * max(self._outer)))
 

@@ -279,6 +279,7 @@ class Generations:
         self.joining = (plan.generation, rank, plan.world_size)
         self._fence.join(plan.generation, self._watch.revision_of(plan.generation))
         sockets_before = frozenset(socket_inodes())
+        ceiling = self._spec.fault_tolerance.hang_timeout * 2  # the guard learns a shorter one
         groups = form_group(
             self._client,
             self._env.job,
@@ -286,7 +287,7 @@ class Generations:
             rank,
             plan.world_size,
             self._env.address,
-            collective_timeout=self._spec.fault_tolerance.hang_timeout * 2,
+            collective_timeout=ceiling,
             fence=self._fence,
             backend=self._backend,
             device=self._device,
@@ -322,7 +323,6 @@ class Generations:
                 restore = functools.partial(_restore, held.tracked)
                 if models.outer is not None:  # a delayed sync: each site its own state
                     outer, control = models.outer, groups.control
-                    ceiling = self._spec.fault_tolerance.hang_timeout * 2
                     synced = join_sites(outer, plan, rank, mine, capture, restore, control, ceiling)
                 else:
                     synced = sync_state(mine, capture, restore, group=groups.control).step

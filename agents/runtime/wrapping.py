@@ -248,7 +248,7 @@ def mode_of(
 
 
 def check_delayed(spec: JobSpec, wrapped_before: bool) -> None:
-    """What a delayed sync (``sync.mode`` diloco, streaming_diloco) runs on.
+    """A delayed sync (``sync.mode`` diloco, streaming_diloco) syncs one model per job.
 
     Raises:
         ValueError: a second model.

@@ -296,7 +296,11 @@ class OuterSync:
             weights = flight.weights.tolist()
             avg = average(list(zip(weights, decoded, strict=True)))
         if len(groups.sites.ranks[groups.index]) > 1:  # on the site's data backend
-            shared = avg.to(groups.device)
+            shared = (
+                avg.to(groups.device)
+                if groups.is_leader
+                else torch.empty_like(avg, device=groups.device)
+            )
             dist.broadcast(shared, src=groups.leader, group=groups.inner)
             avg = shared.cpu()
         self.totals.outer_wait_s += time.perf_counter() - waited

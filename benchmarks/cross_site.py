@@ -15,7 +15,11 @@ at equal tokens (the same ``max_steps`` and global batch):
 * ``diloco_kill``: DiLoCo across the first rate with a warm spare in site b;
   site b's only node is SIGKILLed (agent and worker) mid inner period, the spare
   takes its slot and, its site having no live state left, starts from the
-  global parameters (the anchors of the last outer step).
+  global parameters (the anchors of the last outer step);
+* ``diloco_kill_peer``: the same with site b of two nodes (three ranks in all,
+  so more tokens per step than the other rows: its loss is not compared), one
+  of which is SIGKILLed: the spare takes the site's state from the live peer
+  in its own site, and nothing of it crosses the slow link.
 
 Per row: steps per second (rank 0's step log, from step ``WARM_STEPS`` to the
 last logged step, so the start-up is not counted), bytes across the link per
@@ -78,6 +82,8 @@ class Row:
     comm: dict[str, Any] = field(default_factory=dict)
     sync: dict[str, Any] = field(default_factory=dict)
     kill: bool = False
+    #: site b has two nodes (the killed one has a live peer in its site)
+    peer: bool = False
 
 
 class TimedLines(list[str]):
@@ -114,9 +120,11 @@ def rows(args: argparse.Namespace) -> list[Row]:
             Row(f"streaming_{rate}", rate, sync=streaming),
         ]
     if not args.no_kill:
-        out.append(
-            Row(f"diloco_kill_{args.rates.split(',')[0]}", out[1].rate, sync=diloco, kill=True)
-        )
+        first = args.rates.split(",")[0]
+        out += [
+            Row(f"diloco_kill_{first}", out[1].rate, sync=diloco, kill=True),
+            Row(f"diloco_kill_peer_{first}", out[1].rate, sync=diloco, kill=True, peer=True),
+        ]
     return out
 
 
@@ -129,7 +137,7 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
         {
             "name": f"xsite-{row.name.replace('_', '-')}",
             "entrypoint": {"script": str(REPO / "examples" / "train_lm.py"), "args": train},
-            "nodes": {"min": 2, "max": 2, "spares": 1 if row.kill else 0},
+            "nodes": {"min": 2 + row.peer, "max": 2 + row.peer, "spares": 1 if row.kill else 0},
             "nproc_per_node": 1,
             "max_steps": args.steps,
             "checkpoint": {"url": f"file://{out}/ckpt", "every_steps": 0},
@@ -190,11 +198,14 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
 
         agent("node-a0", site_a)
         agent("node-b0", site_b)
+        if row.peer:
+            agent("node-b1", site_b)
+        spare_node = "node-b2" if row.peer else "node-b1"
         if row.kill:
             _wait(
                 "generation 1", lambda: records.read(client, keys.job_plan(job), Plan), 300, lines
             )
-            agent("node-b1", site_b)  # the spare starts once both sites train: b0 is active
+            agent(spare_node, site_b)  # the spare starts once both sites train: b0 is active
             # past half the run, mid inner period: the spare starts from the anchors of the
             # last outer step and has the inner steps since then to compute again
             kill_at, h = args.steps // 2, args.inner_steps
@@ -203,10 +214,10 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
                 return step >= kill_at and h // 4 <= step % h <= 3 * h // 4
 
             spare = _wait(
-                f"node-b1 as a warm spare and a step past {kill_at}, mid inner period",
+                f"{spare_node} as a warm spare and a step past {kill_at}, mid inner period",
                 lambda: (
                     (s := jobs.read_status(client, job))
-                    and (s.phase.terminal or ("node-b1" in s.spare_nodes and due(s.step)))
+                    and (s.phase.terminal or (spare_node in s.spare_nodes and due(s.step)))
                     and s
                 ),
                 ROW_TIMEOUT_S,
@@ -216,7 +227,8 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
                 raise RuntimeError(f"{row.name} ended before the kill: give it more --steps")
             killed_step = spare.step
             services.signal("node-b0", 9)
-            print(f"  {row.name}: SIGKILL node-b0 (site b's only node) at step {killed_step}")
+            which = "one of site b's two nodes" if row.peer else "site b's only node"
+            print(f"  {row.name}: SIGKILL node-b0 ({which}) at step {killed_step}")
         status = _wait(
             "the end of the job",
             lambda: (s := jobs.read_status(client, job)) and s.phase.terminal and s,
@@ -228,7 +240,7 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
             recovered = dict(found[0].data)
             recovered["killed_step"] = killed_step
             recovered["spare_from_anchors"] = any(
-                "node-b1" in line and "had no state" in line for line in lines
+                spare_node in line and "had no state" in line for line in lines
             )
     sent = link.bytes_sent()
     if status.phase.value != "Succeeded":
@@ -243,6 +255,7 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
         "tokens": finals[0]["tokens"],
         "recovery": recovered,
         "outer_steps": [f.get("outer_steps", []) for f in finals],
+        "three_ranks": row.peer,
     }
 
 
@@ -314,8 +327,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def outer_steps_off(row: dict[str, Any], fault_free: dict[str, Any]) -> int:
     """Outer steps a row applied that its fault-free run did not, or missed: per rank
-    and fragment, the difference of the counts each rank ended with, summed."""
-    ranks = zip_longest(row["outer_steps"], fault_free["outer_steps"], fillvalue=[])
+    and fragment, the difference of the counts each rank ended with, summed (a rank
+    the fault-free run did not have is held to its rank 0: every rank applies every
+    outer step)."""
+    first = fault_free["outer_steps"][0] if fault_free["outer_steps"] else []
+    ranks = zip_longest(row["outer_steps"], fault_free["outer_steps"], fillvalue=first)
     return sum(
         abs(got - want)
         for got_rank, want_rank in ranks
@@ -345,7 +361,7 @@ def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
         if ddp is not None and r["link_bytes_per_step"]:
             ratio = ddp["link_bytes_per_step"] / r["link_bytes_per_step"]
             out[f"{name}_bytes_vs_ddp_fp32_x"] = round(ratio, 1)
-        if ref is not None and r is not ref:
+        if ref is not None and r is not ref and not r.get("three_ranks"):
             out[f"{name}_pct_of_nolimit_rate"] = round(
                 100 * r["steps_per_s"] / ref["steps_per_s"], 1
             )
@@ -354,7 +370,7 @@ def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
             )
         if any(r["outer_steps"]):
             out[f"{name}_outer_steps_by_rank"] = r["outer_steps"]
-        fault_free = results.get(name.replace("_kill", ""))
+        fault_free = results.get(name.replace("_kill", "").replace("_peer", ""))
         if r["recovery"] and fault_free is not None and fault_free is not r:
             out[f"{name}_outer_steps_lost_or_twice"] = outer_steps_off(r, fault_free)
         if r["recovery"]:

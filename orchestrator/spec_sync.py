@@ -97,6 +97,8 @@ class SyncSpec:
         return self.mode is not SyncMode.DDP
 
     def problems(self) -> Problems:
+        if self.mode is SyncMode.DDP:
+            return self._set_under_ddp()
         out: Problems = []
         if not 1 <= self.inner_steps <= MAX_INNER_STEPS:
             out.append(("inner_steps", f"must be 1 to {MAX_INNER_STEPS}, got {self.inner_steps}"))
@@ -121,9 +123,7 @@ class SyncSpec:
         spacing = max(1, self.inner_steps // max(1, self.fragments))
         if self.delay_steps < 0:
             out.append(("delay_steps", f"must be 0 or more, got {self.delay_steps}"))
-        elif self.delay_steps and self.mode is SyncMode.DDP:
-            out.append(("delay_steps", "applies to diloco and streaming_diloco only"))
-        elif self.delay_steps >= spacing and self.mode is not SyncMode.DDP:
+        elif self.delay_steps >= spacing:
             out.append(
                 ("delay_steps", f"must be below the steps between two syncs ({spacing}): a "
                  f"fragment's result is used before its next sync starts; got {self.delay_steps}")
@@ -131,3 +131,26 @@ class SyncSpec:
         if not self.site_label.strip():
             out.append(("site_label", "must name a node label, e.g. zone"))
         return out
+
+    def _set_under_ddp(self) -> Problems:
+        """Under ``mode: ddp`` every field but ``mode`` would be ignored: each one set
+        to other than its default is named (a setting accepted and ignored misleads)."""
+        default = SyncSpec()
+        given = [
+            (name, getattr(self, name))
+            for name in ("inner_steps", "fragments", "delay_steps", "outer_optimizer",
+                         "outer_quantization", "site_label")
+            if getattr(self, name) != getattr(default, name)
+        ]  # fmt: skip
+        return [
+            (name, f"applies to mode diloco and streaming_diloco only (mode ddp averages "
+             f"every step), got {_shown(value)}: remove it, or set sync.mode")
+            for name, value in given
+        ]  # fmt: skip
+
+
+def _shown(value: object) -> str:
+    """A field's value as a job file writes it."""
+    if isinstance(value, OuterOptimizerSpec):
+        return f"{{name: {value.name.value}, lr: {value.lr:g}, momentum: {value.momentum:g}}}"
+    return str(value.value if isinstance(value, Enum) else value)

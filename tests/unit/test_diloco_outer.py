@@ -229,6 +229,13 @@ def test_sync_defaults_come_from_the_papers() -> None:
         ({"mode": "diloco", "inner_steps": 10, "delay_steps": 10}, "sync.delay_steps",
          "below the steps between two syncs"),
         ({"mode": "ddp", "delay_steps": 1}, "sync.delay_steps", "diloco"),
+        # under ddp a delayed sync's settings would be ignored: each is named
+        ({"inner_steps": 50}, "sync.inner_steps", "diloco and streaming_diloco only"),
+        ({"mode": "ddp", "inner_steps": 0}, "sync.inner_steps", "got 0: remove it"),
+        ({"outer_optimizer": {"name": "sgd", "lr": 1, "momentum": 0}}, "sync.outer_optimizer",
+         "got {name: sgd, lr: 1, momentum: 0}"),
+        ({"outer_quantization": "4bit"}, "sync.outer_quantization", "got 4bit"),
+        ({"mode": "ddp", "site_label": "rack"}, "sync.site_label", "set sync.mode"),
         ({"mode": "diloco", "outer_optimizer": {"lr": 0}}, "sync.outer_optimizer.lr", "above 0"),
         ({"mode": "diloco", "outer_optimizer": {"momentum": 1}},
          "sync.outer_optimizer.momentum", "below 1"),

@@ -7,7 +7,9 @@ a duty cycle from outside, as a throttled machine would: SIGSTOP for 60 ms of ev
 100 ms.  With ``fault_tolerance.stragglers.action: swap`` the controller calls it a
 straggler, the spare takes its slot in a planned switch, the slow node is
 quarantined, and the job finishes with every step applied exactly once and the same
-parameters as a run without the slowdown.
+parameters as a run without the slowdown (computed: :mod:`tests.chaos.tiny_by_hand`).
+No other straggler call is made in the whole run: not before the slowdown, not on
+the healthy node, not after the swap.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from orchestrator.api import JobPhase
 from orchestrator.records import NodeRecord, Plan
 from orchestrator.spec import JobSpec, StragglerAction
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
+from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.duty_cycle import DutyCycle
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -43,20 +46,10 @@ def _job(name: str, tmp: Path, spares: int) -> JobSpec:
 
 
 def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Path) -> None:
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
-    lines: list[str] = []
-    with quiet_run(_job("straggler-reference", reference_dir, spares=0), lines) as run:
-        healthy = run.wait()
-    assert healthy.phase is JobPhase.SUCCEEDED, summary(healthy, lines)
-    assert not [e for e in healthy.events if e.type.startswith("Straggler")], summary(
-        healthy, lines
-    )  # no false call on a healthy run
-    reference = torch.load(reference_dir / "final.pt")
-
+    reference = tiny_final(STEPS)  # a fault-free run's (tests/chaos/tiny_by_hand.py)
     swap_dir = tmp_path / "swap"
     swap_dir.mkdir()
-    lines = []
+    lines: list[str] = []
     spec = _job("straggler-swap", swap_dir, spares=1)
     cycle: DutyCycle | None = None
     with quiet_run(spec, lines) as run:
@@ -65,6 +58,8 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
             plan = records.read(run.client, keys.job_plan(spec.name), Plan)
             assert plan is not None and plan.generation == 1, plan
             slow = plan.members[1].node
+            before = events.list_events(run.client, spec.name)
+            assert not [e for e in before if e.type.startswith("Straggler")], before
             node = records.read(run.client, keys.job_node(spec.name, slow), NodeRecord)
             assert node is not None and node.worker_pids, node
             cycle = DutyCycle(node.worker_pids)
@@ -83,6 +78,8 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED and result.step == STEPS, summary(result, lines)
     kinds = [e.type for e in result.events]
+    # one call in the whole run: none on healthy nodes, before the slowdown (60 steps) or
+    # after the swap (the spare and the other node train the rest of the run's 400 steps)
     assert "NodeFailed" not in kinds and "Restart" not in kinds, kinds
     (called,) = [e for e in result.events if e.type == "Straggler"]
     assert called.data["node"] == slow and called.data["slowdown"] >= 1.3, called

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 import torch
@@ -40,6 +41,12 @@ def batch(step: int, rank: int, world: int, x: torch.Tensor, y: torch.Tensor):  
     return x[share], y[share]
 
 
+def node_number() -> int:
+    """The number this worker's node name ends with (node-2: 2), else 0."""
+    found = re.search(r"(\d+)$", os.environ.get("RINGMASTER_NODE", ""))
+    return int(found.group(1)) if found else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
@@ -54,9 +61,16 @@ def main() -> None:
         "(a test holds the job at one step this way)",
     )
     parser.add_argument("--go-file", help="see --hold-at")
+    parser.add_argument(
+        "--seed-by-node",
+        action="store_true",
+        help="seed the initial weights by the number the node's name ends with, as a script "
+        "that does not seed alike everywhere starts its ranks apart (the job starts every "
+        "replica from rank 0's weights all the same)",
+    )
     args = parser.parse_args()
 
-    torch.manual_seed(0)
+    torch.manual_seed(node_number() if args.seed_by_node else 0)
     session = runtime.init()
     x, y = (t.to(session.device) for t in dataset())  # the worker's GPU, where it has one
     model = session.wrap(nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES)))

@@ -255,7 +255,10 @@ def check_delayed(spec: JobSpec, wrapped_before: bool) -> None:
     """
     mode = spec.sync.mode.value
     if wrapped_before:
-        raise ValueError(f"sync.mode {mode} syncs one model per job; this session wrapped one")
+        raise ValueError(
+            f"sync.mode {mode} syncs one model per job and this session wrapped one already: "
+            "put the models in one nn.Module and wrap that once, or use sync.mode: ddp"
+        )
 
 
 def uses_spec_hook(comm: CommSpec) -> bool:

@@ -118,14 +118,29 @@ class OuterSync:
         """The parameters the anchors stand for, fragment after fragment."""
         return [p for fragment in self._fragments for p in fragment]
 
-    def idle_buffers(self) -> list[torch.Tensor]:
-        """The outer state's tensors whose values nothing will read: the pseudo-gradient
-        kept for a fragment with no sync under way (the next sync's start overwrites it),
-        and the momentum of an outer step without momentum.  A site without state is
-        not sent them (:func:`agents.sync.site_join.join_sites`)."""
-        idle = [d for d, at in zip(self.pending_delta, self.pending_at, strict=True)
-                if at == NOT_PENDING]  # fmt: skip
-        return idle + (list(self.momentum) if not self._optimizer.momentum else [])
+    def not_for_a_new_site(self) -> list[torch.Tensor]:
+        """The outer state's tensors a site without state is not sent
+        (:func:`agents.sync.site_join.join_sites`): every pseudo-gradient kept (such a
+        site starts from the anchors, so it has moved nothing since any sync under way
+        started: :meth:`start_from_anchors` zeroes its own), and the momentum of an
+        outer step without momentum (never read)."""
+        unused = [] if self._optimizer.momentum else list(self.momentum)
+        return [*self.pending_delta, *unused]
+
+    def start_from_anchors(self) -> None:
+        """A site without state starts from the sites' common parameters: its parameters
+        become the anchors, and it contributes nothing to the syncs under way (its
+        pseudo-gradients are zero, their weights 0)."""
+        for f in range(self.fragments):
+            self.take_anchor(f)
+            self.pending_delta[f].zero_()
+        self.pending_weight = [0.0] * self.fragments
+
+    def anchor_to_parameters(self, done: int) -> None:
+        """Take the parameters now as the anchors (the sites' common value), at ``done``
+        steps: the next syncs' pseudo-gradients count from here."""
+        self.anchors = [flatten(f) for f in self._fragments]
+        self.started = done
 
     # -- tracked state -----------------------------------------------------------------
 
@@ -152,7 +167,8 @@ class OuterSync:
         if sum(a.numel() for a in anchors) != numel:
             raise ValueError(
                 f"the outer state holds {sum(a.numel() for a in anchors)} parameters, this "
-                f"model has {numel}: it was saved from another model"
+                f"model has {numel}: it was saved from another model; resume with the model "
+                "it was saved from, or from another checkpoint root (checkpoint.url)"
             )
         self.started = int(state["started"])
         if len(anchors) == len(self.anchors) and all(
@@ -201,6 +217,10 @@ class OuterSync:
             return True  # a sync that starts here finishes here too
         return any(self._due(at, done) for at in self.pending_at)
 
+    def _pending(self) -> bool:
+        """A sync is under way (started, its result not used yet)."""
+        return any(at != NOT_PENDING for at in self.pending_at)
+
     def _is_last(self, done: int) -> bool:
         return self.end is not None and done >= self.end
 
@@ -215,7 +235,19 @@ class OuterSync:
 
     def resume(self, done: int) -> None:
         """In a new generation at ``done`` steps: start again, in the order they first
-        started, the syncs a broken generation left under way, and finish those due."""
+        started, the syncs a broken generation left under way, and finish those due.
+
+        An outer state that never synced while the model is at ``done`` > 0 was not
+        restored with it (a checkpoint saved under ``sync.mode: ddp``, or weights the
+        script loaded itself): its anchors are the parameters at ``wrap()``, so they
+        are taken from the parameters now instead (every site restored the same).
+        """
+        if done > self.started == 0 and not any(self.counts) and not self._pending():
+            log.warning(
+                "no outer state came with the model at step %d (a checkpoint saved under "
+                "sync.mode ddp?): the sites' anchors start from the parameters now", done,
+            )  # fmt: skip
+            self.anchor_to_parameters(done)
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
             if self.pending_at[f] != NOT_PENDING and f not in self.resolved:
                 self._began[f] = time.perf_counter()
@@ -267,7 +299,16 @@ class OuterSync:
         if f in self.resolved:  # its outer step went through on another site
             self.anchors[f], self.momentum[f] = self.resolved.pop(f)
         else:
-            self._optimizer.step(self.anchors[f], self.momentum[f], self._average(f))
+            avg = self._average(f)
+            if avg is None:  # every site that contributed is gone
+                log.warning(
+                    "fragment %d: no site that contributed to the sync started at step %d "
+                    "is here any more: no outer step", f, self.pending_at[f],
+                )  # fmt: skip
+                self.pending_at[f] = NOT_PENDING
+                self.pending_weight[f] = 0.0
+                return
+            self._optimizer.step(self.anchors[f], self.momentum[f], avg)
             if self._began[f]:
                 self._took.append(time.perf_counter() - self._began[f])
         if self.schedule.delay_steps:  # keep what the inner steps since the start changed
@@ -280,29 +321,32 @@ class OuterSync:
         self.pending_weight[f] = 0.0
         self.totals.last_sync[f] = done
 
-    def _average(self, f: int) -> torch.Tensor:
-        """The sites' average pseudo-gradient of fragment ``f``, on every rank of the site."""
+    def _average(self, f: int) -> torch.Tensor | None:
+        """The sites' average pseudo-gradient of fragment ``f``, on every rank of the site;
+        None where no site contributed (every weight 0: they joined after it started)."""
         groups = self._need_groups()
         waited = time.perf_counter()
-        avg = torch.empty_like(self.anchors[f])
+        numel = self.anchors[f].numel()
+        avg: torch.Tensor | None = None
         if groups.is_leader:
             flight = self._inflight.pop(f)
             for work in flight.works:
                 work.wait()
-            numel = avg.numel()
             kind = self.spec.outer_quantization
             parts = zip(*flight.gathered, strict=True)
-            decoded = [decode(list(p), kind, numel) for p in parts]
             weights = flight.weights.tolist()
-            avg = average(list(zip(weights, decoded, strict=True)))
+            if sum(weights) > 0:
+                decoded = [decode(list(p), kind, numel) for p in parts]
+                avg = average(list(zip(weights, decoded, strict=True)))
         if len(groups.sites.ranks[groups.index]) > 1:  # on the site's data backend
-            shared = (
-                avg.to(groups.device)
-                if groups.is_leader
-                else torch.empty_like(avg, device=groups.device)
-            )
+            # the last value says whether there is an average (1) or none (0)
+            shared = torch.zeros(numel + 1, dtype=torch.float32, device=groups.device)
+            if avg is not None:
+                shared[:numel].copy_(avg)
+                shared[numel] = 1.0
             dist.broadcast(shared, src=groups.leader, group=groups.inner)
-            avg = shared.cpu()
+            host = shared.cpu()
+            avg = host[:numel] if bool(host[numel]) else None
         self.totals.outer_wait_s += time.perf_counter() - waited
         return avg
 

@@ -16,7 +16,11 @@ anywhere sends its state) would hand one site's work to another.  Instead:
      under way count it with weight 0.  The sending site's own parameters are
      left out of what crosses the slow link: the anchors replace them on
      arrival (:func:`without_parameters`, :func:`put_back`), and so are the
-     outer buffers not in use.
+     outer buffers it does not need (its own pseudo-gradients of the syncs
+     under way are zero: it moved nothing since they started).
+   - Where no rank anywhere holds state (a new job), every rank takes rank
+     0's parameters and the anchors from them, as DDP's first broadcast
+     does across a job: a site's DDP spans only its site.
    - A fragment whose outer step went through on one site but not on another
      (the generation broke while the result was shared inside a site, or
      before its delay ran out) takes that site's result, used when this
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from agents.recovery.state_sync import NO_STATE, broadcast_state, map_tensors, sync_state
+from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import NOT_PENDING, OuterSync
 from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
@@ -95,12 +100,13 @@ def join_sites(
     steps = [int(s) for s in table[:, 0]]
     best = max(steps)
     outer.catch_up_to = max(best, 0)
-    if best == NO_STATE:
+    if best == NO_STATE:  # a new job: every site starts from rank 0's parameters
+        _start_common(outer, control)
         return NO_STATE
     if NO_STATE in steps:
         src = steps.index(best)
         empty = [r for r, s in enumerate(steps) if s == NO_STATE]
-        left_out = [*outer.parameters, *outer.idle_buffers()]
+        left_out = [*outer.parameters, *outer.not_for_a_new_site()]
         sent = functools.partial(without_parameters, capture, left_out) if rank == src else None
         state = broadcast_state(sent, src, control, receivers=empty)
         for r, s in enumerate(steps):
@@ -108,9 +114,7 @@ def join_sites(
                 table[r] = table[src]
         if step == NO_STATE:
             restore(put_back(state, capture()))  # its own parameters: the anchors follow
-            for f in range(outer.fragments):
-                outer.take_anchor(f)
-            outer.pending_weight = [0.0] * outer.fragments
+            outer.start_from_anchors()
             step = best
             log.warning(
                 "site %s had no state: it starts from the sites' common parameters at step %d",
@@ -119,6 +123,22 @@ def join_sites(
         del state
     _reconcile_fragments(outer, table[:, 1:], rank, control)
     return step
+
+
+def _start_common(outer: OuterSync, control: dist.ProcessGroup | None) -> None:
+    """Every rank takes rank 0's parameters, and the anchors from them.
+
+    DDP makes a model's replicas equal by a broadcast from its group's first
+    rank, but a site's DDP spans only its site: a script that does not seed its
+    model the same on every rank would start each site elsewhere, and the
+    sites' anchors would never meet.  One model's bytes cross between the
+    sites, once, as DDP's own broadcast does across a job's ranks.
+    """
+    params = outer.parameters
+    flat = flatten(params)  # host float32 (a GPU model's parameters are copied out)
+    dist.broadcast(flat, src=0, group=control)
+    write_back(params, flat)
+    outer.anchor_to_parameters(0)
 
 
 def _reconcile_fragments(
@@ -156,7 +176,8 @@ def _reconcile_fragments(
 class LeftOut:
     """In a state sent to a site without state: a tensor left out, whose place the
     receiver's own tensor takes (a parameter, which the anchors then overwrite, or an
-    outer buffer not in use: see :meth:`~agents.sync.outer_sync.OuterSync.idle_buffers`)."""
+    outer buffer it does not need: see
+    :meth:`~agents.sync.outer_sync.OuterSync.not_for_a_new_site`)."""
 
 
 def without_parameters(capture: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Any:

@@ -88,14 +88,21 @@ HOLD_AT = 5
 
 
 def diloco_job(
-    name: str, tmp: Path, spares: int, sync: dict[str, object], step_time: float = 0.3
+    name: str,
+    tmp: Path,
+    spares: int,
+    sync: dict[str, object],
+    step_time: float = 0.3,
+    seed_by_node: bool = False,
 ) -> JobSpec:
     """Three nodes, ``spares`` spares.  A job with a spare holds at step
     :data:`HOLD_AT` until the test writes ``tmp/go`` (:func:`spare_ready`).  Steps of
-    0.3 s by default: slow enough for a test to kill a node within a window of steps."""
-    hold = ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")] if spares else []
+    0.3 s by default: slow enough for a test to kill a node within a window of steps.
+    ``seed_by_node``: each node initialises its model apart (``--seed-by-node``)."""
+    more = ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")] if spares else []
+    more += ["--seed-by-node"] if seed_by_node else []
     base = tiny_job(
-        name, tmp, steps=STEPS, step_time=step_time, spares=spares, extra_args=hold
+        name, tmp, steps=STEPS, step_time=step_time, spares=spares, extra_args=more
     ).to_dict()
     base["nodes"] = {"min": 3, "max": 3, "spares": spares}
     base["sync"] = sync
@@ -111,10 +118,10 @@ class HandRun:
     each site's fragment becomes the new anchor plus what its inner steps changed since.
     """
 
-    def __init__(self, sync: SyncSpec, sites: list[list[int]]) -> None:
+    def __init__(self, sync: SyncSpec, sites: list[list[int]], seed: int = 0) -> None:
         self.sync = sync
         self.x, self.y = dataset()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         first = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
         self.runs = cut_fragments([p.numel() for p in first.parameters()], sync.fragments)
         self._regroup(first, None, sites)
@@ -222,7 +229,9 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     tmp_path: Path, sync: dict[str, object]
 ) -> None:
     lines: list[str] = []
-    spec = diloco_job("diloco-kill", tmp_path, 1, sync, step_time=0.1)  # held for the spare
+    # every node initialises its model apart: the sites start from rank 0's (node-2's), as
+    # DDP's first broadcast makes a job's replicas start alike (a site's DDP spans its site)
+    spec = diloco_job("diloco-kill", tmp_path, 1, sync, step_time=0.1, seed_by_node=True)
     result, status = kill_in_site_b(spec, tmp_path, lines)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries >= 1, summary(result, lines)
@@ -234,9 +243,8 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync
     assert status.sync["site_bytes"] > 0, status.sync
     # sites [node-2] and [the two of zone b], as if nothing had failed
-    assert_same_params(
-        torch.load(tmp_path / "final.pt"), HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS).final()
-    )
+    hand = HandRun(spec.sync, [[0], [1, 2]], seed=2).train(0, STEPS).final()
+    assert_same_params(torch.load(tmp_path / "final.pt"), hand)
 
 
 def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -131,13 +132,20 @@ def _start_common(outer: OuterSync, control: dist.ProcessGroup | None) -> None:
     DDP makes a model's replicas equal by a broadcast from its group's first
     rank, but a site's DDP spans only its site: a script that does not seed its
     model the same on every rank would start each site elsewhere, and the
-    sites' anchors would never meet.  One model's bytes cross between the
-    sites, once, as DDP's own broadcast does across a job's ranks.
+    sites' anchors would never meet.  The ranks first compare a checksum of
+    their parameters: where they are alike already (a script that seeds),
+    nothing more crosses between the sites; else one model's bytes do, once,
+    as DDP's own broadcast does across a job's ranks.
     """
     params = outer.parameters
     flat = flatten(params)  # host float32 (a GPU model's parameters are copied out)
-    dist.broadcast(flat, src=0, group=control)
-    write_back(params, flat)
+    data = flat.view(torch.uint8).numpy()  # the vector's bytes, no copy
+    mine = torch.tensor([zlib.crc32(data)], dtype=torch.int64)  # type: ignore[arg-type]
+    sums = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, mine, group=control)
+    if len({int(s) for s in sums}) > 1:
+        dist.broadcast(flat, src=0, group=control)
+        write_back(params, flat)
     outer.anchor_to_parameters(0)
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "RecoveryError",
     "Resumed",
     "StateLostError",
+    "StateMismatchError",
     "Stateful",
     "WorkerEnv",
     "WorkerView",
@@ -91,6 +92,11 @@ class StateLostError(AgentError):
 
 class JobEndedError(AgentError):
     """The job reached a terminal phase while this worker waited for work."""
+
+
+class StateMismatchError(AgentError, ValueError):
+    """A state another rank sent does not fit this worker's (the sites or ranks run
+    different models): the script's error, not a peer's failure."""
 
 
 @dataclass(frozen=True)

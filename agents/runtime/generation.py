@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agents.api import DurableState, JobEndedError, RecoveryError, Stateful, WorkerEnv, WorkerView
+from agents.api import (
+    DurableState,
+    JobEndedError,
+    RecoveryError,
+    Stateful,
+    StateMismatchError,
+    WorkerEnv,
+    WorkerView,
+)
 from agents.recovery import shard_recovery
 from agents.recovery.state_sync import NO_STATE, sync_state
 from agents.runtime.process_group import (
@@ -196,6 +204,8 @@ class Generations:
             JobEndedError: the job ended while this worker waited.
             StorageFaultError: ``checkpoint.url`` cannot be written, or the checkpoint
                 asked for cannot be used (reported: the controller fails the job).
+            StateMismatchError: the state a peer sent does not fit this worker's
+                (reported as the script's error).
         """
         holds_state = held.has_state
         while True:
@@ -209,6 +219,10 @@ class Generations:
             except StorageFaultError as e:  # the job's checkpoints, not a peer: the job fails
                 log.error("%s", e)
                 self.report(plan.generation, held.step, str(e), False, True, e.fault)
+                raise
+            except StateMismatchError as e:  # the script's models differ: no peer to wait for
+                log.error("%s", e)
+                self.report(plan.generation, held.step, str(e), False, True)
                 raise
 
     def settled(self, joined: Joined) -> Groups:

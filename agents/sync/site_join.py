@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agents.api import StateMismatchError
 from agents.recovery.state_sync import NO_STATE, broadcast_state, map_tensors, sync_state
 from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import NOT_PENDING, OuterSync
@@ -201,7 +202,7 @@ def put_back(state: Any, own: Any) -> Any:
     rank's own state, of the same structure) holds at that place."""
     if isinstance(state, LeftOut):
         if not isinstance(own, torch.Tensor):
-            raise RuntimeError(
+            raise StateMismatchError(
                 "a site without state got another site's state whose structure differs from "
                 "its own (a parameter left out has no counterpart here): do the sites run the "
                 "same model?"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agents.api import StateMismatchError
 from agents.recovery.state_sync import split_tensors
 from agents.sync.site_join import LeftOut, put_back, without_parameters
 
@@ -64,7 +65,8 @@ def test_a_receiver_of_another_structure_is_told_so() -> None:
     model = _Tied()
     sent = without_parameters(lambda: _state(model), list(model.parameters()))
     other = {"step": 0, "tracked": {"model": {}, "ema": {}}, "rng": None}
-    with pytest.raises(RuntimeError, match="same model"):
+    # the script's error, not a peer's failure: the join reports it and ends the worker
+    with pytest.raises(StateMismatchError, match="same model"):
         put_back(sent, other)
 
 

@@ -185,11 +185,15 @@ def test_a_read_only_checkpoint_url_seen_by_the_workers_fails_the_job_with_its_c
     assert not any("lease expired" in line for line in lines), summary(result, lines)
 
 
+# It fails once its generation started: its node was warm, so the controller's
+# "failed before their first step" ending (tests/chaos/test_job_cannot_go_on.py)
+# cannot take this run, whichever worker fails first.
 BROKEN_SCRIPT = """
 from agents import runtime
 
 session = runtime.init()
-raise ValueError("learning_rate must be positive, got -1")
+for step in session.steps(None):
+    raise ValueError("learning_rate must be positive, got -1")
 """
 
 

@@ -55,6 +55,8 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> l
             p = current.get(worker)
             if p is None or worker in world.done:  # a finished worker beats no more
                 continue
+            if exited(world, member.node, p.pid):
+                continue
             frozen = now - p.beat > stale_after and member.node in world.answering
             # the record names the process that stopped beating: a restarted
             # worker (a new pid) is never killed for its predecessor's silence,
@@ -73,3 +75,12 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> l
                     )
                 )
     return out
+
+
+def exited(world: World, node: str, pid: int) -> bool:
+    """The beat is an exited process's last: its node's registration lists the
+    pids of the workers its agent runs now (a restarted worker's at once), and
+    ``pid`` is not among them.  Its agent already reported the exit; a kill
+    would name a process that is gone (a ``WorkerHung`` nobody could act on)."""
+    info = world.nodes.get(node)
+    return info is not None and bool(info.worker_pids) and pid not in info.worker_pids

@@ -260,10 +260,15 @@ def test_break_reports_are_dropped_two_generations_on(etcd_client: EtcdClient) -
     assert keys.job_node_reports(job, 2) not in keys.stale_report_prefixes(job, 3)
 
 
-def test_a_beat_stale_only_in_etcd_is_not_a_hang(etcd_client: EtcdClient) -> None:
+@pytest.mark.parametrize("b_pids", [[100], [101]], ids=["b-frozen", "b-restarted"])
+def test_a_beat_stale_only_in_etcd_is_not_a_hang(
+    etcd_client: EtcdClient, b_pids: list[int]
+) -> None:
     """A worker whose beat is stale in etcd while its agent received fresh ones (the
     agent's writes wait out an etcd leader election) is not killed; one whose agent
-    has no fresh beat either is.  Real liveness ports; hung_workers decides."""
+    has no fresh beat either is, unless its node's registration no longer lists its
+    pid (its agent restarted it: the beat is the exited process's last).  Real
+    liveness ports; hung_workers decides."""
     job = f"stale-{uuid.uuid4().hex[:8]}"
     spec = two_node_job(job)
     stale_after = STALE_BEATS * 0.5
@@ -276,7 +281,8 @@ def test_a_beat_stale_only_in_etcd_is_not_a_hang(etcd_client: EtcdClient) -> Non
     servers = {n: LivenessServer("127.0.0.1", lambda n=n: status(n)) for n in ("a", "b")}
     try:
         for node, srv in servers.items():
-            registration = NodeRecord(node, "127.0.0.1", 1, 1, [1], 0.0, liveness=srv.address)
+            pids = b_pids if node == "b" else [100]
+            registration = NodeRecord(node, "127.0.0.1", 1, 1, pids, 0.0, liveness=srv.address)
             records.write(etcd_client, keys.job_node(job, node), registration)
             beat = ProgressRecord(5, 2, 0, 2, 100, old, old)  # stale in etcd for both
             workers = {keys.worker_id(node, 0): beat}
@@ -289,7 +295,8 @@ def test_a_beat_stale_only_in_etcd_is_not_a_hang(etcd_client: EtcdClient) -> Non
         assert world.answering == {"a", "b"}
         assert world.progress[keys.worker_id("a", 0)].beat == received["a"]
         kills = hung_workers(spec, plan, world, set())
-        assert [k.worker for k in kills] == [keys.worker_id("b", 0)]
+        frozen = [keys.worker_id("b", 0)] if 100 in b_pids else []
+        assert [k.worker for k in kills] == frozen
     finally:
         for srv in servers.values():
             srv.close()

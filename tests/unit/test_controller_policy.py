@@ -314,6 +314,7 @@ def hung_worker_is_killed_by_pid() -> None:
     run = Run(_spec(hang_timeout=timedelta(seconds=60)))
     plan = _plan(1, "a", "b")
     world = _world(["a", "b"], plan)
+    world.nodes["b"] = _node("b", pid=4242)
     world.progress["b-0"] = _beat(1, beat=NOW - 30, step_time=NOW - 120, pid=4242)
     world.answering = {"b"}  # its agent answers: the silence is the worker's own
     run.tick(world)
@@ -326,11 +327,24 @@ def hung_worker_is_killed_by_pid() -> None:
     assert run.of(KillWorker) == []
 
 
+def exited_worker_is_not_called_hung() -> None:
+    """Its agent restarted it: the registration lists the new process, and the old
+    one's last beat goes stale in the node's record until the new one beats."""
+    run = Run(_spec(hang_timeout=timedelta(seconds=60)))
+    world = _world(["a", "b"], _plan(1, "a", "b"))
+    world.nodes["b"] = _node("b", pid=4343)  # restarted: a new pid
+    world.progress["b-0"] = _beat(1, beat=NOW - 30, step_time=NOW - 120, pid=4242)
+    world.answering = {"b"}
+    run.tick(world)
+    assert run.of(KillWorker) == []
+
+
 def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
     """A SIGSTOPped worker's heartbeat stops with it: 3 silent intervals are enough."""
     run = Run(_spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5)))
     plan = _plan(1, "a", "b")
     world = _world(["a", "b"], plan)
+    world.nodes["b"] = _node("b", pid=77)  # the process its agent runs now
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)  # 4 beats missed
     world.answering = {"b"}
     run.tick(world)
@@ -343,6 +357,7 @@ def node_of_a_killed_hung_worker_is_replaced_without_the_report_grace() -> None:
     run = Run(_spec(heartbeat_interval=timedelta(seconds=0.5)))
     plan = _plan(1, "a", "b")
     world = _world(["a", "b", "c"], plan, mono=50.0)
+    world.nodes["b"] = _node("b", pid=77)  # the process its agent runs now
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
     world.answering = {"b"}
     run.tick(world)
@@ -359,6 +374,7 @@ def quiet_worker_of_an_unreachable_node_is_not_killed() -> None:
     run = Run(_spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5)))
     plan = _plan(1, "a", "b")
     world = _world(["a", "b"], plan)
+    world.nodes["b"] = _node("b", pid=77)  # the process its agent runs now
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
     run.tick(world)  # world.answering is empty: b's agent did not answer
     assert run.of(KillWorker) == []
@@ -727,6 +743,7 @@ SCENARIOS: list[Callable[[], None]] = [
     lease_expiry_preempted_node_is_replaced,
     a_member_whose_watch_closed_is_replaced_before_any_report,
     hung_worker_is_killed_by_pid,
+    exited_worker_is_not_called_hung,
     frozen_worker_is_killed_without_waiting_for_hang_timeout,
     quiet_worker_of_an_unreachable_node_is_not_killed,
     node_of_a_killed_hung_worker_is_replaced_without_the_report_grace,

@@ -39,8 +39,11 @@ def _entry(
 ) -> None:
     os.environ.update(env)
     try:
+        import gc
+
         import torch.distributed as dist
 
+        gc.freeze()  # as agents.runtime.init does: the exit's collection skips the imports
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",

@@ -9,6 +9,7 @@ plain ``torchrun`` or ``python``, it gets a
 
 from __future__ import annotations
 
+import gc
 import logging
 
 from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
@@ -72,4 +73,11 @@ def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
     spec, _ = retry_unavailable(
         lambda: read_spec(client, env.job), "reading the job spec", max_wait=SETTINGS.plan_timeout
     )
-    return Session(env, client, spec)
+    session = Session(env, client, spec)
+    # The objects alive now are the imports (torch's among them: hundreds of
+    # thousands), kept for the process's life.  Moved out of the collector's
+    # generations, they are not traversed again by each full collection during
+    # training, nor by the one at the interpreter's exit, which took 1-2 s of
+    # a worker's end (a job's end and a replaced worker's exit wait for it).
+    gc.freeze()
+    return session

@@ -39,6 +39,8 @@ PLAN, CONTROL = b"p", b"c"
 #: How long a send to one worker may block before that worker is dropped (it
 #: then watches etcd itself); a live worker reads its feed from its own thread.
 SEND_TIMEOUT_S = 1.0
+#: How long the accept waits before it looks at the stop flag (close() also wakes it).
+ACCEPT_TIMEOUT_S: float | None = 0.5
 #: Largest value a frame carries (etcd refuses a request over 1.5 MiB).
 MAX_VALUE = 8 * 1024 * 1024
 
@@ -62,7 +64,7 @@ class PlanFeed:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(name)
         self._server.listen(64)
-        self._server.settimeout(0.5)
+        self._server.settimeout(ACCEPT_TIMEOUT_S)
         #: what a worker's environment names the feed by
         self.address = "@" + name[1:]
         self._lock = threading.Lock()
@@ -108,6 +110,9 @@ class PlanFeed:
                 continue
             except OSError:
                 return  # closed
+            if self._stop.is_set():  # close()'s wake-up
+                worker.close()
+                return
             worker.settimeout(SEND_TIMEOUT_S)
             with self._lock:
                 self._workers.append(worker)
@@ -117,8 +122,12 @@ class PlanFeed:
     def close(self) -> None:
         """Stop: every worker's feed ends (a worker still running watches etcd)."""
         self._stop.set()
-        self._server.close()
+        # a connection wakes the accept at once (not after its 0.5 s timeout)
+        wake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError), wake:
+            wake.connect("\0" + self.address[1:])
         self._thread.join(timeout=2)
+        self._server.close()
         with self._lock:
             for worker in self._workers:
                 with contextlib.suppress(OSError):

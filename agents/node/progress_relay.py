@@ -60,6 +60,8 @@ log = logging.getLogger("ringmaster.agent")
 STEADY_WRITE_S = 1.0
 #: Shortest time between two writes: a change the controller acts on waits for it.
 MIN_WRITE_GAP_S = 0.2
+#: How long the receiver waits before it looks at the stop flag (close() also wakes it).
+RECEIVE_TIMEOUT_S: float | None = 0.5
 
 
 def steady_period(heartbeat_interval: float) -> float:
@@ -183,7 +185,7 @@ class ProgressRelay:
         name = f"\0ringmaster-progress-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(name)
-        self._sock.settimeout(0.5)
+        self._sock.settimeout(RECEIVE_TIMEOUT_S)
         #: what a worker's environment names the socket by
         self.address = "@" + name[1:]
         self._stop = threading.Event()
@@ -207,6 +209,8 @@ class ProgressRelay:
                 continue
             except OSError:
                 return  # closed
+            if self._stop.is_set():  # close()'s wake-up, or a last beat: written by close()
+                return
             try:
                 msg = json.loads(data)
                 worker = keys.segment(str(msg["worker"]), "worker id")
@@ -310,9 +314,11 @@ class ProgressRelay:
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
-        self._sock.close()
+        with contextlib.suppress(OSError):  # wakes the receiver at once (not its 0.5 s timeout)
+            self._sock.sendto(b"", "\0" + self.address[1:])
         for t in self._threads:
             t.join(timeout=2)
+        self._sock.close()
         if self.progress.due_at() is not None:
             with contextlib.suppress(EtcdError):
                 self.progress.write(self.client)

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 
+from agents.node import progress_relay
 from agents.node.progress_relay import MIN_WRITE_GAP_S, NodeProgress, ProgressRelay
 from agents.runtime.heartbeat import Heartbeat
 from orchestrator import keys
@@ -207,3 +208,14 @@ def test_etcd_away_for_the_agent_is_noticed_by_the_workers_own_client() -> None:
             relay.close()
             agent.close()
             worker_client.close()
+
+
+def test_close_wakes_the_receiver_rather_than_waiting_for_its_timeout(
+    etcd_client: EtcdClient, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no timeout at all on the receive, close() still ends the relay's threads
+    (an agent's exit waited up to 0.5 s for each of them)."""
+    monkeypatch.setattr(progress_relay, "RECEIVE_TIMEOUT_S", None)
+    relay = ProgressRelay(etcd_client, NodeProgress(job, NODE, heartbeat_interval=2.0))
+    relay.close()
+    assert not any(t.is_alive() for t in relay._threads)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from agents.channels import plan_feed
 from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed, frame
 from agents.node.watches import NodeWatches
 from agents.runtime import plan_watch
@@ -155,3 +156,13 @@ def test_a_frame_is_kind_revision_length_then_the_value() -> None:
         frame(PLAN, 258, b"xyz")
         == b"p" + (258).to_bytes(8, "big") + (3).to_bytes(4, "big") + b"xyz"
     )
+
+
+def test_close_wakes_the_accept_rather_than_waiting_for_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no timeout at all on the accept, close() still ends the feed's thread."""
+    monkeypatch.setattr(plan_feed, "ACCEPT_TIMEOUT_S", None)
+    f = PlanFeed()
+    f.close()
+    assert not f._thread.is_alive()

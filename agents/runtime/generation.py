@@ -42,6 +42,8 @@ from agents.api import (
     WorkerView,
 )
 from agents.recovery import shard_recovery
+from agents.recovery.shard_recovery import SOURCE_INITIAL
+from agents.recovery.site_shards import join_site_shards
 from agents.recovery.state_sync import NO_STATE, sync_state
 from agents.runtime.process_group import (
     Groups,
@@ -311,7 +313,13 @@ class Generations:
         step, has_state, restored_from = held.step, holds_state, None
         try:
             self._durable.open(first=plan.generation == 1)
-            if sharded is not None:
+            if sharded is not None and models.outer is not None:  # fsdp in each site
+                got = join_site_shards(
+                    models.outer, sharded, held, holds_state, plan, rank, self._device,
+                    groups.control, ceiling,
+                )  # fmt: skip
+                step, has_state = got.step, holds_state or got.source != SOURCE_INITIAL
+            elif sharded is not None:
                 placement = shard_recovery.Placement(
                     rank, plan.world_size, plan.members[0].nproc, self._device
                 )

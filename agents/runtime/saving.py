@@ -38,7 +38,7 @@ from agents.runtime.failures import peer_failure
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from agents.sync.outer_sync import OuterSync
+from agents.sync.outer_sync import OuterSync, per_slice
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOOK_STATE", "Saving", "record_commit"]
 
+_PER_SLICE = "sharding='fsdp' under a delayed sync writes none in this release: use 'ddp'"
 log = logging.getLogger("ringmaster.worker")
 
 #: Key of the comm hook's state in a checkpoint's per-rank state.
@@ -205,8 +206,8 @@ class Saving:
         if isinstance(model, ElasticDDP | ShardedModel):
             # the plain (or the fully_shard-ed) module: checkpoints load without ringmaster
             model = model.module
-        if not isinstance(model, nn.Module):
-            return None
+        if not isinstance(model, nn.Module) or per_slice(held.tracked.get("outer")):
+            return None  # fsdp in each site under a delayed sync writes none (see save())
         rank_state = {}
         if held.hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
             rank_state[HOOK_STATE] = {
@@ -281,6 +282,8 @@ class Saving:
         if self._before_save is not None:
             self._before_save(reason)
         state = self.train_state()
+        if self._ckpt is not None and per_slice(self._held.tracked.get("outer")):
+            log.error("%s checkpoint not written: %s", reason, _PER_SLICE)
         if self._ckpt is None or state is None:
             return
         started = time.perf_counter()

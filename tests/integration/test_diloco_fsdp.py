@@ -1,0 +1,104 @@
+"""DiLoCo with an FSDP2 model in each site: two sites x two ranks, real processes, gloo.
+
+Two nodes of two workers each, one per ``zone`` (sites ``a`` = ranks 0-1 and
+``b`` = ranks 2-3), run examples/train_sharded.py with ``sharding="fsdp"``:
+each site shards the MLP over its own two ranks (its gradients reduce-scattered
+inside the site only), and every ``inner_steps`` steps rank ``i`` of each site
+averages its slice's pseudo-gradient with rank ``i`` of the other site and
+takes the outer Nesterov step on its slice.  The run ends with the parameters
+of the algorithm computed by hand (the DDP test's :class:`HandRun`: the
+arithmetic is elementwise, so slicing the model changes no number).
+
+With a warm spare of zone ``a``: site ``a``'s node is SIGKILLed mid inner
+period and the spare takes its slot.  No rank of the site kept its slice, so
+the site starts from the global model: rank ``i`` of it takes rank ``i`` of site
+``b``'s slice (its optimizer state) and outer state, and its parameters become
+the anchors, while site ``b`` keeps its own; the run still ends as the
+algorithm by hand with that loss in it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator import jobs
+from orchestrator.api import JobPhase
+from orchestrator.local_run import LocalRun
+from orchestrator.spec import JobSpec
+from orchestrator.spec_loader import load_job_data
+from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, wait_for_step
+from tests.chaos.sharded_jobs import assembled, assert_same_params, sharded_job
+from tests.faults.partitioned_job import wait_for
+from tests.integration.test_diloco import HOLD_AT, STEPS, HandRun, spare_ready
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ZONES = {"node-0": {"zone": "a"}, "node-1": {"zone": "b"}}
+
+
+def fsdp_sites_job(
+    name: str, tmp: Path, sync: dict[str, object], steps: int, spares: int = 0
+) -> JobSpec:
+    """Two nodes of two workers; with a spare, held at :data:`HOLD_AT` until ``tmp/go``."""
+    base = sharded_job(
+        name, tmp, "fsdp", nodes=2, nproc=2, steps=steps, step_time=0.1 if spares else 0.0,
+        spares=spares,
+    ).to_dict()  # fmt: skip
+    base["sync"] = sync
+    if spares:
+        base["entrypoint"]["args"] += ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")]
+    return load_job_data(base)
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        {"mode": "diloco", "inner_steps": 10},
+        {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2},
+    ],
+    ids=["diloco", "streaming"],
+)
+def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(
+    tmp_path: Path, sync: dict[str, object]
+) -> None:
+    lines: list[str] = []
+    spec = fsdp_sites_job("diloco-fsdp", tmp_path, sync, STEPS)
+    with quiet_run(spec, lines, node_labels=ZONES) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert_exactly_once(tmp_path, STEPS)
+    hand = HandRun(spec.sync, [[0, 1], [2, 3]], seed=0).train(0, STEPS)
+    assert_same_params(assembled(tmp_path / "out"), hand.final())
+
+
+def test_a_site_whose_node_dies_comes_back_from_the_global_model(tmp_path: Path) -> None:
+    lines: list[str] = []
+    spec = fsdp_sites_job(
+        "diloco-fsdp-kill", tmp_path, {"mode": "diloco", "inner_steps": 10}, STEPS, 1
+    )
+    run = quiet_run(spec, lines, node_labels={**ZONES, "node-2": {"zone": "a"}})
+    # the spare starts once the job trains: the first generation holds both sites
+    run.node_names = lambda: ["node-0", "node-1"]  # type: ignore[method-assign]
+    with run:
+        wait_for_step(run, 0)
+        run.add_node("node-2", rack="rack-1")
+        spare_ready(run, "node-2", tmp_path / "go")
+        wait_for("a step 2-4 past a sync", lambda: _step(run) % 10 in (2, 3, 4))
+        run.kill_node("node-0")  # site a's only node
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries >= 1, summary(result, lines)
+    back = [line for line in lines if "site a had no state" in line]
+    assert back and back[0].startswith("[node-2]"), summary(result, lines)
+    lost_at = int(back[0].rsplit("at step ", 1)[1])
+    assert lost_at % 10 != 0, lost_at  # mid inner period, where site b was
+    want = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, STEPS, lost_at=lost_at).final()
+    assert_same_params(assembled(tmp_path / "out"), want)
+
+
+def _step(run: LocalRun) -> int:
+
+    status = jobs.read_status(run.client, run.spec.name)
+    return status.step if status is not None else 0

@@ -1,0 +1,106 @@
+"""An FSDP2 model in each site under a delayed sync: the pure parts.
+
+The outer state of one slice (fragments cut by the whole parameters, sized to
+the slice), which sites keep their state at a join, and what ``wrap()`` and the
+join refuse, with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agents.recovery.site_shards import check_sites, site_steps
+from agents.recovery.state_sync import NO_STATE
+from agents.runtime.tracked_optimizers import others_of
+from agents.runtime.wrapping import check_delayed_sharded
+from agents.sync.outer_sync import OuterSync, per_slice
+from agents.sync.sites import Sites
+from orchestrator.spec import JobSpec
+from orchestrator.spec_loader import load_job_data
+
+pytestmark = pytest.mark.unit
+
+
+def _job(**more: object) -> JobSpec:
+    return load_job_data(
+        {
+            "name": "j",
+            "entrypoint": {"script": "x.py"},
+            "sync": {"mode": "streaming_diloco", "inner_steps": 8, "fragments": 2},
+            **more,
+        }
+    )
+
+
+def test_a_slice_keeps_the_whole_models_fragments_and_its_own_rows() -> None:
+    whole = [torch.zeros(8, 2), torch.zeros(8), torch.zeros(4, 4)]
+    rows = [p.chunk(2)[1] for p in whole]  # rank 1 of a site of two
+    outer = OuterSync(_job().sync, whole, local=lambda: rows)
+    assert outer.rank_local and per_slice(outer)
+    # cut by the whole parameters (16, 8, 16 values: [0], [1, 2]), the same on every
+    # rank, and sized to this rank's rows of them (8, 4 + 8)
+    assert outer.fragments == 2
+    outer.fit()
+    assert [a.numel() for a in outer.anchors] == [8, 12]
+    assert [m.numel() for m in outer.momentum] == [8, 12]
+    assert [t.data_ptr() for t in outer.parameters] == [t.data_ptr() for t in rows]
+    with torch.no_grad():
+        rows[0].fill_(1.0)
+    outer.anchor_to_parameters(5)
+    assert outer.anchors[0].eq(1.0).all() and outer.started == 5
+    state = outer.state_dict()
+    again = OuterSync(_job().sync, whole, local=lambda: rows)
+    again.fit()
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.anchors, outer.anchors, strict=True))
+
+
+def test_a_ddp_outer_state_is_its_sites() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    outer = OuterSync(_job().sync, params)
+    assert not outer.rank_local and not per_slice(outer)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracked = {"model": model, "optimizer": opt, "outer": outer, "step": object()}
+    assert set(others_of(tracked, model)) == {"outer", "step"}
+    sliced = OuterSync(_job().sync, params, local=lambda: params)
+    assert set(others_of({**tracked, "outer": sliced}, model)) == {"step"}
+
+
+def test_sites_of_different_sizes_are_refused_naming_each() -> None:
+    check_sites(Sites(("a", "b"), ((0, 1), (2, 3))), "zone")
+    with pytest.raises(ValueError) as e:
+        check_sites(Sites(("a", "b"), ((0, 1), (2,))), "zone")
+    message = str(e.value)
+    assert "a: 2, b: 1" in message and "zone" in message
+    assert "as many nodes" in message and "sharding='ddp'" in message
+
+
+def test_a_site_keeps_its_state_only_when_every_rank_kept_the_same_step() -> None:
+    sites = Sites(("a", "b", "c"), ((0, 1), (2, 3), (4, 5)))
+    steps = [12, 12, 12, NO_STATE, 12, 11]
+    assert site_steps(steps, sites) == [12, NO_STATE, NO_STATE]
+
+
+@pytest.mark.parametrize(
+    ("sharding", "every", "more", "words"),
+    [
+        ("hsdp", None, {}, "sharding='ddp' or sharding='fsdp' (not 'hsdp')"),
+        ("mesh", None, {}, "(not 'mesh')"),
+        ("fsdp", 1, {}, "remove redundancy_every_steps"),
+        ("fsdp", None, {"checkpoint": {"every_steps": 10}}, "set them to 0"),
+        ("fsdp", None, {"checkpoint": {"every_seconds": 60}}, "set them to 0"),
+    ],
+)
+def test_wrap_refuses_what_fsdp_in_a_site_does_not_build(
+    sharding: str, every: int | None, more: dict[str, object], words: str
+) -> None:
+    with pytest.raises(ValueError, match="streaming_diloco") as e:
+        check_delayed_sharded(_job(**more), sharding, every)
+    assert words in str(e.value)
+
+
+def test_wrap_takes_fsdp_and_no_buddy_copies_under_a_delayed_sync() -> None:
+    check_delayed_sharded(_job(), "fsdp", None)
+    check_delayed_sharded(_job(), "fsdp", 0)

@@ -319,6 +319,7 @@ class Generations:
                     groups.control, ceiling,
                 )  # fmt: skip
                 step, has_state = got.step, holds_state or got.source != SOURCE_INITIAL
+                self._telemetry.state_source(got.source, got.lost)
             elif sharded is not None:
                 placement = shard_recovery.Placement(
                     rank, plan.world_size, plan.members[0].nproc, self._device

@@ -102,3 +102,21 @@ def _step(run: LocalRun) -> int:
 
     status = jobs.read_status(run.client, run.spec.name)
     return status.step if status is not None else 0
+
+
+def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) -> None:
+    """Three nodes of one worker: zone a has two, zone b one.  Rank i of each site
+    would hold slice i of a different cut, so the first generation's join refuses the
+    layout as the script's error: the job fails at once, with each site's size."""
+    lines: list[str] = []
+    base = sharded_job("diloco-fsdp-uneven", tmp_path, "fsdp", nodes=3, nproc=1, steps=20,
+                       spares=0).to_dict()  # fmt: skip
+    base["sync"] = {"mode": "diloco", "inner_steps": 10}
+    base["fault_tolerance"]["max_restarts"] = 0
+    zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"}}
+    with quiet_run(load_job_data(base), lines, node_labels=zones) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.FAILED, summary(result, lines)
+    failed = [e for e in result.events if e.type == "Phase" and "Failed" in e.message]
+    assert failed and "by zone they have a: 2, b: 1" in failed[-1].message, failed
+    assert result.recoveries == 0, summary(result, lines)

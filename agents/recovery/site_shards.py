@@ -5,39 +5,52 @@ default group formed (:mod:`agents.runtime.generation` calls :func:`join_site_sh
 for ``sharding="fsdp"`` under ``sync.mode`` diloco or streaming_diloco).  Each
 site is an FSDP2 group of its own: its model is sharded over the site's ranks
 only (a 1-D mesh of the site's group), so no per-step collective crosses
-sites.  The sites must be equal-sized (:func:`check_sites`): rank ``i`` of every
-site then holds the same slice, and the slice's outer state (anchors,
-momentum, the syncs under way) is synced with the same-index ranks of the
-other sites (:class:`~agents.sync.outer_sync.OuterSync` with a ``local``
-view; its groups are :func:`~agents.sync.site_groups.form_site_groups`'s
-``per_slice`` ones).
+sites.  The sites must be equal-sized
+(:func:`~agents.recovery.site_plan.check_sites`): rank ``i`` of every site
+then holds the same slice, and the slice's outer state (anchors, momentum,
+the syncs under way) is synced with the same-index ranks of the other sites
+(:class:`~agents.sync.outer_sync.OuterSync` with a ``local`` view; its groups
+are :func:`~agents.sync.site_groups.form_site_groups`'s ``per_slice`` ones).
+With redundancy on, each rank's slice is copied to the same local rank on
+the next node of its site (:class:`~agents.recovery.buddy_copies.BuddyCopies`
+with the site as its ring).
 
-A site *keeps* its state when every one of its ranks kept its live slice,
-at the same step and in the same layout.  Then:
+Where each site's slices come from is decided by
+:func:`~agents.recovery.site_plan.site_states` from what every rank tells:
 
-1. **Every site keeps its state**: each rank rebuilds its module on the new
-   group from its own slice (no bytes move).
-2. **A site does not** (a node of it was replaced, it lost a rank, or it comes
-   back): its ranks start from the global model, as a whole site coming back
-   does under DDP (:mod:`agents.sync.site_join`): rank ``i`` takes the slice
-   of rank ``i`` of the most advanced site that kept its state (its optimizer
-   state, its replicated state) and that rank's outer state, and its
-   parameters become the anchors.  The syncs under way count the site with
-   weight 0.  Its inner steps since the last outer step are lost (at most
-   ``inner_steps`` steps of one site's work); no outer step is lost or applied
-   twice: a site that missed an outer step another site applied takes its
-   result (:func:`~agents.sync.site_join.reconcile_fragments`, per slice).
+1. **A site keeps its state**: every rank that kept its live slice stands at
+   the site's step and rebuilds its module on the new group from it (no bytes
+   move); a replacement in the site (same layout) takes its slice from the
+   buddy's copy of that step, held by a live rank of the site, and its outer
+   state from the same-index rank of a site that kept its own (the anchors
+   and momentum are the sites' common values; the site's own
+   pseudo-gradient of that slice in a sync under way is lost: weight 0).
+   The site's inner steps are kept.
+2. **A site keeps none** (no buddy copy of a lost slice at the site's step,
+   the site's size changed, or the site comes back whole): its ranks start
+   from the global model, as a whole site coming back does under DDP
+   (:mod:`agents.sync.site_join`): rank ``i`` takes the slice of rank ``i``
+   of the most advanced site that kept its state (its optimizer state, its
+   replicated state) and that rank's outer state, and its parameters become
+   the anchors.  The syncs under way count the site with weight 0.  Its
+   inner steps since the last outer step are lost.
 3. **No site keeps its state**: a new job starts from the script's initial
    values, every site from the first site's; a job whose state was held
-   somewhere but in no complete site raises :class:`StateLostError` (durable
+   somewhere but in no site raises :class:`StateLostError` (durable
    checkpoints are not written for this model in this release:
    :mod:`agents.runtime.saving` says so when a save is due).
+
+No outer step is lost or applied twice: a slice that missed an outer step
+another site applied takes its result
+(:func:`~agents.sync.site_join.reconcile_fragments`, per slice index).
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -45,13 +58,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from agents.api import StateLostError, StateMismatchError, WorkerView
+from agents.api import StateLostError, WorkerView
+from agents.recovery.buddy_copies import BuddyCopies
 from agents.recovery.shard_recovery import (
+    SOURCE_BUDDY,
     SOURCE_INITIAL,
     SOURCE_LIVE,
     SOURCE_PEER,
     ShardsRestored,
 )
+from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.slice_state import apply_replicated, targets_for
 from agents.recovery.state_sync import NO_STATE, broadcast_state
 from agents.runtime.sharding import Layout, ShardedModel, Slice
@@ -63,49 +79,32 @@ from agents.sync.site_join import reconcile_fragments
 from agents.sync.sites import Sites
 from orchestrator.records import Plan
 
-__all__ = ["check_sites", "join_site_shards", "site_steps"]
+__all__ = ["Placed", "join_site_shards"]
 
 log = logging.getLogger("ringmaster.worker")
 
 
-def check_sites(sites: Sites, label: str) -> None:
-    """An FSDP2 model in each site needs sites of one size (rank ``i`` of each holds
-    slice ``i``).
+@dataclass(frozen=True)
+class Placed:
+    """Where this worker trains in the generation being joined."""
 
-    Raises:
-        StateMismatchError: (a ``ValueError``) naming each site's size and what to
-            change; the join reports it as the script's error and the job fails.
-    """
-    sizes = {len(r) for r in sites.ranks}
-    if len(sizes) > 1:
-        each = ", ".join(f"{n}: {len(r)}" for n, r in zip(sites.names, sites.ranks, strict=True))
-        raise StateMismatchError(
-            f"sharding='fsdp' under a delayed sync shards the model over each site's ranks "
-            f"and syncs slice i between the sites' i-th ranks, so the sites must have as "
-            f"many ranks each; by {label} they have {each}: give every site as many nodes "
-            "(nodes.min/max, spares per site), or wrap with sharding='ddp'"
-        )
-
-
-def site_steps(steps: list[int], sites: Sites) -> list[int]:
-    """Per site, the step all its ranks kept (``steps``: per global rank, the step of
-    its live slice or ``NO_STATE``), or ``NO_STATE`` where a rank kept none or the
-    ranks disagree."""
-    out = []
-    for ranks in sites.ranks:
-        held = {steps[r] for r in ranks}
-        out.append(held.pop() if len(held) == 1 else NO_STATE)
-    return out
+    plan: Plan
+    #: its global rank
+    rank: int
+    #: workers of its node (a buddy is the same local rank on the site's next node)
+    nproc: int
+    device: torch.device
+    #: what an exchange of the buddy copies may take
+    copies_timeout: timedelta
 
 
 def join_site_shards(
     outer: OuterSync,
     model: ShardedModel,
+    buddies: BuddyCopies | None,
     held: WorkerView,
     holds_state: bool,
-    plan: Plan,
-    rank: int,
-    device: torch.device,
+    at: Placed,
     control: dist.ProcessGroup | None,
     timeout: timedelta,
 ) -> ShardsRestored:
@@ -115,11 +114,11 @@ def join_site_shards(
     Args:
         outer: the worker's outer loop (it keeps the groups).
         model: the sharded model.
+        buddies: its buddy copies in the site, if redundancy is on (started here on
+            the new generation).
         held: the worker as it stands (its step and tracked objects).
         holds_state: the tracked objects hold the state of ``held.step``.
-        plan: the generation joined.
-        rank: this worker's global rank in it.
-        device: this worker's device.
+        at: where this worker trains in the generation joined.
         control: the generation's gloo control group (None: the default group).
         timeout: the generation's collective timeout (the sites' groups start with it).
 
@@ -127,38 +126,48 @@ def join_site_shards(
         StateMismatchError: the sites differ in size (:func:`check_sites`).
         StateLostError: state was held, but no site kept all of its slices.
     """
-    sites = Sites.of_plan(plan, outer.spec.site_label)
+    rank = at.rank
+    sites = Sites.of_plan(at.plan, outer.spec.site_label)
     check_sites(sites, outer.spec.site_label)
     outer.drop()
-    outer.groups = groups = form_site_groups(sites, rank, device, timeout, per_slice=True)
+    outer.groups = groups = form_site_groups(sites, rank, at.device, timeout, per_slice=True)
     mine = sites.ranks[groups.index]
     layout = Layout(len(mine), mine.index(rank))
     kept = holds_state and model.layout == layout
-    row = torch.tensor([held.step if kept else NO_STATE, int(holds_state)], dtype=torch.int64)
+    ward = buddies.held_copy() if buddies is not None and kept else None
+    copy = (ward.step, ward.layout.shards, ward.layout.index) if ward is not None else None
+    row = torch.tensor(Held(held.step if kept else NO_STATE, holds_state, copy).encode())
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row, group=control)
-    steps = site_steps([int(r[0]) for r in rows], sites)
+    told = [Held.decode(r.tolist()) for r in rows]
+    states = site_states(told, sites)
+    steps = [st.step for st in states]
     best = max(steps)
     outer.catch_up_to = max(best, 0)
     optimizers = optimizers_of(held.tracked)
     others = others_of(held.tracked, model)
     own = model.capture(held.step, optimizers, others).copy_to_host() if kept else None
     ranks = torch.tensor(mine, dtype=torch.int64)
+    device = at.device
     mesh = DeviceMesh.from_group(groups.inner, device.type, mesh=ranks, mesh_dim_names=("shard",))
     fresh = model.build(mesh, layout, device)
     if best == NO_STATE:
-        if any(int(r[1]) for r in rows):
+        if any(h.state for h in told):
             raise StateLostError(
-                "sharding='fsdp' under a delayed sync: no site kept all of its slices (each "
-                "site lost a rank, or the sites changed size at once), and this model "
-                "writes no durable checkpoint to resume from; keep the sites' sizes, or "
-                "wrap with sharding='ddp'"
+                "sharding='fsdp' under a delayed sync: no site kept all of its slices (a "
+                "rank of each site was lost with no buddy copy of its slice at the site's "
+                "step, or the sites changed size at once), and this model writes no durable "
+                "checkpoint to resume from; set fault_tolerance.redundancy.every_steps: 1 "
+                "and keep the sites' sizes, or wrap with sharding='ddp'"
             )
         _start_initial(model, fresh, optimizers)
         outer.fit()
         _start_common(outer, groups)
+        _start_copies(buddies, at, sites, model, NO_STATE)
         return ShardsRestored(0, SOURCE_INITIAL, 0)
-    empty = [s for s, at in enumerate(steps) if at == NO_STATE]
+    site = states[groups.index]
+    taken = _from_copies(site, groups, layout, own, ward, rank)
+    empty = [s for s, step in enumerate(steps) if step == NO_STATE]
     state: dict[str, Any] | None = None
     if empty:  # the same decision on every rank: the group of this slice index sends
         src = sites.ranks[steps.index(best)][layout.index]
@@ -169,17 +178,16 @@ def join_site_shards(
             sent = {"tensors": own.tensors, "replicated": own.replicated}
             sent["outer"] = outer.state_dict()
         state = broadcast_state(
-            (lambda: sent) if rank == src else None, src, groups.outer,
+            _given(sent) if rank == src else None, src, groups.outer,
             receivers=receivers, data_group=groups.outer,
         )  # fmt: skip
-    taken = own
-    if steps[groups.index] == NO_STATE:
+    if site.step == NO_STATE:
         assert state is not None, "a site that kept no state receives one"
         taken = Slice(best, layout, state["tensors"], state["replicated"])
     assert taken is not None
     _restore_slice(model, fresh, taken, optimizers, others)
     outer.fit()
-    step, source = steps[groups.index], SOURCE_LIVE
+    step, source = site.step, (SOURCE_BUDDY if site.copies else SOURCE_LIVE)
     if step == NO_STATE:
         assert state is not None
         outer.load_state_dict(state["outer"])
@@ -189,8 +197,91 @@ def join_site_shards(
             "site %s had no state: it starts from the sites' common parameters at step %d",
             sites.names[groups.index], step,
         )  # fmt: skip
+    _outer_for_copies(outer, groups, states, layout.index, step)
     _reconcile(outer, groups)
+    _start_copies(buddies, at, sites, model, step if site.step != NO_STATE else NO_STATE)
     return ShardsRestored(step, source, 0)
+
+
+def _given(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _from_copies(
+    site: SiteState,
+    groups: SiteGroups,
+    layout: Layout,
+    own: Slice | None,
+    ward: Slice | None,
+    rank: int,
+) -> Slice | None:
+    """A site that keeps its state: each rank that kept none (a replacement) takes its
+    slice from the buddy's copy in the site, with the sender's replicated state; the
+    others keep their own.  Collective on the site's gloo group."""
+    taken = own
+    mine = groups.sites.ranks[groups.index]
+    for index, holder in sorted(site.copies.items()):
+        sent = None
+        if rank == holder:
+            assert own is not None and ward is not None
+            sent = {"tensors": ward.tensors, "replicated": own.replicated}
+        got = broadcast_state(
+            _given(sent) if rank == holder else None, holder, groups.inner_host,
+            receivers=[mine[index]], data_group=groups.inner,
+        )  # fmt: skip
+        if rank == mine[index]:
+            taken = Slice(site.step, layout, got["tensors"], got["replicated"])
+            log.warning(
+                "slice %d of site %s of step %d restored from its buddy's copy in the site",
+                index, groups.sites.names[groups.index], site.step,
+            )  # fmt: skip
+    return taken
+
+
+def _outer_for_copies(
+    outer: OuterSync, groups: SiteGroups, states: list[SiteState], index: int, step: int
+) -> None:
+    """A rank whose slice came from a buddy's copy takes its slice's outer state from
+    the same-index rank of a site that kept its own (:func:`site_states` made sure
+    one did).  Collective on the group of slice ``index``."""
+    assert groups.outer is not None
+    sites = groups.sites
+    receivers = [sites.ranks[s][index] for s, st in enumerate(states) if index in st.copies]
+    if not receivers:
+        return
+    src = next(
+        sites.ranks[s][index]
+        for s, st in enumerate(states)
+        if st.step != NO_STATE and index not in st.copies
+    )
+    rank = dist.get_rank()
+    got = broadcast_state(
+        _given(outer.state_dict()) if rank == src else None, src, groups.outer,
+        receivers=receivers, data_group=groups.outer,
+    )  # fmt: skip
+    if rank in receivers:
+        outer.take_from_another_site(got, step)
+
+
+def _start_copies(
+    buddies: BuddyCopies | None,
+    at: Placed,
+    sites: Sites,
+    model: ShardedModel,
+    step: int,
+) -> None:
+    """Start the buddy copies on the new generation, each rank's buddy in its own site
+    (``step``: the site's state, NO_STATE where it took none of its own copies)."""
+    if buddies is None:
+        return
+    buddies.forget_after(step)
+    layouts = [Layout(1, 0)] * at.plan.world_size
+    for ranks in sites.ranks:
+        for i, r in enumerate(ranks):
+            layouts[r] = Layout(len(ranks), i)
+    mine = next(ranks for ranks in sites.ranks if at.rank in ranks)
+    world = at.plan.world_size
+    buddies.start(at.rank, world, at.nproc, layouts, model.rows, at.copies_timeout, mine)
 
 
 def _restore_slice(

@@ -107,13 +107,7 @@ class WrappedModels:
         if ignored is not None:
             log.warning("%s", ignored)
         if sharding != "ddp" and self._spec.sync.delayed:
-            check_delayed_sharded(self._spec, sharding, redundancy_every_steps)
-            every = self._spec.fault_tolerance.redundancy.every_steps
-            if every != DEFAULT_REDUNDANCY_EVERY_STEPS:
-                log.warning(
-                    "fault_tolerance.redundancy.every_steps (%d) is ignored under a delayed "
-                    "sync: a site's lost slice comes from the other sites", every,
-                )  # fmt: skip
+            check_delayed_sharded(self._spec, sharding)
         if sharding != "ddp":
             self.sharded, self.buddies = wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
@@ -123,8 +117,7 @@ class WrappedModels:
             )  # fmt: skip
             if self._spec.sync.delayed:  # FSDP2 in each site: each rank syncs its own slice
                 sharded = self.sharded
-                names = list(sharded.rows)
-                self.buddies = None  # a lost slice comes from the other sites instead
+                names = list(sharded.rows)  # buddy copies pair inside each site
                 self.outer = OuterSync(
                     self._spec.sync,
                     list(sharded.params.values()),
@@ -274,24 +267,18 @@ def check_delayed(spec: JobSpec, wrapped_before: bool) -> None:
         )
 
 
-def check_delayed_sharded(spec: JobSpec, sharding: str, every_steps: int | None) -> None:
+def check_delayed_sharded(spec: JobSpec, sharding: str) -> None:
     """A delayed sync shards a model with ``fsdp`` in each site, and only so.
 
     Raises:
-        ValueError: ``hsdp`` or a mesh, buddy copies asked for, or durable checkpoints
-            due every so often (not written for this model in this release).
+        ValueError: ``hsdp`` or a mesh, or durable checkpoints due every so often (not
+            written for this model in this release).
     """
     mode = spec.sync.mode.value
     if sharding != "fsdp":
         raise ValueError(
             f"sync.mode {mode} trains a DDP or an FSDP2 model in each site; wrap it with "
             f"sharding='ddp' or sharding='fsdp' (not {sharding!r}), or use sync.mode: ddp"
-        )
-    if every_steps:
-        raise ValueError(
-            f"redundancy_every_steps={every_steps}: under sync.mode {mode} a site's lost "
-            "slice comes from the other sites (the global model), not from buddy copies; "
-            "remove redundancy_every_steps from wrap()"
         )
     ckpt = spec.checkpoint
     if ckpt.every_steps or ckpt.every_seconds:

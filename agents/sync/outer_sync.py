@@ -173,6 +173,18 @@ class OuterSync:
             self.pending_delta[f].zero_()
         self.pending_weight = [0.0] * self.fragments
 
+    def take_from_another_site(self, state: dict[str, Any], done: int) -> None:
+        """Load the outer state of the same slice from another site (this rank's slice
+        came from a buddy's copy in its site, at ``done`` steps): the anchors, momentum
+        and counts are the sites' common values; this site's own pseudo-gradients of
+        the syncs under way are not in it, so they count with weight 0 (with a delay,
+        what the slice moved stays in it and goes into the next sync)."""
+        self.load_state_dict(state)
+        for delta in self.pending_delta:
+            delta.zero_()
+        self.pending_weight = [0.0] * self.fragments
+        self.started = done
+
     def anchor_to_parameters(self, done: int) -> None:
         """Take the parameters now as the anchors (the sites' common value), at ``done``
         steps: the next syncs' pseudo-gradients count from here."""

@@ -31,7 +31,7 @@ from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, wait_for_step
 from tests.chaos.sharded_jobs import assembled, assert_same_params, sharded_job
 from tests.faults.partitioned_job import wait_for
-from tests.integration.test_diloco import HOLD_AT, STEPS, HandRun, spare_ready
+from tests.integration.test_diloco import HOLD_AT, STEPS, HandRun, spare_ready, wait_for_spare
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -120,3 +120,37 @@ def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) 
     failed = [e for e in result.events if e.type == "Phase" and "Failed" in e.message]
     assert failed and "by zone they have a: 2, b: 1" in failed[-1].message, failed
     assert result.recoveries == 0, summary(result, lines)
+
+
+def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(tmp_path: Path) -> None:
+    """Sites of two nodes of one worker (a: node-0, node-1; b: node-2, node-3), slices
+    copied to the buddy in the site every step, node-4 a warm spare of zone a.  While
+    every worker holds before step 15 (mid inner period, each copy of step 14 made),
+    node-1 is SIGKILLed; the spare takes its slot with node-1's slice from node-0's copy
+    and the outer state of slice 1 from node-3 (site b): site a keeps its inner steps,
+    and the run ends as the algorithm by hand without any loss."""
+    lines: list[str] = []
+    base = sharded_job("diloco-fsdp-buddy", tmp_path, "fsdp", nodes=4, nproc=1, steps=STEPS,
+                       step_time=0.02, spares=1, redundancy=1).to_dict()  # fmt: skip
+    base["sync"] = {"mode": "diloco", "inner_steps": 10}
+    base["entrypoint"]["args"] += ["--hold-at", "15", "--go-file", str(tmp_path / "go")]
+    zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"},
+             "node-3": {"zone": "b"}, "node-4": {"zone": "a"}}  # fmt: skip
+    run = quiet_run(load_job_data(base), lines, node_labels=zones)
+    run.node_names = lambda: ["node-0", "node-1", "node-2", "node-3"]  # type: ignore[method-assign]
+    with run:
+        wait_for_step(run, 0)
+        run.add_node("node-4", rack="rack-2")
+        wait_for_spare(run, "node-4")
+        run.kill_node("node-1")
+        (tmp_path / "go").touch()
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries >= 1, summary(result, lines)
+    restored = [line for line in lines if "from its buddy's copy in the site" in line]
+    assert restored and restored[0].startswith("[node-4]"), summary(result, lines)
+    assert "slice 1 of site a of step 15" in restored[0], restored
+    assert not any("had no state" in line for line in lines), summary(result, lines)
+    assert_exactly_once(tmp_path, STEPS)
+    want = HandRun(load_job_data(base).sync, [[0, 1], [2, 3]]).train(0, STEPS).final()
+    assert_same_params(assembled(tmp_path / "out"), want)

@@ -1,8 +1,9 @@
 """An FSDP2 model in each site under a delayed sync: the pure parts.
 
 The outer state of one slice (fragments cut by the whole parameters, sized to
-the slice), which sites keep their state at a join, and what ``wrap()`` and the
-join refuse, with messages that say what to change.
+the slice), where each site's slices come from at a join (its ranks, a
+buddy's copy in the site, or none: the global model), and what ``wrap()`` and
+the join refuse, with messages that say what to change.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.recovery.site_shards import check_sites, site_steps
+from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.state_sync import NO_STATE
 from agents.runtime.tracked_optimizers import others_of
 from agents.runtime.wrapping import check_delayed_sharded
@@ -77,30 +78,60 @@ def test_sites_of_different_sizes_are_refused_naming_each() -> None:
     assert "as many nodes" in message and "sharding='ddp'" in message
 
 
-def test_a_site_keeps_its_state_only_when_every_rank_kept_the_same_step() -> None:
+def _held(live: int, copy: tuple[int, int, int] | None = None) -> Held:
+    return Held(live, live != NO_STATE, copy)
+
+
+def test_a_site_keeps_its_state_where_its_ranks_or_their_buddies_hold_it() -> None:
     sites = Sites(("a", "b", "c"), ((0, 1), (2, 3), (4, 5)))
-    steps = [12, 12, 12, NO_STATE, 12, 11]
-    assert site_steps(steps, sites) == [12, NO_STATE, NO_STATE]
+    held = [
+        _held(12), _held(12, (12, 2, 0)),  # a: both ranks kept theirs
+        _held(12, (12, 2, 1)), Held(NO_STATE, False),  # b: rank 3 replaced, 2 holds its copy
+        _held(12), _held(11),  # c: its ranks disagree
+    ]  # fmt: skip
+    assert site_states(held, sites) == [
+        SiteState(12),
+        SiteState(12, {1: 2}),
+        SiteState(NO_STATE),
+    ]
+    # a buddy's copy of an older step does not serve (the site would go back past
+    # what the other sites saw), nor one of another layout
+    for copy in [(11, 2, 1), (12, 3, 1)]:
+        held[2] = _held(12, copy)
+        assert site_states(held, sites)[1] == SiteState(NO_STATE)
+
+
+def test_a_replaced_slice_needs_its_outer_state_in_another_site() -> None:
+    """Slice 1 replaced in both sites: its anchors are nowhere else, so neither site
+    keeps its state (the join then raises StateLostError)."""
+    sites = Sites(("a", "b"), ((0, 1), (2, 3)))
+    held = [_held(8, (8, 2, 1)), Held(NO_STATE, False), _held(8, (8, 2, 1)), _held(NO_STATE)]
+    assert site_states(held, sites) == [SiteState(NO_STATE), SiteState(NO_STATE)]
+    held[3] = _held(8)  # site b kept slice 1: site a's replacement takes its outer state
+    assert site_states(held, sites) == [SiteState(8, {1: 0}), SiteState(8)]
+
+
+def test_what_a_rank_tells_round_trips() -> None:
+    for h in [Held(5, True, (5, 2, 1)), Held(NO_STATE, False), Held(NO_STATE, True)]:
+        assert Held.decode(h.encode()) == h
 
 
 @pytest.mark.parametrize(
-    ("sharding", "every", "more", "words"),
+    ("sharding", "more", "words"),
     [
-        ("hsdp", None, {}, "sharding='ddp' or sharding='fsdp' (not 'hsdp')"),
-        ("mesh", None, {}, "(not 'mesh')"),
-        ("fsdp", 1, {}, "remove redundancy_every_steps"),
-        ("fsdp", None, {"checkpoint": {"every_steps": 10}}, "set them to 0"),
-        ("fsdp", None, {"checkpoint": {"every_seconds": 60}}, "set them to 0"),
+        ("hsdp", {}, "sharding='ddp' or sharding='fsdp' (not 'hsdp')"),
+        ("mesh", {}, "(not 'mesh')"),
+        ("fsdp", {"checkpoint": {"every_steps": 10}}, "set them to 0"),
+        ("fsdp", {"checkpoint": {"every_seconds": 60}}, "set them to 0"),
     ],
 )
 def test_wrap_refuses_what_fsdp_in_a_site_does_not_build(
-    sharding: str, every: int | None, more: dict[str, object], words: str
+    sharding: str, more: dict[str, object], words: str
 ) -> None:
     with pytest.raises(ValueError, match="streaming_diloco") as e:
-        check_delayed_sharded(_job(**more), sharding, every)
+        check_delayed_sharded(_job(**more), sharding)
     assert words in str(e.value)
 
 
-def test_wrap_takes_fsdp_and_no_buddy_copies_under_a_delayed_sync() -> None:
-    check_delayed_sharded(_job(), "fsdp", None)
-    check_delayed_sharded(_job(), "fsdp", 0)
+def test_wrap_takes_fsdp_under_a_delayed_sync() -> None:
+    check_delayed_sharded(_job(), "fsdp")

@@ -122,18 +122,33 @@ def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) 
     assert result.recoveries == 0, summary(result, lines)
 
 
-def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sync", "hold"),
+    [
+        ({"mode": "diloco", "inner_steps": 10}, 15),
+        # no sync under way at 13: fragment 1's (from 10) applied at 12, fragment 0's at 15
+        (
+            {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2},
+            13,
+        ),
+    ],
+    ids=["diloco", "streaming"],
+)
+def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(
+    tmp_path: Path, sync: dict[str, object], hold: int
+) -> None:
     """Sites of two nodes of one worker (a: node-0, node-1; b: node-2, node-3), slices
     copied to the buddy in the site every step, node-4 a warm spare of zone a.  While
-    every worker holds before step 15 (mid inner period, each copy of step 14 made),
-    node-1 is SIGKILLed; the spare takes its slot with node-1's slice from node-0's copy
-    and the outer state of slice 1 from node-3 (site b): site a keeps its inner steps,
-    and the run ends as the algorithm by hand without any loss."""
+    every worker holds before step ``hold`` (mid inner period; the copies of that many
+    steps, milliseconds each, were made while the spare warmed up for seconds), node-1
+    is SIGKILLed; the spare takes its slot with node-1's slice from node-0's copy and
+    the outer state of slice 1 from node-3 (site b): site a keeps its inner steps, and
+    the run ends as the algorithm by hand without any loss."""
     lines: list[str] = []
     base = sharded_job("diloco-fsdp-buddy", tmp_path, "fsdp", nodes=4, nproc=1, steps=STEPS,
                        step_time=0.02, spares=1, redundancy=1).to_dict()  # fmt: skip
-    base["sync"] = {"mode": "diloco", "inner_steps": 10}
-    base["entrypoint"]["args"] += ["--hold-at", "15", "--go-file", str(tmp_path / "go")]
+    base["sync"] = sync
+    base["entrypoint"]["args"] += ["--hold-at", str(hold), "--go-file", str(tmp_path / "go")]
     zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"},
              "node-3": {"zone": "b"}, "node-4": {"zone": "a"}}  # fmt: skip
     run = quiet_run(load_job_data(base), lines, node_labels=zones)
@@ -149,7 +164,7 @@ def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(tmp_path: Pa
     assert result.recoveries >= 1, summary(result, lines)
     restored = [line for line in lines if "from its buddy's copy in the site" in line]
     assert restored and restored[0].startswith("[node-4]"), summary(result, lines)
-    assert "slice 1 of site a of step 15" in restored[0], restored
+    assert f"slice 1 of site a of step {hold} " in restored[0], restored
     assert not any("had no state" in line for line in lines), summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
     want = HandRun(load_job_data(base).sync, [[0, 1], [2, 3]]).train(0, STEPS).final()

@@ -34,11 +34,13 @@ Where each site's slices come from is decided by
    replicated state) and that rank's outer state, and its parameters become
    the anchors.  The syncs under way count the site with weight 0.  Its
    inner steps since the last outer step are lost.
-3. **No site keeps its state**: a new job starts from the script's initial
-   values, every site from the first site's; a job whose state was held
-   somewhere but in no site raises :class:`StateLostError` (durable
-   checkpoints are not written for this model in this release:
-   :mod:`agents.runtime.saving` says so when a save is due).
+3. **No site keeps its state**: the newest durable checkpoint is resumed
+   (the first site's slices, resharded by DCP to every site; each rank's
+   outer state saved on the same sites and ranks, the first site's handed to
+   the others: :mod:`agents.runtime.outer_checkpoint`); without one, a new
+   job starts from the script's initial values, every site from the first
+   site's, and a job whose state was held somewhere raises
+   :class:`StateLostError`.
 
 No outer step is lost or applied twice: a slice that missed an outer step
 another site applied takes its result
@@ -58,10 +60,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from agents.api import StateLostError, WorkerView
+from agents.api import DurableState, StateLostError, WorkerView
 from agents.recovery.buddy_copies import BuddyCopies
 from agents.recovery.shard_recovery import (
     SOURCE_BUDDY,
+    SOURCE_DURABLE,
     SOURCE_INITIAL,
     SOURCE_LIVE,
     SOURCE_PEER,
@@ -71,6 +74,7 @@ from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.slice_state import apply_replicated, targets_for
 from agents.recovery.state_sync import NO_STATE, broadcast_state
 from agents.runtime.sharding import Layout, ShardedModel, Slice
+from agents.runtime.storage_faults import StorageFaultError
 from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import OuterSync
@@ -86,7 +90,7 @@ log = logging.getLogger("ringmaster.worker")
 
 @dataclass(frozen=True)
 class Placed:
-    """Where this worker trains in the generation being joined."""
+    """Where this worker trains in the generation being joined, and what it resumes from."""
 
     plan: Plan
     #: its global rank
@@ -94,8 +98,10 @@ class Placed:
     #: workers of its node (a buddy is the same local rank on the site's next node)
     nproc: int
     device: torch.device
-    #: what an exchange of the buddy copies may take
+    #: what an exchange of the buddy copies may take (``fault_tolerance.hang_timeout``)
     copies_timeout: timedelta
+    #: the durable checkpoints, resumed from where no site kept its state
+    durable: DurableState
 
 
 def join_site_shards(
@@ -152,18 +158,27 @@ def join_site_shards(
     mesh = DeviceMesh.from_group(groups.inner, device.type, mesh=ranks, mesh_dim_names=("shard",))
     fresh = model.build(mesh, layout, device)
     if best == NO_STATE:
+        _start_initial(model, fresh, optimizers)
+        outer.fit()
+        outer.saved_sites = None
+        durable = at.durable
+        resumed = durable.resume(at.plan.world_size) if durable.can_resume() else None
+        _start_copies(buddies, at, sites, model, NO_STATE)
+        newest = max(h.live for h in told)
+        if resumed is not None:
+            _outer_from_checkpoint(outer, groups, control)
+            outer.catch_up_to = resumed.step
+            lost = max(0, newest - resumed.step)
+            return ShardsRestored(resumed.step, SOURCE_DURABLE, lost, resumed.url)
         if any(h.state for h in told):
             raise StateLostError(
                 "sharding='fsdp' under a delayed sync: no site kept all of its slices (a "
                 "rank of each site was lost with no buddy copy of its slice at the site's "
-                "step, or the sites changed size at once), and this model writes no durable "
-                "checkpoint to resume from; set fault_tolerance.redundancy.every_steps: 1 "
-                "and keep the sites' sizes, or wrap with sharding='ddp'"
+                f"step, or the sites changed size at once), and no durable checkpoint exists "
+                f"under {durable.url}; set checkpoint.every_steps, or "
+                "fault_tolerance.redundancy.every_steps: 1, and keep the sites' sizes"
             )
-        _start_initial(model, fresh, optimizers)
-        outer.fit()
         _start_common(outer, groups)
-        _start_copies(buddies, at, sites, model, NO_STATE)
         return ShardsRestored(0, SOURCE_INITIAL, 0)
     site = states[groups.index]
     taken = _from_copies(site, groups, layout, own, ward, rank)
@@ -236,6 +251,48 @@ def _from_copies(
                 index, groups.sites.names[groups.index], site.step,
             )  # fmt: skip
     return taken
+
+
+def _outer_from_checkpoint(
+    outer: OuterSync, groups: SiteGroups, control: dist.ProcessGroup | None
+) -> None:
+    """After a durable resume: every site takes the first site's outer state of each
+    slice (its model is the first site's now), or none where the checkpoint holds none
+    (saved under ``sync.mode: ddp``: :meth:`~agents.sync.outer_sync.OuterSync.resume`
+    then takes the anchors from the parameters).
+
+    Raises:
+        StorageFaultError: the checkpoint's outer state was saved on other sites (each
+            rank's is its slice's: it does not reshard).
+    """
+    current = [list(r) for r in groups.sites.ranks]
+    saved = outer.saved_sites
+    mine = torch.tensor([0 if saved is None else 1 if saved == current else -1])
+    told = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(told, mine, group=control)
+    found = {int(t) for t in told}
+    if -1 in found or found == {0, 1}:
+        each = ", ".join(f"{n}: {len(r)}" for n, r in zip(groups.sites.names, current, strict=True))
+        raise StorageFaultError(
+            "the checkpoint resumed holds the outer state of sharding='fsdp' under a delayed "
+            "sync saved on other sites or ranks than this generation's (by "
+            f"{outer.spec.site_label}: {each}, {dist.get_world_size()} ranks); each rank's "
+            "is its slice's and does not reshard: resume with the nodes per site it was "
+            "saved with, or run from a checkpoint saved with sharding='ddp'",
+            fault="checkpoint",
+        )
+    if found == {0}:
+        return
+    assert groups.outer is not None
+    at = current[groups.index].index(dist.get_rank())
+    src = current[0][at]
+    receivers = [ranks[at] for ranks in current[1:]]
+    got = broadcast_state(
+        _given(outer.state_dict()) if dist.get_rank() == src else None, src, groups.outer,
+        receivers=receivers, data_group=groups.outer,
+    )  # fmt: skip
+    if dist.get_rank() in receivers:
+        outer.load_state_dict(got)
 
 
 def _outer_for_copies(

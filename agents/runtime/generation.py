@@ -313,7 +313,7 @@ class Generations:
         try:
             self._durable.open(first=plan.generation == 1)
             if sharded is not None and models.outer is not None:  # fsdp in each site
-                at = Placed(plan, rank, member.nproc, self._device, ceiling / 2)  # hang_timeout
+                at = Placed(plan, rank, member.nproc, self._device, ceiling / 2, self._durable)
                 got = join_site_shards(
                     models.outer, sharded, buddies, held, holds_state, at, groups.control, ceiling
                 )

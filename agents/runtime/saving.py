@@ -35,10 +35,10 @@ from agents.api import Resumed, WorkerEnv, WorkerView
 from agents.messages import one_line
 from agents.runtime.elastic_ddp import ElasticDDP
 from agents.runtime.failures import peer_failure
+from agents.runtime.outer_checkpoint import first_site, outer_rank_state, replicated, restore_outer
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from agents.sync.outer_sync import OuterSync, per_slice
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HOOK_STATE", "Saving", "record_commit"]
 
-_PER_SLICE = "sharding='fsdp' under a delayed sync writes none in this release: use 'ddp'"
 log = logging.getLogger("ringmaster.worker")
 
 #: Key of the comm hook's state in a checkpoint's per-rank state.
@@ -206,9 +205,9 @@ class Saving:
         if isinstance(model, ElasticDDP | ShardedModel):
             # the plain (or the fully_shard-ed) module: checkpoints load without ringmaster
             model = model.module
-        if not isinstance(model, nn.Module) or per_slice(held.tracked.get("outer")):
-            return None  # fsdp in each site under a delayed sync writes none (see save())
-        rank_state = {}
+        if not isinstance(model, nn.Module):
+            return None
+        rank_state = outer_rank_state(held.tracked.get("outer"))  # fsdp in each site: its slice's
         if held.hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
             rank_state[HOOK_STATE] = {
                 "world_size": held.world_size,
@@ -220,8 +219,8 @@ class Saving:
             scheduler=held.tracked.get("scheduler"),
             samples_seen=held.step,
             rank_state=rank_state,
-            objects={k: v for k, v in held.tracked.items() if k not in _OWN_FIELDS},
-            replica_writers=_first_site(held.tracked.get("outer")),
+            objects=replicated(held.tracked, _OWN_FIELDS),
+            replica_writers=first_site(held.tracked.get("outer")),
             stages=stages,
         )
 
@@ -259,6 +258,7 @@ class Saving:
         except CheckpointNotFoundError as e:  # the one asked for
             raise self._unusable(e) from e
         self._hook_resume = _saved_hook_state(state.rank_state.get(HOOK_STATE), world_size)
+        restore_outer(self._held.tracked.get("outer"), state.rank_state)
         if result.step is None:
             return None
         log.warning("resumed from %s at step %d", result.url, result.step)
@@ -282,8 +282,6 @@ class Saving:
         if self._before_save is not None:
             self._before_save(reason)
         state = self.train_state()
-        if self._ckpt is not None and per_slice(self._held.tracked.get("outer")):
-            log.error("%s checkpoint not written: %s", reason, _PER_SLICE)
         if self._ckpt is None or state is None:
             return
         started = time.perf_counter()
@@ -441,10 +439,3 @@ def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str
 def _under(url: str | None, root: str) -> bool:
     """Whether checkpoint ``url`` is directly under ``root``."""
     return url is not None and url.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")
-
-
-def _first_site(outer: object) -> tuple[int, ...] | None:
-    """Under a delayed sync, the first site's ranks: they alone write the model (the
-    sites' models differ between syncs, and a checkpoint holds one site's)."""
-    groups = outer.groups if isinstance(outer, OuterSync) else None
-    return groups.sites.ranks[0] if groups is not None else None

@@ -271,21 +271,13 @@ def check_delayed_sharded(spec: JobSpec, sharding: str) -> None:
     """A delayed sync shards a model with ``fsdp`` in each site, and only so.
 
     Raises:
-        ValueError: ``hsdp`` or a mesh, or durable checkpoints due every so often (not
-            written for this model in this release).
+        ValueError: ``hsdp`` or a mesh.
     """
     mode = spec.sync.mode.value
     if sharding != "fsdp":
         raise ValueError(
             f"sync.mode {mode} trains a DDP or an FSDP2 model in each site; wrap it with "
             f"sharding='ddp' or sharding='fsdp' (not {sharding!r}), or use sync.mode: ddp"
-        )
-    ckpt = spec.checkpoint
-    if ckpt.every_steps or ckpt.every_seconds:
-        raise ValueError(
-            f"checkpoint.every_steps/every_seconds: sharding='fsdp' under sync.mode {mode} "
-            "writes no durable checkpoints in this release (each rank's outer state is its "
-            "slice's); set them to 0 in the job file, or wrap with sharding='ddp'"
         )
 
 

@@ -125,6 +125,9 @@ class OuterSync:
         #: fragment at its anchor, the global model (the same on every site)
         self.end: int | None = None
         self.totals = SyncTotals(last_sync=[0] * len(runs))
+        #: a sharded model's: the sites a durable checkpoint's outer state of this slice
+        #: was saved on (set by a restore; None: it held none)
+        self.saved_sites: list[list[int]] | None = None
         self._began = [0.0] * len(runs)  # when each fragment's sync under way started here
         self._took: list[float] = []
 

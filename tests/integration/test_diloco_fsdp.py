@@ -25,6 +25,7 @@ import pytest
 
 from orchestrator import jobs
 from orchestrator.api import JobPhase
+from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
@@ -169,3 +170,39 @@ def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(
     assert_exactly_once(tmp_path, STEPS)
     want = HandRun(load_job_data(base).sync, [[0, 1], [2, 3]]).train(0, STEPS).final()
     assert_same_params(assembled(tmp_path / "out"), want)
+
+
+def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path: Path) -> None:
+    """Two sites of two ranks save at step 20 (after its outer step): the first site's
+    ranks write the model's slices, every rank its slice's outer state.  The same
+    nodes resume from it and train to step 60: every site starts from the first
+    site's state, and the run ends as the algorithm by hand.  A resume on other sites
+    (one worker per node) is refused, naming the sites."""
+    lines: list[str] = []
+    first = fsdp_sites_job("diloco-fsdp-save", tmp_path, {"mode": "diloco", "inner_steps": 10},
+                           20).to_dict()  # fmt: skip
+    # saved before the next step: a save still uploading at step 20 would skip it
+    first["checkpoint"].update({"every_steps": 10, "async": False})
+    with quiet_run(load_job_data(first), lines, node_labels=ZONES) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+
+    second = {**first, "name": "diloco-fsdp-resumed", "max_steps": STEPS}
+    spec = load_job_data(second)
+    resume = plan_resume(spec)
+    assert (resume.step, resume.world_size) == (20, 4)
+    with quiet_run(spec, lines, node_labels=ZONES, resume=resume) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert any("resumed from" in line and "at step 20" in line for line in lines)
+    want = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, 20).resume_as([[0, 1], [2, 3]])
+    assert_same_params(assembled(tmp_path / "out"), want.train(20, STEPS).final())
+
+    third = {**second, "name": "diloco-fsdp-other-sites", "nproc_per_node": 1}
+    spec = load_job_data(third)
+    with quiet_run(spec, lines, node_labels=ZONES, resume=plan_resume(spec)) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.FAILED, summary(result, lines)
+    failed = [e for e in result.events if e.type == "Phase" and "Failed" in e.message]
+    assert failed and "saved on other sites or ranks" in failed[-1].message, failed
+    assert "by zone: a: 1, b: 1, 2 ranks" in failed[-1].message, failed

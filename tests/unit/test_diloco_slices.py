@@ -13,6 +13,7 @@ import torch
 
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.state_sync import NO_STATE
+from agents.runtime.outer_checkpoint import outer_rank_state, replicated
 from agents.runtime.tracked_optimizers import others_of
 from agents.runtime.wrapping import check_delayed_sharded
 from agents.sync.outer_sync import OuterSync, per_slice
@@ -117,21 +118,29 @@ def test_what_a_rank_tells_round_trips() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sharding", "more", "words"),
+    ("sharding", "words"),
     [
-        ("hsdp", {}, "sharding='ddp' or sharding='fsdp' (not 'hsdp')"),
-        ("mesh", {}, "(not 'mesh')"),
-        ("fsdp", {"checkpoint": {"every_steps": 10}}, "set them to 0"),
-        ("fsdp", {"checkpoint": {"every_seconds": 60}}, "set them to 0"),
+        ("hsdp", "sharding='ddp' or sharding='fsdp' (not 'hsdp')"),
+        ("mesh", "(not 'mesh')"),
     ],
 )
-def test_wrap_refuses_what_fsdp_in_a_site_does_not_build(
-    sharding: str, more: dict[str, object], words: str
-) -> None:
+def test_wrap_refuses_other_sharded_models_under_a_delayed_sync(sharding: str, words: str) -> None:
     with pytest.raises(ValueError, match="streaming_diloco") as e:
-        check_delayed_sharded(_job(**more), sharding)
+        check_delayed_sharded(_job(), sharding)
     assert words in str(e.value)
 
 
-def test_wrap_takes_fsdp_under_a_delayed_sync() -> None:
-    check_delayed_sharded(_job(), "fsdp")
+def test_wrap_takes_fsdp_with_checkpoints_under_a_delayed_sync() -> None:
+    check_delayed_sharded(_job(checkpoint={"url": "file:///tmp/x", "every_steps": 10}), "fsdp")
+
+
+def test_a_slices_outer_state_is_saved_as_the_ranks_own() -> None:
+    whole = [torch.zeros(4, 2), torch.zeros(4)]
+    rows = [p.chunk(2)[0] for p in whole]
+    sliced = OuterSync(_job().sync, whole, local=lambda: rows)
+    site = OuterSync(_job().sync, whole)
+    tracked = {"model": object(), "outer": sliced, "step": object()}
+    assert set(replicated(tracked, ("model",))) == {"step"}
+    assert set(replicated({**tracked, "outer": site}, ("model",))) == {"outer", "step"}
+    assert outer_rank_state(site) == {}
+    assert outer_rank_state(sliced) == {}  # outside a generation: no sites to name

@@ -263,7 +263,9 @@ class TrainState:
         replica_writers: the ranks that write the replicated parts (None: any
             rank, balanced by bytes).  Under a delayed sync the sites' models
             differ between syncs: only the first site's ranks write them, so a
-            checkpoint holds one site's state, never a mix.
+            checkpoint holds one site's state, never a mix.  Given, they also
+            write the sharded parts alone (an FSDP2 model in each site: the
+            first site's slices).
         stages: per rank, the pipeline stage it holds (None: every rank holds
             the same keys).  Ranks of one stage must hold the same layout; each
             replicated key is written by a rank of a stage that holds it.

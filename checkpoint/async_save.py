@@ -180,7 +180,7 @@ class AsyncSaver:
     def prepare(self, flat: FlatState, writers: tuple[int, ...] | None = None) -> None:
         """Allocate staging buffers for this rank's share now, so the first save is fast too."""
         owners = assign_owners(flat, self.coord.world_size, writers)
-        self._stager.allocate(flat, owned_keys(owners, self.coord.rank))
+        self._stager.allocate(flat, owned_keys(owners, self.coord.rank, writers))
 
     def save_async(
         self,
@@ -254,7 +254,7 @@ class AsyncSaver:
             owners = assign_owners(flat, self.coord.world_size, writers)
         else:  # pipeline stages hold different keys: each is written by a holder
             owners = self._stage_owners(flat, stages or (), writers)
-        staged = self._stager.stage(flat, owned_keys(owners, self.coord.rank))
+        staged = self._stager.stage(flat, owned_keys(owners, self.coord.rank, writers))
         job = SaveJob(step, directory.url, time.perf_counter() - started)
         self._inflight = job
         self._thread = threading.Thread(

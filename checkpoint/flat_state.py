@@ -13,9 +13,10 @@ Replicated keys are identical on every data-parallel rank, so each is written
 by one owner rank (:func:`assign_owners` balances bytes across ranks without
 communication); ``rank.<r>`` is written by rank ``r`` only.  Sharded keys
 (``DTensor`` values of an FSDP2 model and its optimizer) are written by every
-rank, each its own slice: DCP records where each slice sits in the whole
-tensor (and writes a slice that replicas of an HSDP mesh share once), so a
-restore reshards to any world size, and into a model that is not sharded.
+rank (every writer, when the replicated parts have writers), each its own
+slice: DCP records where each slice sits in the whole tensor (and writes a
+slice that replicas of an HSDP mesh share once), so a restore reshards to
+any world size, and into a model that is not sharded.
 
 Nested state dicts are flattened by :func:`flatten`, whose key scheme is the
 one DCP's own flattening used when checkpoints were first written here (it is
@@ -50,6 +51,10 @@ RANK_PREFIX = "rank."
 OBJECT_PREFIX = "objects."
 #: Owner of a sharded key: every rank writes its own slice.
 EVERY_RANK = -1
+#: Owner of a sharded key when the replicated parts have writers: each writer writes its
+#: own slice (the writers hold every slice between them: an FSDP2 model in each site
+#: under a delayed sync, whose first site writes, as it does the replicated parts).
+WRITERS = -2
 SAMPLES_KEY = "data.samples_seen"
 EXTRA_KEY = "extra"
 SCHED_KEY = "sched"
@@ -242,9 +247,13 @@ def is_sharded(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def owned_keys(owners: Mapping[str, int], rank: int) -> list[str]:
-    """Keys ``rank`` writes: those it owns and every sharded key."""
-    return [k for k, r in owners.items() if r in (rank, EVERY_RANK)]
+def owned_keys(
+    owners: Mapping[str, int], rank: int, writers: tuple[int, ...] | None = None
+) -> list[str]:
+    """Keys ``rank`` writes: those it owns and every sharded key (only its writers'
+    when the replicated parts have writers)."""
+    mine = (rank, EVERY_RANK, WRITERS) if writers is None or rank in writers else (rank,)
+    return [k for k, r in owners.items() if r in mine]
 
 
 def nbytes(value: Any) -> int:
@@ -267,7 +276,8 @@ def assign_owners(
     sizes: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Which rank writes each key: replicated keys balanced by bytes (over ``writers``,
-    default every rank), rank keys to their rank, sharded keys to :data:`EVERY_RANK`.
+    default every rank), rank keys to their rank, sharded keys to :data:`EVERY_RANK`
+    (:data:`WRITERS` when ``writers`` are given).
 
     Deterministic from keys and sizes alone, so every rank computes the same
     answer without talking to the others (the layout digest is compared first).
@@ -294,7 +304,7 @@ def assign_owners(
         if is_rank_key(key):
             owners[key] = int(key[len(RANK_PREFIX) :])
         elif is_sharded(flat[key]):
-            owners[key] = EVERY_RANK
+            owners[key] = EVERY_RANK if writers is None else WRITERS
     return owners
 
 

@@ -70,6 +70,13 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--out", help="directory: each rank writes its rows of the parameters")
     parser.add_argument("--step-log", help="directory: each worker logs the steps it applied")
+    parser.add_argument(
+        "--hold-at",
+        type=int,
+        default=-1,
+        help="with --go-file: every worker waits before this step until the file exists",
+    )
+    parser.add_argument("--go-file", help="see --hold-at")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -99,6 +106,8 @@ def main() -> None:
     total = args.steps or session.spec.max_steps
     whole: dict[str, torch.Tensor] = {}  # a mesh's parameters, gathered after the last step
     for step in session.steps(total or None):
+        while step == args.hold_at and args.go_file and not os.path.exists(args.go_file):
+            time.sleep(0.05)  # the same step on every rank: no collective waits on it
         with session.guard():
             # tensor-parallel ranks of one replica read the same share of the batch
             rank, world = (

@@ -4,7 +4,8 @@ Every ``every_steps`` completed steps each rank copies its slice (parameters,
 optimizer state, and the small replicated state) to host memory, keeps that
 snapshot, and a background thread sends it to its *buddy*, the same local
 rank on the next node (``rank + nproc_per_node``), while receiving its
-*ward*'s (``rank - nproc_per_node``) from it.  The training thread only pays
+*ward*'s (``rank - nproc_per_node``) from it (with an FSDP2 model in each
+site under a delayed sync, on the next node of its site).  The training thread only pays
 for the host copy, and waits only when the previous exchange is still under
 way at the next one (so every rank runs the same exchanges in the same
 order).  The exchange runs on a gloo group of its own, formed with the
@@ -26,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -91,10 +92,19 @@ class BuddyCopies:
         layouts: list[Layout],
         rows: dict[str, int],
         timeout: timedelta,
+        ring: Sequence[int] | None = None,
     ) -> None:
-        """Form the exchange group (collective: every rank calls) and start the thread."""
+        """Form the exchange group (collective: every rank calls) and start the thread.
+
+        Args:
+            layouts: every rank's layout, by global rank.
+            ring: the ranks among which buddies pair, ascending (default: every rank;
+                an FSDP2 model in each site under a delayed sync: the site's).
+        """
         self._group = dist.new_group(backend="gloo", timeout=timeout)
-        buddy, ward = (rank + nproc) % world_size, (rank - nproc) % world_size
+        ring = list(ring) if ring is not None else list(range(world_size))
+        at = ring.index(rank)
+        buddy, ward = ring[(at + nproc) % len(ring)], ring[(at - nproc) % len(ring)]
         self._rows = rows
         if buddy == rank:
             log.warning("redundancy: one node only, no buddy on another node; no copies kept")

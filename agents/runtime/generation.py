@@ -42,6 +42,7 @@ from agents.api import (
     WorkerView,
 )
 from agents.recovery import shard_recovery
+from agents.recovery.site_shards import Placed, join_site_shards
 from agents.recovery.state_sync import NO_STATE, sync_state
 from agents.runtime.process_group import (
     Groups,
@@ -311,7 +312,15 @@ class Generations:
         step, has_state, restored_from = held.step, holds_state, None
         try:
             self._durable.open(first=plan.generation == 1)
-            if sharded is not None:
+            if sharded is not None and models.outer is not None:  # fsdp in each site
+                at = Placed(plan, rank, member.nproc, self._device, ceiling / 2, self._durable)
+                got = join_site_shards(
+                    models.outer, sharded, buddies, held, holds_state, at, groups.control, ceiling
+                )
+                initial = got.source == shard_recovery.SOURCE_INITIAL
+                step, has_state = got.step, holds_state or not initial
+                self._telemetry.state_source(got.source, got.lost)
+            elif sharded is not None:
                 placement = shard_recovery.Placement(
                     rank, plan.world_size, plan.members[0].nproc, self._device
                 )

@@ -35,10 +35,10 @@ from agents.api import Resumed, WorkerEnv, WorkerView
 from agents.messages import one_line
 from agents.runtime.elastic_ddp import ElasticDDP
 from agents.runtime.failures import peer_failure
+from agents.runtime.outer_checkpoint import first_site, outer_rank_state, replicated, restore_outer
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from agents.sync.outer_sync import OuterSync
 from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
@@ -207,7 +207,7 @@ class Saving:
             model = model.module
         if not isinstance(model, nn.Module):
             return None
-        rank_state = {}
+        rank_state = outer_rank_state(held.tracked.get("outer"))  # fsdp in each site: its slice's
         if held.hook is not None:  # per rank: residuals, PowerSGD factors, its RNG
             rank_state[HOOK_STATE] = {
                 "world_size": held.world_size,
@@ -219,8 +219,8 @@ class Saving:
             scheduler=held.tracked.get("scheduler"),
             samples_seen=held.step,
             rank_state=rank_state,
-            objects={k: v for k, v in held.tracked.items() if k not in _OWN_FIELDS},
-            replica_writers=_first_site(held.tracked.get("outer")),
+            objects=replicated(held.tracked, _OWN_FIELDS),
+            replica_writers=first_site(held.tracked.get("outer")),
             stages=stages,
         )
 
@@ -258,6 +258,7 @@ class Saving:
         except CheckpointNotFoundError as e:  # the one asked for
             raise self._unusable(e) from e
         self._hook_resume = _saved_hook_state(state.rank_state.get(HOOK_STATE), world_size)
+        restore_outer(self._held.tracked.get("outer"), state.rank_state)
         if result.step is None:
             return None
         log.warning("resumed from %s at step %d", result.url, result.step)
@@ -438,10 +439,3 @@ def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str
 def _under(url: str | None, root: str) -> bool:
     """Whether checkpoint ``url`` is directly under ``root``."""
     return url is not None and url.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")
-
-
-def _first_site(outer: object) -> tuple[int, ...] | None:
-    """Under a delayed sync, the first site's ranks: they alone write the model (the
-    sites' models differ between syncs, and a checkpoint holds one site's)."""
-    groups = outer.groups if isinstance(outer, OuterSync) else None
-    return groups.sites.ranks[0] if groups is not None else None

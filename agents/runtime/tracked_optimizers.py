@@ -55,9 +55,13 @@ def optimizers_of(tracked: Mapping[str, Any]) -> dict[str, torch.optim.Optimizer
 
 
 def others_of(tracked: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
-    """Tracked objects other than the model and the optimizers (replicated state)."""
+    """Tracked objects other than the model and the optimizers (replicated state); an
+    object whose ``rank_local`` is true (each rank's own: a sharded model's outer
+    state under a delayed sync) is left out."""
     return {
         n: o
         for n, o in tracked.items()
-        if o is not model and not isinstance(o, torch.optim.Optimizer)
+        if o is not model
+        and not isinstance(o, torch.optim.Optimizer)
+        and not getattr(o, "rank_local", False)
     }

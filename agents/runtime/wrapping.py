@@ -38,6 +38,7 @@ from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
 __all__ = [
     "WrappedModels",
     "check_delayed",
+    "check_delayed_sharded",
     "install_spec_hook",
     "mode_of",
     "uses_spec_hook",
@@ -106,10 +107,7 @@ class WrappedModels:
         if ignored is not None:
             log.warning("%s", ignored)
         if sharding != "ddp" and self._spec.sync.delayed:
-            raise ValueError(
-                f"sync.mode {self._spec.sync.mode.value} trains a DDP model in each site in this "
-                f"release; wrap it with sharding='ddp' (not {sharding!r}) or use sync.mode: ddp"
-            )
+            check_delayed_sharded(self._spec, sharding)
         if sharding != "ddp":
             self.sharded, self.buddies = wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
@@ -117,6 +115,14 @@ class WrappedModels:
                 mesh=mesh_shape(mesh) if mesh is not None else None, tensor_plan=tensor_plan,
                 pipeline=pipeline,
             )  # fmt: skip
+            if self._spec.sync.delayed:  # FSDP2 in each site: each rank syncs its own slice
+                sharded = self.sharded
+                names = list(sharded.rows)  # buddy copies pair inside each site
+                self.outer = OuterSync(
+                    self._spec.sync,
+                    list(sharded.params.values()),
+                    local=lambda: [sharded.local_rows(n) for n in names],
+                )
             return self.sharded
         if self._spec.sync.delayed:
             check_delayed(self._spec, bool(self.ddps))
@@ -258,6 +264,20 @@ def check_delayed(spec: JobSpec, wrapped_before: bool) -> None:
         raise ValueError(
             f"sync.mode {mode} syncs one model per job and this session wrapped one already: "
             "put the models in one nn.Module and wrap that once, or use sync.mode: ddp"
+        )
+
+
+def check_delayed_sharded(spec: JobSpec, sharding: str) -> None:
+    """A delayed sync shards a model with ``fsdp`` in each site, and only so.
+
+    Raises:
+        ValueError: ``hsdp`` or a mesh.
+    """
+    mode = spec.sync.mode.value
+    if sharding != "fsdp":
+        raise ValueError(
+            f"sync.mode {mode} trains a DDP or an FSDP2 model in each site; wrap it with "
+            f"sharding='ddp' or sharding='fsdp' (not {sharding!r}), or use sync.mode: ddp"
         )
 
 

@@ -23,13 +23,20 @@ site's inner steps since a fragment's last sync are not kept).
 
 Joining a generation (:func:`agents.sync.site_join.join_sites`)
 forms the sites' groups and brings each site to its own freshest state.
+
+With an FSDP2 model in each site (``local`` given) the outer state stands for
+this rank's slice only: the fragments are cut by the whole parameters (the
+same fragments as a DDP model's), each holds the local rows of its
+parameters, and every rank syncs its slice with the same-index ranks of the
+other sites (:mod:`agents.recovery.site_shards`).  Such a state is this rank's
+own (:attr:`OuterSync.rank_local`), not the site's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +49,7 @@ from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
 from orchestrator.spec_sync import SyncSpec
 
-__all__ = ["NOT_PENDING", "OuterSync", "SyncTotals"]
+__all__ = ["NOT_PENDING", "OuterSync", "SyncTotals", "per_slice"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -77,14 +84,26 @@ class OuterSync:
     Args:
         spec: the job's ``sync`` section (``diloco`` or ``streaming_diloco``).
         params: the model's parameters, in model order (every rank the same model).
+        local: a sharded model's: this rank's local rows of each of ``params`` now, in
+            the same order (they change with each generation's layout).
     """
 
-    def __init__(self, spec: SyncSpec, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(
+        self,
+        spec: SyncSpec,
+        params: Sequence[torch.Tensor],
+        local: Callable[[], Sequence[torch.Tensor]] | None = None,
+    ) -> None:
         self.spec = spec
         self.schedule = FragmentSchedule(spec.inner_steps, spec.fragments, spec.delay_steps)
         self._optimizer = OuterOptimizer.of_spec(spec.outer_optimizer)
         runs = cut_fragments([p.numel() for p in params], spec.fragments)
-        self._fragments = [[params[i] for i in run] for run in runs]
+        self._runs = runs
+        fixed = list(params)
+        self._local = local if local is not None else (lambda: fixed)
+        #: this rank's own state (a slice's), not its site's: left out of a sharded
+        #: model's replicated state (:func:`agents.runtime.tracked_optimizers.others_of`)
+        self.rank_local = local is not None
         self.anchors = [flatten(f) for f in self._fragments]
         self.momentum = [torch.zeros_like(a) for a in self.anchors]
         self.counts = [0] * len(runs)
@@ -106,12 +125,33 @@ class OuterSync:
         #: fragment at its anchor, the global model (the same on every site)
         self.end: int | None = None
         self.totals = SyncTotals(last_sync=[0] * len(runs))
+        #: a sharded model's: the sites a durable checkpoint's outer state of this slice
+        #: was saved on (set by a restore; None: it held none)
+        self.saved_sites: list[list[int]] | None = None
         self._began = [0.0] * len(runs)  # when each fragment's sync under way started here
         self._took: list[float] = []
 
     @property
     def fragments(self) -> int:
-        return len(self._fragments)
+        return len(self._runs)
+
+    @property
+    def _fragments(self) -> list[list[torch.Tensor]]:
+        params = self._local()
+        return [[params[i] for i in run] for run in self._runs]
+
+    def fit(self) -> None:
+        """Size the outer state to the parameters it stands for now (a sharded model's
+        slice changes with the layout): a fragment of another size starts again from
+        the parameters, without momentum or a sync under way."""
+        for f, frag in enumerate(self._fragments):
+            numel = sum(p.numel() for p in frag)
+            if self.anchors[f].numel() != numel:
+                self.anchors[f] = flatten(frag)
+                self.momentum[f] = torch.zeros_like(self.anchors[f])
+                self.pending_delta[f] = torch.zeros_like(self.anchors[f])
+                self.pending_at[f] = NOT_PENDING
+                self.pending_weight[f] = 0.0
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -135,6 +175,18 @@ class OuterSync:
             self.take_anchor(f)
             self.pending_delta[f].zero_()
         self.pending_weight = [0.0] * self.fragments
+
+    def take_from_another_site(self, state: dict[str, Any], done: int) -> None:
+        """Load the outer state of the same slice from another site (this rank's slice
+        came from a buddy's copy in its site, at ``done`` steps): the anchors, momentum
+        and counts are the sites' common values; this site's own pseudo-gradients of
+        the syncs under way are not in it, so they count with weight 0 (with a delay,
+        what the slice moved stays in it and goes into the next sync)."""
+        self.load_state_dict(state)
+        for delta in self.pending_delta:
+            delta.zero_()
+        self.pending_weight = [0.0] * self.fragments
+        self.started = done
 
     def anchor_to_parameters(self, done: int) -> None:
         """Take the parameters now as the anchors (the sites' common value), at ``done``
@@ -338,7 +390,7 @@ class OuterSync:
             if sum(weights) > 0:
                 decoded = [decode(list(p), kind, numel) for p in parts]
                 avg = average(list(zip(weights, decoded, strict=True)))
-        if len(groups.sites.ranks[groups.index]) > 1:  # on the site's data backend
+        if len(groups.sites.ranks[groups.index]) > 1 and not groups.per_slice:  # the site's
             # the last value says whether there is an average (1) or none (0)
             shared = torch.zeros(numel + 1, dtype=torch.float32, device=groups.device)
             if avg is not None:
@@ -372,6 +424,11 @@ class OuterSync:
     def take_anchor(self, f: int) -> None:
         """Set fragment ``f``'s parameters to its anchor (the sites' common value)."""
         write_back(self._fragments[f], self.anchors[f])
+
+
+def per_slice(obj: object) -> bool:
+    """``obj`` is an outer state of one rank's slice (a sharded model's), not its site's."""
+    return isinstance(obj, OuterSync) and obj.rank_local
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

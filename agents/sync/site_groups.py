@@ -12,6 +12,12 @@ that the generation moved on.  Every rank creates every
 group, in the same order, as torch requires; each keeps the ones it belongs
 to.  They go with the generation's default group
 (:func:`~agents.runtime.process_group.teardown_group` destroys them all).
+
+With an FSDP2 model in each site (``per_slice``) the sites are equal-sized and
+rank ``i`` of every site holds the same slice: the group between sites is then
+one gloo group per slice index, made of the ``i``-th ranks of the sites, and
+every rank carries its own slice's pseudo-gradient (no leader, no broadcast in
+the site).
 """
 
 from __future__ import annotations
@@ -39,10 +45,13 @@ class SiteGroups:
         inner_host: this site's gloo group (the structure and host tensors of its
             state sync, the per-step generation check); ``inner`` itself when the
             data backend is gloo.
-        outer: the leaders' gloo group (None on a rank that is not its site's leader).
+        outer: the leaders' gloo group (None on a rank that is not its site's leader);
+            ``per_slice``: the gloo group of this rank's slice index across the sites.
         leader: this site's leader (global rank).
         device: where tensors sent on ``inner`` must be (the worker's GPU under
             NCCL, else the CPU).
+        per_slice: each rank syncs its own slice with the same-index ranks of the
+            other sites (an FSDP2 model in each site).
     """
 
     sites: Sites
@@ -52,6 +61,7 @@ class SiteGroups:
     outer: dist.ProcessGroup | None
     leader: int
     device: torch.device
+    per_slice: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -59,7 +69,7 @@ class SiteGroups:
 
 
 def form_site_groups(
-    sites: Sites, rank: int, device: torch.device, timeout: timedelta
+    sites: Sites, rank: int, device: torch.device, timeout: timedelta, per_slice: bool = False
 ) -> SiteGroups:
     """Create the groups of ``sites`` (every rank of the generation calls this).
 
@@ -68,13 +78,27 @@ def form_site_groups(
         timeout: what a collective of these groups may take until the generation's
             guard learns better (the generation's own groups'; torch's default for a
             new group is 30 minutes).
+        per_slice: one group between sites per slice index instead of the leaders'
+            (the sites must be equal-sized: see :func:`agents.recovery.site_shards.check_sites`).
     """
     index = sites.index_of(rank)
     gloo_data = dist.get_backend() == "gloo"
     inner = _each_site(sites, index, None, timeout)
     inner_host = inner if gloo_data else _each_site(sites, index, "gloo", timeout)
-    outer = dist.new_group(ranks=list(sites.leaders), backend="gloo", timeout=timeout)
     leader = sites.leaders[index]
+    if per_slice:
+        at = sites.ranks[index].index(rank)
+        mine: dist.ProcessGroup | None = None
+        for i in range(len(sites.ranks[index])):
+            same = [ranks[i] for ranks in sites.ranks]
+            group = dist.new_group(ranks=same, backend="gloo", timeout=timeout)
+            mine = group if i == at else mine
+        assert isinstance(mine, dist.ProcessGroup)
+        return SiteGroups(
+            sites, index, inner, inner_host, mine, leader,
+            torch.device("cpu") if gloo_data else device, per_slice=True,
+        )  # fmt: skip
+    outer = dist.new_group(ranks=list(sites.leaders), backend="gloo", timeout=timeout)
     return SiteGroups(
         sites=sites,
         index=index,

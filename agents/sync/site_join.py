@@ -52,7 +52,7 @@ from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
 from orchestrator.records import Plan
 
-__all__ = ["LeftOut", "join_sites", "put_back", "without_parameters"]
+__all__ = ["LeftOut", "join_sites", "put_back", "reconcile_fragments", "without_parameters"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -123,7 +123,7 @@ def join_sites(
                 sites.names[groups.index], step,
             )  # fmt: skip
         del state
-    _reconcile_fragments(outer, table[:, 1:], rank, control)
+    reconcile_fragments(outer, table[:, 1:], rank, control)
     return step
 
 
@@ -150,20 +150,31 @@ def _start_common(outer: OuterSync, control: dist.ProcessGroup | None) -> None:
     outer.anchor_to_parameters(0)
 
 
-def _reconcile_fragments(
-    outer: OuterSync, counts: torch.Tensor, rank: int, control: dist.ProcessGroup | None
+def reconcile_fragments(
+    outer: OuterSync,
+    counts: torch.Tensor,
+    me: int,
+    control: dist.ProcessGroup | None,
+    members: Sequence[int] | None = None,
 ) -> None:
-    """Fragments behind another site's outer step count take that site's anchor and momentum."""
+    """Fragments behind another site's outer step count take that site's anchor and momentum.
+
+    Args:
+        counts: a row of outer step counts per rank of ``control``, in its rank order.
+        me: this rank's row.
+        members: each row's global rank (None: the row is the global rank).
+    """
     for f in range(outer.fragments):
         column = [int(c) for c in counts[:, f]]
         top = max(column)
         if min(column) == top:
             continue
         src = column.index(top)
+        src = members[src] if members is not None else src
         anchor, momentum = outer.anchors[f].clone(), outer.momentum[f].clone()
         dist.broadcast(anchor, src=src, group=control)
         dist.broadcast(momentum, src=src, group=control)
-        mine = column[rank]
+        mine = column[me]
         if mine == top:
             continue
         log.warning(

@@ -25,7 +25,16 @@ from checkpoint import (
     SaveStatus,
     TrainState,
 )
-from checkpoint.flat_state import assign_owners, capture, nbytes, rank_key, replicated_sizes
+from checkpoint.flat_state import (
+    EVERY_RANK,
+    WRITERS,
+    assign_owners,
+    capture,
+    nbytes,
+    owned_keys,
+    rank_key,
+    replicated_sizes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +144,18 @@ def test_owners_balance_bytes_and_keep_rank_keys_home() -> None:
     biggest = max(nbytes(v) for v in flat.values())
     assert max(loads) - min(loads) <= biggest
     assert assign_owners(flat, 3) == owners  # deterministic
+
+
+def test_sharded_keys_are_written_by_the_writers_alone_when_there_are_writers() -> None:
+    """Under a delayed sync with an FSDP2 model in each site the first site's ranks
+    write the replicated keys and their own slices; the other sites' ranks only their
+    own blobs (each site holds every slice: one site's make the whole)."""
+    owners = {"model.w": WRITERS, "extra": 0, "rank.0": 0, "rank.2": 2}
+    assert owned_keys(owners, 0, (0, 1)) == ["model.w", "extra", "rank.0"]
+    assert owned_keys(owners, 2, (0, 1)) == ["rank.2"]
+    # without writers every rank writes its own slice of each sharded key
+    owners["model.w"] = EVERY_RANK
+    assert owned_keys(owners, 2) == ["model.w", "rank.2"]
 
 
 def test_a_pipeline_stages_keys_are_written_by_ranks_that_hold_them() -> None:

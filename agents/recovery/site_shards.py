@@ -1,0 +1,406 @@
+"""Joining a generation with an FSDP2 model in each site under a delayed sync.
+
+Runs in the training process, on every rank of a new generation, after its
+default group formed (:mod:`agents.runtime.generation` calls :func:`join_site_shards`
+for ``sharding="fsdp"`` under ``sync.mode`` diloco or streaming_diloco).  Each
+site is an FSDP2 group of its own: its model is sharded over the site's ranks
+only (a 1-D mesh of the site's group), so no per-step collective crosses
+sites.  The sites must be equal-sized
+(:func:`~agents.recovery.site_plan.check_sites`): rank ``i`` of every site
+then holds the same slice, and the slice's outer state (anchors, momentum,
+the syncs under way) is synced with the same-index ranks of the other sites
+(:class:`~agents.sync.outer_sync.OuterSync` with a ``local`` view; its groups
+are :func:`~agents.sync.site_groups.form_site_groups`'s ``per_slice`` ones).
+With redundancy on, each rank's slice is copied to the same local rank on
+the next node of its site (:class:`~agents.recovery.buddy_copies.BuddyCopies`
+with the site as its ring).
+
+Where each site's slices come from is decided by
+:func:`~agents.recovery.site_plan.site_states` from what every rank tells:
+
+1. **A site keeps its state**: every rank that kept its live slice stands at
+   the site's step and rebuilds its module on the new group from it (no bytes
+   move); a replacement in the site (same layout) takes its slice from the
+   buddy's copy of that step, held by a live rank of the site, and its outer
+   state from the same-index rank of a site that kept its own (the anchors
+   and momentum are the sites' common values; the site's own
+   pseudo-gradient of that slice in a sync under way is lost: weight 0).
+   The site's inner steps are kept.
+2. **A site keeps none** (no buddy copy of a lost slice at the site's step,
+   the site's size changed, or the site comes back whole): its ranks start
+   from the global model, as a whole site coming back does under DDP
+   (:mod:`agents.sync.site_join`): rank ``i`` takes the slice of rank ``i``
+   of the most advanced site that kept its state (its optimizer state, its
+   replicated state) and that rank's outer state, and its parameters become
+   the anchors.  The syncs under way count the site with weight 0.  Its
+   inner steps since the last outer step are lost.
+3. **No site keeps its state**: the newest durable checkpoint is resumed
+   (the first site's slices, resharded by DCP to every site; each rank's
+   outer state saved on the same sites and ranks, the first site's handed to
+   the others: :mod:`agents.runtime.outer_checkpoint`); without one, a new
+   job starts from the script's initial values, every site from the first
+   site's, and a job whose state was held somewhere raises
+   :class:`StateLostError`.
+
+No outer step is lost or applied twice: a slice that missed an outer step
+another site applied takes its result
+(:func:`~agents.sync.site_join.reconcile_fragments`, per slice index).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from agents.api import DurableState, StateLostError, WorkerView
+from agents.recovery.buddy_copies import BuddyCopies
+from agents.recovery.shard_recovery import (
+    SOURCE_BUDDY,
+    SOURCE_DURABLE,
+    SOURCE_INITIAL,
+    SOURCE_LIVE,
+    SOURCE_PEER,
+    ShardsRestored,
+)
+from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
+from agents.recovery.slice_state import apply_replicated, targets_for
+from agents.recovery.state_sync import NO_STATE, broadcast_state
+from agents.runtime.sharding import Layout, ShardedModel, Slice
+from agents.runtime.storage_faults import StorageFaultError
+from agents.runtime.tracked_optimizers import optimizers_of, others_of
+from agents.sync.outer_step import flatten, write_back
+from agents.sync.outer_sync import OuterSync
+from agents.sync.site_groups import SiteGroups, form_site_groups
+from agents.sync.site_join import reconcile_fragments
+from agents.sync.sites import Sites
+from orchestrator.records import Plan
+
+__all__ = ["Placed", "join_site_shards"]
+
+log = logging.getLogger("ringmaster.worker")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where this worker trains in the generation being joined, and what it resumes from."""
+
+    plan: Plan
+    #: its global rank
+    rank: int
+    #: workers of its node (a buddy is the same local rank on the site's next node)
+    nproc: int
+    device: torch.device
+    #: what an exchange of the buddy copies may take (``fault_tolerance.hang_timeout``)
+    copies_timeout: timedelta
+    #: the durable checkpoints, resumed from where no site kept its state
+    durable: DurableState
+
+
+def join_site_shards(
+    outer: OuterSync,
+    model: ShardedModel,
+    buddies: BuddyCopies | None,
+    held: WorkerView,
+    holds_state: bool,
+    at: Placed,
+    control: dist.ProcessGroup | None,
+    timeout: timedelta,
+) -> ShardsRestored:
+    """Form the sites' groups, shard the model over this rank's site and bring its slice
+    and outer state to the site's state, or to the global model (module docstring).
+
+    Args:
+        outer: the worker's outer loop (it keeps the groups).
+        model: the sharded model.
+        buddies: its buddy copies in the site, if redundancy is on (started here on
+            the new generation).
+        held: the worker as it stands (its step and tracked objects).
+        holds_state: the tracked objects hold the state of ``held.step``.
+        at: where this worker trains in the generation joined.
+        control: the generation's gloo control group (None: the default group).
+        timeout: the generation's collective timeout (the sites' groups start with it).
+
+    Raises:
+        StateMismatchError: the sites differ in size (:func:`check_sites`).
+        StateLostError: state was held, but no site kept all of its slices.
+    """
+    rank = at.rank
+    sites = Sites.of_plan(at.plan, outer.spec.site_label)
+    check_sites(sites, outer.spec.site_label)
+    outer.drop()
+    outer.groups = groups = form_site_groups(sites, rank, at.device, timeout, per_slice=True)
+    mine = sites.ranks[groups.index]
+    layout = Layout(len(mine), mine.index(rank))
+    kept = holds_state and model.layout == layout
+    ward = buddies.held_copy() if buddies is not None and kept else None
+    copy = (ward.step, ward.layout.shards, ward.layout.index) if ward is not None else None
+    row = torch.tensor(Held(held.step if kept else NO_STATE, holds_state, copy).encode())
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row, group=control)
+    told = [Held.decode(r.tolist()) for r in rows]
+    states = site_states(told, sites)
+    steps = [st.step for st in states]
+    best = max(steps)
+    outer.catch_up_to = max(best, 0)
+    optimizers = optimizers_of(held.tracked)
+    others = others_of(held.tracked, model)
+    own = model.capture(held.step, optimizers, others).copy_to_host() if kept else None
+    ranks = torch.tensor(mine, dtype=torch.int64)
+    device = at.device
+    mesh = DeviceMesh.from_group(groups.inner, device.type, mesh=ranks, mesh_dim_names=("shard",))
+    fresh = model.build(mesh, layout, device)
+    if best == NO_STATE:
+        _start_initial(model, fresh, optimizers)
+        outer.fit()
+        outer.saved_sites = None
+        durable = at.durable
+        resumed = durable.resume(at.plan.world_size) if durable.can_resume() else None
+        _start_copies(buddies, at, sites, model, NO_STATE)
+        newest = max(h.live for h in told)
+        if resumed is not None:
+            _outer_from_checkpoint(outer, groups, control)
+            outer.catch_up_to = resumed.step
+            lost = max(0, newest - resumed.step)
+            return ShardsRestored(resumed.step, SOURCE_DURABLE, lost, resumed.url)
+        if any(h.state for h in told):
+            raise StateLostError(
+                "sharding='fsdp' under a delayed sync: no site kept all of its slices (a "
+                "rank of each site was lost with no buddy copy of its slice at the site's "
+                f"step, or the sites changed size at once), and no durable checkpoint exists "
+                f"under {durable.url}; set checkpoint.every_steps, or "
+                "fault_tolerance.redundancy.every_steps: 1, and keep the sites' sizes"
+            )
+        _start_common(outer, groups)
+        return ShardsRestored(0, SOURCE_INITIAL, 0)
+    site = states[groups.index]
+    taken = _from_copies(site, groups, layout, own, ward, rank)
+    empty = [s for s, step in enumerate(steps) if step == NO_STATE]
+    state: dict[str, Any] | None = None
+    if empty:  # the same decision on every rank: the group of this slice index sends
+        src = sites.ranks[steps.index(best)][layout.index]
+        receivers = [sites.ranks[s][layout.index] for s in empty]
+        sent = None
+        if rank == src:  # dicts and lists: the tensors travel apart from the pickled rest
+            assert own is not None
+            sent = {"tensors": own.tensors, "replicated": own.replicated}
+            sent["outer"] = outer.state_dict()
+        state = broadcast_state(
+            _given(sent) if rank == src else None, src, groups.outer,
+            receivers=receivers, data_group=groups.outer,
+        )  # fmt: skip
+    if site.step == NO_STATE:
+        assert state is not None, "a site that kept no state receives one"
+        taken = Slice(best, layout, state["tensors"], state["replicated"])
+    assert taken is not None
+    _restore_slice(model, fresh, taken, optimizers, others)
+    outer.fit()
+    step, source = site.step, (SOURCE_BUDDY if site.copies else SOURCE_LIVE)
+    if step == NO_STATE:
+        assert state is not None
+        outer.load_state_dict(state["outer"])
+        outer.start_from_anchors()
+        step, source = best, SOURCE_PEER
+        log.warning(
+            "site %s had no state: it starts from the sites' common parameters at step %d",
+            sites.names[groups.index], step,
+        )  # fmt: skip
+    _outer_for_copies(outer, groups, states, layout.index, step)
+    _reconcile(outer, groups)
+    _start_copies(buddies, at, sites, model, step if site.step != NO_STATE else NO_STATE)
+    return ShardsRestored(step, source, 0)
+
+
+def _given(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _from_copies(
+    site: SiteState,
+    groups: SiteGroups,
+    layout: Layout,
+    own: Slice | None,
+    ward: Slice | None,
+    rank: int,
+) -> Slice | None:
+    """A site that keeps its state: each rank that kept none (a replacement) takes its
+    slice from the buddy's copy in the site, with the sender's replicated state; the
+    others keep their own.  Collective on the site's gloo group."""
+    taken = own
+    mine = groups.sites.ranks[groups.index]
+    for index, holder in sorted(site.copies.items()):
+        sent = None
+        if rank == holder:
+            assert own is not None and ward is not None
+            sent = {"tensors": ward.tensors, "replicated": own.replicated}
+        got = broadcast_state(
+            _given(sent) if rank == holder else None, holder, groups.inner_host,
+            receivers=[mine[index]], data_group=groups.inner,
+        )  # fmt: skip
+        if rank == mine[index]:
+            taken = Slice(site.step, layout, got["tensors"], got["replicated"])
+            log.warning(
+                "slice %d of site %s of step %d restored from its buddy's copy in the site",
+                index, groups.sites.names[groups.index], site.step,
+            )  # fmt: skip
+    return taken
+
+
+def _outer_from_checkpoint(
+    outer: OuterSync, groups: SiteGroups, control: dist.ProcessGroup | None
+) -> None:
+    """After a durable resume: every site takes the first site's outer state of each
+    slice (its model is the first site's now), or none where the checkpoint holds none
+    (saved under ``sync.mode: ddp``: :meth:`~agents.sync.outer_sync.OuterSync.resume`
+    then takes the anchors from the parameters).
+
+    Raises:
+        StorageFaultError: the checkpoint's outer state was saved on other sites (each
+            rank's is its slice's: it does not reshard).
+    """
+    current = [list(r) for r in groups.sites.ranks]
+    saved = outer.saved_sites
+    mine = torch.tensor([0 if saved is None else 1 if saved == current else -1])
+    told = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(told, mine, group=control)
+    found = {int(t) for t in told}
+    if -1 in found or found == {0, 1}:
+        each = ", ".join(f"{n}: {len(r)}" for n, r in zip(groups.sites.names, current, strict=True))
+        raise StorageFaultError(
+            "the checkpoint resumed holds the outer state of sharding='fsdp' under a delayed "
+            "sync saved on other sites or ranks than this generation's (by "
+            f"{outer.spec.site_label}: {each}, {dist.get_world_size()} ranks); each rank's "
+            "is its slice's and does not reshard: resume with the nodes per site it was "
+            "saved with, or run from a checkpoint saved with sharding='ddp'",
+            fault="checkpoint",
+        )
+    if found == {0}:
+        return
+    assert groups.outer is not None
+    at = current[groups.index].index(dist.get_rank())
+    src = current[0][at]
+    receivers = [ranks[at] for ranks in current[1:]]
+    got = broadcast_state(
+        _given(outer.state_dict()) if dist.get_rank() == src else None, src, groups.outer,
+        receivers=receivers, data_group=groups.outer,
+    )  # fmt: skip
+    if dist.get_rank() in receivers:
+        outer.load_state_dict(got)
+
+
+def _outer_for_copies(
+    outer: OuterSync, groups: SiteGroups, states: list[SiteState], index: int, step: int
+) -> None:
+    """A rank whose slice came from a buddy's copy takes its slice's outer state from
+    the same-index rank of a site that kept its own (:func:`site_states` made sure
+    one did).  Collective on the group of slice ``index``."""
+    assert groups.outer is not None
+    sites = groups.sites
+    receivers = [sites.ranks[s][index] for s, st in enumerate(states) if index in st.copies]
+    if not receivers:
+        return
+    src = next(
+        sites.ranks[s][index]
+        for s, st in enumerate(states)
+        if st.step != NO_STATE and index not in st.copies
+    )
+    rank = dist.get_rank()
+    got = broadcast_state(
+        _given(outer.state_dict()) if rank == src else None, src, groups.outer,
+        receivers=receivers, data_group=groups.outer,
+    )  # fmt: skip
+    if rank in receivers:
+        outer.take_from_another_site(got, step)
+
+
+def _start_copies(
+    buddies: BuddyCopies | None,
+    at: Placed,
+    sites: Sites,
+    model: ShardedModel,
+    step: int,
+) -> None:
+    """Start the buddy copies on the new generation, each rank's buddy in its own site
+    (``step``: the site's state, NO_STATE where it took none of its own copies)."""
+    if buddies is None:
+        return
+    buddies.forget_after(step)
+    layouts = [Layout(1, 0)] * at.plan.world_size
+    for ranks in sites.ranks:
+        for i, r in enumerate(ranks):
+            layouts[r] = Layout(len(ranks), i)
+    mine = next(ranks for ranks in sites.ranks if at.rank in ranks)
+    world = at.plan.world_size
+    buddies.start(at.rank, world, at.nproc, layouts, model.rows, at.copies_timeout, mine)
+
+
+def _restore_slice(
+    model: ShardedModel,
+    fresh: torch.nn.Module,
+    taken: Slice,
+    optimizers: dict[str, torch.optim.Optimizer],
+    others: dict[str, Any],
+) -> None:
+    """Fill the module being built (and the optimizers' state) from a whole slice of
+    its layout, and switch to it."""
+    targets, states = targets_for(model, fresh, taken.structure(), optimizers)
+    with torch.no_grad():
+        for key, target in targets.items():
+            target.copy_(taken.tensors[key])
+    assert taken.replicated is not None, "a live slice carries the replicated state"
+    apply_replicated(fresh, optimizers, others, states, taken.replicated)
+    model.adopt(optimizers, states)
+
+
+def _start_initial(
+    model: ShardedModel, fresh: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """A new job: the slices from the script's module (no collective)."""
+    initial = model.initial
+    with torch.no_grad():
+        if initial is not None:
+            model.fill_from(dict(initial.named_parameters()), fresh)
+            buffers = dict(fresh.named_buffers())
+            for name, b in initial.named_buffers():
+                buffers[name].copy_(b)
+        else:  # a worker that trained, among ranks that lost everything: no values
+            for name in model.rows:
+                model.local_rows(name, fresh).zero_()
+    model.adopt(optimizers, {})
+
+
+def _start_common(outer: OuterSync, groups: SiteGroups) -> None:
+    """Every site takes the first site's slices (a script that does not seed alike starts
+    its sites apart), and the anchors from them: as
+    :mod:`agents.sync.site_join` does for a DDP model, per slice index."""
+    assert groups.outer is not None
+    at = groups.sites.ranks[groups.index].index(dist.get_rank())
+    first = groups.sites.ranks[0][at]  # the first site's rank of this slice index
+    params = outer.parameters
+    flat = flatten(params)
+    data = flat.view(torch.uint8).numpy()
+    mine = torch.tensor([zlib.crc32(data)], dtype=torch.int64)  # type: ignore[arg-type]
+    sums = [torch.zeros_like(mine) for _ in range(len(groups.sites))]
+    dist.all_gather(sums, mine, group=groups.outer)
+    if len({int(s) for s in sums}) > 1:
+        dist.broadcast(flat, src=first, group=groups.outer)
+        write_back(params, flat)
+    outer.anchor_to_parameters(0)
+
+
+def _reconcile(outer: OuterSync, groups: SiteGroups) -> None:
+    """A slice index's ranks that missed an outer step another site's applied take it."""
+    assert groups.outer is not None
+    at = groups.sites.ranks[groups.index].index(dist.get_rank())
+    members = [ranks[at] for ranks in groups.sites.ranks]
+    row = torch.tensor(outer.counts, dtype=torch.int64)
+    rows = [torch.zeros_like(row) for _ in members]
+    dist.all_gather(rows, row, group=groups.outer)
+    reconcile_fragments(outer, torch.stack(rows), groups.index, groups.outer, members)

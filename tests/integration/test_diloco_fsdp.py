@@ -53,17 +53,11 @@ def fsdp_sites_job(
     return load_job_data(base)
 
 
-@pytest.mark.parametrize(
-    "sync",
-    [
-        {"mode": "diloco", "inner_steps": 10},
-        {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2},
-    ],
-    ids=["diloco", "streaming"],
-)
-def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(
-    tmp_path: Path, sync: dict[str, object]
-) -> None:
+def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(tmp_path: Path) -> None:
+    """Streaming DiLoCo, fault free, two ranks per site on one node.  Plain DiLoCo's
+    fault-free steps are part of the tests below (a kill, a checkpoint), each ending
+    equal to the algorithm by hand."""
+    sync = {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2}
     lines: list[str] = []
     spec = fsdp_sites_job("diloco-fsdp", tmp_path, sync, STEPS)
     with quiet_run(spec, lines, node_labels=ZONES) as run:

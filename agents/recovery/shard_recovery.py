@@ -61,6 +61,7 @@ __all__ = [
     "ShardsRestored",
     "join",
     "layouts",
+    "start_initial",
 ]
 
 log = logging.getLogger("ringmaster.worker")
@@ -274,15 +275,11 @@ def _source(
     return SOURCE_LIVE
 
 
-def _from_storage(
-    model: ShardedModel,
-    fresh: torch.nn.Module,
-    optimizers: dict[str, torch.optim.Optimizer],
-    best_live: int,
-    durable: DurableState,
-    world_size: int,
-) -> ShardsRestored:
-    """No complete set of slices in memory: the script's initial values, then durable."""
+def start_initial(
+    model: ShardedModel, fresh: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """This rank's slices from the script's module (no collective); zeros on a worker that
+    trained, among ranks that lost everything (no initial values are kept then)."""
     initial = model.initial
     with torch.no_grad():
         if initial is not None:
@@ -294,6 +291,18 @@ def _from_storage(
             for name in model.rows:
                 model.local_rows(name, fresh).zero_()
     model.adopt(optimizers, {})
+
+
+def _from_storage(
+    model: ShardedModel,
+    fresh: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    best_live: int,
+    durable: DurableState,
+    world_size: int,
+) -> ShardsRestored:
+    """No complete set of slices in memory: the script's initial values, then durable."""
+    start_initial(model, fresh, optimizers)
     lost_state = best_live != NO_STATE
     resumed = durable.resume(world_size) if durable.can_resume() else None
     if resumed is not None:

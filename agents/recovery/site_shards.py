@@ -69,6 +69,7 @@ from agents.recovery.shard_recovery import (
     SOURCE_LIVE,
     SOURCE_PEER,
     ShardsRestored,
+    start_initial,
 )
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.slice_state import apply_replicated, targets_for
@@ -158,7 +159,7 @@ def join_site_shards(
     mesh = DeviceMesh.from_group(groups.inner, device.type, mesh=ranks, mesh_dim_names=("shard",))
     fresh = model.build(mesh, layout, device)
     if best == NO_STATE:
-        _start_initial(model, fresh, optimizers)
+        start_initial(model, fresh, optimizers)  # a new job: no collective
         outer.fit()
         outer.saved_sites = None
         durable = at.durable
@@ -358,22 +359,6 @@ def _restore_slice(
     apply_replicated(fresh, optimizers, others, states, taken.replicated)
     model.adopt(optimizers, states)
 
-
-def _start_initial(
-    model: ShardedModel, fresh: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer]
-) -> None:
-    """A new job: the slices from the script's module (no collective)."""
-    initial = model.initial
-    with torch.no_grad():
-        if initial is not None:
-            model.fill_from(dict(initial.named_parameters()), fresh)
-            buffers = dict(fresh.named_buffers())
-            for name, b in initial.named_buffers():
-                buffers[name].copy_(b)
-        else:  # a worker that trained, among ranks that lost everything: no values
-            for name in model.rows:
-                model.local_rows(name, fresh).zero_()
-    model.adopt(optimizers, {})
 
 
 def _start_common(outer: OuterSync, groups: SiteGroups) -> None:

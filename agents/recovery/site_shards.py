@@ -360,7 +360,6 @@ def _restore_slice(
     model.adopt(optimizers, states)
 
 
-
 def _start_common(outer: OuterSync, groups: SiteGroups) -> None:
     """Every site takes the first site's slices (a script that does not seed alike starts
     its sites apart), and the anchors from them: as

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from agents.api import RecoveryError
+from agents.runtime.group_store import wait_for_store
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -180,7 +181,7 @@ def form_group(
             else:
                 client.put(key, f"{host}:{port}")
         else:
-            host, port = _wait_for_master(client, key, deadline)
+            host, port = wait_for_store(client, key, deadline)
             # rank 0 waits at most collective_timeout for the others: connecting
             # for longer would only keep this worker from a newer generation
             store = dist.TCPStore(
@@ -226,21 +227,6 @@ def form_group(
         raise RecoveryError(
             f"generation {generation}: process group did not form ({e}); a member may be gone"
         ) from e
-
-
-def _wait_for_master(client: EtcdClient, key: str, deadline: float) -> tuple[str, int]:
-    while True:
-        try:
-            kv = client.get(key)
-        except EtcdError as e:  # etcd away for a moment: keep waiting until the deadline
-            log.debug("waiting for %s: %s", key, e)
-            kv = None
-        if kv is not None:
-            host, _, port = kv.value.decode().rpartition(":")
-            return host, int(port)
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"rank 0 did not publish the store address at {key} in time")
-        time.sleep(0.01)
 
 
 def abort_groups(groups: Groups) -> None:

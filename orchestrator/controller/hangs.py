@@ -13,13 +13,23 @@ before any collective timeout.  A node whose agent does not answer either is
 cut off or gone: that is for its lease and its peers' reports to settle, not
 for a kill.  When every heartbeat stopped at once, the workers' way to etcd
 is stuck (they pause for that), so nobody is killed.
+
+A silence is acted on only once the controller has watched it last
+:func:`confirm_after` (a heartbeat interval, and at least one new probe of the
+agent) with no long gap in its own ticks: a stall of the whole machine (or of the
+controller, or of etcd: every lease expires at once) leaves every beat old
+when it ends, and a worker whose heartbeat thread was merely held up beats
+again within that time.  A gap of twice that in the controller's own ticks
+starts every watch again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from orchestrator import keys
 from orchestrator.controller.actions import KillWorker
-from orchestrator.controller.world import World, workers_of
+from orchestrator.controller.world import PROBE_EVERY_S, World, workers_of
 from orchestrator.records import AgentCommand, Plan
 from orchestrator.spec import JobSpec
 
@@ -27,18 +37,43 @@ from orchestrator.spec import JobSpec
 STALE_BEATS = 3
 
 
-def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> list[KillWorker]:
+@dataclass
+class HangWatch:
+    """What the controller remembers of silent workers between ticks.
+
+    Attributes:
+        killed: ``<worker>/<pid>`` of the processes told to die (each told once).
+        silent: ``<worker>/<pid>`` -> the tick (``World.mono``) it was first seen
+            silent, in the watch under way.
+        last_tick: the previous tick's ``World.mono``.
+    """
+
+    killed: set[str] = field(default_factory=set)
+    silent: dict[str, float] = field(default_factory=dict)
+    last_tick: float | None = None
+
+
+def confirm_after(spec: JobSpec) -> float:
+    """Seconds a silence must be watched before a kill: an interval, and a new probe."""
+    return max(spec.fault_tolerance.heartbeat_interval.total_seconds(), PROBE_EVERY_S)
+
+
+def hung_workers(spec: JobSpec, plan: Plan, world: World, watch: HangWatch) -> list[KillWorker]:
     """Kill commands for the hung workers of ``plan``.
 
     Args:
         spec: the job (``fault_tolerance`` timeouts).
         plan: the current generation.
         world: the snapshot (heartbeats, the time).
-        killed: ``<worker>/<pid>`` of the processes already told to die; updated
-            here, so one process is told once.
+        watch: what earlier ticks saw; updated here.
     """
     ft, now = spec.fault_tolerance, world.now
     stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+    confirm = confirm_after(spec)
+    if watch.last_tick is None or world.mono - watch.last_tick > 2 * confirm:
+        watch.silent.clear()  # the controller itself was held up: what it saw before is old
+    watch.last_tick = world.mono
+    silent_now: dict[str, float] = {}
     current = {
         x: p
         for x in workers_of(plan)
@@ -47,6 +82,7 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> l
     if len(current) > 1 and all(now - p.beat > stale_after for p in current.values()):
         # A hung worker blocks its peers' steps, not their heartbeats: when every
         # heartbeat stopped at once, it is their way to etcd that is stuck.
+        watch.silent.clear()
         return []
     out: list[KillWorker] = []
     for member in plan.members:
@@ -62,8 +98,11 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> l
             # worker (a new pid) is never killed for its predecessor's silence,
             # and one process is told once (its agent kills it or is gone itself)
             victim = f"{worker}/{p.pid}"
-            if frozen and victim not in killed:
-                killed.add(victim)
+            if not frozen or victim in watch.killed:
+                continue
+            silent_now[victim] = watch.silent.get(victim, world.mono)
+            if world.mono - silent_now[victim] >= confirm:
+                watch.killed.add(victim)
                 out.append(
                     KillWorker(
                         member.node,
@@ -74,6 +113,7 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, killed: set[str]) -> l
                         silent_since=p.beat,
                     )
                 )
+    watch.silent = silent_now
     return out
 
 

@@ -62,7 +62,7 @@ from orchestrator.controller.actions import (
     Recovered,
 )
 from orchestrator.controller.commands import take_commands
-from orchestrator.controller.hangs import hung_workers
+from orchestrator.controller.hangs import HangWatch, hung_workers
 from orchestrator.controller.plans import (
     is_warm,
     make_plan,
@@ -99,8 +99,8 @@ class Memory:
     recovery_step: int = 0
     #: fewer than nodes.min nodes left since then
     short_since: float | None = None
-    #: ``<worker>/<pid>`` of every process told to die for a hang (told once)
-    killed: set[str] = field(default_factory=set)
+    #: silent workers watched, and those told to die for a hang (each told once)
+    hangs: HangWatch = field(default_factory=HangWatch)
     #: the generation, and its members one of whose workers was killed for a hang:
     #: they will not report the break, so nobody waits for them
     hung: tuple[int, frozenset[str]] = (0, frozenset())
@@ -321,7 +321,7 @@ class _Decider:
             return
         if self.in_grace():
             return  # registrations and heartbeats are still coming back
-        kills = hung_workers(self.spec, plan, self.w, self.m.killed)
+        kills = hung_workers(self.spec, plan, self.w, self.m.hangs)
         if kills:
             before = self.m.hung[1] if self.m.hung[0] == plan.generation else frozenset()
             self.m.hung = (plan.generation, before | {k.node for k in kills})

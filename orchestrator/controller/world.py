@@ -52,6 +52,8 @@ PROBE_THREADS = 16
 PROBE_SETTLE_S = 0.5
 #: While a break is handled, how old a read of the workers' progress may be reused.
 PROGRESS_REUSE_S = 1.0
+#: How often the agent of a member with a quiet worker is probed (at most).
+PROBE_EVERY_S = 1.0
 
 
 @dataclass
@@ -317,7 +319,7 @@ class WorldReader:
         due = {
             node: address
             for node in sorted(quiet)
-            if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= 1.0
+            if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= PROBE_EVERY_S
             and (address := _liveness(nodes, node))
         }
         for node, (verdict, answer) in probe_answers(due).items():

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator import keys, records
-from orchestrator.controller.hangs import STALE_BEATS, hung_workers
+from orchestrator.controller.hangs import STALE_BEATS, HangWatch, confirm_after, hung_workers
 from orchestrator.controller.job import JobController
 from orchestrator.controller.service import wakes
 from orchestrator.controller.world import (
@@ -294,7 +294,10 @@ def test_a_beat_stale_only_in_etcd_is_not_a_hang(
         world = WorldReader(etcd_client, job, quiet_after=stale_after).read()
         assert world.answering == {"a", "b"}
         assert world.progress[keys.worker_id("a", 0)].beat == received["a"]
-        kills = hung_workers(spec, plan, world, set())
+        watch = HangWatch()
+        assert hung_workers(spec, plan, world, watch) == []  # seen silent once
+        world.mono += confirm_after(spec)  # and still silent a watch later
+        kills = hung_workers(spec, plan, world, watch)
         frozen = [keys.worker_id("b", 0)] if 100 in b_pids else []
         assert [k.worker for k in kills] == frozen
     finally:

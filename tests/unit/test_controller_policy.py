@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import keys
 from orchestrator.api import JobPhase
-from orchestrator.controller import policy
+from orchestrator.controller import hangs, policy
 from orchestrator.controller.actions import (
     Action,
     DeclareFailed,
@@ -310,6 +310,15 @@ def a_member_whose_watch_closed_is_replaced_before_any_report() -> None:
     assert run.of(DeclareFailed)[0].why == "agent of b gone (its liveness watch closed)"
 
 
+def _watched(run: Run, world: World) -> None:
+    """Tick on ``world``, then again once its silences were watched long enough."""
+    run.tick(world)
+    assert run.of(KillWorker) == []  # seen silent once: not yet a hang
+    world.mono += hangs.confirm_after(run.spec)
+    world.now += hangs.confirm_after(run.spec)
+    run.tick(world)
+
+
 def hung_worker_is_killed_by_pid() -> None:
     run = Run(_spec(hang_timeout=timedelta(seconds=60)))
     plan = _plan(1, "a", "b")
@@ -317,7 +326,7 @@ def hung_worker_is_killed_by_pid() -> None:
     world.nodes["b"] = _node("b", pid=4242)
     world.progress["b-0"] = _beat(1, beat=NOW - 30, step_time=NOW - 120, pid=4242)
     world.answering = {"b"}  # its agent answers: the silence is the worker's own
-    run.tick(world)
+    _watched(run, world)
     (kill,) = run.of(KillWorker)
     assert kill.node == "b" and kill.command.pid == 4242 and kill.command.local_rank == 0
     run.tick(world)  # told once, not on every tick
@@ -347,9 +356,57 @@ def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
     world.nodes["b"] = _node("b", pid=77)  # the process its agent runs now
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)  # 4 beats missed
     world.answering = {"b"}
-    run.tick(world)
+    _watched(run, world)
     (kill,) = run.of(KillWorker)
     assert kill.command.pid == 77 and kill.silent_since == NOW - 2
+
+
+def a_silence_that_ends_within_the_watch_is_not_a_hang() -> None:
+    """After a stall of the whole machine every beat is old; a worker whose heartbeat
+    thread was held up a little longer beats again before the watch ends."""
+    spec = _spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5))
+    run = Run(spec)
+    world = _world(["a", "b"], _plan(1, "a", "b"))
+    world.nodes["b"] = _node("b", pid=77)
+    world.progress["b-0"] = _beat(1, beat=NOW - 2.2, step_time=NOW - 5, pid=77)
+    world.answering = {"b"}
+    run.tick(world)
+    assert run.of(KillWorker) == []  # the first sighting after the stall
+    world.mono += hangs.confirm_after(spec) / 2
+    world.progress["b-0"] = _beat(1, beat=NOW, step_time=NOW - 5, pid=77)  # it beats again
+    run.tick(world)
+    world.mono += hangs.confirm_after(spec)
+    world.now += 2.2  # silent again: the watch starts over, not from the first sighting
+    world.progress["a-0"].beat = world.now
+    run.tick(world)
+    assert run.of(KillWorker) == []
+    world.mono += hangs.confirm_after(spec)
+    world.now += hangs.confirm_after(spec)
+    world.progress["a-0"].beat = world.now
+    run.tick(world)
+    assert len(run.of(KillWorker)) == 1
+
+
+def a_gap_in_the_controllers_ticks_starts_the_watch_again() -> None:
+    """Seen silent, then the controller itself is held up: on its next tick the
+    silence may be the machine's stall; it is watched afresh."""
+    spec = _spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5))
+    run = Run(spec)
+    world = _world(["a", "b"], _plan(1, "a", "b"))
+    world.nodes["b"] = _node("b", pid=77)
+    world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
+    world.answering = {"b"}
+    run.tick(world)
+    world.mono += 2 * hangs.confirm_after(spec) + 0.5  # no tick in between
+    world.now += 2 * hangs.confirm_after(spec) + 0.5
+    world.progress["a-0"].beat = world.now
+    run.tick(world)
+    assert run.of(KillWorker) == []
+    world.mono += hangs.confirm_after(spec)
+    world.now += hangs.confirm_after(spec)
+    world.progress["a-0"].beat = world.now
+    run.tick(world)
+    assert len(run.of(KillWorker)) == 1
 
 
 def node_of_a_killed_hung_worker_is_replaced_without_the_report_grace() -> None:
@@ -360,9 +417,10 @@ def node_of_a_killed_hung_worker_is_replaced_without_the_report_grace() -> None:
     world.nodes["b"] = _node("b", pid=77)  # the process its agent runs now
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
     world.answering = {"b"}
-    run.tick(world)
+    _watched(run, world)
     assert len(run.of(KillWorker)) == 1
-    run.tick(_world(["a", "b", "c"], plan, mono=50.2, reports={"a-0": _report()}))
+    later = world.mono + 0.2
+    run.tick(_world(["a", "b", "c"], plan, mono=later, reports={"a-0": _report()}))
     (new,) = run.plans()  # at once, not after REPORT_GRACE
     assert _order(new) == ["a", "c"]
     assert "a worker of b hung and was killed" in run.of(DeclareFailed)[0].why
@@ -745,6 +803,8 @@ SCENARIOS: list[Callable[[], None]] = [
     hung_worker_is_killed_by_pid,
     exited_worker_is_not_called_hung,
     frozen_worker_is_killed_without_waiting_for_hang_timeout,
+    a_silence_that_ends_within_the_watch_is_not_a_hang,
+    a_gap_in_the_controllers_ticks_starts_the_watch_again,
     quiet_worker_of_an_unreachable_node_is_not_killed,
     node_of_a_killed_hung_worker_is_replaced_without_the_report_grace,
     every_heartbeat_stopped_is_not_a_hang,

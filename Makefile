@@ -28,14 +28,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# `long` tests are further variants of scenarios the suite runs once: `make chaos` runs them
 test: lint typecheck  # the 30 slowest tests are listed at the end: the suite's time budget
-	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 -m 'not long' $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-chaos: $(STAMP)  # the long soak: 12 faults of every kind in one run
-	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m chaos $(PYTEST_ARGS)
+chaos: $(STAMP)  # the long soak (12 faults of every kind in one run) and the `long` variants
+	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m 'chaos or long' $(PYTEST_ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 

@@ -294,7 +294,8 @@ class Generations:
         self.joining = (plan.generation, rank, plan.world_size)
         self._fence.join(plan.generation, self._watch.revision_of(plan.generation))
         sockets_before = frozenset(socket_inodes())
-        ceiling = self._spec.fault_tolerance.hang_timeout * 2  # the guard learns a shorter one
+        hang = self._spec.fault_tolerance.hang_timeout
+        ceiling = hang * 2  # the guard learns a shorter one
         groups = form_group(
             self._client,
             self._env.job,
@@ -313,7 +314,7 @@ class Generations:
         try:
             self._durable.open(first=plan.generation == 1)
             if sharded is not None and models.outer is not None:  # fsdp in each site
-                at = Placed(plan, rank, member.nproc, self._device, ceiling / 2, self._durable)
+                at = Placed(plan, rank, member.nproc, self._device, hang, self._durable)
                 got = join_site_shards(
                     models.outer, sharded, buddies, held, holds_state, at, groups.control, ceiling
                 )
@@ -332,14 +333,8 @@ class Generations:
                 self._telemetry.state_source(got.source, got.lost)
                 if buddies is not None:
                     buddies.forget_after(got.step)
-                    buddies.start(
-                        rank,
-                        plan.world_size,
-                        member.nproc,
-                        shard_recovery.layouts(sharded, placement),
-                        sharded.rows,
-                        self._spec.fault_tolerance.hang_timeout,
-                    )
+                    layouts = shard_recovery.layouts(sharded, placement)
+                    buddies.start(rank, plan.world_size, member.nproc, layouts, sharded.rows, hang)
             else:
                 mine = held.step if holds_state else NO_STATE
                 capture = functools.partial(_capture, held.step, held.tracked)

@@ -233,13 +233,16 @@ class Session:
             optimizers on its ``parameters()`` after this call.
 
         Raises:
-            ValueError: an unknown mode, options of another mode, or a second
-                sharded model in one session.
+            ValueError: an unknown mode, options of another mode, a second
+                sharded model in one session (a second model of any kind under a
+                delayed sync), or an object tracked as ``outer`` under a delayed sync.
 
         On a GPU worker the module moves to :attr:`device` and DDP gets
         ``device_ids``, as in a torchrun script.
         """
         models = self._models
+        if models.outer is None:  # a second model is refused by wrap itself
+            models.check_tracked(self._state.tracked)
         wrapped = models.wrap(
             module, hook_installer, sharding, shard_size, redundancy_every_steps, mesh,
             tensor_plan, pipeline,
@@ -260,7 +263,9 @@ class Session:
 
         Raises:
             TypeError: an object has no ``state_dict()``/``load_state_dict()``.
+            ValueError: ``outer`` under a delayed sync (the outer state's name).
         """
+        self._models.check_tracked(objects)
         for name, obj in objects.items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"{name} has no state_dict()/load_state_dict()")

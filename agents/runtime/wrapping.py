@@ -13,7 +13,7 @@ comm hook (compression, hierarchical all-reduce) on each generation's DDP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from agents.recovery.buddy_copies import BuddyCopies
 from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
 from agents.runtime.failures import CollectiveFailures
 from agents.runtime.mesh_layout import MeshShape, mesh_shape
+from agents.runtime.outer_checkpoint import OUTER_STATE
 from agents.runtime.pipeline import Pipeline
 from agents.runtime.sharding import (
     ShardedModel,
@@ -106,8 +107,10 @@ class WrappedModels:
         )
         if ignored is not None:
             log.warning("%s", ignored)
-        if sharding != "ddp" and self._spec.sync.delayed:
-            check_delayed_sharded(self._spec, sharding)
+        if self._spec.sync.delayed:
+            if sharding != "ddp":
+                check_delayed_sharded(self._spec, sharding)
+            check_delayed(self._spec, self.outer is not None)  # one model, DDP or FSDP2
         if sharding != "ddp":
             self.sharded, self.buddies = wrap_sharded(
                 module, sharding, shard_size, redundancy_every_steps, hook_installer,
@@ -124,8 +127,6 @@ class WrappedModels:
                     local=lambda: [sharded.local_rows(n) for n in names],
                 )
             return self.sharded
-        if self._spec.sync.delayed:
-            check_delayed(self._spec, bool(self.ddps))
         if hook_installer is None and uses_spec_hook(self._spec.comm):
             hook_installer = self._spec_hook
         wrapped = wrap_ddp(
@@ -139,6 +140,20 @@ class WrappedModels:
         if dist.is_initialized():
             wrapped.rebuild(self._data_group())
         return wrapped
+
+    def check_tracked(self, names: Iterable[str]) -> None:
+        """Refuse a script's object tracked under the name the delayed sync's outer
+        state is tracked by (it would replace that state in checkpoints and state syncs).
+
+        Raises:
+            ValueError: ``outer`` under ``sync.mode`` diloco or streaming_diloco.
+        """
+        if self._spec.sync.delayed and OUTER_STATE in names:
+            raise ValueError(
+                f"track(): under sync.mode {self._spec.sync.mode.value} the name "
+                f"{OUTER_STATE!r} holds the outer state (anchors, outer momentum); "
+                "track your object under another name"
+            )
 
     def rebuild(self, step: int | None = None) -> None:
         """Build the DDPs on the generation just joined (the sharded model is built there).

@@ -70,7 +70,12 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
             ):
                 assert time.monotonic() < deadline, summary(run.wait(), lines)
                 time.sleep(0.1)
-            status = jobs.read_status(run.client, spec.name)
+            # the controller writes the status at the end of the tick that emitted the event
+            # (seen once: read between the two, the status was the tick before's)
+            while not (status := jobs.read_status(run.client, spec.name)) or not (
+                status.quarantined or status.phase.terminal or time.monotonic() > deadline
+            ):
+                time.sleep(0.05)
             assert status is not None and status.quarantined == [slow], status
         finally:
             if cycle is not None:

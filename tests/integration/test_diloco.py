@@ -224,7 +224,11 @@ def kill_in_site_b(spec: JobSpec, tmp: Path, lines: list[str]) -> tuple[Any, Any
         return result, jobs.read_status(run.client, spec.name)
 
 
-@pytest.mark.parametrize("sync", [DILOCO, STREAMING], ids=["diloco", "streaming"])
+@pytest.mark.parametrize(
+    "sync",
+    [DILOCO, pytest.param(STREAMING, marks=pytest.mark.long)],  # streaming: test_diloco_fsdp
+    ids=["diloco", "streaming"],
+)
 def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     tmp_path: Path, sync: dict[str, object]
 ) -> None:

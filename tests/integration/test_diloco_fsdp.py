@@ -120,7 +120,8 @@ def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("sync", "hold"),
     [
-        ({"mode": "diloco", "inner_steps": 10}, 15),
+        # diloco in make test: test_diloco.py's hot swap in a site
+        pytest.param({"mode": "diloco", "inner_steps": 10}, 15, marks=pytest.mark.long),
         # no sync under way at 13: fragment 1's (from 10) applied at 12, fragment 0's at 15
         (
             {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2},

@@ -71,7 +71,7 @@ def _kill_node(pid: int) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", ["rank0", "other"])
+@pytest.mark.parametrize("victim", ["rank0", pytest.param("other", marks=pytest.mark.long)])
 def test_torchrun_finishes_after_a_node_is_killed(
     etcd: EmbeddedEtcd, tmp_path: Path, victim: str
 ) -> None:

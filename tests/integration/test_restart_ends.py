@@ -61,7 +61,7 @@ def _agent_lines(lines: list[str], node: str) -> list[str]:
     return [line for line in lines if line.startswith(f"[{node}] ")]
 
 
-@pytest.mark.parametrize("repeat", [1, 2])
+@pytest.mark.parametrize("repeat", [1, pytest.param(2, marks=pytest.mark.long)])
 @pytest.mark.parametrize("first", [0, 1], ids=["store-host-first", "store-host-last"])
 def test_a_script_that_ends_in_the_bad_order_finishes(
     tmp_path: Path, first: int, repeat: int

@@ -56,7 +56,9 @@ session.close()
 '''
 
 
-@pytest.mark.parametrize("ranks", ["0,1", "0"], ids=["every-rank", "rank-0-only"])
+@pytest.mark.parametrize(
+    "ranks", [pytest.param("0,1", marks=pytest.mark.long), "0"], ids=["every-rank", "rank-0-only"]
+)
 def test_an_error_of_the_script_fails_the_job_without_recovery(
     tmp_path: Path, etcd: EmbeddedEtcd, ranks: str
 ) -> None:

@@ -13,9 +13,10 @@ import torch
 
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.state_sync import NO_STATE
+from agents.runtime.failures import CollectiveFailures
 from agents.runtime.outer_checkpoint import outer_rank_state, replicated
 from agents.runtime.tracked_optimizers import others_of
-from agents.runtime.wrapping import check_delayed_sharded
+from agents.runtime.wrapping import WrappedModels, check_delayed_sharded
 from agents.sync.outer_sync import OuterSync, per_slice
 from agents.sync.sites import Sites
 from orchestrator.spec import JobSpec
@@ -128,6 +129,29 @@ def test_wrap_refuses_other_sharded_models_under_a_delayed_sync(sharding: str, w
     with pytest.raises(ValueError, match="streaming_diloco") as e:
         check_delayed_sharded(_job(), sharding)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("second", ["ddp", "fsdp"])
+def test_wrap_refuses_a_second_model_under_a_delayed_sync(second: str) -> None:
+    """One outer loop per job: a second model, DDP or FSDP2, would replace the first's."""
+    models = WrappedModels(_job(), torch.device("cpu"), CollectiveFailures(), lambda ddp: None)
+    models.wrap(torch.nn.Linear(2, 2), None, None, None, None)
+    first = models.outer
+    assert first is not None
+    with pytest.raises(ValueError, match="syncs one model per job and this session wrapped one"):
+        models.wrap(torch.nn.Linear(2, 2), None, second, None, None)
+    assert models.outer is first and len(models.ddps) == 1 and models.sharded is None
+
+
+def test_the_outer_states_name_is_refused_to_a_scripts_object() -> None:
+    models = WrappedModels(_job(), torch.device("cpu"), CollectiveFailures(), lambda ddp: None)
+    with pytest.raises(ValueError, match=r"'outer' holds the outer state .* another name"):
+        models.check_tracked(["model", "outer"])
+    models.check_tracked(["model", "optimizer"])
+    plain = load_job_data({"name": "j", "entrypoint": {"script": "x.py"}})
+    WrappedModels(plain, torch.device("cpu"), CollectiveFailures(), lambda ddp: None).check_tracked(
+        ["outer"]
+    )  # no delayed sync: the name is the script's
 
 
 def test_wrap_takes_fsdp_with_checkpoints_under_a_delayed_sync() -> None:

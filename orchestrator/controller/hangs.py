@@ -14,27 +14,30 @@ cut off or gone: that is for its lease and its peers' reports to settle, not
 for a kill.  When every heartbeat stopped at once, the workers' way to etcd
 is stuck (they pause for that), so nobody is killed.
 
-A silence is acted on only once the controller has watched it last
-:func:`confirm_after` (a heartbeat interval, and at least one new probe of the
-agent) with no long gap in its own ticks: a stall of the whole machine (or of the
-controller, or of etcd: every lease expires at once) leaves every beat old
-when it ends, and a worker whose heartbeat thread was merely held up beats
-again within that time.  A gap of twice that in the controller's own ticks
-starts every watch again.
+A silence is acted on only once the controller has watched it for a
+heartbeat interval and its agent, probed again after the first sighting,
+still has no beat either: a stall of the whole machine (or of the controller,
+or of etcd: every lease expires at once) leaves every beat old when it ends,
+and a worker whose heartbeat thread was merely held up beats again within
+that time.  A gap of ``STALE_BEATS`` intervals in the controller's own ticks
+(a stall of its own, long enough to make any beat look old) starts every
+watch again.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from orchestrator import keys
 from orchestrator.controller.actions import KillWorker
-from orchestrator.controller.world import PROBE_EVERY_S, World, workers_of
+from orchestrator.controller.world import QUIET_BEATS, World, workers_of
 from orchestrator.records import AgentCommand, Plan
 from orchestrator.spec import JobSpec
 
-#: A worker whose heartbeat is older than this many intervals is frozen or gone.
-STALE_BEATS = 3
+#: A worker whose heartbeat is older than this many intervals is frozen or gone (the
+#: world's reader probes its agent from then on).
+STALE_BEATS = QUIET_BEATS
 
 
 @dataclass
@@ -54,8 +57,8 @@ class HangWatch:
 
 
 def confirm_after(spec: JobSpec) -> float:
-    """Seconds a silence must be watched before a kill: an interval, and a new probe."""
-    return max(spec.fault_tolerance.heartbeat_interval.total_seconds(), PROBE_EVERY_S)
+    """Seconds a silence must be watched before a kill (and its agent probed again)."""
+    return spec.fault_tolerance.heartbeat_interval.total_seconds()
 
 
 def hung_workers(spec: JobSpec, plan: Plan, world: World, watch: HangWatch) -> list[KillWorker]:
@@ -70,7 +73,7 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, watch: HangWatch) -> l
     ft, now = spec.fault_tolerance, world.now
     stale_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
     confirm = confirm_after(spec)
-    if watch.last_tick is None or world.mono - watch.last_tick > 2 * confirm:
+    if watch.last_tick is None or world.mono - watch.last_tick > stale_after:
         watch.silent.clear()  # the controller itself was held up: what it saw before is old
     watch.last_tick = world.mono
     silent_now: dict[str, float] = {}
@@ -100,8 +103,9 @@ def hung_workers(spec: JobSpec, plan: Plan, world: World, watch: HangWatch) -> l
             victim = f"{worker}/{p.pid}"
             if not frozen or victim in watch.killed:
                 continue
-            silent_now[victim] = watch.silent.get(victim, world.mono)
-            if world.mono - silent_now[victim] >= confirm:
+            first = silent_now[victim] = watch.silent.get(victim, world.mono)
+            asked = world.probed_at.get(member.node, -math.inf)
+            if world.mono - first >= confirm and asked > first:
                 watch.killed.add(victim)
                 out.append(
                     KillWorker(

@@ -52,8 +52,10 @@ PROBE_THREADS = 16
 PROBE_SETTLE_S = 0.5
 #: While a break is handled, how old a read of the workers' progress may be reused.
 PROGRESS_REUSE_S = 1.0
-#: How often the agent of a member with a quiet worker is probed (at most).
+#: How often the agent of a member with a quiet worker is probed, at most (and at most
+#: every heartbeat interval: ``WorldReader.quiet_after`` / ``QUIET_BEATS``).
 PROBE_EVERY_S = 1.0
+QUIET_BEATS = 3
 
 
 @dataclass
@@ -81,6 +83,8 @@ class World:
         answering: member nodes with a worker whose heartbeat went quiet (older
             than ``quiet_after``) and whose agent answered a liveness probe: the
             silence is that worker's own, not the node's (a partition, a crash).
+        probed_at: when the answer each of those agents gave was asked for
+            (``time.monotonic()``).
         silence: the last etcd silence the client recorded (end, seconds), if any.
         startup_failures: before the job started: node → how one of its workers
             exited (the agents' ``WorkerExited`` events of this run).
@@ -104,6 +108,7 @@ class World:
     closed: dict[str, float] = field(default_factory=dict)
     alive: set[str] = field(default_factory=set)
     answering: set[str] = field(default_factory=set)
+    probed_at: dict[str, float] = field(default_factory=dict)
     silence: tuple[float, float] | None = None
     startup_failures: dict[str, str] = field(default_factory=dict)
     quarantined: set[str] = field(default_factory=set)
@@ -260,7 +265,9 @@ class WorldReader:
             world.done = records.read_all(self.client, keys.job_done(job), DoneRecord)
             world.reports = read_reports(self.client, job, world.plan.generation, self._reports)
             world.dead, world.alive = self._probe(world.plan, world.reports, world.nodes)
-            world.answering, beats = self._probe_quiet(world.plan, world.progress, world.nodes)
+            world.answering, beats, world.probed_at = self._probe_quiet(
+                world.plan, world.progress, world.nodes
+            )
             world.progress = with_newer_beats(world.progress, beats)
         else:
             world.startup_failures = self._startup_failures()
@@ -300,14 +307,17 @@ class WorldReader:
 
     def _probe_quiet(
         self, plan: Plan, progress: dict[str, ProgressRecord], nodes: dict[str, NodeRecord]
-    ) -> tuple[set[str], dict[str, float]]:
-        """Probe the agents of members with a quiet worker (at most every second).
+    ) -> tuple[set[str], dict[str, float], dict[str, float]]:
+        """Probe the agents of members with a quiet worker (at most every second, and
+        every heartbeat interval where that is shorter).
 
-        Returns the members whose agent answered, and the latest beat of each of
-        their workers as the agent received it: a worker's beat can be stale in
-        etcd only because its agent's writes wait (on an etcd leader election, say).
+        Returns the members whose agent answered, the latest beat of each of their
+        workers as the agent received it (a worker's beat can be stale in etcd only
+        because its agent's writes wait: on an etcd leader election, say), and when
+        each answer was asked for.
         """
         now, mono = time.time(), time.monotonic()
+        every = min(PROBE_EVERY_S, self.quiet_after / QUIET_BEATS)
         quiet = {
             m.node
             for m in plan.members
@@ -319,18 +329,19 @@ class WorldReader:
         due = {
             node: address
             for node in sorted(quiet)
-            if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= PROBE_EVERY_S
+            if mono - self._quiet_probes.get(node, (-1e9, False))[0] >= every
             and (address := _liveness(nodes, node))
         }
         for node, (verdict, answer) in probe_answers(due).items():
             self._quiet_probes[node] = (mono, verdict is Liveness.ALIVE, _agent_beats(answer))
-        answering, beats = set(), {}
+        answering, beats, asked = set(), {}, {}
         for node in quiet:
-            _, alive, agent_beats = self._quiet_probes.get(node, (0.0, False, {}))
+            at, alive, agent_beats = self._quiet_probes.get(node, (0.0, False, {}))
             if alive:
                 answering.add(node)
                 beats.update(agent_beats)
-        return answering, beats
+                asked[node] = at
+        return answering, beats, asked
 
     def _probe(
         self, plan: Plan, reports: dict[str, BreakReport], nodes: dict[str, NodeRecord]

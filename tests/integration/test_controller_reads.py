@@ -291,13 +291,18 @@ def test_a_beat_stale_only_in_etcd_is_not_a_hang(
             )
         plan = Plan(2, [Member("a", 0, 1), Member("b", 1, 1)])
         records.write(etcd_client, keys.job_plan(job), plan)
-        world = WorldReader(etcd_client, job, quiet_after=stale_after).read()
+        reader = WorldReader(etcd_client, job, quiet_after=stale_after)
+        world = reader.read()
         assert world.answering == {"a", "b"}
         assert world.progress[keys.worker_id("a", 0)].beat == received["a"]
         watch = HangWatch()
         assert hung_workers(spec, plan, world, watch) == []  # seen silent once
-        world.mono += confirm_after(spec)  # and still silent a watch later
-        kills = hung_workers(spec, plan, world, watch)
+        first = world.mono
+        deadline = time.monotonic() + 30
+        while not (world.mono - first >= confirm_after(spec) and world.probed_at["b"] > first):
+            assert time.monotonic() < deadline, world  # the agents are probed again
+            world = reader.read()
+        kills = hung_workers(spec, plan, world, watch)  # and still silent a watch later
         frozen = [keys.worker_id("b", 0)] if 100 in b_pids else []
         assert [k.worker for k in kills] == frozen
     finally:

@@ -310,12 +310,22 @@ def a_member_whose_watch_closed_is_replaced_before_any_report() -> None:
     assert run.of(DeclareFailed)[0].why == "agent of b gone (its liveness watch closed)"
 
 
+def _later(world: World, seconds: float, probed: bool = True) -> None:
+    """``seconds`` on; the quiet workers' agents probed again meanwhile (``probed``)."""
+    world.mono += seconds
+    world.now += seconds
+    if probed:
+        world.probed_at = {n: world.mono - 0.01 for n in world.answering}
+
+
 def _watched(run: Run, world: World) -> None:
     """Tick on ``world``, then again once its silences were watched long enough."""
     run.tick(world)
     assert run.of(KillWorker) == []  # seen silent once: not yet a hang
-    world.mono += hangs.confirm_after(run.spec)
-    world.now += hangs.confirm_after(run.spec)
+    _later(world, hangs.confirm_after(run.spec), probed=False)
+    run.tick(world)
+    assert run.of(KillWorker) == []  # its agent was not asked again yet
+    _later(world, 0.1)
     run.tick(world)
 
 
@@ -375,13 +385,12 @@ def a_silence_that_ends_within_the_watch_is_not_a_hang() -> None:
     world.mono += hangs.confirm_after(spec) / 2
     world.progress["b-0"] = _beat(1, beat=NOW, step_time=NOW - 5, pid=77)  # it beats again
     run.tick(world)
-    world.mono += hangs.confirm_after(spec)
+    _later(world, hangs.confirm_after(spec))
     world.now += 2.2  # silent again: the watch starts over, not from the first sighting
     world.progress["a-0"].beat = world.now
     run.tick(world)
     assert run.of(KillWorker) == []
-    world.mono += hangs.confirm_after(spec)
-    world.now += hangs.confirm_after(spec)
+    _later(world, hangs.confirm_after(spec))
     world.progress["a-0"].beat = world.now
     run.tick(world)
     assert len(run.of(KillWorker)) == 1
@@ -397,13 +406,11 @@ def a_gap_in_the_controllers_ticks_starts_the_watch_again() -> None:
     world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
     world.answering = {"b"}
     run.tick(world)
-    world.mono += 2 * hangs.confirm_after(spec) + 0.5  # no tick in between
-    world.now += 2 * hangs.confirm_after(spec) + 0.5
+    _later(world, hangs.STALE_BEATS * 0.5 + 0.1)  # no tick in between: its own stall
     world.progress["a-0"].beat = world.now
     run.tick(world)
     assert run.of(KillWorker) == []
-    world.mono += hangs.confirm_after(spec)
-    world.now += hangs.confirm_after(spec)
+    _later(world, hangs.confirm_after(spec))
     world.progress["a-0"].beat = world.now
     run.tick(world)
     assert len(run.of(KillWorker)) == 1

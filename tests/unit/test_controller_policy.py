@@ -371,48 +371,48 @@ def frozen_worker_is_killed_without_waiting_for_hang_timeout() -> None:
     assert kill.command.pid == 77 and kill.silent_since == NOW - 2
 
 
+def _b_silent_for(seconds: float) -> tuple[Run, World, JobSpec]:
+    """Beats every 0.5 s; b's only worker (pid 77) silent for ``seconds``, its agent
+    answering."""
+    spec = _spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5))
+    world = _world(["a", "b"], _plan(1, "a", "b"))
+    world.nodes["b"] = _node("b", pid=77)
+    world.progress["b-0"] = _beat(1, beat=NOW - seconds, step_time=NOW - 5, pid=77)
+    world.answering = {"b"}
+    return Run(spec), world, spec
+
+
+def _a_beats_on(run: Run, world: World, seconds: float) -> None:
+    """Tick ``seconds`` later, a's worker beating, b's agent probed again meanwhile."""
+    _later(world, seconds)
+    world.progress["a-0"].beat = world.now
+    run.tick(world)
+
+
 def a_silence_that_ends_within_the_watch_is_not_a_hang() -> None:
     """After a stall of the whole machine every beat is old; a worker whose heartbeat
     thread was held up a little longer beats again before the watch ends."""
-    spec = _spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5))
-    run = Run(spec)
-    world = _world(["a", "b"], _plan(1, "a", "b"))
-    world.nodes["b"] = _node("b", pid=77)
-    world.progress["b-0"] = _beat(1, beat=NOW - 2.2, step_time=NOW - 5, pid=77)
-    world.answering = {"b"}
+    run, world, spec = _b_silent_for(2.2)
     run.tick(world)
     assert run.of(KillWorker) == []  # the first sighting after the stall
     world.mono += hangs.confirm_after(spec) / 2
     world.progress["b-0"] = _beat(1, beat=NOW, step_time=NOW - 5, pid=77)  # it beats again
     run.tick(world)
-    _later(world, hangs.confirm_after(spec))
-    world.now += 2.2  # silent again: the watch starts over, not from the first sighting
-    world.progress["a-0"].beat = world.now
-    run.tick(world)
+    world.now += 2.2  # b silent again: a new watch, not one from the first sighting
+    _a_beats_on(run, world, hangs.confirm_after(spec))
     assert run.of(KillWorker) == []
-    _later(world, hangs.confirm_after(spec))
-    world.progress["a-0"].beat = world.now
-    run.tick(world)
+    _a_beats_on(run, world, hangs.confirm_after(spec))
     assert len(run.of(KillWorker)) == 1
 
 
 def a_gap_in_the_controllers_ticks_starts_the_watch_again() -> None:
     """Seen silent, then the controller itself is held up: on its next tick the
     silence may be the machine's stall; it is watched afresh."""
-    spec = _spec(hang_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.5))
-    run = Run(spec)
-    world = _world(["a", "b"], _plan(1, "a", "b"))
-    world.nodes["b"] = _node("b", pid=77)
-    world.progress["b-0"] = _beat(1, beat=NOW - 2, step_time=NOW - 2, pid=77)
-    world.answering = {"b"}
+    run, world, spec = _b_silent_for(2.0)
     run.tick(world)
-    _later(world, hangs.STALE_BEATS * 0.5 + 0.1)  # no tick in between: its own stall
-    world.progress["a-0"].beat = world.now
-    run.tick(world)
+    _a_beats_on(run, world, hangs.STALE_BEATS * 0.5 + 0.1)  # no tick between: its own stall
     assert run.of(KillWorker) == []
-    _later(world, hangs.confirm_after(spec))
-    world.progress["a-0"].beat = world.now
-    run.tick(world)
+    _a_beats_on(run, world, hangs.confirm_after(spec))
     assert len(run.of(KillWorker)) == 1
 
 

@@ -37,7 +37,8 @@ Where each site's slices come from is decided by
 3. **No site keeps its state**: the newest durable checkpoint is resumed
    (the first site's slices, resharded by DCP to every site; each rank's
    outer state saved on the same sites and ranks, the first site's handed to
-   the others: :mod:`agents.runtime.outer_checkpoint`); without one, a new
+   the others: :mod:`agents.runtime.outer_checkpoint`, or, saved on other
+   sites, cut anew: :mod:`agents.recovery.outer_reshard`); without one, a new
    job starts from the script's initial values, every site from the first
    site's, and a job whose state was held somewhere raises
    :class:`StateLostError`.
@@ -62,6 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from agents.api import DurableState, StateLostError, WorkerView
 from agents.recovery.buddy_copies import BuddyCopies
+from agents.recovery.outer_reshard import reshard_from_checkpoint
 from agents.recovery.shard_recovery import (
     SOURCE_BUDDY,
     SOURCE_DURABLE,
@@ -75,7 +77,6 @@ from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.slice_state import apply_replicated, targets_for
 from agents.recovery.state_sync import NO_STATE, broadcast_state
 from agents.runtime.sharding import Layout, ShardedModel, Slice
-from agents.runtime.storage_faults import StorageFaultError
 from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import OuterSync
@@ -167,7 +168,7 @@ def join_site_shards(
         _start_copies(buddies, at, sites, model, NO_STATE)
         newest = max(h.live for h in told)
         if resumed is not None:
-            _outer_from_checkpoint(outer, groups, control)
+            _outer_from_checkpoint(outer, model, groups, control)
             outer.catch_up_to = resumed.step
             lost = max(0, newest - resumed.step)
             return ShardsRestored(resumed.step, SOURCE_DURABLE, lost, resumed.url)
@@ -255,16 +256,17 @@ def _from_copies(
 
 
 def _outer_from_checkpoint(
-    outer: OuterSync, groups: SiteGroups, control: dist.ProcessGroup | None
+    outer: OuterSync, model: ShardedModel, groups: SiteGroups, control: dist.ProcessGroup | None
 ) -> None:
     """After a durable resume: every site takes the first site's outer state of each
-    slice (its model is the first site's now), or none where the checkpoint holds none
-    (saved under ``sync.mode: ddp``: :meth:`~agents.sync.outer_sync.OuterSync.resume`
+    slice (its model is the first site's now), cut anew where it was saved on other
+    sites (:mod:`agents.recovery.outer_reshard`), or none where the checkpoint holds
+    none (saved under ``sync.mode: ddp``: :meth:`~agents.sync.outer_sync.OuterSync.resume`
     then takes the anchors from the parameters).
 
     Raises:
-        StorageFaultError: the checkpoint's outer state was saved on other sites (each
-            rank's is its slice's: it does not reshard).
+        StorageFaultError: the checkpoint's outer state was saved on more ranks than
+            this generation has.
     """
     current = [list(r) for r in groups.sites.ranks]
     saved = outer.saved_sites
@@ -273,15 +275,8 @@ def _outer_from_checkpoint(
     dist.all_gather(told, mine, group=control)
     found = {int(t) for t in told}
     if -1 in found or found == {0, 1}:
-        each = ", ".join(f"{n}: {len(r)}" for n, r in zip(groups.sites.names, current, strict=True))
-        raise StorageFaultError(
-            "the checkpoint resumed holds the outer state of sharding='fsdp' under a delayed "
-            "sync saved on other sites or ranks than this generation's (by "
-            f"{outer.spec.site_label}: {each}, {dist.get_world_size()} ranks); each rank's "
-            "is its slice's and does not reshard: resume with the nodes per site it was "
-            "saved with, or run from a checkpoint saved with sharding='ddp'",
-            fault="checkpoint",
-        )
+        reshard_from_checkpoint(outer, model, groups, control)
+        return
     if found == {0}:
         return
     assert groups.outer is not None

@@ -9,8 +9,9 @@ an FSDP2 model in each site each rank's outer state is its slice's
 of the checkpoint with the sites it was saved on (:func:`outer_rank_state`),
 and a resume loads it on each rank where the sites are the same
 (:func:`restore_outer`; :mod:`agents.recovery.site_shards` then hands the
-first site's to the others, whose model is the first site's now, and refuses
-other sites).
+first site's to the others, whose model is the first site's now); on other
+sites :mod:`agents.recovery.outer_reshard` cuts the first site's parts to the
+new slices.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def restore_outer(outer: object, rank_state: Mapping[str, Any]) -> None:
         return
     saved = rank_state.get(OUTER_STATE)
     outer.saved_sites = saved["sites"] if saved is not None else None
+    outer.saved_piece = None
     if saved is not None and saved["sites"] == [list(r) for r in outer.groups.sites.ranks]:
         outer.fit()
         outer.load_state_dict(saved["state"])
+    elif saved is not None:  # other sites: agents.recovery.outer_reshard cuts it anew
+        outer.saved_piece = saved

@@ -128,12 +128,20 @@ class OuterSync:
         #: a sharded model's: the sites a durable checkpoint's outer state of this slice
         #: was saved on (set by a restore; None: it held none)
         self.saved_sites: list[list[int]] | None = None
+        #: that outer state (``sites``, ``state``) when its sites are not this generation's
+        #: (:mod:`agents.recovery.outer_reshard` cuts it to the new slices)
+        self.saved_piece: dict[str, Any] | None = None
         self._began = [0.0] * len(runs)  # when each fragment's sync under way started here
         self._took: list[float] = []
 
     @property
     def fragments(self) -> int:
         return len(self._runs)
+
+    @property
+    def runs(self) -> list[list[int]]:
+        """The parameters (indices into ``params``) of each fragment."""
+        return [list(r) for r in self._runs]
 
     @property
     def _fragments(self) -> list[list[torch.Tensor]]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agents.recovery.outer_reshard import SLICED_KEYS, reshard_slice
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.state_sync import NO_STATE
 from agents.runtime.failures import CollectiveFailures
+from agents.runtime.mesh_layout import Layout, chunk_rows
 from agents.runtime.outer_checkpoint import outer_rank_state, replicated
 from agents.runtime.tracked_optimizers import others_of
 from agents.runtime.wrapping import WrappedModels, check_delayed_sharded
@@ -168,3 +170,49 @@ def test_a_slices_outer_state_is_saved_as_the_ranks_own() -> None:
     assert set(replicated({**tracked, "outer": site}, ("model",))) == {"outer", "step"}
     assert outer_rank_state(site) == {}
     assert outer_rank_state(sliced) == {}  # outside a generation: no sites to name
+
+
+def _slice_state(whole: dict[str, list[torch.Tensor]], runs: list[list[int]], at: Layout) -> dict:
+    """The outer state slice ``at`` holds of ``whole`` (per key, each parameter whole)."""
+    state: dict = {
+        "counts": [3, 4],
+        "started": 20,
+        "pending_at": [22, -1],
+        "pending_weight": [1.0, 0],
+    }
+    for key, params in whole.items():
+        state[key] = [
+            torch.cat(
+                [params[i][slice(*chunk_rows(params[i].shape[0], at))].flatten() for i in run]
+            )
+            for run in runs
+        ]
+    return state
+
+
+@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("new", [1, 2, 3, 4])
+def test_a_slices_outer_state_is_cut_anew_for_another_site_size(old: int, new: int) -> None:
+    """Parameters of 5, 7, 2 and 1 rows (chunks of unequal and empty sizes), in two
+    fragments: each new slice gets exactly the rows ``torch.chunk`` gives it."""
+    g = torch.Generator().manual_seed(old * 10 + new)
+    shapes = [(5, 3), (7,), (2, 2), (1, 4)]
+    runs = [[0, 1], [2, 3]]
+    whole = {k: [torch.randn(s, generator=g) for s in shapes] for k in SLICED_KEYS}
+    pieces = {k: _slice_state(whole, runs, Layout(old, k)) for k in range(old)}
+    rows = [s[0] for s in shapes]
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    for index in range(new):
+        got = reshard_slice(pieces, Layout(new, index), rows, numels, runs)
+        want = _slice_state(whole, runs, Layout(new, index))
+        assert got.keys() == want.keys()
+        for key in SLICED_KEYS:
+            assert all(torch.equal(a, b) for a, b in zip(got[key], want[key], strict=True)), key
+        assert got["counts"] == [3, 4] and got["pending_at"] == [22, -1] and got["started"] == 20
+
+
+def test_a_piece_of_another_model_is_named() -> None:
+    runs = [[0]]
+    pieces = {0: _slice_state({k: [torch.zeros(4, 2)] for k in SLICED_KEYS}, runs, Layout(1, 0))}
+    with pytest.raises(ValueError, match="slice 0 of 1 holds 8 values of fragment 0, its rows 6"):
+        reshard_slice(pieces, Layout(2, 0), [3], [6], runs)  # the model has 3 x 2

@@ -152,3 +152,54 @@ def test_each_slice_syncs_with_its_twins_as_the_algorithm_by_hand() -> None:
     assert got[0] == got[2] and got[1] == got[3]
     # and it moved: each slice differs from where it started
     assert not torch.allclose(torch.tensor(got[0]), flatten(_chunks(_initial(), 0)))
+
+
+def _resharded_rank(rank: int, world: int) -> tuple[Any, str]:
+    """A resume on sites of one rank each, twice: this rank given the part its rank
+    number wrote on two sites of two ranks (the whole parameters' anchors and momentum
+    after the cut), then on two sites of three (the refusal's message)."""
+    from types import SimpleNamespace
+
+    from agents.recovery.outer_reshard import reshard_from_checkpoint
+    from agents.runtime.storage_faults import StorageFaultError
+    from agents.sync.outer_sync import OuterSync
+
+    full = _initial()
+    names = [f"p{i}" for i in range(len(full))]
+    model = SimpleNamespace(rows={n: p.shape[0] for n, p in zip(names, full, strict=True)},
+                            params=dict(zip(names, full, strict=True)))  # fmt: skip
+    groups = SimpleNamespace(sites=SimpleNamespace(ranks=[[0], [1]]), index=rank)
+    part = _chunks(full, rank)  # slice `rank` of the first saved site's
+    saver = OuterSync(_spec(), full, local=lambda: part)
+    saver.momentum = [2 * a + 1 for a in saver.anchors]  # a momentum of its own per value
+    outer = OuterSync(_spec(), full, local=lambda: full)
+    outer.saved_piece = {"sites": [[0, 1], [2, 3]], "state": saver.state_dict()}
+    reshard_from_checkpoint(outer, model, groups, None)  # type: ignore[arg-type]
+    cut = [[float(v) for v in t] for t in (*outer.anchors, *outer.momentum)]
+    # rank 2's part is beyond a world of 2 (refused before any part is used)
+    outer.saved_piece = {"sites": [[0, 1, 2], [3, 4, 5]], "state": saver.state_dict()}
+    try:
+        reshard_from_checkpoint(outer, model, groups, None)  # type: ignore[arg-type]
+    except StorageFaultError as e:
+        return cut, str(e)
+    return cut, "not refused"
+
+
+def test_a_slices_outer_state_is_cut_anew_over_real_collectives() -> None:
+    """Saved on two sites of two ranks, resumed on two sites of one: ranks 0 and 1 hold
+    the first saved site's parts and both get the whole anchors and momentum; saved on
+    sites of three ranks, the resume on two is refused, naming the ranks."""
+    got: list[Any] = run_gloo(_resharded_rank, 2)
+    whole = _whole_anchors()
+    want = [[float(v) for v in t] for t in (*whole, *[2 * a + 1 for a in whole])]
+    assert [cut for cut, _ in got] == [want, want]
+    for _, message in got:
+        assert "in the parts of ranks [0, 1, 2] (its first site)" in message, message
+        assert "this generation has 2 ranks: resume on at least 3 ranks" in message, message
+
+
+def _whole_anchors() -> list[torch.Tensor]:
+    """The anchors of the whole parameters (every fragment's), as a fresh loop has them."""
+    from agents.sync.outer_sync import OuterSync
+
+    return OuterSync(_spec(), _initial()).anchors

@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.local_run import LocalRun
 from orchestrator.records import NodeRecord
 from orchestrator.spec_loader import load_job_data
@@ -58,6 +59,11 @@ def _wait_for(what: str, check, timeout: float) -> None:  # type: ignore[no-unty
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+def _stragglers(client: EtcdClient, job: str) -> dict[str, float]:
+    status = jobs.read_status(client, job)
+    return dict(status.stragglers) if status is not None else {}
+
+
 def test_a_node_slowed_from_outside_is_called_a_straggler_and_cleared(tmp_path: Path) -> None:
     script = tmp_path / "spin.py"
     script.write_text(SCRIPT)
@@ -95,6 +101,9 @@ def test_a_node_slowed_from_outside_is_called_a_straggler_and_cleared(tmp_path: 
         cycle = DutyCycle(node.worker_pids)
         cycle.start()
         _wait_for("a Straggler event", lambda: "Straggler" in kinds(), 60)
+        # the status is written at the end of the tick that emitted the event (seen read
+        # between the two once: the tick before's, without the straggler)
+        _wait_for("the status of that tick", lambda: bool(_stragglers(client, spec.name)), 10)
         status = jobs.read_status(client, spec.name)
         assert status is not None and list(status.stragglers) == ["node-1"], status
         assert status.stragglers["node-1"] >= 1.3, status.stragglers

@@ -58,6 +58,7 @@ def reshard_slice(
         ValueError: a piece does not hold the rows its slice index has.
     """
     old = len(pieces)
+    widths = [n // r if r else 0 for n, r in zip(numels, rows, strict=True)]  # per row
     out: dict[str, Any] = {k: v for k, v in pieces[0].items() if k not in SLICED_KEYS}
     for key in SLICED_KEYS:
         out[key] = []
@@ -67,7 +68,7 @@ def reshard_slice(
                 flat, at = pieces[k][key][f], 0
                 for i in run:
                     start, stop = chunk_rows(rows[i], Layout(old, k))
-                    n = (stop - start) * (numels[i] // rows[i] if rows[i] else 0)
+                    n = (stop - start) * widths[i]
                     whole[i].append(flat[at : at + n])
                     at += n
                 if at != flat.numel():
@@ -78,8 +79,7 @@ def reshard_slice(
             parts = []
             for i in run:
                 start, stop = chunk_rows(rows[i], new)
-                width = numels[i] // rows[i] if rows[i] else 0
-                parts.append(torch.cat(whole[i])[start * width : stop * width])
+                parts.append(torch.cat(whole[i])[start * widths[i] : stop * widths[i]])
             out[key].append(torch.cat(parts).clone() if parts else torch.zeros(0))
     return out
 

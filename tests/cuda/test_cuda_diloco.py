@@ -12,6 +12,8 @@ Two cases on the one GPU there is:
   gloo's for the host and between sites), SIGKILLed; the spare resumes from
   the newest durable checkpoint, whose outer state a restore put on the GPU,
   and ends with the parameters of a fault-free run.
+* The same with an FSDP2 model in the site of one (the outer state as the
+  rank's slices).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from orchestrator.api import JobPhase
 from orchestrator.spec import JobSpec
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary
+from tests.chaos.sharded_jobs import assembled, sharded_job
 from tests.cuda.conftest import record
 from tests.integration.test_diloco import STEPS, STREAMING, ZONES, diloco_job, kill_in_site_b
 
@@ -100,3 +103,32 @@ def test_one_node_on_nccl_resumes_its_outer_state_from_a_checkpoint(tmp_path: Pa
         finals.append(_final(tmp))
     _same(finals[1], finals[0])
     record("diloco_one_node_nccl_resume", recoveries=result.recoveries)
+
+
+def test_fsdp2_site_of_one_on_nccl_resumes_its_outer_slices_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 in a site of one rank on NCCL under DiLoCo: the node is SIGKILLed at step
+    25, the spare resumes from the step-20 checkpoint (model, optimizer and outer state
+    saved as the rank's slices), and the run ends with the parameters of a fault-free
+    run on the same GPU."""
+    lines: list[str] = []
+    finals = []
+    for name, kill_at in (("cuda-fsdp-site-ref", None), ("cuda-fsdp-site-kill", 25)):
+        tmp = tmp_path / name
+        tmp.mkdir()
+        base = sharded_job(
+            name, tmp, "fsdp", nodes=1, nproc=1, steps=STEPS, every_steps=10,
+            step_time=0.05, spares=1 if kill_at else 0,
+        ).to_dict()  # fmt: skip
+        base["sync"] = {"mode": "diloco", "inner_steps": 10}
+        base["comm"] = {"backend": "nccl"}
+        with quiet_run(load_job_data(base), lines, kill_node_at_step=kill_at) as run:
+            result = run.wait()
+        assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+        if kill_at:
+            assert result.killed_node is not None and result.recoveries >= 1, summary(result, lines)
+            assert any("resumed from" in line for line in lines), summary(result, lines)
+        finals.append(assembled(tmp / "out"))
+    _same(finals[1], finals[0])
+    record("diloco_fsdp2_site_nccl_resume", recoveries=result.recoveries)

@@ -10,8 +10,8 @@ endpoints, since a job may name its own etcd.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-import time
 from typing import Any
 
 from orchestrator import jobs, keys, records
@@ -62,8 +62,11 @@ class EtcdJobRecords:
           finished job stays finished;
         * another spec of a finished job: submit anew (the job runs again and
           resumes from its checkpoints);
-        * another spec of a running job: replace the record in place; the
-          controller picks up the change (e.g. ``nodes.max``).
+        * another spec of a running job: replace the spec in its record, in place
+          (the same run, resumed from the same checkpoint).  The job's controller
+          takes the new spec at its next tick (``nodes``, the policies it decides
+          by); what agents and workers read when they start (the entrypoint,
+          ``checkpoint``, ``comm``, ``sync``) applies from their next start.
         """
         client = self._client(endpoints)
         record = _guard(lambda: records.read(client, keys.job_spec(spec.name), SpecRecord))
@@ -77,7 +80,8 @@ class EtcdJobRecords:
             except jobs.JobExistsError:
                 return False  # another sync submitted it a moment ago
             return True
-        updated = SpecRecord(spec=spec.to_dict(), hash=digest, submitted_at=time.time())
+        # the same run, resumed from where it was asked to: only the spec changes
+        updated = dataclasses.replace(record, spec=spec.to_dict(), hash=digest)
         _guard(lambda: records.write(client, keys.job_spec(spec.name), updated))
         return True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 
@@ -16,7 +17,9 @@ from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobNotFoundError, JobPhase
 from orchestrator.controller.service import Controller
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.observe.records import RecoveryRecord
+from orchestrator.operator.records import EtcdJobRecords
 from orchestrator.records import Plan, ResumeRequest
 from orchestrator.runs import list_runs
 from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
@@ -99,3 +102,40 @@ def test_controllers_of_two_jobs_on_one_etcd_both_lead(etcd_client: EtcdClient) 
     finally:
         for c in (a, b, everything):
             c.election.resign()
+
+
+def test_a_spec_changed_in_place_keeps_its_run_and_reaches_the_controller(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient
+) -> None:
+    """The operator's update of a running TrainingJob (`EtcdJobRecords.ensure_spec`):
+    the record keeps its run and resume point, and the leading controller decides by the
+    new spec from its next tick (here a shorter ``rendezvous.join_timeout`` fails the job
+    that no node joined; with the spec it read first it would wait 600 s)."""
+    name = f"inplace-{uuid.uuid4().hex[:8]}"
+    controller = Controller(etcd_client, job=name)
+    assert controller.election.try_acquire()
+    updates = EtcdJobRecords()
+    try:
+        jobs.submit(etcd_client, _spec(name))
+        controller.tick()
+        jobs.request_stop(etcd_client, name)
+        controller.tick()
+        resume = ResumeRequest("file:///tmp/ck/step-0000000010", 10, 2)
+        assert jobs.submit(etcd_client, _spec(name), resume=resume) == 2
+        controller.tick()
+        changed = _spec(name)
+        changed.rendezvous.join_timeout = timedelta(milliseconds=50)
+        assert updates.ensure_spec((etcd.endpoint,), changed)
+        record = jobs.read_spec_record(etcd_client, name)
+        assert (record.run, record.resume) == (2, resume)
+        deadline = time.monotonic() + 30
+        status = jobs.read_status(etcd_client, name)
+        while status is not None and status.phase is JobPhase.PENDING:
+            assert time.monotonic() < deadline, status
+            controller.tick()
+            status = jobs.read_status(etcd_client, name)
+        assert status is not None and status.phase is JobPhase.FAILED, status
+        assert status.run == 2 and "rendezvous.join_timeout" in status.message, status
+    finally:
+        updates.close()
+        controller.election.resign()

@@ -173,7 +173,7 @@ class LocalRun:
         ):
             if value:
                 args += [flag, value]
-        return args
+        return [*args, "--etcd-timeout", f"{opts.connect_timeout.total_seconds():g}"]
 
     def _env(self) -> dict[str, str]:
         env = {**grpc_environment(), **os.environ}

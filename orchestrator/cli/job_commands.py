@@ -39,7 +39,8 @@ from orchestrator.observe.recoveries import ordered_phases, phase_label, restart
 @etcd_options
 @handle_errors
 def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
-    """Submit a job to the cluster's controller through etcd.
+    """Submit a job to the cluster's controller through etcd (--etcd, else the job
+    file's rendezvous.endpoints with its tls, user and password_env).
 
     The entrypoint is looked for in this directory, where agents started here
     run their workers, and read to resolve ``fault_tolerance.recovery: auto``;
@@ -63,7 +64,7 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
         spec, _ = resolve_recovery(spec, os.getcwd(), job_file)
         if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
             found = script_checkpoint(spec, os.getcwd())
-    with connect_client(kw) as client:
+    with connect_client(kw, job=spec.rendezvous) as client:
         run = jobs.submit(client, spec)
         if found is not None:
             record_event(client, spec.name, found, source="submit")

@@ -147,7 +147,8 @@ def run(
     labels: tuple[str, ...],
     **kw: Any,
 ) -> None:
-    """Run a job on this machine: etcd (embedded unless --etcd), controller, agents.
+    """Run a job on this machine: etcd (embedded unless --etcd or the job file's
+    rendezvous.endpoints give one), controller, agents.
 
     One live run writes a checkpoint.url: while another run holds it (its
     heartbeat in the root is fresh), this one is refused before anything
@@ -190,7 +191,7 @@ def run(
         LiveView(console, spec.name, spec.max_steps) as view,
         LocalRun(
             spec,
-            etcd=build_etcd_options(kw),
+            etcd=build_etcd_options(kw, job=spec.rendezvous),
             kill_node_at_step=kill_node_at_step,
             timeout=timedelta(seconds=timeout),
             metrics_port=metrics_port,

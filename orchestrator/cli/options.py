@@ -13,6 +13,7 @@ that makes the table; ``--json`` prints the records themselves.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,8 +28,9 @@ from rich.table import Column, Table
 
 from orchestrator.api import OrchestratorError, SpecError
 from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE, EtcdOptions, parse_endpoints
 from orchestrator.settings import SETTINGS
+from orchestrator.spec import RendezvousSpec
 
 console = Console()
 err_console = Console(stderr=True)
@@ -164,14 +166,36 @@ def etcd_options(fn: F) -> F:
     return fn
 
 
-def build_etcd_options(kw: dict[str, Any], default: str | None = None) -> EtcdOptions | None:
-    """EtcdOptions from the shared CLI options; None when no endpoint is given."""
+def build_etcd_options(
+    kw: dict[str, Any], default: str | None = None, job: RendezvousSpec | None = None
+) -> EtcdOptions | None:
+    """EtcdOptions from the shared CLI options; None when no endpoint is given.
+
+    ``job``: the job file's ``rendezvous`` section, for a command given a job file.
+    Where the command line (or its environment variable) gives no endpoints, the
+    job's ``endpoints`` serve, with its ``tls`` files and ``user`` where the command
+    line gives none, and the password from the variable its ``password_env`` names.
+    A password variable named by ``RINGMASTER_ETCD_PASSWORD_ENV`` (what the operator
+    gives a job's pods for ``password_env``) serves where no password is given.
+    """
     text = kw.pop("etcd_endpoints", None) or default
     ca, cert, key = kw.pop("etcd_ca", None), kw.pop("etcd_cert", None), kw.pop("etcd_key", None)
     user, password = kw.pop("etcd_user", None), kw.pop("etcd_password", None)
     timeout = kw.pop("etcd_timeout", SETTINGS.etcd_connect_timeout.total_seconds())
+    named = os.environ.get(PASSWORD_ENV_VARIABLE) or None
+    if job is not None and not text and job.endpoints:
+        text = ",".join(job.endpoints)
+        ca, cert, key = ca or job.tls.ca_cert, cert or job.tls.cert, key or job.tls.key
+        user, named = user or job.user, job.password_env or named
+        where = "the job file's rendezvous.password_env"
+    else:
+        where = PASSWORD_ENV_VARIABLE
     if not text:
         return None
+    if password is None and named:
+        password = os.environ.get(named)
+        if password is None:
+            fail(f"{where} names ${named}, which is not set: set it to the etcd password", 2)
     if password and _from_command_line("etcd_password"):
         click.echo(
             "warning: --etcd-password on the command line is visible to other users of this "
@@ -196,10 +220,12 @@ def _from_command_line(param: str) -> bool:
     return ctx.get_parameter_source(param) is click.core.ParameterSource.COMMANDLINE
 
 
-def connect_client(kw: dict[str, Any]) -> EtcdClient:
-    options = build_etcd_options(kw)
+def connect_client(kw: dict[str, Any], job: RendezvousSpec | None = None) -> EtcdClient:
+    """A client of the etcd the command line gives (or ``job``'s: :func:`build_etcd_options`)."""
+    options = build_etcd_options(kw, job=job)
     if options is None:
-        fail("no etcd given: pass --etcd host:port or set RINGMASTER_ETCD", 2)
+        where = " or rendezvous.endpoints in the job file" if job is not None else ""
+        fail(f"no etcd given: pass --etcd host:port or set RINGMASTER_ETCD{where}", 2)
         raise AssertionError("unreachable")
     return connect(options)
 

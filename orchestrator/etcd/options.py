@@ -24,6 +24,9 @@ DEFAULT_OP_TIMEOUT = SETTINGS.etcd_op_timeout
 #: answered (etcd says so only after 5 s and two election timeouts), so it is
 #: sent again after this instead.
 DEFAULT_ATTEMPT_TIMEOUT = timedelta(seconds=1)
+#: The environment variable that names another one holding the etcd password: what a
+#: job's ``rendezvous.password_env`` becomes in its pods.
+PASSWORD_ENV_VARIABLE = "RINGMASTER_ETCD_PASSWORD_ENV"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,10 @@ DESCRIPTIONS: dict[str, str] = {
     "rendezvous.tls.cert": "Client certificate (with key).",
     "rendezvous.tls.key": "Client private key (with cert).",
     "rendezvous.user": "etcd user name (the operator's RINGMASTER_ETCD_USER when unset).",
-    "rendezvous.password_env": "Environment variable that holds the etcd password.",
+    "rendezvous.password_env": (
+        "Environment variable that holds the etcd password: set by the pod template "
+        "(e.g. from a Secret) in the job's pods, by the shell of `ringmaster run/submit`."
+    ),
     "fault_tolerance.max_restarts": "How many recoveries the job may make before it fails.",
     "fault_tolerance.hang_timeout": "A worker with no progress for this long counts as hung.",
     "fault_tolerance.heartbeat_interval": "How often workers report progress.",

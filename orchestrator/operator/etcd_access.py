@@ -10,13 +10,17 @@ names them in the pods it renders and the kubelet does the rest.
 * User: ``rendezvous.user`` of the job, else the operator's ``etcd_user``.
 * Password: with ``etcd_password_secret`` it reaches the container as
   ``RINGMASTER_ETCD_PASSWORD`` through ``secretKeyRef``, never as a literal in
-  the pod spec or on a command line.
+  the pod spec or on a command line.  A job's ``rendezvous.password_env`` wins:
+  it names a variable the job's pod template sets (from a Secret of its own),
+  and reaches the container as ``RINGMASTER_ETCD_PASSWORD_ENV``, which the
+  agent and the controller read it through.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE
 from orchestrator.operator.api import OperatorSettings
 from orchestrator.spec import JobSpec
 
@@ -43,7 +47,9 @@ def etcd_env(spec: JobSpec, settings: OperatorSettings | None) -> list[dict[str,
         ),
     )
     env: list[dict[str, Any]] = [{"name": n, "value": v} for n, v in values if v]
-    if settings and settings.etcd_password_secret:
+    if spec.rendezvous.password_env:  # a variable of the pod template's (its own Secret)
+        env.append({"name": PASSWORD_ENV_VARIABLE, "value": spec.rendezvous.password_env})
+    elif settings and settings.etcd_password_secret:
         ref = {"name": settings.etcd_password_secret, "key": settings.etcd_password_key}
         env.append({"name": "RINGMASTER_ETCD_PASSWORD", "valueFrom": {"secretKeyRef": ref}})
     return env

@@ -162,6 +162,41 @@ def test_cli_submit_and_status_with_a_password_from_the_environment(
     assert "cli-auth" in done.stdout and "Pending" in done.stdout
 
 
+def test_cli_submit_reaches_the_etcd_of_the_job_files_rendezvous_section(
+    auth_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """No --etcd: the job file's ``rendezvous.endpoints``, ``user`` and the password in
+    the variable its ``password_env`` names serve (as the operator's pods use them)."""
+    path = tmp_path / "own-etcd.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "own-etcd",
+                "entrypoint": str(REPO / "examples" / "train_tiny.py"),
+                "rendezvous": {
+                    "endpoints": [auth_server.endpoint],
+                    "user": "trainer",
+                    "password_env": "TRAINER_ETCD_PASSWORD",
+                },
+            }
+        )
+    )
+    unset = ringmaster(["submit", str(path)])
+    assert unset.returncode == 2, (unset.stdout, unset.stderr)
+    assert "rendezvous.password_env names $TRAINER_ETCD_PASSWORD, which is not set" in (
+        unset.stderr
+    )
+    done = ringmaster(["submit", str(path)], {"TRAINER_ETCD_PASSWORD": TRAINER_PASSWORD})
+    assert done.returncode == 0, done.stderr
+    assert "submitted job 'own-etcd'" in done.stdout
+    env = {"RINGMASTER_ETCD": auth_server.endpoint, "RINGMASTER_ETCD_USER": "trainer"}
+    # what the operator gives the job's pods for password_env
+    env |= {"RINGMASTER_ETCD_PASSWORD_ENV": "TRAINER_ETCD_PASSWORD"}
+    done = ringmaster(["status", "own-etcd"], {**env, "TRAINER_ETCD_PASSWORD": TRAINER_PASSWORD})
+    assert done.returncode == 0, done.stderr
+    assert "own-etcd" in done.stdout and "Pending" in done.stdout
+
+
 def test_a_connection_attempt_that_takes_the_whole_deadline_still_gets_its_diagnosis(
     auth_server: EmbeddedEtcd, certs: TLSFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:

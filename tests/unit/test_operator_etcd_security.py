@@ -112,6 +112,18 @@ def test_paths_a_job_gives_win_over_the_secret() -> None:
         assert env["RINGMASTER_ETCD_USER"]["value"] == "job-user"
 
 
+def test_a_jobs_password_env_wins_over_the_operators_secret() -> None:
+    """The job's pods read the password from the variable the job names (its pod
+    template sets it), through RINGMASTER_ETCD_PASSWORD_ENV, which the agent's and the
+    controller's etcd options follow (tests/integration/test_security_etcd.py)."""
+    body = job(rendezvous={"user": "job-user", "password_env": "JOB_ETCD_PASSWORD"})
+    for spec in pods(body):
+        env = env_of(spec["containers"][0])
+        assert env["RINGMASTER_ETCD_PASSWORD_ENV"]["value"] == "JOB_ETCD_PASSWORD"
+        assert "RINGMASTER_ETCD_PASSWORD" not in env
+        assert env["RINGMASTER_ETCD_USER"]["value"] == "job-user"
+
+
 def test_without_secrets_nothing_is_added() -> None:
     plain = OperatorSettings(etcd_endpoints=("etcd-0:2379",))
     for spec in pods(job(), plain):

@@ -203,7 +203,8 @@ class Session:
 
         Args:
             module: the model, built the same way (same seed) on every rank.
-            hook_installer: a DDP comm hook of the script's own (``ddp`` only).
+            hook_installer: a DDP comm hook of the script's own (``ddp`` only; not
+                with the job file's ``comm.compression`` or ``comm.hierarchical``).
             sharding: ``ddp`` (every rank holds the whole model; the default without
                 ``mesh``), ``fsdp`` (FSDP2
                 over every rank: a lost slice comes from a buddy's copy, else from
@@ -233,7 +234,8 @@ class Session:
             optimizers on its ``parameters()`` after this call.
 
         Raises:
-            ValueError: an unknown mode, options of another mode, a second
+            ValueError: an unknown mode, options of another mode, a comm hook of
+                the script's and the job file's at once, a second
                 sharded model in one session (a second model of any kind under a
                 delayed sync), or an object tracked as ``outer`` under a delayed sync.
 
@@ -451,7 +453,8 @@ class Session:
             finally:
                 st.paused = None
         self._heartbeat.poke()
-        self._saving.poll()
+        if decision.settle:
+            self._saving.poll()
         if decision.saves:  # a save's collectives may wait on rank 0's storage: no learnt timeout
             with self._guard.relaxed():
                 for reason in decision.saves:
@@ -472,6 +475,7 @@ class Session:
             etcd_lost=self._client.unreachable_for() > contact,
             time_due=self._saving.trigger.time_due(),
             step_seconds=step_seconds,
+            save_unsettled=self._saving.unsettled(),
         )
         with self._failures.collective():
             return agree(mine, group=self._groups.control if self._groups is not None else None)

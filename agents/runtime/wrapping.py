@@ -127,7 +127,13 @@ class WrappedModels:
                     local=lambda: [sharded.local_rows(n) for n in names],
                 )
             return self.sharded
-        if hook_installer is None and uses_spec_hook(self._spec.comm):
+        if uses_spec_hook(self._spec.comm):
+            if hook_installer is not None:
+                raise ValueError(
+                    "wrap(hook_installer=...) installs the script's own DDP comm hook, and the "
+                    "job file's comm.compression / comm.hierarchical would install another: "
+                    "DDP takes one, so remove one of them"
+                )
             hook_installer = self._spec_hook
         wrapped = wrap_ddp(
             module, hook_installer, shard_size=shard_size,

@@ -12,6 +12,10 @@ environment) trains as a single rank.
 What has no meaning here is said once in the log, not silently dropped:
 ``on_save`` callbacks never run (no job file asks for saves) and metrics
 passed to ``report`` are kept in :attr:`StandaloneSession.metrics` only.
+There is no job file: :attr:`StandaloneSession.spec` holds a job file's
+defaults (``max_steps`` 0: the script's own count decides).  The model is
+plain DDP: ``wrap(sharding=...)`` other than ``ddp``, ``mesh`` and the
+options of those need an agent, and are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -30,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from agents.api import Stateful
 from agents.runtime.process_group import quiesce
+from orchestrator.spec import EntrypointSpec, JobSpec
 
 __all__ = ["StandaloneSession"]
 
@@ -47,6 +53,8 @@ class StandaloneSession:
     last_recovery_s: float | None = None
     restored_from: str | None = None
     paused: str | None = None
+    #: no delayed sync here: no outer steps
+    outer_steps: tuple[int, ...] = ()
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
@@ -57,6 +65,9 @@ class StandaloneSession:
         self.finished = False
         self.tracked: dict[str, Stateful] = {}
         self.metrics: dict[str, float] = {}
+        #: a job file's defaults (there is none): ``max_steps`` 0, the script decides
+        script = EntrypointSpec(script=sys.argv[0] or "-")
+        self.spec = JobSpec(name="standalone", entrypoint=script).validate()
         local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
         self.device = _device(self.local_rank, local_world)
         self._owns_group = False
@@ -87,8 +98,27 @@ class StandaloneSession:
         """Always False: a failed step raises out of :meth:`guard` here."""
         return False
 
-    def wrap(self, module: nn.Module, hook_installer: Any = None) -> DistributedDataParallel:
-        """Plain DDP (``device_ids`` set on a GPU); ``hook_installer`` is called on it once."""
+    def wrap(
+        self,
+        module: nn.Module,
+        hook_installer: Any = None,
+        *,
+        sharding: str | None = None,
+        **sharded: Any,
+    ) -> DistributedDataParallel:
+        """Plain DDP (``device_ids`` set on a GPU); ``hook_installer`` is called on it once.
+
+        Raises:
+            ValueError: ``sharding`` other than ``ddp``, or an option of the sharded
+                modes (``mesh``, ``shard_size``, ...): they need an agent.
+        """
+        given = sorted(k for k, v in sharded.items() if v is not None)
+        if sharding not in (None, "ddp") or given:
+            what = f"sharding={sharding!r}" if sharding not in (None, "ddp") else f"{given[0]}=..."
+            raise ValueError(
+                f"wrap({what}) needs a ringmaster agent (`ringmaster run` or `submit`): "
+                "outside one, the runtime trains a plain DDP model only"
+            )
         if self.device.type == "cuda":
             ddp = DistributedDataParallel(module.to(self.device), device_ids=[self.device.index])
         else:

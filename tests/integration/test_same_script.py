@@ -71,6 +71,22 @@ def test_runtime_script_trains_under_stock_torchrun(tmp_path: Path) -> None:
         torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_flagship_lm_and_a_sharded_script_outside_an_agent(tmp_path: Path) -> None:
+    """Plain ``python``: the LM example (which reads ``session.spec`` and
+    ``session.outer_steps``) trains and ends; an FSDP2 script is refused in one line
+    that says what it needs."""
+    lm = _run([sys.executable, str(REPO / "examples" / "train_lm.py"), "--short", "--steps", "2",
+               "--log-every", "1"], tmp_path)  # fmt: skip
+    assert lm.returncode == 0, lm.stdout[-3000:]
+    assert "step 1 loss" in lm.stdout and "finished at step 2" in lm.stdout, lm.stdout[-3000:]
+    fsdp = _run([sys.executable, str(REPO / "examples" / "train_sharded.py"), "--sharding", "fsdp",
+                 "--steps", "2"], tmp_path)  # fmt: skip
+    assert fsdp.returncode != 0, fsdp.stdout[-3000:]
+    assert "ValueError: wrap(sharding='fsdp') needs a ringmaster agent" in fsdp.stdout, fsdp.stdout[
+        -3000:
+    ]
+
+
 def test_runtime_refuses_the_restart_tier_in_one_line() -> None:
     from agents import runtime
 

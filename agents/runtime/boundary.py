@@ -20,7 +20,9 @@ ends the step).
 Whether a save is due is decided by the checkpoint library's one rule
 (:meth:`checkpoint.SaveTrigger.decide`), fed with what the ranks agreed: the
 controller's request counter and the clock of ``checkpoint.every_seconds``,
-due when it is due on any rank.  :class:`StepBoundary` keeps a worker's place
+due when it is due on any rank.  The vote also says whether every rank's
+asynchronous save has ended: only then does each take its outcome, so that the
+ranks count a failed save at the same boundary.  :class:`StepBoundary` keeps a worker's place
 in this schedule and turns an agreement into a :class:`Decision` that the
 session carries out.
 """
@@ -53,7 +55,9 @@ __all__ = [
 ]
 
 # Indices of the vector all-reduced (MAX) at a voting step boundary.
-_GENERATION, _CHECKPOINT, _SEEN, _STOP, _ETCD_LOST, _SAVE_DUE, _NEG_EVERY, _LEN = range(8)
+_GENERATION, _CHECKPOINT, _SEEN, _STOP, _ETCD_LOST, _SAVE_DUE, _NEG_EVERY, _UNSETTLED, _LEN = range(
+    9
+)
 
 #: Training time between two votes: a planned change (a checkpoint request, a
 #: stop, a new generation, an etcd outage) takes effect within about this long.
@@ -88,6 +92,8 @@ class Proposal:
     save_due_by_time: bool
     #: steps this rank would train before the next vote (:func:`steps_between_votes`)
     every: int = 1
+    #: this rank's asynchronous save is still uploading
+    save_unsettled: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,11 +108,14 @@ class Agreement:
     save_due_by_time: bool
     #: steps until the next vote: the fewest any rank asked for
     every: int = 1
+    #: some rank's asynchronous save is still uploading
+    save_unsettled: bool = False
 
     @classmethod
     def quiet(cls, generation: int, served: int) -> Agreement:
-        """What a boundary without a vote decides: no request, no stop, no outage."""
-        return cls(generation, served, served, False, False, False)
+        """What a boundary without a vote decides: no request, no stop, no outage, and
+        no save outcome taken (no rank knows whether the others' saves ended)."""
+        return cls(generation, served, served, False, False, False, save_unsettled=True)
 
     @property
     def checkpoint_request_new(self) -> bool:
@@ -128,6 +137,7 @@ def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
     vec[_ETCD_LOST] = int(mine.etcd_lost)
     vec[_SAVE_DUE] = int(mine.save_due_by_time)
     vec[_NEG_EVERY] = -max(1, mine.every)  # MAX of the negatives: the fewest steps
+    vec[_UNSETTLED] = int(mine.save_unsettled)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     return Agreement(
         generation=int(vec[_GENERATION]),
@@ -137,6 +147,7 @@ def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
         etcd_lost=bool(vec[_ETCD_LOST]),
         save_due_by_time=bool(vec[_SAVE_DUE]),
         every=-int(vec[_NEG_EVERY]),
+        save_unsettled=bool(vec[_UNSETTLED]),
     )
 
 
@@ -158,6 +169,10 @@ class Decision:
     pause: bool
     #: the controller's checkpoint requests served once the saves are made
     served: int
+    #: every rank's asynchronous save has ended: each takes its outcome now, so that
+    #: all count a failed save at the same boundary (and rank 0, which reports them,
+    #: reports each before a rank fails the job for it)
+    settle: bool = False
 
 
 class StepBoundary:
@@ -191,6 +206,7 @@ class StepBoundary:
         etcd_lost: bool,
         time_due: bool,
         step_seconds: float,
+        save_unsettled: bool = False,
     ) -> Proposal:
         """This rank's proposal from what it knows (see :class:`Proposal`)."""
         return Proposal(
@@ -201,6 +217,7 @@ class StepBoundary:
             etcd_lost=etcd_lost,
             save_due_by_time=time_due,
             every=steps_between_votes(step_seconds),
+            save_unsettled=save_unsettled,
         )
 
     def decide(
@@ -235,6 +252,7 @@ class StepBoundary:
             stop=agreed.stop,
             pause=agreed.etcd_lost,
             served=max(agreed.checkpoint_requested, agreed.checkpoint_served),
+            settle=not agreed.save_unsettled,
         )
 
     def served(self, decision: Decision) -> None:

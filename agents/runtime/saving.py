@@ -290,7 +290,8 @@ class Saving:
             pending = self._pending
             job = self._ckpt.save_async(step, state)
             self._telemetry.checkpoint_blocked(time.perf_counter() - started)
-            if job is not None:
+            if job is not None:  # no rank was still uploading: each takes the last outcome
+                self.poll()
                 self._pending, self._pending_since = job, (time.monotonic(), time.time())
             elif pending is not None and self._pending_age() >= self._busy().total_seconds():
                 # skipped behind a save uploading longer than the end of the job would wait
@@ -307,8 +308,15 @@ class Saving:
         self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
         self._record(manifest.step, reason)
 
+    def unsettled(self) -> bool:
+        """An asynchronous save is still uploading (the step boundary's vote asks)."""
+        return self._pending is not None and not self._pending.done()
+
     def poll(self) -> None:
-        """Record the pending async save once it committed."""
+        """Take the pending async save's outcome once it ended: record it, or count its
+        failure.  Called where every rank's save has ended (a vote said so, or a new
+        save started: :meth:`save`), so that every rank counts it at the same boundary.
+        """
         job = self._pending
         if job is not None and job.done():
             self._pending = None

@@ -14,8 +14,11 @@ that ends while it still uploads waits for it at most ``checkpoint.final_wait``
 and says which checkpoint is the newest durable one (``CheckpointAbandoned``).
 ``status`` shows a save in flight as ``step 60 uploading for 95 s``.
 
-Every rank keeps the same count (a failed save fails on every rank: DCP and
-the commit tell every rank the outcome); rank 0 alone writes the events.
+Every rank keeps the same count: a failed save fails on every rank (DCP and
+the commit tell every rank the outcome), and each rank takes an asynchronous
+save's outcome at the same step boundary, one where every rank's save has
+ended (:attr:`agents.runtime.boundary.Decision.settle`).  Rank 0 alone writes
+the events, so it has written each before any rank fails the job for it.
 """
 
 from __future__ import annotations

@@ -78,3 +78,20 @@ def test_sites_vote_only_where_they_meet() -> None:
     assert [s for s in range(1, 31) if votes.votes_at(s)] == [10, 20, 30]
     plain = StepBoundary()
     assert all(plain.votes_at(s) for s in range(1, 5))
+
+
+def test_a_saves_outcome_is_taken_only_where_every_ranks_save_has_ended() -> None:
+    """Each rank counts a failed asynchronous save when every rank's has ended, at the
+    same boundary: a rank that counted first could fail the job for it before rank 0,
+    which reports the failures, had seen it."""
+    b, never = StepBoundary(), SaveTrigger()
+    one_uploads = Agreement(1, 0, 0, False, False, False, save_unsettled=True)
+    assert not b.decide(3, 1, one_uploads, never).settle
+    all_ended = Agreement(1, 0, 0, False, False, False, save_unsettled=False)
+    assert b.decide(4, 1, all_ended, never).settle
+    assert not b.decide(5, 1, None, never).settle, "no vote: no rank knows of the others"
+    mine = b.propose(
+        generation=1, control=ControlRecord(), etcd_lost=False, time_due=False,
+        step_seconds=1.0, save_unsettled=True,
+    )  # fmt: skip
+    assert mine.save_unsettled

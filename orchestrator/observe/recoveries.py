@@ -50,7 +50,7 @@ class FailureCause(str, Enum):
 
     EXIT_CODE = "exit_code"  # a worker exited with a non-zero code
     SIGNAL = "signal"  # a worker was killed by a signal
-    HANG = "hang"  # no step and no heartbeat for hang_timeout
+    HANG = "hang"  # its heartbeats stopped (3 intervals, then watched one more)
     LEASE_EXPIRY = "lease_expiry"  # the node's registration lease ran out (or was revoked)
     PREEMPTION = "preemption"  # the node got SIGTERM (spot reclaim, drain)
     AGENT_GONE = "agent_gone"  # the agent's liveness port refused: killed or crashed

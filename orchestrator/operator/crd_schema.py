@@ -48,7 +48,8 @@ DESCRIPTIONS: dict[str, str] = {
     "nproc_per_node": "Worker processes per node (usually one per GPU).",
     "oversubscribe": (
         "Start nproc_per_node workers even on a node with fewer CPUs (GPUs, for a job on "
-        "CUDA); without it such a node's agent refuses to register."
+        "CUDA: workers share them in turn with comm.backend gloo; NCCL takes one worker "
+        "per GPU); without it such a node's agent refuses to register."
     ),
     "max_steps": "Stop after this many steps; 0 means the script decides.",
     "rendezvous": "Where nodes meet; empty endpoints means the operator's etcd.",
@@ -76,8 +77,15 @@ DESCRIPTIONS: dict[str, str] = {
         "Environment variable that holds the etcd password: set by the pod template "
         "(e.g. from a Secret) in the job's pods, by the shell of `ringmaster run/submit`."
     ),
-    "fault_tolerance.max_restarts": "How many recoveries the job may make before it fails.",
-    "fault_tolerance.hang_timeout": "A worker with no progress for this long counts as hung.",
+    "fault_tolerance.max_restarts": (
+        "How many times the workers restart after an error in the training script before "
+        "the job fails (a lost node is replaced without limit while nodes are left)."
+    ),
+    "fault_tolerance.hang_timeout": (
+        "The longest a collective waits for a hung or cut-off peer: the learnt collective "
+        "timeout never exceeds twice this, and it serves before steps were timed and during "
+        "saves. A worker whose heartbeats stop counts as hung after 3 heartbeat intervals."
+    ),
     "fault_tolerance.heartbeat_interval": "How often workers report progress.",
     "fault_tolerance.redundancy": (
         "In-memory copies of a sharded (fsdp) model's slices on a buddy node."
@@ -115,7 +123,10 @@ DESCRIPTIONS: dict[str, str] = {
     "comm.compression.warm_start": "PowerSGD: reuse last step's factors.",
     "comm.compression.ratio": "top-k: share of gradient entries sent.",
     "comm.compression.momentum": "top-k: momentum correction factor.",
-    "comm.compression.warmup_steps": "top-k / QSGD: dense steps before compressing.",
+    "comm.compression.warmup_steps": (
+        "QSGD: dense steps before compressing; top-k: steps over which the fraction sent "
+        "falls from 1 to ratio (DGC's warm-up)."
+    ),
     "comm.compression.dense_sync_every": "top-k / QSGD: a dense step every N (0: never).",
     "comm.compression.bits": "QSGD: bits per value (4 or 8).",
     "comm.compression.period": "local SGD: average parameters every this many steps.",

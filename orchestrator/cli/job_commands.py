@@ -306,7 +306,12 @@ def release(job: str, node: str, **kw: Any) -> None:
 @click.option("--tail", type=int, help="only the last N lines")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new lines (Ctrl-C to stop)")
 @click.option("--timestamps", "-t", is_flag=True, help="prefix each line with its time")
-@click.option("--run", "run", type=int, help="only this run of the job (default: every run)")
+@click.option(
+    "--run",
+    "run",
+    type=int,
+    help="only this run of the job (default: every run); with --follow, the run going on",
+)
 @etcd_options
 @handle_errors
 def logs(
@@ -328,6 +333,7 @@ def logs(
     with it) the files of this machine are read.
     """
     from orchestrator.observe.logs import LogLine, check_target, follow_logs, iter_logs
+    from orchestrator.runs import list_runs, run_window
 
     def show(line: LogLine) -> None:
         stamp = (
@@ -355,13 +361,21 @@ def logs(
         return
     with connect_client(kw) as client:
         check_target(client, job, node)
-        if not follow or run is not None:
+        since = 0.0
+        if follow and run is not None:  # the run going on, from its start
+            since = run_window(list_runs(client, job), run)[0]  # or: no such run
+            current = jobs.read_spec_record(client, job).run
+            if run != current:
+                fail(f"--follow shows the run going on, run {current}; run {run} has ended: "
+                     "drop --follow to read it", 2)  # fmt: skip
+        if not follow:
             for line in iter_logs(client, job, node=node, tail=tail, run=run, notes=note):
                 show(line)
             return
         stop = threading.Event()
         try:
             for line in follow_logs(client, job, stop, node=node, tail=tail, notes=note):
-                show(line)
+                if line.time >= since:
+                    show(line)
         except KeyboardInterrupt:
             stop.set()

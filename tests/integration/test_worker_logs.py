@@ -22,13 +22,15 @@ from click.testing import CliRunner
 
 from agents.node import log_files
 from agents.node.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
-from orchestrator import keys, records
+from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.liveness import LivenessServer
 from orchestrator.observe.logs import follow_logs, read_logs
+from orchestrator.records import JobStatus
+from orchestrator.spec import EntrypointSpec, JobSpec
 
 pytestmark = pytest.mark.integration
 
@@ -218,3 +220,11 @@ def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Pat
     out = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "-t"])
     assert out.exit_code == 0, out.output
     assert out.output.rstrip().endswith("[node-x/2] hello from a worker")
+    # --follow shows the run going on: an ended run is refused, not read once in silence
+    spec = JobSpec(name=job, entrypoint=EntrypointSpec(script="train.py")).validate()
+    assert jobs.submit(etcd_client, spec, replace_finished=True) == 1
+    records.write(etcd_client, keys.job_status(job), JobStatus(job, phase=JobPhase.STOPPED))
+    assert jobs.submit(etcd_client, spec) == 2
+    ended = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "--follow", "--run", "1"])
+    assert ended.exit_code == 2, ended.output
+    assert "run 2; run 1 has ended: drop --follow" in ended.output, ended.output

@@ -113,11 +113,13 @@ def choose_device(backend: str, local_rank: int) -> tuple[str, torch.device]:
     """The data backend and this worker's device, from ``comm.backend``.
 
     ``auto`` means NCCL when CUDA devices are visible.  A worker binds the
-    device of its local rank, as torchrun scripts do.
+    device of its local rank, as torchrun scripts do; on gloo, local ranks beyond
+    the visible devices share them in turn (a job with ``oversubscribe: true``).
 
     Raises:
-        RecoveryError: NCCL without a CUDA device, or more local workers than
-            visible devices (the message says what to change).
+        RecoveryError: NCCL without a CUDA device, or NCCL (``auto`` included)
+            with more local workers than visible devices (the message says what
+            to change).
     """
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     chosen = ("nccl" if count else "gloo") if backend == "auto" else backend
@@ -129,13 +131,15 @@ def choose_device(backend: str, local_rank: int) -> tuple[str, torch.device]:
                 "use comm.backend: auto or gloo"
             )
         return chosen, torch.device("cpu")
-    if local_rank >= count:
+    if local_rank >= count and chosen != "gloo":
         raise RecoveryError(
-            f"local rank {local_rank} has no CUDA device of its own (this node shows {count}); "
-            f"set nproc_per_node to at most {count}"
+            f"local rank {local_rank} has no CUDA device of its own (this node shows {count}) "
+            f"and NCCL takes one rank per device; set nproc_per_node to at most {count}, or "
+            "comm.backend: gloo to share the devices"
         )
-    torch.cuda.set_device(local_rank)
-    return chosen, torch.device("cuda", local_rank)
+    index = local_rank % count  # past the devices (gloo only): shared in turn
+    torch.cuda.set_device(index)
+    return chosen, torch.device("cuda", index)
 
 
 def form_group(

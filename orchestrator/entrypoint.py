@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from orchestrator.api import SpecError, SpecProblem
-from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.spec import JobSpec, RecoveryMode, restart_tier_refusal
 
 __all__ = ["check_entrypoint", "entrypoint_file", "resolve_recovery", "uses_runtime"]
 
@@ -130,7 +130,7 @@ def uses_runtime(source: str) -> bool:
 
 
 def resolve_recovery(
-    spec: JobSpec, workdir: str | Path, source: str = "<job>"
+    spec: JobSpec, workdir: str | Path, source: str = "<job>", strict: bool = True
 ) -> tuple[JobSpec, str]:
     """The spec with ``fault_tolerance.recovery`` resolved, and why, in words.
 
@@ -141,7 +141,11 @@ def resolve_recovery(
 
     Raises:
         SpecError: ``in_process`` was asked for but the entrypoint never uses
-            the runtime (naming the file and what to do).
+            the runtime (naming the file and what to do); or, with ``strict``,
+            ``auto`` resolved to ``restart`` for a job that gives settings only
+            the runtime acts on (:meth:`JobSpec.runtime_settings`: each named, with
+            its line).  Without ``strict`` (an agent, after the submit) they are
+            the caller's to report.
     """
     ft = spec.fault_tolerance
     path = entrypoint_file(spec, workdir)
@@ -174,12 +178,27 @@ def resolve_recovery(
         )
     elif text is None:
         mode = RecoveryMode.RESTART
-        why = f"recovery: restart ({shown} cannot be read here to look for runtime.init(); "
-        why += restart_why + ")"
+        because = f"{shown} cannot be read here to look for runtime.init()"
+        why = f"recovery: restart ({because}; {restart_why})"
     else:
         mode = RecoveryMode.RESTART
-        why = f"recovery: restart ({shown} never calls runtime.init(); {restart_why})"
+        because = f"{shown} never calls runtime.init()"
+        why = f"recovery: restart ({because}; {restart_why})"
     resolved = dataclasses.replace(spec, fault_tolerance=dataclasses.replace(ft, recovery=mode))
+    found = resolved.runtime_settings() if mode is RecoveryMode.RESTART and strict else []
+    if found:
+        tier = f"fault_tolerance.recovery 'auto', here 'restart' ({because}),"
+        raise SpecError(
+            [
+                SpecProblem(
+                    path,
+                    restart_tier_refusal(reason, tier),
+                    _line_in_file(source, tuple(path.split("."))),
+                    source,
+                )
+                for path, reason in found
+            ]
+        )
     return resolved, why
 
 

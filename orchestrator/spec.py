@@ -13,6 +13,7 @@ raises :class:`~orchestrator.api.SpecError` with every problem for specs built i
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -231,7 +232,15 @@ class StragglerSpec:
 
 @dataclass
 class FaultToleranceSpec:
-    """How failures are detected and how often the job may recover."""
+    """How failures are detected and how often the job may recover.
+
+    ``max_restarts``: restarts after an error in the training script (a lost node
+    is replaced without limit while nodes are left).  ``hang_timeout``: the longest
+    a collective waits for a hung or cut-off peer (the learnt collective timeout's
+    ceiling is twice this; it serves before steps were timed and during saves); a
+    worker whose heartbeats stop is called hung by the heartbeat rule instead
+    (:mod:`orchestrator.controller.hangs`).
+    """
 
     max_restarts: int = 3
     recovery: RecoveryMode = RecoveryMode.AUTO
@@ -283,6 +292,55 @@ class ResourcesSpec:
         return out
 
 
+#: Settings only the ringmaster runtime acts on, and what a restart-tier script does instead.
+RUNTIME_ONLY = {
+    "max_steps": "the script counts its own steps",
+    **{
+        f"checkpoint.{k}": "the script saves its own checkpoints, in RINGMASTER_CHECKPOINT_DIR"
+        for k in (
+            "every_steps",
+            "every_seconds",
+            "keep",
+            "async",
+            "max_consecutive_failures",
+            "final_wait",
+        )
+    },
+    **{
+        f"comm.{k}": "the script builds its own DDP and process group"
+        for k in (
+            "compression",
+            "hierarchical",
+            "bucket_cap_mb",
+            "op_timeout_floor",
+            "op_timeout_multiple",
+        )
+    },
+    "fault_tolerance.hang_timeout": "its collectives' timeouts are the script's own",
+    "fault_tolerance.redundancy": "the script's model is not the runtime's to copy",
+    "fault_tolerance.stragglers": "the script reports no step times to tell stragglers by",
+}
+
+
+def restart_tier_refusal(why: str, tier: str = "fault_tolerance.recovery 'restart'") -> str:
+    """Why a setting of :data:`RUNTIME_ONLY` is refused to a job of the restart tier."""
+    return (
+        f"only the ringmaster runtime acts on it, and {tier} runs a script that does not "
+        f"use it ({why}): remove it, or use a script that calls runtime.init()"
+    )
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @dataclass
 class JobSpec:
     """A training job.  ``name`` and ``entrypoint`` are the only required fields."""
@@ -325,6 +383,8 @@ class JobSpec:
                  "fault_tolerance.recovery: restart runs scripts that do not use it (use "
                  "in_process or auto with a script that calls runtime.init())")
             )  # fmt: skip
+        if self.fault_tolerance.recovery is RecoveryMode.RESTART:
+            out += [(path, restart_tier_refusal(why)) for path, why in self.runtime_settings()]
         if self.sync.delayed and (
             self.comm.hierarchical or self.comm.compression.type is CompressionKind.LOCALSGD
         ):
@@ -333,6 +393,23 @@ class JobSpec:
                  "comm.hierarchical and comm.compression.type: localsgd build groups over every "
                  "rank: turn them off (fp16, bf16, powersgd, topk and qsgd work inside a site)")
             )  # fmt: skip
+        return out
+
+    def runtime_settings(self) -> Problems:
+        """The settings given here that only the ringmaster runtime acts on (``(path,
+        why)``): a script of the restart tier, which does not use it, would never see
+        them (``sync`` is refused in :meth:`problems` on its own)."""
+        given, default = (
+            _flat(self.to_dict()),
+            _flat(JobSpec(name=self.name, entrypoint=self.entrypoint).to_dict()),
+        )
+        out: Problems = []
+        for prefix, why in RUNTIME_ONLY.items():
+            if any(
+                (k == prefix or k.startswith(prefix + ".")) and given.get(k) != default.get(k)
+                for k in given.keys() | default.keys()
+            ):
+                out.append((prefix, why))
         return out
 
     def all_problems(self) -> Problems:

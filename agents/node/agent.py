@@ -80,7 +80,7 @@ from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, sink
 from orchestrator.liveness import LivenessServer
 from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.spec import JobSpec, RecoveryMode, restart_tier_refusal
 
 __all__ = [
     "DEFAULT_JOB_WAIT",
@@ -173,8 +173,14 @@ class NodeAgent:
         spec, self.job_run = joined.spec, joined.run
         if spec.fault_tolerance.recovery is RecoveryMode.AUTO:
             # submitted without the entrypoint check: the script is read here
-            spec, why = resolve_recovery(spec, self.workdir)
+            spec, why = resolve_recovery(spec, self.workdir, strict=False)
             log.info("[%s] %s", self.node, why)
+            if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
+                for path, reason in spec.runtime_settings():
+                    log.warning(
+                        "[%s] %s: %s", self.node, path,
+                        restart_tier_refusal(reason, "the restart tier"),
+                    )  # fmt: skip
         self.spec = spec
         self.recovery = spec.fault_tolerance.recovery
         restart = self.recovery is RecoveryMode.RESTART
@@ -280,8 +286,15 @@ class NodeAgent:
             self.request_stop("SIGTERM while starting its workers")
             return
         if self.recovery is RecoveryMode.RESTART:
-            # the script saves its own checkpoints: there is no save to ask for
-            self.request_stop("preempted (SIGTERM); a spare takes this node's slot")
+            # the script saves its own checkpoints: there is no save to ask for, but, as
+            # under torchrun, its workers get SIGTERM and time to save on their own
+            seconds = self.spec.fault_tolerance.preemption_grace.total_seconds()
+            if isinstance(self._tier, RestartTier):
+                self._tier.leave_grace = seconds
+            self.request_stop(
+                f"preempted (SIGTERM); the workers get SIGTERM and {seconds:g}s to exit "
+                "(fault_tolerance.preemption_grace); a spare takes this node's slot"
+            )
             return
         self._preempted_at = time.monotonic()
         if isinstance(self._tier, InProcessTier):

@@ -158,6 +158,9 @@ class RestartTier:
         self.address = address
         self.plans = plans
         self.returned_grace = returned_grace
+        #: seconds the workers get between SIGTERM and SIGKILL when the agent leaves
+        #: (a preempted agent's: ``fault_tolerance.preemption_grace``)
+        self.leave_grace = LEAVE_GRACE
         self.workers: dict[int, WorkerProcess] = {}
         #: the generation whose workers it launched last (or that left this node out)
         self.generation = 0
@@ -178,7 +181,8 @@ class RestartTier:
         return [w.pid for w in self.workers.values()] + [s.pid for s in self._standbys.values()]
 
     def close(self) -> None:
-        stop_workers(self.workers.values(), LEAVE_GRACE)
+        """Stop the workers (SIGTERM, :attr:`leave_grace`, SIGKILL) and the standbys."""
+        stop_workers(self.workers.values(), self.leave_grace)
         for w in self.workers.values():
             if w.shipper is not None:
                 w.shipper.join(timeout=2.0)  # the last lines reach etcd

@@ -21,6 +21,7 @@ outlives its job.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -218,3 +219,35 @@ def test_agents_leave_when_rank_0_fails_before_its_store_listens(tmp_path: Path)
     for node in agents:
         own = "\n".join(_agent_lines(lines, node))
         assert "leaving: job Failed" in own, own
+
+
+def test_a_preempted_nodes_script_gets_preemption_grace_to_save(tmp_path: Path) -> None:
+    """SIGTERM to a node's agent (a preemption): its workers get SIGTERM and up to
+    ``fault_tolerance.preemption_grace`` to exit, as torchrun gives them; a script that
+    saves on SIGTERM for longer than the agent's own stop sequence (5 s) still saves."""
+    spec = load_job_data(
+        {
+            "name": "preempt-restart",
+            "entrypoint": {
+                "script": str(HERE / "sigterm_saver.py"),
+                "args": [str(tmp_path), "5.5"],
+            },
+            "nodes": {"min": 1, "max": 1, "spares": 0},
+            "checkpoint": {"url": f"file://{tmp_path}/ckpt"},
+            "rendezvous": {"join_timeout": "1s"},
+            "fault_tolerance": {
+                "recovery": "restart", "max_restarts": 0, "preemption_grace": "9s",
+            },
+        }
+    )  # fmt: skip
+    lines: list[str] = []
+    with quiet_run(spec, lines, timeout=timedelta(seconds=60)) as run:
+        deadline = time.monotonic() + 45
+        while not (tmp_path / "started-0").exists():
+            assert time.monotonic() < deadline, "\n".join(lines[-40:])
+            time.sleep(0.05)
+        run.procs["node-0"].popen.send_signal(signal.SIGTERM)
+        run.wait()
+    assert (tmp_path / "saved-0").read_text() == "5.5\n", "\n".join(lines[-40:])
+    said = "\n".join(_agent_lines(lines, "node-0"))
+    assert "the workers get SIGTERM and 9s to exit (fault_tolerance.preemption_grace)" in said

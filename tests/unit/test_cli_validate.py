@@ -97,3 +97,45 @@ def test_validate_in_process_for_a_plain_script_is_one_line_with_its_line(
     (line,) = [x for x in result.output.splitlines() if "fault_tolerance.recovery" in x]
     assert line.strip().startswith(f"{f}:4: fault_tolerance.recovery: is 'in_process' but train.py")
     assert "never calls runtime.init()" in line
+
+
+def test_settings_only_the_runtime_acts_on_are_refused_to_a_plain_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`auto` resolved to the restart tier: each such setting is named with its line."""
+    f = tmp_path / "job.yaml"
+    f.write_text(
+        "name: demo\nentrypoint: train.py\nmax_steps: 100\ncheckpoint:\n  every_steps: 10\n"
+        "fault_tolerance:\n  preemption_grace: 60s\n  stragglers:\n    action: swap\n"
+    )
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2, result.output
+    named = [x.strip() for x in result.output.splitlines() if "here 'restart'" in x]
+    assert [line.split(": ", 2)[:2] for line in named] == [
+        [f"{f}:3", "max_steps"],
+        [f"{f}:5", "checkpoint.every_steps"],
+        [f"{f}:8", "fault_tolerance.stragglers"],
+    ], result.output
+    assert "(the script counts its own steps)" in named[0], named[0]
+    assert "train.py never calls runtime.init()" in named[0], named[0]
+
+
+def test_a_restart_tier_job_file_with_only_what_it_uses_validates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text(
+        "name: demo\nentrypoint: train.py\nnodes: {min: 2, max: 2, spares: 1}\n"
+        "checkpoint:\n  url: file:///tmp/ckpt\ncomm:\n  backend: gloo\n"
+        "fault_tolerance:\n  recovery: restart\n  max_restarts: 5\n  preemption_grace: 60s\n"
+    )
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 0, result.output
+    f.write_text(f.read_text() + "  hang_timeout: 60s\n")
+    result = CliRunner().invoke(main, ["validate", str(f)])
+    assert result.exit_code == 2, result.output
+    assert "fault_tolerance.hang_timeout: only the ringmaster runtime acts on it" in result.output

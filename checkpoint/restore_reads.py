@@ -134,7 +134,7 @@ def fetch_and_verify(
 
     Returns:
         The report, and the bytes of each kept object that matched, by
-        filesystem path (what :class:`checkpoint.fsspec_storage.LocationReader`
+        filesystem path (what :class:`checkpoint.location_reader.LocationReader`
         takes as ``fetched``).  A mismatch keeps nothing of that object.
 
     Raises:

@@ -1,6 +1,6 @@
 """Reading the world: one job's state in etcd (and its nodes' liveness) as a snapshot.
 
-:func:`read_world` does every read a controller tick needs and returns a
+:meth:`WorldReader.read` does every read a controller tick needs and returns a
 :class:`World`, which the pure policy (:mod:`orchestrator.controller.policy`)
 turns into actions.  Every value is a typed record from
 :mod:`orchestrator.records`; a malformed record is a

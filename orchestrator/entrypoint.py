@@ -169,6 +169,8 @@ def resolve_recovery(
         why = "set in the job file" + ("" if text is not None else f"; {shown} not read here")
         return spec, f"recovery: in_process ({why})"
     if ft.recovery is RecoveryMode.RESTART:
+        if strict:
+            _refuse_runtime_settings(spec, source, "fault_tolerance.recovery 'restart'")
         return spec, f"recovery: restart (set in the job file; {restart_why})"
     if calls:
         mode = RecoveryMode.IN_PROCESS
@@ -185,9 +187,19 @@ def resolve_recovery(
         because = f"{shown} never calls runtime.init()"
         why = f"recovery: restart ({because}; {restart_why})"
     resolved = dataclasses.replace(spec, fault_tolerance=dataclasses.replace(ft, recovery=mode))
-    found = resolved.runtime_settings() if mode is RecoveryMode.RESTART and strict else []
-    if found:
+    if mode is RecoveryMode.RESTART and strict:
         tier = f"fault_tolerance.recovery 'auto', here 'restart' ({because}),"
+        _refuse_runtime_settings(resolved, source, tier)
+    return resolved, why
+
+
+def _refuse_runtime_settings(spec: JobSpec, source: str, tier: str) -> None:
+    """Raise :class:`SpecError` naming each setting of ``spec`` (a restart-tier job's)
+    that only the ringmaster runtime acts on, with its line in ``source``."""
+    found = spec.runtime_settings()
+    if spec.sync.delayed:  # refused when the file says 'restart'; here for 'auto' too
+        found.append(("sync.mode", "the sites' outer syncs run in the runtime"))
+    if found:
         raise SpecError(
             [
                 SpecProblem(
@@ -199,7 +211,6 @@ def resolve_recovery(
                 for path, reason in found
             ]
         )
-    return resolved, why
 
 
 def _line_in_file(source: str, path: tuple[str, ...]) -> int | None:

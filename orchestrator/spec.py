@@ -383,8 +383,6 @@ class JobSpec:
                  "fault_tolerance.recovery: restart runs scripts that do not use it (use "
                  "in_process or auto with a script that calls runtime.init())")
             )  # fmt: skip
-        if self.fault_tolerance.recovery is RecoveryMode.RESTART:
-            out += [(path, restart_tier_refusal(why)) for path, why in self.runtime_settings()]
         if self.sync.delayed and (
             self.comm.hierarchical or self.comm.compression.type is CompressionKind.LOCALSGD
         ):
@@ -398,7 +396,9 @@ class JobSpec:
     def runtime_settings(self) -> Problems:
         """The settings given here that only the ringmaster runtime acts on (``(path,
         why)``): a script of the restart tier, which does not use it, would never see
-        them (``sync`` is refused in :meth:`problems` on its own)."""
+        them.  Refused where a job file is read to run it
+        (:func:`orchestrator.entrypoint.resolve_recovery`), not by :meth:`problems`:
+        a spec stored before that rule still loads (``sync`` is refused on its own)."""
         given, default = (
             _flat(self.to_dict()),
             _flat(JobSpec(name=self.name, entrypoint=self.entrypoint).to_dict()),

@@ -175,12 +175,9 @@ class NodeAgent:
             # submitted without the entrypoint check: the script is read here
             spec, why = resolve_recovery(spec, self.workdir, strict=False)
             log.info("[%s] %s", self.node, why)
-            if spec.fault_tolerance.recovery is RecoveryMode.RESTART:
-                for path, reason in spec.runtime_settings():
-                    log.warning(
-                        "[%s] %s: %s", self.node, path,
-                        restart_tier_refusal(reason, "the restart tier"),
-                    )  # fmt: skip
+        plain = spec.fault_tolerance.recovery is RecoveryMode.RESTART
+        for path, reason in spec.runtime_settings() if plain else ():  # not refused here
+            log.warning("[%s] %s has no effect: %s", self.node, path, restart_tier_refusal(reason))
         self.spec = spec
         self.recovery = spec.fault_tolerance.recovery
         restart = self.recovery is RecoveryMode.RESTART
@@ -253,9 +250,14 @@ class NodeAgent:
         finally:
             self._stop.set()
             log.log(level, "[%s] leaving: %s", self.node, self._stop_reason or reason)
+            # workers saving on their own (a preempted restart-tier node's) end before the
+            # node counts as gone: no new generation reads what they are writing
+            first = isinstance(self._tier, RestartTier) and self._tier.stops_first
+            if self._tier is not None and first:
+                self._tier.close()
             if self._liveness is not None:
                 self._liveness.close()
-            if self._tier is not None:
+            if self._tier is not None and not first:
                 self._tier.close()
             if self._progress is not None:
                 self._progress.close()
@@ -290,7 +292,7 @@ class NodeAgent:
             # under torchrun, its workers get SIGTERM and time to save on their own
             seconds = self.spec.fault_tolerance.preemption_grace.total_seconds()
             if isinstance(self._tier, RestartTier):
-                self._tier.leave_grace = seconds
+                self._tier.preempted(seconds)
             self.request_stop(
                 f"preempted (SIGTERM); the workers get SIGTERM and {seconds:g}s to exit "
                 "(fault_tolerance.preemption_grace); a spare takes this node's slot"

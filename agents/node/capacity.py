@@ -76,9 +76,17 @@ def capacity_problem(
     CPUs otherwise.  ``oversubscribe: true`` in the job file lifts it.
     """
     nproc = spec.nproc_per_node
+    cuda = uses_cuda(spec, gpus, in_process) and gpus > 0
+    if spec.oversubscribe and cuda and nproc > gpus and spec.comm.backend is not Backend.GLOO:
+        return (
+            f"node {node}: nproc_per_node ({nproc:,}) is more than the {gpus} GPU"
+            f"{'s' if gpus != 1 else ''} it shows, and NCCL takes one worker per GPU "
+            f"(comm.backend: {spec.comm.backend.value}): set comm.backend: gloo for the "
+            f"workers to share them (oversubscribe), or nproc_per_node to at most {gpus}"
+        )
     if spec.oversubscribe:
         return None
-    if uses_cuda(spec, gpus, in_process) and gpus > 0:
+    if cuda:
         limit, what = gpus, f"GPU{'s' if gpus != 1 else ''} it shows"
     else:
         limit, what = cpus, f"CPU{'s' if cpus != 1 else ''} it may use"

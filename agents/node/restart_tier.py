@@ -158,9 +158,7 @@ class RestartTier:
         self.address = address
         self.plans = plans
         self.returned_grace = returned_grace
-        #: seconds the workers get between SIGTERM and SIGKILL when the agent leaves
-        #: (a preempted agent's: ``fault_tolerance.preemption_grace``)
-        self.leave_grace = LEAVE_GRACE
+        self.leave_grace, self.stops_first = LEAVE_GRACE, False  # see :meth:`preempted`
         self.workers: dict[int, WorkerProcess] = {}
         #: the generation whose workers it launched last (or that left this node out)
         self.generation = 0
@@ -180,8 +178,11 @@ class RestartTier:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers.values()] + [s.pid for s in self._standbys.values()]
 
+    def preempted(self, grace: float) -> None:
+        """SIGTERM to the agent: the workers get ``grace`` s to exit, before it leaves."""
+        self.leave_grace, self.stops_first = grace, True
+
     def close(self) -> None:
-        """Stop the workers (SIGTERM, :attr:`leave_grace`, SIGKILL) and the standbys."""
         stop_workers(self.workers.values(), self.leave_grace)
         for w in self.workers.values():
             if w.shipper is not None:

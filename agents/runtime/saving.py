@@ -33,16 +33,17 @@ from torch import nn
 
 from agents.api import Resumed, WorkerEnv, WorkerView
 from agents.messages import one_line
+from agents.runtime.commit_record import record_commit
 from agents.runtime.elastic_ddp import ElasticDDP
 from agents.runtime.failures import peer_failure
 from agents.runtime.outer_checkpoint import first_site, outer_rank_state, replicated, restore_outer
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from orchestrator import keys, records
+from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.fencing import FencedError, GenerationFence
-from orchestrator.records import CheckpointRecord, RecordError
+from orchestrator.records import CheckpointRecord
 from orchestrator.settings import SETTINGS
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
     from orchestrator.spec import JobSpec
 
-__all__ = ["HOOK_STATE", "Saving", "record_commit"]
+__all__ = ["HOOK_STATE", "Saving"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -149,7 +150,9 @@ class Saving:
 
         previous = self._ckpt
         self._ckpt = None
-        self._pending = None
+        job, self._pending = self._pending, None
+        if job is not None and job.done():  # one still uploading is left behind
+            self._settle(job, count=False)
         cfg = self._spec.checkpoint
         url = cfg.url if "://" in cfg.url else f"file://{os.path.abspath(cfg.url)}"
         # The runtime's checkpointer has no schedule of its own: its ranks vote on
@@ -291,8 +294,9 @@ class Saving:
             job = self._ckpt.save_async(step, state)
             self._telemetry.checkpoint_blocked(time.perf_counter() - started)
             if job is not None:  # no rank was still uploading: each takes the last outcome
-                self.poll()
                 self._pending, self._pending_since = job, (time.monotonic(), time.time())
+                if pending is not None:
+                    self._settle(pending)
             elif pending is not None and self._pending_age() >= self._busy().total_seconds():
                 # skipped behind a save uploading longer than the end of the job would wait
                 self.faults.stalled(pending.step, self._pending_age(), step)
@@ -306,6 +310,7 @@ class Saving:
             return
         self._telemetry.checkpoint_blocked(time.perf_counter() - started)
         self._telemetry.checkpoint_uploaded(time.perf_counter() - started)
+        self.poll()  # the save before it ended on every rank (it was waited for): first
         self._record(manifest.step, reason)
 
     def unsettled(self) -> bool:
@@ -320,13 +325,21 @@ class Saving:
         job = self._pending
         if job is not None and job.done():
             self._pending = None
-            try:
-                manifest = job.wait(SETTINGS.checkpoint_save_timeout)
-            except Exception as e:
+            self._settle(job)
+
+    def _settle(self, job: Any, count: bool = True) -> None:
+        """Record the ended async save ``job``, or count its failure (``count``; else
+        log it: the ranks of a generation that ended may not have seen the same end)."""
+        try:
+            manifest = job.wait(SETTINGS.checkpoint_save_timeout)
+        except Exception as e:
+            if count:
                 self._save_failed(job.step, e)
-                return
-            self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
-            self._record(manifest.step, "periodic", job.url)
+            else:
+                log.warning("checkpoint of step %d failed: %s", job.step, one_line(e))
+            return
+        self._telemetry.checkpoint_uploaded(getattr(job, "upload_seconds", None))
+        self._record(manifest.step, "periodic", job.url)
 
     def uploading(self) -> tuple[int, float] | None:
         """``(step, wall-clock start)`` of the save still uploading, if any (for progress)."""
@@ -405,26 +418,6 @@ class Saving:
         self._ckpt = None
         if job is not None and job.done():  # one left uploading is still told in progress
             self._pending = None
-
-
-def record_commit(fence: GenerationFence, job: str, record: CheckpointRecord) -> None:
-    """Write ``record`` as the job's newest commit (fenced), keeping the commits before it.
-
-    The record is one key each commit replaces; it carries the earlier commits
-    (:meth:`~orchestrator.records.CheckpointRecord.after`), so a controller that
-    was away when they were made writes their events when it is back.
-
-    Raises:
-        FencedError: the generation moved on.
-        EtcdError: etcd could not be reached.
-    """
-    key = keys.job_checkpoint(job)
-    try:
-        previous = records.read(fence.client, key, CheckpointRecord)
-    except (EtcdError, RecordError) as e:
-        log.warning("the earlier checkpoint record is not carried over: %s", e)
-        previous = None
-    fence.put(key, record.after(previous).encode())
 
 
 def _saved_hook_state(saved: dict[str, Any] | None, world_size: int) -> dict[str, Any] | None:

@@ -66,7 +66,7 @@ class StandaloneSession:
         self.tracked: dict[str, Stateful] = {}
         self.metrics: dict[str, float] = {}
         #: a job file's defaults (there is none): ``max_steps`` 0, the script decides
-        script = EntrypointSpec(script=sys.argv[0] or "-")
+        script = EntrypointSpec(script=sys.argv[0] if sys.argv and sys.argv[0] else "-")
         self.spec = JobSpec(name="standalone", entrypoint=script).validate()
         local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
         self.device = _device(self.local_rank, local_world)
@@ -104,7 +104,11 @@ class StandaloneSession:
         hook_installer: Any = None,
         *,
         sharding: str | None = None,
-        **sharded: Any,
+        shard_size: int | None = None,
+        redundancy_every_steps: int | None = None,
+        mesh: Any = None,
+        tensor_plan: Any = None,
+        pipeline: Any = None,
     ) -> DistributedDataParallel:
         """Plain DDP (``device_ids`` set on a GPU); ``hook_installer`` is called on it once.
 
@@ -112,7 +116,11 @@ class StandaloneSession:
             ValueError: ``sharding`` other than ``ddp``, or an option of the sharded
                 modes (``mesh``, ``shard_size``, ...): they need an agent.
         """
-        given = sorted(k for k, v in sharded.items() if v is not None)
+        sharded = {
+            "shard_size": shard_size, "redundancy_every_steps": redundancy_every_steps,
+            "mesh": mesh, "tensor_plan": tensor_plan, "pipeline": pipeline,
+        }  # fmt: skip
+        given = [k for k, v in sharded.items() if v is not None]
         if sharding not in (None, "ddp") or given:
             what = f"sharding={sharding!r}" if sharding not in (None, "ddp") else f"{given[0]}=..."
             raise ValueError(

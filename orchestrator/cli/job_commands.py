@@ -365,17 +365,18 @@ def logs(
         if follow and run is not None:  # the run going on, from its start
             since = run_window(list_runs(client, job), run)[0]  # or: no such run
             current = jobs.read_spec_record(client, job).run
-            if run != current:
-                fail(f"--follow shows the run going on, run {current}; run {run} has ended: "
-                     "drop --follow to read it", 2)  # fmt: skip
+            status = jobs.read_status(client, job)
+            if run != current or (status is not None and status.phase.terminal):
+                fail(f"--follow shows a run going on; run {run} has ended: drop --follow to "
+                     "read it", 2)  # fmt: skip
         if not follow:
             for line in iter_logs(client, job, node=node, tail=tail, run=run, notes=note):
                 show(line)
             return
         stop = threading.Event()
         try:
-            for line in follow_logs(client, job, stop, node=node, tail=tail, notes=note):
-                if line.time >= since:
-                    show(line)
+            lines = follow_logs(client, job, stop, node=node, tail=tail, notes=note, since=since)
+            for line in lines:
+                show(line)
         except KeyboardInterrupt:
             stop.set()

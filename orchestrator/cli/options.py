@@ -182,14 +182,13 @@ def build_etcd_options(
     ca, cert, key = kw.pop("etcd_ca", None), kw.pop("etcd_cert", None), kw.pop("etcd_key", None)
     user, password = kw.pop("etcd_user", None), kw.pop("etcd_password", None)
     timeout = kw.pop("etcd_timeout", SETTINGS.etcd_connect_timeout.total_seconds())
-    named = os.environ.get(PASSWORD_ENV_VARIABLE) or None
+    named, where = os.environ.get(PASSWORD_ENV_VARIABLE) or None, PASSWORD_ENV_VARIABLE
     if job is not None and not text and job.endpoints:
         text = ",".join(job.endpoints)
         ca, cert, key = ca or job.tls.ca_cert, cert or job.tls.cert, key or job.tls.key
-        user, named = user or job.user, job.password_env or named
-        where = "the job file's rendezvous.password_env"
-    else:
-        where = PASSWORD_ENV_VARIABLE
+        user = user or job.user
+        if job.password_env:
+            named, where = job.password_env, "the job file's rendezvous.password_env"
     if not text:
         return None
     if password is None and named:

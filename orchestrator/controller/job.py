@@ -117,6 +117,19 @@ class JobController:
             ",".join(client.endpoints),
         )
 
+    def take_spec(self) -> None:
+        """The run's spec changed in place (the operator's update of a TrainingJob):
+        decide by it from now on.  What this controller keeps of the run stays: its
+        memory (restarts used, hang watches, timers), the checkpoint root it holds (the
+        workers write there until they start again); what it derives from the spec
+        follows it (how long a worker may be quiet, the straggler rule)."""
+        self.spec, self.spec_hash = read_spec(self.client, self.job)
+        ft = self.spec.fault_tolerance
+        self.reader.quiet_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
+        quarantined = self.stragglers.quarantined
+        self.stragglers = StragglerWatch(ft.stragglers, ft.heartbeat_interval.total_seconds())
+        self.stragglers.quarantined = quarantined
+
     def tick(self) -> None:
         if self.status.phase.terminal:
             self._end_watch()

@@ -170,21 +170,17 @@ class Controller:
                     done.close()
                 continue
             jc = self._jobs.get(name)
-            if (
-                jc is None
-                or jc.run != record.run
-                or jc.spec_hash != record.hash
-                or self._terms.get(name) != term
-            ):
-                # a new run of the job (resubmitted or resumed), its spec changed in place
-                # (the operator's update), or leadership lost and won again (another may
-                # have decided meanwhile): read it back from etcd
+            if jc is None or jc.run != record.run or self._terms.get(name) != term:
+                # a new run of the job (resubmitted or resumed), or leadership lost and
+                # won again (another may have decided meanwhile): read it back from etcd
                 if jc is not None:
                     jc.close()
                 jc = self._jobs[name] = JobController(
                     self.client, name, self.metrics, wake=self._wake.set
                 )
                 self._terms[name] = term
+            elif jc.spec_hash != record.hash:  # changed in place (the operator's update)
+                jc.take_spec()
             jc.tick()
             if self.job_leadership is not None and jc.status.phase.terminal:
                 self._ended[name] = jc.run  # nothing left to decide: let go of its key

@@ -379,8 +379,10 @@ def follow_logs(
     tail: int | None = None,
     notes: Notes | None = None,
     poll: float = FOLLOW_POLL,
+    since: float = 0.0,
 ) -> Iterator[LogLine]:
-    """The lines so far (the last ``tail``), then new ones as they come, until ``stop``.
+    """The lines so far (the last ``tail``), then new ones as they come, until ``stop``
+    (``since``: only lines written from then on, e.g. the start of a run).
 
     New lines are read from the agents every ``poll`` seconds; tails stored in
     etcd (a worker of a node whose agent is gone exited) come by a watch.
@@ -390,7 +392,7 @@ def follow_logs(
     sources = _find_sources(client, job, node, notes)
     follower.agents = dict(sources.agents)
     streams: list[Iterable[LogLine]] = list(sources.etcd_only().values())
-    if tail:
+    if tail and not since:  # the last lines of every source (else: read, then cut)
         streams += _tails(sources, tail, notes, follower.cursors)
     else:
         limit = _page_limit(len(sources.agents))
@@ -398,7 +400,7 @@ def follow_logs(
             _pages(a, rank, limit, notes, follower.cursors)
             for (_, rank), a in sources.agents.items()
         ]
-    first = list(heapq.merge(*streams, key=lambda x: x.time))
+    first = [x for x in heapq.merge(*streams, key=lambda x: x.time) if x.time >= since]
     yield from follower.shown_now(first[-tail:] if tail else first)
 
     arrived: queue.Queue[LogLine] = queue.Queue()

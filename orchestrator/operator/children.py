@@ -114,6 +114,7 @@ def controller_deployment(
     service_account: str = "",
     settings: OperatorSettings | None = None,
     scheduling: dict[str, Any] | None = None,
+    password: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The job's controller, one replica while the job runs, zero once it is finished
     (or suspended).
@@ -122,10 +123,16 @@ def controller_deployment(
     (:mod:`orchestrator.operator.etcd_access`); ``scheduling`` are the pod
     template's scheduling fields (:func:`.template.controller_scheduling`: node
     selection, tolerations, registry secrets, priority), so the controller runs
-    wherever the agents may.
+    wherever the agents may; ``password``: where the template's agent container gets
+    the job's ``rendezvous.password_env`` (:func:`.template.password_source`).
     """
     pod_labels = labels(spec.name, ROLE_CONTROLLER)
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *etcd_env(spec, settings)]
+    password = password or {}
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        *etcd_env(spec, settings),
+        *password.get("env", []),
+    ]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -143,6 +150,7 @@ def controller_deployment(
                 "imagePullPolicy": "IfNotPresent",
                 "command": controller_command(spec, endpoints),
                 "env": env,
+                **({"envFrom": password["envFrom"]} if password.get("envFrom") else {}),
                 "ports": [
                     {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}
                 ],

@@ -18,10 +18,13 @@ names them in the pods it renders and the kubelet does the rest.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE
 from orchestrator.operator.api import OperatorSettings
+from orchestrator.operator.template import AGENT_CONTAINER, env_var
+from orchestrator.operator.trainingjob import PodTemplate
 from orchestrator.spec import JobSpec
 
 #: Where the etcd TLS Secret is mounted in agent and controller pods.
@@ -72,3 +75,19 @@ def etcd_mounts(settings: OperatorSettings | None) -> list[dict[str, Any]]:
     if not settings or not settings.etcd_tls_secret:
         return []
     return [{"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}]
+
+
+def password_source(template: PodTemplate, name: str | None) -> dict[str, list[dict[str, Any]]]:
+    """Where the template's agent container gets the variable ``name`` from (the job's
+    ``rendezvous.password_env``), for the controller's container, which gets nothing
+    else of the template's env: ``{"env": [...], "envFrom": [...]}``, each left out
+    when empty.  The variable's own entry where the template sets it by name, else the
+    agent container's ``envFrom`` (a Secret or ConfigMap whose keys may hold it)."""
+    if not name:
+        return {}
+    agent = [c for c in template.spec.containers if c.name == AGENT_CONTAINER]
+    named = [env_var(v) for c in agent for v in c.env if v.name == name]
+    if named:
+        return {"env": named[:1]}
+    sources = [copy.deepcopy(e) for c in agent for e in c.env_from]
+    return {"envFrom": sources} if sources else {}

@@ -29,7 +29,7 @@ from datetime import timedelta
 from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.options import EtcdOptions, parse_endpoints
+from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE, EtcdOptions, parse_endpoints
 from orchestrator.settings import Settings
 
 #: A probe's etcd calls must end well inside the probe's own timeout.
@@ -39,14 +39,16 @@ AGENT_PID = 1
 
 
 def options_from_env(env: dict[str, str]) -> EtcdOptions:
-    """etcd options from the container's ``RINGMASTER_ETCD*`` variables."""
+    """etcd options from the container's ``RINGMASTER_ETCD*`` variables (the password
+    from the variable ``RINGMASTER_ETCD_PASSWORD_ENV`` names, where it names one)."""
+    named = env.get(PASSWORD_ENV_VARIABLE)
     return EtcdOptions(
         endpoints=parse_endpoints(env.get("RINGMASTER_ETCD", "")),
         ca_cert=env.get("RINGMASTER_ETCD_CA") or None,
         cert=env.get("RINGMASTER_ETCD_CERT") or None,
         key=env.get("RINGMASTER_ETCD_KEY") or None,
         user=env.get("RINGMASTER_ETCD_USER") or None,
-        password=env.get("RINGMASTER_ETCD_PASSWORD") or None,
+        password=env.get("RINGMASTER_ETCD_PASSWORD") or (env.get(named) if named else None),
         connect_timeout=PROBE_ETCD_TIMEOUT,
         op_timeout=PROBE_ETCD_TIMEOUT,
     )

@@ -59,6 +59,7 @@ from orchestrator.operator.children import (
     headless_service,
     metrics_service,
 )
+from orchestrator.operator.etcd_access import password_source
 from orchestrator.operator.events import sync_events
 from orchestrator.operator.pods import agent_pod, agent_pod_hash, agent_pod_spec
 from orchestrator.operator.status import build_status, controller_phase, parse_time, pod_ready
@@ -279,6 +280,7 @@ def reconcile(
             service_account=settings.service_account,
             settings=settings,
             scheduling=controller_scheduling(template, bool(spec.resources.gpus)),
+            password=password_source(template, spec.rendezvous.password_env),
         ),
         disruption_budget(body, spec),
     ):

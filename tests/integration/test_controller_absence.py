@@ -5,7 +5,7 @@ ticked by the test, or the :class:`~orchestrator.controller.service.Controller`
 service in a thread); nodes are registrations and beats written by the test as
 agents write them, a spare's under a lease that is left to expire (its agent
 SIGKILLed); checkpoint commits go through the runtime's own
-:func:`~agents.runtime.saving.record_commit`, fenced on the plan.
+:func:`~agents.runtime.commit_record.record_commit`, fenced on the plan.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 from click.testing import CliRunner
 
-from agents.runtime.saving import record_commit
+from agents.runtime.commit_record import record_commit
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main

@@ -227,4 +227,4 @@ def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Pat
     assert jobs.submit(etcd_client, spec) == 2
     ended = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "--follow", "--run", "1"])
     assert ended.exit_code == 2, ended.output
-    assert "run 2; run 1 has ended: drop --follow" in ended.output, ended.output
+    assert "run 1 has ended: drop --follow" in ended.output, ended.output

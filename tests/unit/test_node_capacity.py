@@ -61,3 +61,15 @@ def test_visible_gpus_from_the_environment_or_the_driver(tmp_path: Path) -> None
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, driver) == 0
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,0"}, driver) == 1  # CUDA stops at -1
     assert visible_gpus({}, tmp_path / "no-driver") == 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_oversubscribed_gpus_are_shared_on_gloo_only(backend: str) -> None:
+    """NCCL takes one worker per GPU: the workers past the GPUs would fail to start
+    and the others wait for them, so the agent refuses at once."""
+    spec = _spec(2, oversubscribe=True, comm={"backend": backend})
+    problem = capacity_problem(spec, "n1", 16, 1, True)
+    assert problem is not None and "NCCL takes one worker per GPU" in problem, problem
+    assert "set comm.backend: gloo" in problem and "\n" not in problem
+    gloo = _spec(2, oversubscribe=True, comm={"backend": "gloo"})
+    assert capacity_problem(gloo, "n1", 16, 1, True) is None

@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.etcd_access import TLS_DIR
+from orchestrator.operator.probe import options_from_env
 from orchestrator.operator.reconcile import reconcile
 from orchestrator.operator.runner import etcd_base_options
 from tests.unit.test_operator_reconcile import job
@@ -112,16 +113,35 @@ def test_paths_a_job_gives_win_over_the_secret() -> None:
         assert env["RINGMASTER_ETCD_USER"]["value"] == "job-user"
 
 
-def test_a_jobs_password_env_wins_over_the_operators_secret() -> None:
+@pytest.mark.parametrize("by", ["env", "envFrom"])
+def test_a_jobs_password_env_wins_over_the_operators_secret(by: str) -> None:
     """The job's pods read the password from the variable the job names (its pod
-    template sets it), through RINGMASTER_ETCD_PASSWORD_ENV, which the agent's and the
-    controller's etcd options follow (tests/integration/test_security_etcd.py)."""
-    body = job(rendezvous={"user": "job-user", "password_env": "JOB_ETCD_PASSWORD"})
+    template sets it, by name or through envFrom), through RINGMASTER_ETCD_PASSWORD_ENV,
+    which the agent's and the controller's etcd options and the probes follow
+    (tests/integration/test_security_etcd.py).  The controller's container, which gets
+    none of the template's other env, gets where the variable comes from."""
+    secret = {"secretKeyRef": {"name": "job-etcd", "key": "password"}}
+    agent: dict[str, Any] = {"name": "agent"}
+    if by == "env":
+        agent["env"] = [{"name": "JOB_ETCD_PASSWORD", "valueFrom": secret}]
+    else:
+        agent["envFrom"] = [{"secretRef": {"name": "job-etcd"}}]
+    body = job(
+        rendezvous={"user": "job-user", "password_env": "JOB_ETCD_PASSWORD"},
+        template={"spec": {"containers": [agent]}},
+    )
     for spec in pods(body):
-        env = env_of(spec["containers"][0])
+        (container,) = spec["containers"]
+        env = env_of(container)
         assert env["RINGMASTER_ETCD_PASSWORD_ENV"]["value"] == "JOB_ETCD_PASSWORD"
         assert "RINGMASTER_ETCD_PASSWORD" not in env
         assert env["RINGMASTER_ETCD_USER"]["value"] == "job-user"
+        if by == "env":
+            assert env["JOB_ETCD_PASSWORD"]["valueFrom"] == secret, container["name"]
+        else:
+            assert {"secretRef": {"name": "job-etcd"}} in container["envFrom"], container["name"]
+    probe_env = {"RINGMASTER_ETCD": "e:2379", "RINGMASTER_ETCD_PASSWORD_ENV": "JOB_ETCD_PASSWORD"}
+    assert options_from_env({**probe_env, "JOB_ETCD_PASSWORD": "pw"}).password == "pw"
 
 
 def test_without_secrets_nothing_is_added() -> None:

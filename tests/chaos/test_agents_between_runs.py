@@ -8,9 +8,9 @@ say that it waits for the next run, write nothing, and train in that run once
 it starts.  Before, it registered into the ended run's plan, failed to form
 its group, and the next run stayed Pending ("waiting for nodes: 0 ready").
 
-1. in-process tier: run 1 trains and is stopped; two agents start, then
+1. in-process tier (`make test`): run 1 trains and is stopped; two agents start, then
    ``resume`` starts run 2, which those agents finish (``Succeeded``);
-2. restart tier: run 1 fails (the script exits 3, no restarts); two agents
+2. restart tier (`make chaos`): run 1 fails (the script exits 3, no restarts); two agents
    start, then the job is submitted again (run 2, the script now succeeds),
    which those agents finish.
 """
@@ -106,7 +106,10 @@ def _next_run_ends(
     return _status(client, job)
 
 
-def test_agents_started_between_runs_train_in_the_next_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["in_process", pytest.param("restart", marks=pytest.mark.long)])
+def test_agents_started_between_runs_train_in_the_next_run(tmp_path: Path, tier: str) -> None:
+    """The agents' wait for the next run is the same code in both tiers: ``make test``
+    runs the in-process one, ``make chaos`` both."""
     lines: list[str] = []
     with (
         EmbeddedEtcd() as etcd,
@@ -115,56 +118,68 @@ def test_agents_started_between_runs_train_in_the_next_run(tmp_path: Path) -> No
     ):
         endpoint = etcd.endpoint
         controller = services.start("controller", ["controller", "--etcd", endpoint])
-
-        # -- in-process tier: stop run 1, agents start, resume ----------------------------
-        spec = tiny_job("between", tmp_path, steps=80, step_time=0.04, spares=0)
-        job = spec.name
-        assert jobs.submit(client, spec) == 1
-        first = _start_agents(services, job, endpoint, "run1")
-        _wait("run 1 at step 20", lambda: _status(client, job).step >= 20, lines)
-        jobs.request_stop(client, job)
-        stopped = _next_run_ends(client, services, job, 1, first, lines)
-        assert stopped.phase is JobPhase.STOPPED, f"{stopped}\n{_tail(lines)}"
-        between = _agents_wait_for_the_next_run(client, services, job, endpoint, lines)
-        request = jobs.resume(client, job)
-        assert request.step <= stopped.step, (request, stopped)
-        finished = _next_run_ends(client, services, job, 2, between, lines)
-        text = _of(lines, between)
-        assert finished.phase is JobPhase.SUCCEEDED, f"{finished}\n{_tail(lines)}"
-        assert finished.step == 80, f"{finished}\n{text}"
-        assert text.count(f"run 2 of job '{job}' submitted after") == len(between), text
-        assert "fenced out" not in text and "no longer current" not in text, text
-
-        # -- restart tier: run 1 fails, agents start, submit again ------------------------
-        flag = tmp_path / "fail-now"
-        flag.touch()
-        script = tmp_path / "flagged.py"
-        script.write_text(
-            "import pathlib, sys\n"
-            "import torch.distributed as dist\n"
-            f"if pathlib.Path({str(flag)!r}).exists():\n"
-            "    sys.exit(3)\n"
-            "dist.init_process_group('gloo')\n"
-            "dist.barrier()\n"
-            "dist.destroy_process_group()\n"
-        )
-        restart = load_job_data(
-            {
-                "name": "between-restart",
-                "entrypoint": {"script": str(script)},
-                "nodes": {"min": 2, "max": 2, "spares": 0},
-                "checkpoint": {"url": f"file://{tmp_path}/restart-ckpt"},
-                "fault_tolerance": {"recovery": "restart", "max_restarts": 0},
-            }
-        )
-        job = restart.name
-        assert jobs.submit(client, restart) == 1
-        first = _start_agents(services, job, endpoint, "run1")
-        failed = _next_run_ends(client, services, job, 1, first, lines)
-        assert failed.phase is JobPhase.FAILED, f"{failed}\n{_tail(lines)}"
-        between = _agents_wait_for_the_next_run(client, services, job, endpoint, lines)
-        flag.unlink()
-        assert jobs.submit(client, restart) == 2
-        finished = _next_run_ends(client, services, job, 2, between, lines)
-        assert finished.phase is JobPhase.SUCCEEDED, f"{finished}\n{_tail(lines)}"
+        if tier == "in_process":
+            _in_process(client, services, endpoint, tmp_path, lines)
+        else:
+            _restart(client, services, endpoint, tmp_path, lines)
         assert controller.poll() is None, f"the controller exited\n{_tail(lines)}"
+
+
+def _in_process(
+    client: EtcdClient, services: Services, endpoint: str, tmp_path: Path, lines: list[str]
+) -> None:
+    """Stop run 1, agents start, resume: they finish run 2."""
+    spec = tiny_job("between", tmp_path, steps=80, step_time=0.04, spares=0)
+    job = spec.name
+    assert jobs.submit(client, spec) == 1
+    first = _start_agents(services, job, endpoint, "run1")
+    _wait("run 1 at step 20", lambda: _status(client, job).step >= 20, lines)
+    jobs.request_stop(client, job)
+    stopped = _next_run_ends(client, services, job, 1, first, lines)
+    assert stopped.phase is JobPhase.STOPPED, f"{stopped}\n{_tail(lines)}"
+    between = _agents_wait_for_the_next_run(client, services, job, endpoint, lines)
+    request = jobs.resume(client, job)
+    assert request.step <= stopped.step, (request, stopped)
+    finished = _next_run_ends(client, services, job, 2, between, lines)
+    text = _of(lines, between)
+    assert finished.phase is JobPhase.SUCCEEDED, f"{finished}\n{_tail(lines)}"
+    assert finished.step == 80, f"{finished}\n{text}"
+    assert text.count(f"run 2 of job '{job}' submitted after") == len(between), text
+    assert "fenced out" not in text and "no longer current" not in text, text
+
+
+def _restart(
+    client: EtcdClient, services: Services, endpoint: str, tmp_path: Path, lines: list[str]
+) -> None:
+    """Run 1 fails, agents start, the job is submitted again: they finish run 2."""
+    flag = tmp_path / "fail-now"
+    flag.touch()
+    script = tmp_path / "flagged.py"
+    script.write_text(
+        "import pathlib, sys\n"
+        "import torch.distributed as dist\n"
+        f"if pathlib.Path({str(flag)!r}).exists():\n"
+        "    sys.exit(3)\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n"
+    )
+    restart = load_job_data(
+        {
+            "name": "between-restart",
+            "entrypoint": {"script": str(script)},
+            "nodes": {"min": 2, "max": 2, "spares": 0},
+            "checkpoint": {"url": f"file://{tmp_path}/restart-ckpt"},
+            "fault_tolerance": {"recovery": "restart", "max_restarts": 0},
+        }
+    )
+    job = restart.name
+    assert jobs.submit(client, restart) == 1
+    first = _start_agents(services, job, endpoint, "run1")
+    failed = _next_run_ends(client, services, job, 1, first, lines)
+    assert failed.phase is JobPhase.FAILED, f"{failed}\n{_tail(lines)}"
+    between = _agents_wait_for_the_next_run(client, services, job, endpoint, lines)
+    flag.unlink()
+    assert jobs.submit(client, restart) == 2
+    finished = _next_run_ends(client, services, job, 2, between, lines)
+    assert finished.phase is JobPhase.SUCCEEDED, f"{finished}\n{_tail(lines)}"

@@ -1,6 +1,9 @@
 # One entry point for everything; each target creates or reuses .venv.
-# torch is installed first and pinned (the CPU wheel), then the project.
+# torch is installed first and pinned, then the project.  Where pip's index gives a
+# CUDA build of torch (PyPI on Linux x86_64), TORCH_INDEX picks another, e.g.
+# `make TORCH_INDEX=https://download.pytorch.org/whl/cpu venv` for the CPU wheel.
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -13,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e '.[test,local]'
 	touch $(STAMP)
 

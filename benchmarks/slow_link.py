@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -149,6 +150,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.addr, args.out, args.steps, args.compute)
+        return
+    from tests.faults.netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None and shutil.which("tc") is None:
+        reason = "the `tc` command (iproute2) is not installed"
+    if reason is not None:  # `make bench` goes on with the other benchmarks
+        print(f"skipped: {reason}")
+        print(json.dumps({"skipped": True, "reason": reason}))
         return
     figures = measure(args.rate, args.slow_rank, args.steps, args.compute)
     print(f"tbf {args.rate} on rank {args.slow_rank}'s link, {figures['steps']} steps")

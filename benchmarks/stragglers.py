@@ -23,7 +23,7 @@ Rows, all in this run:
   same time on the same cores, ``--overhead-pairs`` times; the median, least
   and most of the differences of their step rates over the time both
   trained;
-* ``slow_1.5x`` and ``slow_3x``: 3 active nodes and 1 warm spare with
+* ``slow_1.5x`` and ``slow_3x`` (the ``slow`` of ``--rows``): 3 active nodes and 1 warm spare with
   ``action: swap``; at step ``--onset`` one active node is slowed.  Seconds
   from the onset to the ``Straggler`` event and to the ``StragglerSwapped``
   one; the step rate before the onset, between the onset and the swap, and
@@ -38,7 +38,7 @@ Rows, all in this run:
   machine's load average (least, median, most of a sample every 10 s) is
   given beside them: on a shared machine it says how much noise there was.
 
-* ``slow_link`` (``benchmarks/_slow_link_row.py``, needs root): 2 active
+* ``slow_link`` (``link`` in ``--rows``; ``benchmarks/_slow_link_row.py``, needs root): 2 active
   nodes and 1 spare, one of them in a network namespace whose veth is
   limited to ``--link-rate`` at step ``--onset``; seconds to the link probe,
   the call and the swap, the step rate before, during and after.

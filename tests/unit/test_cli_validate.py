@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from orchestrator.cli import main
 
@@ -99,18 +99,25 @@ def test_validate_in_process_for_a_plain_script_is_one_line_with_its_line(
     assert "never calls runtime.init()" in line
 
 
+def _validate_plain(tmp_path: Path, job: str) -> tuple[Path, Result]:
+    """``ringmaster validate`` of ``job`` beside a script that never calls runtime.init()
+    (the caller has changed to ``tmp_path``)."""
+    f = tmp_path / "job.yaml"
+    f.write_text(job)
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    return f, CliRunner().invoke(main, ["validate", str(f)])
+
+
 def test_settings_only_the_runtime_acts_on_are_refused_to_a_plain_script(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`auto` resolved to the restart tier: each such setting is named with its line."""
-    f = tmp_path / "job.yaml"
-    f.write_text(
-        "name: demo\nentrypoint: train.py\nmax_steps: 100\ncheckpoint:\n  every_steps: 10\n"
-        "fault_tolerance:\n  preemption_grace: 60s\n  stragglers:\n    action: swap\n"
-    )
-    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, ["validate", str(f)])
+    f, result = _validate_plain(
+        tmp_path,
+        "name: demo\nentrypoint: train.py\nmax_steps: 100\ncheckpoint:\n  every_steps: 10\n"
+        "fault_tolerance:\n  preemption_grace: 60s\n  stragglers:\n    action: swap\n",
+    )
     assert result.exit_code == 2, result.output
     named = [x.strip() for x in result.output.splitlines() if "here 'restart'" in x]
     assert [line.split(": ", 2)[:2] for line in named] == [
@@ -125,17 +132,14 @@ def test_settings_only_the_runtime_acts_on_are_refused_to_a_plain_script(
 def test_a_restart_tier_job_file_with_only_what_it_uses_validates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    f = tmp_path / "job.yaml"
-    f.write_text(
+    monkeypatch.chdir(tmp_path)
+    job = (
         "name: demo\nentrypoint: train.py\nnodes: {min: 2, max: 2, spares: 1}\n"
         "checkpoint:\n  url: file:///tmp/ckpt\ncomm:\n  backend: gloo\n"
         "fault_tolerance:\n  recovery: restart\n  max_restarts: 5\n  preemption_grace: 60s\n"
     )
-    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, ["validate", str(f)])
+    _, result = _validate_plain(tmp_path, job)
     assert result.exit_code == 0, result.output
-    f.write_text(f.read_text() + "  hang_timeout: 60s\n")
-    result = CliRunner().invoke(main, ["validate", str(f)])
+    _, result = _validate_plain(tmp_path, job + "  hang_timeout: 60s\n")
     assert result.exit_code == 2, result.output
     assert "fault_tolerance.hang_timeout: only the ringmaster runtime acts on it" in result.output

@@ -228,3 +228,21 @@ def test_logs_command(etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Pat
     ended = runner.invoke(main, ["logs", job, "--etcd", etcd.endpoint, "--follow", "--run", "1"])
     assert ended.exit_code == 2, ended.output
     assert "run 1 has ended: drop --follow" in ended.output, ended.output
+
+
+def test_follow_from_a_time_shows_only_what_was_written_since(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    """``since`` (``logs --follow --run N``: the run's start) cuts before ``tail``."""
+    job = submitted(etcd_client)
+    ship(etcd_client, job, "n1", 0, "print('old')", tmp_path)
+    since = time.time()
+    ship(etcd_client, job, "n2", 0, "print('new')", tmp_path)
+    stop = threading.Event()
+    stop.set()  # the lines so far, then nothing more
+    got = [line.text for line in follow_logs(etcd_client, job, stop, tail=5, since=since)]
+    assert got == ["new"], got
+    stop = threading.Event()
+    stop.set()
+    every = [line.text for line in follow_logs(etcd_client, job, stop, tail=5)]
+    assert every == ["old", "new"], every

@@ -28,6 +28,7 @@ from checkpoint.commit import (
     latest_committed,
     list_checkpoints,
     parse_step_dir,
+    read_manifest,
     verify_checkpoint,
 )
 from checkpoint.fsspec_storage import Location
@@ -242,7 +243,34 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> VerifyRep
         if newest is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {redact(root.url)}")
         name = newest.name
+    else:
+        _check_named(root, name)
     return _verify_and_mark(root.child(name))
+
+
+def _check_named(root: Location, name: str) -> None:
+    """A checkpoint directory named on the command line exists and holds the step its
+    name says (one copied or renamed to another step is no checkpoint of that step).
+
+    Raises:
+        CheckpointNotFoundError: there is no such directory.
+        CheckpointCorruptError: its manifest is of another step.
+    """
+    directory = root.child(name)
+    try:
+        if not root.fs.isdir(directory.path()):
+            raise CheckpointNotFoundError(f"{redact(directory.url)} does not exist")
+        manifest = read_manifest(directory)
+    except FileNotFoundError:
+        return  # no manifest: verifying says so
+    except OSError as e:
+        raise CheckpointStorageError(_describe_unreachable(root, e)) from e
+    step = parse_step_dir(name)
+    if manifest.step != step:
+        raise CheckpointCorruptError(
+            f"{redact(directory.url)} is named step {step} but its manifest is of step "
+            f"{manifest.step} (copied or renamed?): it is no checkpoint of step {step}"
+        )
 
 
 def verify_all(root: Location) -> list[CheckpointInfo]:
@@ -272,6 +300,15 @@ def gc(
 
     Each lineage (the checkpoints of one run) keeps its own newest ``keep``;
     ``run_id`` limits it to that run's.
+
+    Raises:
+        CheckpointNotFoundError: ``url`` is a checkpoint directory, not a root
+            (retention would apply to the root around it, that directory included).
     """
-    root, _ = _split(url, storage_options)
+    root, name = _split(url, storage_options)
+    if name is not None:
+        raise CheckpointNotFoundError(
+            f"{redact(url)} is a checkpoint directory; gc applies retention to a checkpoint "
+            f"root, every checkpoint in it: give the root ({redact(root.url)}) to mean that"
+        )
     return apply_retention(root, keep, run_id=run_id, all_uncommitted=all_uncommitted)

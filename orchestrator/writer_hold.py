@@ -291,22 +291,26 @@ def release_store(store: MarkerStore, run_id: str, token: str | None = None) -> 
 
 
 def refuse_if_held(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Before anything of a run starts: refuse when a live run writes ``url``.
-
-    A store that cannot be read now is left to the controller, which takes
-    the root before the job's first plan and ends the job with the reason.
+    """Before anything of a run starts: refuse when a live run writes ``url`` (a store
+    that cannot be read now is left to the controller, which takes the root before
+    the job's first plan and ends the job with the reason).
 
     Raises:
         RootHeldError: with :func:`~orchestrator.writer_marker.refusal`'s line.
     """
+    if (found := live_marker(url, storage_options)) is not None:
+        raise RootHeldError(refusal(found, shown(url), time.time()))
+
+
+def live_marker(url: str, storage_options: dict[str, Any] | None = None) -> WriterMarker | None:
+    """The marker of the live run that writes ``url`` (None: none, or not readable now)."""
     try:
         found = MarkerStore(url, storage_options).read()
     except Exception as e:  # botocore and aiohttp errors are not all OSErrors
         log.debug("writer marker of %s not read: %s", shown(url), e)
-        return
-    now = time.time()
-    if found is not None and judge(found, None, now) is Holding.LIVE:
-        raise RootHeldError(refusal(found, shown(url), now))
+        return None
+    live = found is not None and judge(found, None, time.time()) is Holding.LIVE
+    return found if live else None
 
 
 #: Seconds :func:`release_root` waits for the store (a hung one leaves a stale marker).

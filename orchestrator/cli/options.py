@@ -29,6 +29,7 @@ from rich.table import Column, Table
 from orchestrator.api import OrchestratorError, SpecError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE, EtcdOptions, parse_endpoints
+from orchestrator.keys import InvalidKeySegmentError
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import RendezvousSpec
 
@@ -239,6 +240,8 @@ def handle_errors(fn: F) -> F:
         except SpecError as e:
             click.echo(str(e), err=True)
             sys.exit(2)
+        except InvalidKeySegmentError as e:  # a name given on the command line
+            fail(str(e), 2)
         except OrchestratorError as e:
             fail(str(e))
 

@@ -8,6 +8,7 @@ etcd fixture and is checked by what it stores for the workers.
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.spec_loader import load_job_data
+from orchestrator.writer_hold import MarkerStore
+from orchestrator.writer_marker import WriterMarker
 
 pytestmark = pytest.mark.integration
 
@@ -282,3 +285,48 @@ def test_resume_reports_an_unreachable_bucket_before_submitting(
     assert "no-such-bucket-here does not exist" in result.output
     status = jobs.read_status(etcd_client, name)
     assert status is not None and status.phase is JobPhase.FAILED  # untouched
+
+
+def test_gc_refuses_a_checkpoint_directory_and_a_newer_sweep_under_a_live_writer(
+    tmp_path: Path,
+) -> None:
+    """Bad input loses nothing: a checkpoint directory given to gc (retention would
+    apply to the root around it, that directory included), and --include-newer while a
+    live run writes the root (one of the newer directories is its save in progress)."""
+    url = f"file://{tmp_path}"
+    ckpt = _save(url, {}, [1, 2, 3])
+    dead = _dead(ckpt.root, 9)
+    before = [(i.step, i.committed) for i in list_checkpoints(ckpt.root)]
+    one = next(i for i in list_checkpoints(ckpt.root) if i.step == 1)
+    result = _cli("checkpoints", "gc", f"{url}/{one.name}", "--keep", "1")
+    assert result.exit_code == 1, result.output
+    assert "is a checkpoint directory; gc applies retention to a checkpoint root" in result.output
+    assert [(i.step, i.committed) for i in list_checkpoints(ckpt.root)] == before
+
+    now = time.time()
+    live = WriterMarker("other@1", "t0", "writer", 2, "box-a", 7, "127.0.0.1:2379", now, now)
+    assert MarkerStore(url).create(live)
+    result = _cli("checkpoints", "gc", url, "--keep", "1", "--include-newer")
+    assert result.exit_code == 1, result.output
+    assert "is being written by a live run (other@1, run 2 of job 'writer')" in result.output
+    assert [(i.step, i.committed) for i in list_checkpoints(ckpt.root)] == before
+    result = _cli("checkpoints", "gc", url, "--keep", "1")  # the newer one stays
+    assert result.exit_code == 0, result.output
+    assert [i.name for i in list_checkpoints(ckpt.root) if not i.committed] == [dead]
+
+
+def test_verify_of_a_directory_of_another_step_or_none_says_so(tmp_path: Path) -> None:
+    """`list` calls a checkpoint copied to another step's name uncommitted: `verify`
+    of it fails too (it said OK and marked it verified), and a directory that does not
+    exist is named as such."""
+    url = f"file://{tmp_path}"
+    ckpt = _save(url, {}, [2])
+    (info,) = list_checkpoints(ckpt.root)
+    copied = step_dir_name(7, "faac91ef")
+    ckpt.root.fs.copy(ckpt.root.path(info.name), ckpt.root.path(copied), recursive=True)
+    result = _cli("checkpoints", "verify", f"{url}/{copied}")
+    assert result.exit_code == 1, result.output
+    assert "is named step 7 but its manifest is of step 2" in result.output, result.output
+    missing = step_dir_name(9, "dddddddd")
+    result = _cli("checkpoints", "verify", f"{url}/{missing}")
+    assert result.exit_code == 1 and f"{missing} does not exist" in result.output, result.output

@@ -103,3 +103,13 @@ def test_run_from_a_url_of_another_protocol_fails_before_starting(
 
 def test_the_spec_and_the_checkpoint_package_accept_the_same_protocols() -> None:
     assert set(CHECKPOINT_SCHEMES) == set(CHECKPOINT_PROTOCOLS)
+
+
+@pytest.mark.parametrize("name", ["../../etc", "Bad_Name!"])
+def test_a_job_name_that_cannot_be_a_key_is_one_line(name: str) -> None:
+    """``logs`` without --etcd reads this machine's files: the name is checked first."""
+    result = _cli("logs", name)
+    _no_traceback(result)
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: job name '{name}' cannot be used")

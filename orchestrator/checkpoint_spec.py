@@ -47,7 +47,12 @@ class CheckpointSpec:
     def problems(self) -> Problems:
         out: Problems = []
         scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
-        if scheme not in CHECKPOINT_SCHEMES:
+        if not self.url.strip():
+            out.append(
+                ("url", "is empty: give a directory (a path or file://...) or an object-store "
+                 "URL (s3://bucket/path)")
+            )  # fmt: skip
+        elif scheme not in CHECKPOINT_SCHEMES:
             out.append(
                 (
                     "url",

@@ -71,3 +71,11 @@ def test_checkpoint_failure_policy_fields_load_and_are_checked() -> None:
     assert "positive" in problems["final_wait"]
     with pytest.raises(SpecError, match="max_consecutive_failures"):
         load_job_data({**base, "checkpoint": {"max_consecutive_failures": -2}})
+
+
+@pytest.mark.parametrize("url", ["", "   "])
+def test_an_empty_checkpoint_url_is_refused(url: str) -> None:
+    """It resolved to the working directory's own path in silence."""
+    base = {"name": "j", "entrypoint": {"script": "train.py"}}
+    with pytest.raises(SpecError, match=r"checkpoint.url: is empty: give a directory"):
+        load_job_data({**base, "checkpoint": {"url": url}})

@@ -95,15 +95,12 @@ class JobController:
             client,
             job,
             since=self.observer.submitted_at,
-            quiet_after=STALE_BEATS * self.spec.fault_tolerance.heartbeat_interval.total_seconds(),
             watch=NodeWatch(on_gone=wake),
         )
         self.memory = policy.Memory(silence_seen=client.last_silence)
-        ft = self.spec.fault_tolerance
-        self.stragglers = StragglerWatch(ft.stragglers, ft.heartbeat_interval.total_seconds())
         # a node quarantined under an earlier leader stays so (its registration is read
         # again at the first tick: a restarted agent releases it)
-        self.stragglers.quarantined = {n: None for n in self.status.quarantined}
+        self._follow_spec({n: None for n in self.status.quarantined})
         self.prober = LinkProber()
         self.metrics = metrics
         self._last_written: dict[str, Any] = {}
@@ -124,9 +121,13 @@ class JobController:
         workers write there until they start again); what it derives from the spec
         follows it (how long a worker may be quiet, the straggler rule)."""
         self.spec, self.spec_hash = read_spec(self.client, self.job)
+        self._follow_spec(self.stragglers.quarantined)
+
+    def _follow_spec(self, quarantined: dict[str, float | None]) -> None:
+        """What the controller derives from ``self.spec``: how long a worker may be
+        quiet, and the straggler rule (keeping the nodes it has ``quarantined``)."""
         ft = self.spec.fault_tolerance
         self.reader.quiet_after = STALE_BEATS * ft.heartbeat_interval.total_seconds()
-        quarantined = self.stragglers.quarantined
         self.stragglers = StragglerWatch(ft.stragglers, ft.heartbeat_interval.total_seconds())
         self.stragglers.quarantined = quarantined
 

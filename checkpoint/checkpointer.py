@@ -52,7 +52,7 @@ from checkpoint.durable import restore_durable
 from checkpoint.flat_state import FlatState, apply, capture
 from checkpoint.fsspec_storage import Location
 from checkpoint.groups import Coordination
-from checkpoint.object_state import join_tensors, split_tensors
+from checkpoint.object_state import join_tensors, live_object_targets, split_tensors
 from checkpoint.optimizer_shapes import shape_from_newest
 from checkpoint.retention import RetentionResult, apply_retention
 from checkpoint.triggers import SaveTrigger
@@ -367,6 +367,7 @@ class Checkpointer:
             assert state.optimizer is not None
             shaping = shape_from_newest(state.model, state.optimizer, root, url)
         target, mapping = capture(state, self.coord.rank)
+        target.update(live_object_targets(state.objects))  # filled in place where they fit
         seconds = {"prepare": time.perf_counter() - started}
         try:
             outcome = restore_durable(

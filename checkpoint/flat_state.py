@@ -6,7 +6,7 @@ The flat form maps dotted keys to tensors or small picklable objects:
 * ``optim.*`` — the optimizer keyed by parameter name (so it reshards),
 * ``sched``, ``extra`` (opaque blobs) and ``data.samples_seen`` — replicated,
 * ``rank.<r>`` — an opaque blob of rank ``r``: its RNG states and ``rank_state``,
-* ``objects.<name>.<n>`` — the tensors of ``TrainState.objects``' state dicts
+* ``objects.<name>/<path>`` — the tensors of ``TrainState.objects``' state dicts
   (:mod:`checkpoint.object_state`), replicated.
 
 Replicated keys are identical on every data-parallel rank, so each is written

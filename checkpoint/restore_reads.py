@@ -25,6 +25,7 @@ streaming and read again by DCP.  Runs in the training process, inside
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -33,20 +34,37 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from checkpoint.api import CheckpointStorageError, ObjectEntry, VerifyReport
-from checkpoint.checksums import new_checksum
+from checkpoint.checksums import checksum_buffer
 from checkpoint.flat_state import is_rank_key
 from checkpoint.fsspec_storage import Buffer, Location
 
-__all__ = ["default_budget", "fetch_and_verify", "map_object", "mappable", "planned_objects"]
+__all__ = [
+    "default_budget",
+    "fetch_and_verify",
+    "map_object",
+    "mappable",
+    "planned_objects",
+    "resident_share",
+]
 
 log = logging.getLogger(__name__)
 
 #: Share of the memory available that fetched objects may take when no budget is given.
 DEFAULT_BUDGET_SHARE = 0.5
+
+#: Share of a mapped object's pages that must be in the page cache for its checksum to
+#: run on several cores: one that must come from disk is read in one sequential pass
+#: (two readers of one file defeat the kernel's read-ahead: measured 0.47 s against
+#: 0.8 s for 1 GB from disk, 0.10 s against 0.06 s from the page cache).
+PARALLEL_RESIDENT_SHARE = 0.9
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def default_budget() -> int:
@@ -100,6 +118,20 @@ def map_object(path: str) -> Buffer:
     return mapped
 
 
+def resident_share(mapped: mmap.mmap) -> float:
+    """Share of a mapping's pages that are in the page cache (``mincore``); 1.0 where that
+    cannot be told."""
+    size = len(mapped)
+    if size == 0:
+        return 1.0
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = np.zeros(pages, dtype=np.uint8)
+    address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data  # the mapping's start, no copy
+    if _libc.mincore(address, size, vector.ctypes.data) != 0:
+        return 1.0
+    return float(np.count_nonzero(vector & 1)) / pages
+
+
 def mappable(directory: Location) -> bool:
     """True where objects are mapped: fsspec's own local filesystem (not a subclass of
     it, which may count or change what is read)."""
@@ -151,9 +183,10 @@ def fetch_and_verify(
             data: Buffer = b""
             if mappable(directory) or (obj.path in wanted and obj.size <= left):
                 data = _read_whole(directory, path)
-                crc = new_checksum(algorithm)
-                crc.update(data)
-                size, checksum = len(data), crc.hexdigest()
+                cached = not isinstance(data, mmap.mmap) or (
+                    resident_share(data) >= PARALLEL_RESIDENT_SHARE
+                )
+                size, checksum = checksum_buffer(data, algorithm, threads=None if cached else 1)
                 if obj.path not in wanted:
                     data = b""  # verified only: a mapping is closed when dropped
             else:

@@ -70,6 +70,31 @@ def test_copying_fallback_gives_the_same_checksum(monkeypatch: pytest.MonkeyPatc
     assert direct.hexdigest() == copied.hexdigest() == checksum_hex(data, "crc32c")
 
 
+def test_combined_crc32c_of_two_parts_is_that_of_the_whole() -> None:
+    whole = torch.randint(0, 256, (70_001,), dtype=torch.uint8).numpy().tobytes()
+    for cut in (0, 1, 8, 4095, 65_536, len(whole)):
+        a, b = whole[:cut], whole[cut:]
+        combined = checksums.crc32c_combine(
+            int(checksum_hex(a, "crc32c"), 16), int(checksum_hex(b, "crc32c"), 16), len(b)
+        )
+        assert f"{combined:08x}" == checksum_hex(whole, "crc32c"), cut
+
+
+def test_a_buffer_checksummed_in_pieces_on_threads_equals_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(checksums, "PARALLEL_PIECE_BYTES", 1 << 16)  # pieces at a test's size
+    data = torch.randint(0, 256, ((1 << 18) + 13,), dtype=torch.uint8).numpy().tobytes()
+    one_pass = checksum_hex(data, "crc32c")
+    for threads in (2, 3, 4):
+        assert checksums.checksum_buffer(data, "crc32c", threads) == (len(data), one_pass)
+        view = memoryview(bytearray(data))  # a mapping or a tensor's memory
+        assert checksums.checksum_buffer(view, "crc32c", threads) == (len(data), one_pass)
+    # CRC-32 (older manifests) and small buffers take one pass
+    assert checksums.checksum_buffer(data, "crc32", 4)[1] == checksum_hex(data, "crc32")
+    assert checksums.checksum_buffer(data[:100], "crc32c", 4) == (100, checksum_hex(data[:100]))
+
+
 def test_unknown_algorithm_is_named() -> None:
     with pytest.raises(ValueError, match=r"sha1.*known: crc32, crc32c"):
         new_checksum("sha1")

@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint import Checkpointer, RestoreSource, TrainState
 from checkpoint.checkpointer import OBJECTS_KEY
-from checkpoint.object_state import TensorSlot, join_tensors, split_tensors
+from checkpoint.object_state import TensorSlot, join_tensors, live_object_targets, split_tensors
 
 pytestmark = pytest.mark.unit
 
@@ -158,8 +158,13 @@ def test_object_tensors_are_entries_and_the_pickled_part_holds_none(tmp_path: Pa
     with open(ckpt.root.child(info.name).path(".metadata"), "rb") as f:
         entries = pickle.load(f).state_dict_metadata
     objects = sorted(k for k in entries if k.startswith("objects."))
-    assert objects == ["objects.counter.0", "objects.counter.1", "objects.ema.0", "objects.ema.1"]
-    assert tuple(entries["objects.ema.0"].size) == (8, 8)
+    assert objects == [
+        "objects.counter/history/0",
+        "objects.counter/history/2/0",
+        "objects.ema/bias",
+        "objects.ema/weight",
+    ]
+    assert tuple(entries["objects.ema/weight"].size) == (8, 8)
 
 
 def test_a_checkpoint_with_whole_object_states_in_extra_still_restores(tmp_path: Path) -> None:
@@ -179,9 +184,83 @@ def test_a_checkpoint_with_whole_object_states_in_extra_still_restores(tmp_path:
 def test_split_and_join_keep_structure_and_module_metadata() -> None:
     state = torch.nn.Linear(3, 2).state_dict()
     skeleton, tensors = split_tensors("ema", {"m": state, "t": (1, torch.ones(2))})
-    assert set(tensors) == {"objects.ema.0", "objects.ema.1", "objects.ema.2"}
-    assert skeleton["m"]["weight"] == TensorSlot("objects.ema.0")
+    assert set(tensors) == {"objects.ema/m/weight", "objects.ema/m/bias", "objects.ema/t/1"}
+    assert skeleton["m"]["weight"] == TensorSlot("objects.ema/m/weight")
     assert skeleton["m"]._metadata == state._metadata  # type: ignore[attr-defined]
     joined = join_tensors(skeleton, tensors, "here")
     assert torch.equal(joined["m"]["bias"], state["bias"]) and joined["t"][0] == 1
     assert joined["m"]._metadata == state._metadata
+
+
+def test_keys_name_paths_quoted_and_are_numbered_where_two_paths_would_meet() -> None:
+    t = torch.ones(1)
+    _, tensors = split_tensors("a/b", {"layers.0.weight": t, "x/y": {3: t}})
+    assert set(tensors) == {"objects.a%2Fb/layers.0.weight", "objects.a%2Fb/x%2Fy/3"}
+    _, numbered = split_tensors("o", {0: t, "0": t, "n": t})
+    assert set(numbered) == {"objects.o.0", "objects.o.1", "objects.o.2"}
+    assert live_object_targets({"o": _Holder({0: t, "0": t})}) == {}
+
+
+class _Holder:
+    """A tracked object that keeps the tensors it is given and records them."""
+
+    def __init__(self, state: dict[Any, Any]) -> None:
+        self.state = state
+        self.given: dict[Any, Any] = {}
+
+    def state_dict(self) -> dict[Any, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        self.given = dict(state)
+        self.state = dict(state)
+
+
+def test_object_entries_load_into_the_live_objects_tensors_by_name(tmp_path: Path) -> None:
+    """The same key is the same tensor: entries of equal shape listed in another order
+    land where their names say, straight in the live object's memory; an entry the live
+    object lacks gets memory of its own, one it has and the checkpoint lacks is left."""
+    torch.manual_seed(0)
+    a, b, gone = torch.randn(4, 4), torch.randn(4, 4), torch.randn(3)
+    saving = _state(0)
+    saving.objects = {"h": _Holder({"a": a, "b": b, "gone": gone})}
+    Checkpointer(f"file://{tmp_path}/ckpt").save_now(1, saving)
+
+    live_b, live_a, extra = torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(2)
+    holder = _Holder({"b": live_b, "a": live_a, "extra": extra})  # another order, one new
+    resuming = _state(1)
+    resuming.objects = {"h": holder}
+    assert Checkpointer(f"file://{tmp_path}/ckpt").restore(resuming).step == 1
+    assert torch.equal(holder.given["a"], a) and torch.equal(holder.given["b"], b)
+    assert holder.given["a"].data_ptr() == live_a.data_ptr()  # filled in place
+    assert holder.given["b"].data_ptr() == live_b.data_ptr()
+    assert torch.equal(holder.given["gone"], gone) and "extra" not in holder.given
+    assert torch.equal(extra, torch.zeros(2))
+
+
+def _numbered_split(name: str, state: Any) -> tuple[Any, dict[str, Any]]:
+    """The split of checkpoints written before keys named paths: ``objects.<name>.<n>``."""
+    skeleton, own = split_tensors(name, state)
+    renamed = {k: f"objects.{name}.{n}" for n, k in enumerate(own)}
+    numbered = join_tensors(skeleton, {k: TensorSlot(v) for k, v in renamed.items()}, "here")
+    return numbered, {renamed[k]: v for k, v in own.items()}
+
+
+def test_a_checkpoint_with_numbered_object_keys_still_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = _state(0)
+    with monkeypatch.context() as m:
+        m.setattr("checkpoint.checkpointer.split_tensors", _numbered_split)
+        Checkpointer(f"file://{tmp_path}/ckpt").save_now(1, saved)
+    ckpt = Checkpointer(f"file://{tmp_path}/ckpt")
+    info = ckpt.latest()
+    assert info is not None
+    with open(ckpt.root.child(info.name).path(".metadata"), "rb") as f:
+        assert "objects.ema.0" in pickle.load(f).state_dict_metadata
+    fresh = _state(1)
+    assert ckpt.restore(fresh).step == 1
+    assert _same(saved, fresh)
+    assert torch.equal(
+        fresh.objects["counter"].state["history"][0], saved.objects["counter"].state["history"][0]
+    )

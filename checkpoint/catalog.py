@@ -132,6 +132,11 @@ def open_root(
                     f"{top or root.root} does not exist"
                     + ("" if root.is_local else " or these credentials may not see it")
                 )
+        if root.fs.isfile(root.root):
+            raise CheckpointStorageError(
+                f"{redact(root.url)} is a file, not a checkpoint root: give the directory "
+                "(or prefix) that holds the step-<n>-<token> checkpoint directories"
+            )
     except CheckpointStorageError:
         raise
     except Exception as e:  # botocore and aiohttp errors are not all OSErrors

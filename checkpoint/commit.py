@@ -188,14 +188,23 @@ def inspect_checkpoint(root: Location, name: str) -> CheckpointInfo:
     )
 
 
-def list_checkpoints(root: Location) -> list[CheckpointInfo]:
+def list_checkpoints(root: Location, *, list_unreadable: bool = False) -> list[CheckpointInfo]:
     """Every checkpoint directory under ``root``, committed or not, oldest first.
 
     Order is by step, then by manifest time (uncommitted directories of the
     same step sort first).
 
+    Args:
+        list_unreadable: a directory that cannot be read is listed, as not
+            committed with the error as its problem, instead of failing the
+            whole listing.  For showing a root only: a restore or retention
+            must not take an unreadable checkpoint for one that was never
+            committed (the first would pass over newer work, the second
+            delete it).
+
     Raises:
-        CheckpointStorageError: the root cannot be listed.
+        CheckpointStorageError: the root cannot be listed, or (unless
+            ``list_unreadable``) one of its checkpoint directories cannot be read.
     """
     root.refresh()
     try:
@@ -214,7 +223,12 @@ def list_checkpoints(root: Location) -> list[CheckpointInfo]:
         try:
             infos.append(inspect_checkpoint(root, name))
         except OSError as e:
-            raise CheckpointStorageError(f"cannot read {root.url_of(name)}: {e}") from e
+            if not list_unreadable:
+                raise CheckpointStorageError(f"cannot read {root.url_of(name)}: {e}") from e
+            problem = f"cannot be read ({type(e).__name__}: {e})"
+            step = parse_step_dir(name)
+            assert step is not None
+            infos.append(CheckpointInfo(root.url_of(name), name, step, problem=problem))
     infos.sort(key=lambda i: (i.step, i.manifest.created_at if i.manifest else -1.0, i.name))
     return infos
 

@@ -92,7 +92,7 @@ def list_cmd(url: str, check: bool, as_json: bool, wide: bool) -> None:
     from checkpoint.commit import list_checkpoints
 
     root, _ = open_root(_local_url(url))
-    infos = verify_all(root) if check else list_checkpoints(root)
+    infos = verify_all(root) if check else list_checkpoints(root, list_unreadable=True)
     if as_json:
         for info in infos:
             click.echo(json.dumps(_info_dict(root, info)))

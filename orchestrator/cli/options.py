@@ -26,9 +26,14 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Column, Table
 
-from orchestrator.api import OrchestratorError, SpecError
+from orchestrator.api import EtcdError, OrchestratorError, SpecError
 from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE, EtcdOptions, parse_endpoints
+from orchestrator.etcd.options import (
+    PASSWORD_ENV_VARIABLE,
+    EtcdOptions,
+    host_port,
+    parse_endpoints,
+)
 from orchestrator.keys import InvalidKeySegmentError
 from orchestrator.settings import SETTINGS
 from orchestrator.spec import RendezvousSpec
@@ -179,19 +184,23 @@ def build_etcd_options(
     A password variable named by ``RINGMASTER_ETCD_PASSWORD_ENV`` (what the operator
     gives a job's pods for ``password_env``) serves where no password is given.
     """
-    text = kw.pop("etcd_endpoints", None) or default
+    text = kw.pop("etcd_endpoints", None)
+    source = "--etcd" if _from_command_line("etcd_endpoints") else "RINGMASTER_ETCD"
+    if not text:
+        text, source = default, "the default etcd endpoint"
     ca, cert, key = kw.pop("etcd_ca", None), kw.pop("etcd_cert", None), kw.pop("etcd_key", None)
     user, password = kw.pop("etcd_user", None), kw.pop("etcd_password", None)
     timeout = kw.pop("etcd_timeout", SETTINGS.etcd_connect_timeout.total_seconds())
     named, where = os.environ.get(PASSWORD_ENV_VARIABLE) or None, PASSWORD_ENV_VARIABLE
     if job is not None and not text and job.endpoints:
-        text = ",".join(job.endpoints)
+        text, source = ",".join(job.endpoints), "the job file's rendezvous.endpoints"
         ca, cert, key = ca or job.tls.ca_cert, cert or job.tls.cert, key or job.tls.key
         user = user or job.user
         if job.password_env:
             named, where = job.password_env, "the job file's rendezvous.password_env"
     if not text:
         return None
+    endpoints = _checked_endpoints(text, source)
     if password is None and named:
         password = os.environ.get(named)
         if password is None:
@@ -203,7 +212,7 @@ def build_etcd_options(
             err=True,
         )
     return EtcdOptions(
-        endpoints=parse_endpoints(text),
+        endpoints=endpoints,
         ca_cert=ca,
         cert=cert,
         key=key,
@@ -211,6 +220,20 @@ def build_etcd_options(
         password=password,
         connect_timeout=timedelta(seconds=timeout),
     )
+
+
+def _checked_endpoints(text: str, source: str) -> tuple[str, ...]:
+    """The endpoints of ``text``; a usage error (exit 2) naming ``source`` when one is
+    not ``host:port`` or there are none."""
+    endpoints = parse_endpoints(text)
+    if not endpoints:
+        fail(f"{source} gives no etcd endpoint ({text!r}): give host:port[,host:port...]", 2)
+    for endpoint in endpoints:
+        try:
+            host_port(endpoint)
+        except EtcdError as e:
+            fail(f"{source}: {e} (give host:port[,host:port...])", 2)
+    return endpoints
 
 
 def _from_command_line(param: str) -> bool:

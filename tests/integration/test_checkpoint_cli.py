@@ -330,3 +330,28 @@ def test_verify_of_a_directory_of_another_step_or_none_says_so(tmp_path: Path) -
     missing = step_dir_name(9, "dddddddd")
     result = _cli("checkpoints", "verify", f"{url}/{missing}")
     assert result.exit_code == 1 and f"{missing} does not exist" in result.output, result.output
+
+
+def test_list_shows_a_directory_it_cannot_read_and_every_other_one(tmp_path: Path) -> None:
+    """One checkpoint directory that cannot be read (here its manifest is a directory:
+    reading it fails as a permission error would, which root does not meet) is listed
+    with the error; the others are listed as before.  A restore still refuses to guess."""
+    url = f"file://{tmp_path}"
+    ckpt = _save(url, {}, [2, 4])
+    broken = step_dir_name(6, "0badc0de")
+    (tmp_path / broken / "manifest.json").mkdir(parents=True)
+    result = _cli("checkpoints", "list", url)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if broken in line)
+    assert "not committed: cannot be read (IsADirectoryError" in row, result.output
+    assert sum("not verified" in line for line in result.output.splitlines()) == 2
+    with pytest.raises(Exception, match=f"cannot read .*{broken}"):
+        list_checkpoints(ckpt.root)
+
+
+def test_list_gc_and_verify_of_a_file_say_it_is_not_a_root(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not checkpoints\n")
+    for command in (["list"], ["gc", "--keep", "1"], ["verify"]):
+        result = _cli("checkpoints", *command, f"file://{tmp_path}/notes.txt")
+        assert result.exit_code != 0, (command, result.output)
+        assert "is a file, not a checkpoint root" in result.output, (command, result.output)

@@ -113,3 +113,23 @@ def test_a_job_name_that_cannot_be_a_key_is_one_line(name: str) -> None:
     assert result.exit_code == 2, result.output
     lines = [x for x in result.output.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: job name '{name}' cannot be used")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--etcd", "localhost"], {}, "--etcd: etcd endpoint 'localhost' is not host:port"),
+        (["--etcd", "127.0.0.1:x"], {}, "--etcd: etcd endpoint '127.0.0.1:x' is not host:port"),
+        (["--etcd", ","], {}, "--etcd gives no etcd endpoint"),
+        ([], {"RINGMASTER_ETCD": "a:1,bad"}, "RINGMASTER_ETCD: etcd endpoint 'bad' is not"),
+    ],
+    ids=["no-port", "port-not-a-number", "empty", "env"],
+)
+def test_a_malformed_etcd_endpoint_is_a_usage_error_naming_where_it_came_from(
+    args: list[str], env: dict[str, str], named: str
+) -> None:
+    result = CliRunner().invoke(main, ["status", "demo", *args], env={"COLUMNS": "250", **env})
+    _no_traceback(result)
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), result.output

@@ -45,6 +45,7 @@ __all__ = [
     "StateLostError",
     "StateMismatchError",
     "Stateful",
+    "UnequalSitesError",
     "WorkerEnv",
     "WorkerView",
 ]
@@ -97,6 +98,11 @@ class JobEndedError(AgentError):
 class StateMismatchError(AgentError, ValueError):
     """A state another rank sent does not fit this worker's (the sites or ranks run
     different models): the script's error, not a peer's failure."""
+
+
+class UnequalSitesError(StateMismatchError):
+    """The generation's sites differ in size while the model is sharded in each site:
+    reported, and the controller plans sites of one size (not the script's error)."""
 
 
 @dataclass(frozen=True)

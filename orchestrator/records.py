@@ -18,7 +18,7 @@ The records, by key (see :mod:`orchestrator.keys` for the layout):
 ``nodes/<node>``                :class:`NodeRecord` (leased)
 ``commands/<seq>``              :class:`CommandRecord`
 ``plan``                        :class:`Plan` (of :class:`Member`)
-``checkpoint``                  :class:`CheckpointRecord`
+``checkpoint``                  :class:`CheckpointRecord` (:mod:`orchestrator.checkpoint_record`)
 ``control``                     :class:`ControlRecord`
 ``reports/<gen>/<w>``           :class:`BreakReport`
 ``node-reports/<gen>/<node>``   :class:`NodeBreakReports` (its workers' BreakReports)
@@ -43,6 +43,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_record import (
+    CHECKPOINT_RECORD_KEEPS,
+    CheckpointRecord,
+    CommittedCheckpoint,
+)
 from orchestrator.record_codec import FORMAT, Record, RecordError, decode, read, read_all, write
 
 __all__ = [
@@ -234,6 +239,10 @@ class BreakReport(Record):
     #: row; ``checkpoint``: the checkpoint to resume from cannot be used): the
     #: controller fails the job at once with ``reason``, as a restart meets it again
     fault: str = ""
+    #: the generation's sites differ in size while its model is sharded in each site
+    #: (FSDP2 under a delayed sync): the controller leaves nodes out so that the sites
+    #: are of one size, in that generation and every one after it
+    unequal_sites: bool = False
 
 
 @dataclass
@@ -287,55 +296,6 @@ class AgentCommand(Record):
     #: the process the command is about: a restarted worker is never its target
     pid: int | None = None
     reason: str = ""
-
-
-@dataclass
-class CommittedCheckpoint(Record):
-    """One earlier commit, as :class:`CheckpointRecord` keeps the last few."""
-
-    step: int
-    reason: str
-    at: float
-
-
-#: Earlier commits a checkpoint record keeps: what a controller that was away (none
-#: led the job for a while) turns into the events it missed.
-CHECKPOINT_RECORD_KEEPS = 16
-
-
-@dataclass
-class CheckpointRecord(Record):
-    """The newest committed durable checkpoint, written by rank 0 (fenced).
-
-    ``earlier`` holds the commits before it, oldest first (at most
-    :data:`CHECKPOINT_RECORD_KEEPS`): the record is one key that every commit
-    replaces, and the controller writes each commit's event from it, so one
-    that took over after a time without a leader finds the commits it missed.
-    """
-
-    url: str
-    step: int
-    reason: str
-    at: float
-    earlier: list[CommittedCheckpoint] = field(default_factory=list)
-
-    def after(self, previous: CheckpointRecord | None) -> CheckpointRecord:
-        """This commit as it replaces ``previous``: the earlier commits carried over."""
-        if previous is None or previous.at >= self.at:
-            return self
-        last = CommittedCheckpoint(previous.step, previous.reason, previous.at)
-        kept = [*previous.earlier, last][-CHECKPOINT_RECORD_KEEPS:]
-        return CheckpointRecord(self.url, self.step, self.reason, self.at, kept)
-
-    def unseen(self, seen_at: float | None) -> list[CheckpointRecord]:
-        """The commits after the one last seen (committed at ``seen_at``; None: none was
-        seen), oldest first, each as a record of its own: the earlier ones, then this one."""
-        missed = [
-            CheckpointRecord(self.url, c.step, c.reason, c.at)
-            for c in self.earlier
-            if seen_at is None or c.at > seen_at
-        ]
-        return [*missed, self]
 
 
 @dataclass

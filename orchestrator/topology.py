@@ -48,6 +48,17 @@ class NodeInfo:
         """The node's label values, coarse to fine, for ``label_names``."""
         return tuple(str(self.labels.get(name, "")) for name in label_names)
 
+    def site(self, site_label: str) -> str:
+        """The site of the node under a delayed sync (:func:`site_of`)."""
+        return site_of(self.node_id, self.labels, site_label)
+
+
+def site_of(node_id: str, labels: Mapping[str, str], site_label: str) -> str:
+    """The site a node belongs to under a delayed sync: its ``site_label`` value, or, for a
+    node without it, a site of its own (``node:<id>``).  The workers and the controller
+    both place nodes by this rule."""
+    return str(labels.get(site_label) or f"node:{node_id}")
+
 
 @dataclass(frozen=True)
 class RankSlot:

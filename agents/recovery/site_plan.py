@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agents.api import StateMismatchError
+from agents.api import UnequalSitesError
 from agents.recovery.state_sync import NO_STATE
 from agents.sync.sites import Sites
 
@@ -66,13 +66,15 @@ def check_sites(sites: Sites, label: str) -> None:
     slice ``i``).
 
     Raises:
-        StateMismatchError: (a ``ValueError``) naming each site's size and what to
-            change; the join reports it as the script's error and the job fails.
+        UnequalSitesError: naming each site's size and what to change; the join
+            reports it and the controller leaves nodes out until the sites are of one
+            size (:mod:`orchestrator.controller.site_balance`), or, where no size
+            fits ``nodes.min``, fails the job with this message.
     """
     sizes = {len(r) for r in sites.ranks}
     if len(sizes) > 1:
         each = ", ".join(f"{n}: {len(r)}" for n, r in zip(sites.names, sites.ranks, strict=True))
-        raise StateMismatchError(
+        raise UnequalSitesError(
             f"sharding='fsdp' under a delayed sync shards the model over each site's ranks "
             f"and syncs slice i between the sites' i-th ranks, so the sites must have as "
             f"many ranks each; by {label} they have {each}: give every site as many nodes "

@@ -38,6 +38,7 @@ from agents.api import (
     RecoveryError,
     Stateful,
     StateMismatchError,
+    UnequalSitesError,
     WorkerEnv,
     WorkerView,
 )
@@ -172,10 +173,10 @@ class Generations:
 
     def report(
         self, generation: int, step: int, reason: str, planned: bool, user_error: bool = False,
-        fault: str = "",
+        fault: str = "", unequal_sites: bool = False,
     ) -> None:  # fmt: skip
         """Tell the controller that ``generation`` broke here at ``step`` (best effort)."""
-        report = BreakReport(step, reason, planned, time.time(), user_error, fault)
+        report = BreakReport(step, reason, planned, time.time(), user_error, fault, unequal_sites)
         if self._heartbeat.relay_report(generation, report):
             return  # the node agent wrote it, with its other workers' (agents.node.break_reports)
         try:
@@ -213,9 +214,12 @@ class Generations:
             plan, holds_state = self._await_plan(min_generation, held.step, holds_state)
             try:
                 return self._join(plan, held, holds_state, models)
-            except RecoveryError as e:
+            except (RecoveryError, UnequalSitesError) as e:
                 log.warning("%s", e)
-                self.report(plan.generation, held.step, str(e), False)
+                uneven = isinstance(e, UnequalSitesError)  # the controller evens the sites
+                if uneven:
+                    teardown_group()  # nothing was exchanged: the state held stays
+                self.report(plan.generation, held.step, str(e), False, unequal_sites=uneven)
                 min_generation = plan.generation + 1
             except StorageFaultError as e:  # the job's checkpoints, not a peer: the job fails
                 log.error("%s", e)

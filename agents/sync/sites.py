@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.records import Plan
+from orchestrator.topology import site_of
 
 __all__ = ["Sites"]
 
@@ -34,7 +35,7 @@ class Sites:
         order: list[str] = []
         ranks: dict[str, list[int]] = {}
         for m in plan.members:
-            name = m.labels.get(label) or f"node:{m.node}"
+            name = site_of(m.node, m.labels, label)
             if name not in ranks:
                 order.append(name)
                 ranks[name] = []

@@ -23,6 +23,8 @@ Per job it:
   (:mod:`orchestrator.controller.plans`); scales down to ``nodes.min`` when no
   spare is left and fails the job when fewer than ``nodes.min`` remain for
   ``rendezvous.join_timeout``;
+* keeps the sites of one size, once a worker reported that its model is sharded
+  in each site (:mod:`orchestrator.controller.site_balance`);
 * treats a step that raised an error of the training script's own (a break
   report with ``user_error``, while no member's agent is gone) as the script's
   failure, not a peer's: the job restarts in a new generation up to
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from orchestrator.api import JobPhase
 from orchestrator.controller import breaks
@@ -62,7 +64,8 @@ from orchestrator.controller.actions import (
     Recovered,
 )
 from orchestrator.controller.commands import take_commands
-from orchestrator.controller.hangs import HangWatch, hung_workers
+from orchestrator.controller.hangs import hung_workers
+from orchestrator.controller.memory import Memory
 from orchestrator.controller.plans import (
     is_warm,
     make_plan,
@@ -76,6 +79,7 @@ from orchestrator.controller.plans import (
     topology_ordered,
     trains_again,
 )
+from orchestrator.controller.site_balance import balanced_order
 from orchestrator.controller.world import World, silent_members, workers_of
 from orchestrator.observe.endings import unsaved
 from orchestrator.records import JobStatus, Plan
@@ -85,32 +89,6 @@ from orchestrator.spec import JobSpec, RecoveryMode
 #: After an outage, how long lease expiry and stale heartbeats are not taken as failures
 #: (agents re-register and workers beat again within a lease TTL or two).
 OUTAGE_GRACE = SETTINGS.outage_grace
-
-
-@dataclass
-class Memory:
-    """What the policy remembers between ticks (monotonic times unless said otherwise)."""
-
-    min_reached_at: float | None = None
-    #: generation whose break is being handled, and when its first report was seen
-    break_generation: int | None = None
-    break_seen_at: float = 0.0
-    recovery_started: float | None = None
-    recovery_step: int = 0
-    #: fewer than nodes.min nodes left since then
-    short_since: float | None = None
-    #: silent workers watched, and those told to die for a hang (each told once)
-    hangs: HangWatch = field(default_factory=HangWatch)
-    #: the generation, and its members one of whose workers was killed for a hang:
-    #: they will not report the break, so nobody waits for them
-    hung: tuple[int, frozenset[str]] = (0, frozenset())
-    grace_until: float = 0.0
-    paused_from: JobPhase | None = None
-    silence_seen: tuple[float, float] | None = None
-    #: generations that ended with an error of the training script
-    user_errors: list[int] = field(default_factory=list)
-    #: restart tier: the generation whose first break report was seen, and when
-    reported: tuple[int, float] | None = None
 
 
 @dataclass
@@ -305,6 +283,9 @@ class _Decider:
                     JobPhase.SUCCEEDED, f"finished at step {status.step}{unsaved(status, saved)}"
                 )
             return
+        if any(r.unequal_sites for r in w.reports.values()):
+            self.balance(plan)
+            return
         if w.reports:
             # A member whose agent is gone did not raise anything: its peers' errors
             # came from the collectives it left (one the runtime could not see).
@@ -403,6 +384,22 @@ class _Decider:
         if verdict is not None:
             self.replace(plan, verdict)
 
+    def balance(self, plan: Plan) -> None:
+        """Workers found sites of different sizes for a model sharded in each site."""
+        self.m.equal_sites = True
+        members = [m.node for m in plan.members]
+        order, left_out = balanced_order(self.spec, self.w, members)
+        reason = next(r.reason for r in self.w.reports.values() if r.unequal_sites)
+        if not left_out or len(order) < self.spec.nodes.min:
+            self.phase(JobPhase.FAILED, reason)  # no size fits: the workers said why
+            return
+        spares = [n for n in self.w.nodes if n not in members and self.warm(n)] + left_out
+        why = f"sites of one size for a model sharded in each site: {', '.join(left_out)} wait"
+        self.actions.append(Emit("SitesBalanced", why, {"left_out": left_out}))
+        self.status.spare_nodes = spares
+        self.actions.append(PublishPlan(self.make_plan(plan.generation + 1, order, spares, why)))
+        self.phase(JobPhase.RECOVERING, f"generation {plan.generation + 1}: {why}")
+
     def replace(self, plan: Plan, verdict: breaks.Verdict) -> None:
         failed, why = verdict.failed, verdict.why
         members = [m.node for m in plan.members]
@@ -414,6 +411,9 @@ class _Decider:
         order, swapped, spares = swap_in_spares(self.spec, self.w, plan, failed, spares)
         if self.restart_tier:  # a spare may have no checkpoint to broadcast from
             order = survivor_first(order, members, failed)
+        if self.m.equal_sites:
+            order, left_out = balanced_order(self.spec, self.w, order)
+            spares += left_out
         kept = order
         if len(kept) < self.spec.nodes.min:
             if self.short_too_long(

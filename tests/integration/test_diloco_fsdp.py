@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from agents.sync.schedule import FragmentSchedule
 from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.jobs import plan_resume
@@ -115,6 +116,44 @@ def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) 
     failed = [e for e in result.events if e.type == "Phase" and "Failed" in e.message]
     assert failed and "by zone they have a: 2, b: 1" in failed[-1].message, failed
     assert result.recoveries == 0, summary(result, lines)
+
+
+def test_a_site_that_loses_a_node_with_no_spare_waits_and_the_other_site_trains_on(
+    tmp_path: Path,
+) -> None:
+    """Sites of two nodes of one worker (a: node-0, node-1; b: node-2, node-3), no spare.
+    node-3 is SIGKILLed mid inner period: the next generation's sites would be a: 2,
+    b: 1, which slices cannot be cut for; its workers say so at the join, and the
+    controller leaves site b out (node-2 waits as a warm spare) instead of failing the
+    job, as torchft leaves out a replica group that lost a member.  Site a keeps its own
+    state and trains to the end alone; no step is applied twice and no outer step is
+    lost or applied twice."""
+    lines: list[str] = []
+    sync = {"mode": "diloco", "inner_steps": 10}
+    base = sharded_job("diloco-fsdp-short", tmp_path, "fsdp", nodes=4, nproc=1, steps=STEPS,
+                       step_time=0.02, spares=0, min_nodes=1).to_dict()  # fmt: skip
+    base["sync"] = sync
+    base["entrypoint"]["args"] += ["--hold-at", "15", "--go-file", str(tmp_path / "go")]
+    zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"},
+             "node-3": {"zone": "b"}}  # fmt: skip
+    with quiet_run(load_job_data(base), lines, node_labels=zones) as run:
+        wait_for("a step past the first outer one", lambda: _step(run) >= 12)
+        run.kill_node("node-3")
+        (tmp_path / "go").touch()
+        result = run.wait()
+        status = jobs.read_status(run.client, run.spec.name)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    balanced = [e for e in result.events if e.type == "SitesBalanced"]
+    assert len(balanced) == 1 and balanced[0].data["left_out"] == ["node-2"], result.events
+    assert status is not None and status.active_nodes == ["node-0", "node-1"], status
+    assert "node-2" in status.spare_nodes and status.failed_nodes == ["node-3"], status
+    assert_exactly_once(tmp_path, STEPS)
+    assert not any("had no state" in line for line in lines), summary(result, lines)
+    schedule = FragmentSchedule(10, 1, 0)
+    applied = len(schedule.starts_between(0, STEPS))  # every outer step, once, on site a
+    # (the one at the end may be applied after rank 0's last status write)
+    assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync
+    assert status.sync["last_outer_sync"] >= STEPS - 10, status.sync
 
 
 @pytest.mark.parametrize(

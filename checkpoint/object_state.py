@@ -32,6 +32,7 @@ skeleton, as they always were.  Runs in the training process.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
     "match_object_targets",
     "split_tensors",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Between an object's name and the parts of the path to a tensor in its state dict.
 PATH_SEPARATOR = "/"
@@ -132,7 +135,11 @@ def live_object_targets(objects: Mapping[str, Any]) -> FlatState:
     """
     targets: FlatState = {}
     for name, obj in objects.items():
-        _, tensors, by_path = _split(name, obj.state_dict())
+        try:
+            _, tensors, by_path = _split(name, obj.state_dict())
+        except Exception as e:  # its load_state_dict is what the restore needs: go on
+            log.debug("object %r gives no state dict to restore into: %s", name, e)
+            continue
         if by_path:
             targets.update(tensors)
     return targets

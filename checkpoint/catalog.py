@@ -279,18 +279,19 @@ def _check_named(root: Location, name: str) -> None:
 
 
 def verify_all(root: Location) -> list[CheckpointInfo]:
-    """Verify every committed checkpoint under ``root`` (reads all of them), then list.
+    """Verify every committed checkpoint under ``root`` (reads all of them), then list
+    (a directory that cannot be read listed with the error, as ``list`` does).
 
     Raises:
         CheckpointStorageError: reading, or recording an outcome, failed.
     """
-    for info in list_checkpoints(root):
+    for info in list_checkpoints(root, list_unreadable=True):
         if info.committed:
             try:
                 _verify_and_mark(root.child(info.name))
             except CheckpointCorruptError:
                 pass  # its manifest went meanwhile: the listing below says so
-    return list_checkpoints(root)
+    return list_checkpoints(root, list_unreadable=True)
 
 
 def gc(

@@ -102,7 +102,7 @@ def _split(name: str, state: Any) -> tuple[Any, FlatState, bool]:
     keys = [_path_key(name, p) for p in paths]
     by_path = len(set(keys)) == len(keys)
     if not by_path:
-        keys = [f"{OBJECT_PREFIX}{name}.{n}" for n in range(len(paths))]
+        keys = [f"{OBJECT_PREFIX}{quote(name, safe='.')}.{n}" for n in range(len(paths))]
     key_of = dict(zip(paths, keys, strict=True))
     tensors: FlatState = {}
 
@@ -141,8 +141,14 @@ def live_object_targets(objects: Mapping[str, Any]) -> FlatState:
             log.debug("object %r gives no state dict to restore into: %s", name, e)
             continue
         if by_path:
-            targets.update(tensors)
+            targets.update({k: t for k, t in tensors.items() if _writable_in_place(t)})
     return targets
+
+
+def _writable_in_place(t: torch.Tensor) -> bool:
+    """A tensor a load can copy into: holding data (not ``meta``), not an inference
+    tensor, each element its own memory (an expanded tensor's share it)."""
+    return t.device.type != "meta" and not t.is_inference() and t.is_contiguous()
 
 
 def join_tensors(skeleton: Any, loaded: Mapping[str, Any], where: str) -> Any:

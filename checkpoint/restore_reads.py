@@ -118,9 +118,16 @@ def map_object(path: str) -> Buffer:
     return mapped
 
 
-def resident_share(mapped: mmap.mmap) -> float:
-    """Share of a mapping's pages that are in the page cache (``mincore``); 1.0 where that
-    cannot be told."""
+def resident_share(mapped: mmap.mmap, path: str) -> float:
+    """Share of the pages of ``path``'s mapping that are in the page cache (``mincore``);
+    0.0 where that cannot be told (Linux tells only for a file the process owns or could
+    write, and says "all resident" for the others)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0.0
+    if os.geteuid() not in (0, st.st_uid) and not os.access(path, os.W_OK):
+        return 0.0
     size = len(mapped)
     if size == 0:
         return 1.0
@@ -128,7 +135,7 @@ def resident_share(mapped: mmap.mmap) -> float:
     vector = np.zeros(pages, dtype=np.uint8)
     address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data  # the mapping's start, no copy
     if _libc.mincore(address, size, vector.ctypes.data) != 0:
-        return 1.0
+        return 0.0
     return float(np.count_nonzero(vector & 1)) / pages
 
 
@@ -184,7 +191,7 @@ def fetch_and_verify(
             if mappable(directory) or (obj.path in wanted and obj.size <= left):
                 data = _read_whole(directory, path)
                 cached = not isinstance(data, mmap.mmap) or (
-                    resident_share(data) >= PARALLEL_RESIDENT_SHARE
+                    resident_share(data, path) >= PARALLEL_RESIDENT_SHARE
                 )
                 size, checksum = checksum_buffer(data, algorithm, threads=None if cached else 1)
                 if obj.path not in wanted:

@@ -218,7 +218,7 @@ class Generations:
                 log.warning("%s", e)
                 uneven = isinstance(e, UnequalSitesError)  # the controller evens the sites
                 if uneven:
-                    teardown_group()  # nothing was exchanged: the state held stays
+                    teardown_group()  # nothing was exchanged: the state held is whole
                 self.report(plan.generation, held.step, str(e), False, unequal_sites=uneven)
                 min_generation = plan.generation + 1
             except StorageFaultError as e:  # the job's checkpoints, not a peer: the job fails

@@ -145,7 +145,9 @@ class JobController:
         self.memory = decision.memory
         self.status = decision.status
         actions = decision.actions
-        actions += decide_stragglers(self.spec, self.stragglers, self.status, world, actions)
+        actions += decide_stragglers(
+            self.spec, self.stragglers, self.status, world, actions, self.memory.equal_sites
+        )
         self._apply(actions, world)
         if world.plan is not None and not any(isinstance(a, PublishPlan) for a in actions):
             plan: Plan | None = world.plan

@@ -388,13 +388,15 @@ class _Decider:
         """Workers found sites of different sizes for a model sharded in each site."""
         self.m.equal_sites = True
         members = [m.node for m in plan.members]
-        order, left_out = balanced_order(self.spec, self.w, members)
+        there = [n for n in members if n in self.w.nodes and n not in self.w.agents_gone]
+        order, left_out = balanced_order(self.spec, self.w, there)
         reason = next(r.reason for r in self.w.reports.values() if r.unequal_sites)
-        if not left_out or len(order) < self.spec.nodes.min:
+        if order == members or len(order) < self.spec.nodes.min:
             self.phase(JobPhase.FAILED, reason)  # no size fits: the workers said why
             return
         spares = [n for n in self.w.nodes if n not in members and self.warm(n)] + left_out
-        why = f"sites of one size for a model sharded in each site: {', '.join(left_out)} wait"
+        why = "sites of one size for a model sharded in each site"
+        why += f": {', '.join(left_out)} wait" if left_out else ""
         self.actions.append(Emit("SitesBalanced", why, {"left_out": left_out}))
         self.status.spare_nodes = spares
         self.actions.append(PublishPlan(self.make_plan(plan.generation + 1, order, spares, why)))

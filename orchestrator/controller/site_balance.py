@@ -26,16 +26,21 @@ __all__ = ["balance_sites", "balanced_order"]
 def balanced_order(
     spec: JobSpec, world: World, order: Sequence[str]
 ) -> tuple[list[str], list[str]]:
-    """:func:`balance_sites` of the nodes ``order`` names, by the job's ``sync.site_label``."""
+    """:func:`balance_sites` of the nodes ``order`` names, by the job's ``sync.site_label``,
+    keeping ``nodes.min`` nodes where a size does."""
     infos = [node_info(spec, world, n) for n in order]
-    return balance_sites(infos, spec.sync.site_label)
+    return balance_sites(infos, spec.sync.site_label, spec.nodes.min)
 
 
-def balance_sites(order: Sequence[NodeInfo], site_label: str) -> tuple[list[str], list[str]]:
+def balance_sites(
+    order: Sequence[NodeInfo], site_label: str, min_nodes: int = 1
+) -> tuple[list[str], list[str]]:
     """``order``'s nodes split into (members in ``order``'s order, nodes left out) so that
     every site (the nodes sharing ``site_label``) of the members has as many ranks.
 
-    Nothing is left out where the sites are of one size already.
+    Sizes that keep at least ``min_nodes`` nodes come first (nodes may run different
+    numbers of workers: the most ranks may be the fewest nodes).  Nothing is left out
+    where the sites are of one size already.
     """
     if not order:
         return [], []
@@ -50,7 +55,12 @@ def balance_sites(order: Sequence[NodeInfo], site_label: str) -> tuple[list[str]
             sums.append(total)
         reach[name] = sums
     sizes = {size for sums in reach.values() for size in sums}
-    best = max(sizes, key=lambda size: (size * sum(size in s for s in reach.values()), size))
+
+    def rank(size: int) -> tuple[bool, int, int]:
+        nodes = sum(sums.index(size) + 1 for sums in reach.values() if size in sums)
+        return nodes >= min_nodes, size * sum(size in s for s in reach.values()), size
+
+    best = max(sizes, key=rank)
     kept: set[str] = set()
     for name, nodes in sites.items():
         if best in reach[name]:

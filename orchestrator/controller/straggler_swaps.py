@@ -33,7 +33,13 @@ import math
 
 from orchestrator.api import JobPhase
 from orchestrator.controller.actions import Action, Emit, ProbeLinks, PublishPlan, ReleaseNode
-from orchestrator.controller.plans import is_warm, make_plan, swap_in_spares, topology_ordered
+from orchestrator.controller.plans import (
+    is_warm,
+    make_plan,
+    node_info,
+    swap_in_spares,
+    topology_ordered,
+)
 from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.controller.stragglers import Straggler, StragglerWatch
 from orchestrator.controller.world import World
@@ -48,9 +54,12 @@ DEFAULT_SWAP_COST_S = 2.0
 
 
 def decide_stragglers(
-    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, actions: list[Action]
-) -> list[Action]:
-    """This tick's actions about slow nodes (``actions``: what the policy decided)."""
+    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, actions: list[Action],
+    equal_sites: bool = False,
+) -> list[Action]:  # fmt: skip
+    """This tick's actions about slow nodes (``actions``: what the policy decided;
+    ``equal_sites``: the sites must stay of one size, so a swap takes a spare of the
+    straggler's own site: :mod:`orchestrator.controller.site_balance`)."""
     out = _releases(watch, world, actions)
     plan = world.plan
     config = spec.fault_tolerance.stragglers
@@ -87,7 +96,7 @@ def decide_stragglers(
     status.stragglers = {n: round(s.slowdown, 2) for n, s in sorted(watch.flagged.items())}
     status.quarantined = sorted(watch.quarantined)
     if config.action is StragglerAction.SWAP:
-        out += _swap(spec, watch, status, world, plan)
+        out += _swap(spec, watch, status, world, plan, equal_sites)
     return out
 
 
@@ -160,8 +169,9 @@ def _releases(watch: StragglerWatch, world: World, actions: list[Action]) -> lis
 
 
 def _swap(
-    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, plan: Plan
-) -> list[Action]:
+    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, plan: Plan,
+    equal_sites: bool,
+) -> list[Action]:  # fmt: skip
     """A warm spare in the slowest straggler's slot, when that pays (else why not, once)."""
     members = [m.node for m in plan.members]
     slow = sorted((s for n, s in watch.flagged.items() if n in members),
@@ -175,6 +185,9 @@ def _swap(
         for n in topology_ordered(spec, world, list(world.nodes))
         if n not in members and n not in watch.quarantined and is_warm(spec, world, n, False)
     ]
+    if equal_sites:  # a spare of another site would leave the sites of two sizes
+        site = node_info(spec, world, node).site(spec.sync.site_label)
+        spares = [n for n in spares if node_info(spec, world, n).site(spec.sync.site_label) == site]
     if not spares:
         return _kept(watch, node, "no warm spare to take its slot: reported only")
     lost = watch.lost.get(node, 0.0)

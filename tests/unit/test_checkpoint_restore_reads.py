@@ -264,3 +264,20 @@ def test_a_checkpoint_with_numbered_object_keys_still_restores(
     assert torch.equal(
         fresh.objects["counter"].state["history"][0], saved.objects["counter"].state["history"][0]
     )
+
+
+def test_tensors_that_cannot_be_written_in_place_get_memory_of_their_own(tmp_path: Path) -> None:
+    """An expanded tensor (its elements share memory) and an inference tensor cannot be
+    loaded into: their entries are restored into new memory, as before."""
+    saving = _state(0)
+    saving.objects = {"h": _Holder({"wide": torch.arange(4.0), "inf": torch.ones(3)})}
+    Checkpointer(f"file://{tmp_path}/ckpt").save_now(1, saving)
+    with torch.inference_mode():
+        inference = torch.zeros(3)
+    holder = _Holder({"wide": torch.zeros(1).expand(4), "inf": inference})
+    assert live_object_targets({"h": holder}) == {}
+    resuming = _state(1)
+    resuming.objects = {"h": holder}
+    assert Checkpointer(f"file://{tmp_path}/ckpt").restore(resuming).step == 1
+    assert torch.equal(holder.given["wide"], torch.arange(4.0))
+    assert torch.equal(holder.given["inf"], torch.ones(3))

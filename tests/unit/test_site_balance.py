@@ -48,6 +48,15 @@ def test_the_size_that_keeps_the_most_ranks_wins_the_larger_on_a_tie(
     assert got == (kept, left_out)
 
 
+def test_a_size_that_keeps_nodes_min_nodes_comes_first() -> None:
+    # a and b run 4 workers on one node, c and d 1 on each of two: size 4 keeps the most
+    # ranks (8) on 2 nodes, size 2 keeps 4 ranks on 4 nodes
+    ZONES.update({"c1": "c", "c2": "c", "d1": "d", "d2": "d"})
+    nodes = _nodes("a1", "b1", "c1", "c2", "d1", "d2", slots={"a1": 4, "b1": 4})
+    assert balance_sites(nodes, "zone", 2) == (["a1", "b1"], ["c1", "c2", "d1", "d2"])
+    assert balance_sites(nodes, "zone", 3) == (["c1", "c2", "d1", "d2"], ["a1", "b1"])
+
+
 def test_ranks_count_not_nodes() -> None:
     # a1 runs 2 workers, b1 and b2 one each: both sites have 2 ranks
     assert balance_sites(_nodes("a1", "b1", "b2", slots={"a1": 2}), "zone") == (
@@ -114,3 +123,12 @@ def test_uneven_sites_that_no_size_fits_under_nodes_min_fail_the_job_with_the_re
     run.tick(_zoned(["a1", "a2", "b1"], _plan(1, "a1", "a2", "b1"), reports={"a1-0": _uneven()}))
     assert run.plans() == [] and run.status.phase is JobPhase.FAILED
     assert run.status.message == "the sites must have as many ranks each"
+
+
+def test_a_member_gone_meanwhile_is_not_planned_again() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=3, spares=0))
+    world = _zoned(["a1", "a2", "b1"], _plan(1, "a1", "a2", "b1"), reports={"b1-0": _uneven()})
+    world.dead = {"a2"}  # its agent refused a probe after the group formed
+    run.tick(world)
+    (even,) = run.plans()
+    assert _order(even) == ["a1", "b1"] and run.status.phase is JobPhase.RECOVERING

@@ -114,6 +114,20 @@ def without_a_spare_the_straggler_keeps_its_slot_said_once() -> None:
     assert decide_stragglers(_spec(), watch, _status(), world, []) == []
 
 
+def with_sites_of_one_size_a_straggler_takes_a_spare_of_its_own_site_only() -> None:
+    # a model sharded in each site: a spare of another site would leave them uneven
+    world = _world("a", "b", "c")
+    for n, zone in (("a", "x"), ("b", "y"), ("c", "x")):
+        world.nodes[n].labels = {"zone": zone}
+    kept = decide_stragglers(_spec(), _slow_b(), _status(), world, [], equal_sites=True)
+    assert not [a for a in kept if isinstance(a, PublishPlan)]
+    assert _emitted(kept, "StragglerKept")
+    world.nodes["c"].labels = {"zone": "y"}
+    swapped = decide_stragglers(_spec(), _slow_b(), _status(), world, [], equal_sites=True)
+    (publish,) = [a for a in swapped if isinstance(a, PublishPlan)]
+    assert [m.node for m in publish.plan.members] == ["a", "c"]
+
+
 def a_swap_that_does_not_pay_is_not_made() -> None:
     # 20 steps left at 10 steps/s, 2x slow: 1 s saved, against a 2 s cost
     watch, world = _slow_b(), _world("a", "b", "c")
@@ -185,6 +199,7 @@ SCENARIOS: list[Callable[[], None]] = [
     a_straggler_is_swapped_for_a_warm_spare_and_quarantined,
     a_swap_waits_until_the_straggler_has_cost_the_job_confirm,
     without_a_spare_the_straggler_keeps_its_slot_said_once,
+    with_sites_of_one_size_a_straggler_takes_a_spare_of_its_own_site_only,
     a_swap_that_does_not_pay_is_not_made,
     report_only_never_swaps,
     nothing_is_decided_while_the_policy_changes_the_group,

@@ -3,13 +3,15 @@
 For each size given (``--sizes 0.1 0.5 1 2``, decimal GB of total state:
 parameters, Adam's two moments and an EMA copy of the parameters, all fp32;
 ``examples/train_wide.py``), one job runs on 127.0.0.1 as ``recovery.py``
-runs its in-process row: ``LocalRun`` with 2 active nodes and 1 warm spare,
-one active node (agent and worker) SIGKILLed once the job has completed
-``KILL_AT`` steps.  The spare's worker receives the whole state from the
-survivor.  Once the recovery record is written (the new generation completed
-a step) the job's processes are ended: it has no end of its own and saves
-nothing.  One compute thread per worker (``OMP_NUM_THREADS=1``): three
-workers share the machine's cores.  Per size:
+runs its in-process row: ``LocalRun`` with 2 active nodes (``--nodes``: a row
+for each count given) and 1 warm spare, one active node (agent and worker)
+SIGKILLed once the job has completed ``KILL_AT`` steps.  The spare's worker
+receives the whole state from the survivor; with two survivors or more, each
+sends it a share of the model and optimizer (whole tensors, balanced by bytes)
+and the first the rest, all at once.  Once the recovery record is written
+(the new generation completed a step) the job's processes are ended: it has
+no end of its own and saves nothing.  One compute thread per worker
+(``OMP_NUM_THREADS=1``): the workers share the machine's cores.  Per size:
 
 * seconds from the SIGKILL to the next completed step of the new generation,
   split into the recovery record's phases (the controller's
@@ -93,13 +95,14 @@ TARGETS = {
 }
 
 
-def memory_needed(state_bytes: float) -> int:
-    """Bytes a job of ``state_bytes`` needs free (see :data:`MEMORY_FACTOR`)."""
-    return int(MEMORY_FACTOR * state_bytes) + MEMORY_SPARE_BYTES
+def memory_needed(state_bytes: float, nodes: int = 2) -> int:
+    """Bytes a job of ``state_bytes`` on ``nodes`` active nodes needs free (see
+    :data:`MEMORY_FACTOR`; each active node past two adds 2.5 states)."""
+    return int((MEMORY_FACTOR + 2.5 * (nodes - 2)) * state_bytes) + MEMORY_SPARE_BYTES
 
 
 def run_heal(
-    tmp: Path, size_gb: float, layers: int, checksum: bool, verbose: bool = False
+    tmp: Path, size_gb: float, layers: int, checksum: bool, verbose: bool = False, nodes: int = 2
 ) -> dict[str, Any]:
     """One job at ``size_gb``: kill a node, read the recovery record and the workers'
     reports.  Returns the row's heal figures (no limit yet)."""
@@ -112,13 +115,13 @@ def run_heal(
     args = ["--state-gb", str(size_gb), "--layers", str(layers), "--report", str(reports)]
     spec = load_job_data(
         {
-            "name": f"heal-{str(size_gb).replace('.', '-')}",
+            "name": f"heal-{str(size_gb).replace('.', '-')}-{nodes}",
             "entrypoint": {
                 "script": str(REPO / "examples" / "train_wide.py"),
                 "args": [*args, *(["--checksum"] if checksum else [])],
                 "env": {"OMP_NUM_THREADS": "1"},
             },
-            "nodes": {"min": 2, "max": 2, "spares": 1},
+            "nodes": {"min": nodes, "max": nodes, "spares": 1},
             "max_steps": MAX_STEPS,
             # nothing is saved; a job never resumes from a checkpoint another one left
             "checkpoint": {"url": f"file://{tmp}/checkpoints"},
@@ -168,9 +171,10 @@ def _heal_figures(
     healed = [(r, h) for r in figures if (h := heal_of(r)) is not None]
     receivers = [(r, h) for r, h in healed if r["generations"][0] == record.generation]
     senders = [(r, h) for r, h in healed if r["generations"][0] < record.generation]
-    assert len(receivers) == 1 and len(senders) == 1, (
-        f"expected one survivor and one receiver in generation {record.generation}: {figures}"
+    assert len(receivers) == 1 and senders, (
+        f"expected survivors and one receiver in generation {record.generation}: {figures}"
     )
+    # the first survivor's figures (rank order): with two or more, each sent a share
     (receiver, r_heal), (sender, s_heal) = receivers[0], senders[0]
     phases = record.phases
     state = int(sender["state_bytes"])
@@ -180,6 +184,7 @@ def _heal_figures(
         "width": sender["width"],
         "layers": sender["layers"],
         "state_bytes": state,
+        "survivors": len(senders),
         "receiver_state_bytes": int(receiver["state_bytes"]),
         "bytes_moved": state,
         "bytes_moved_from": "the tracked state's tensor bytes (not counted on the wire)",
@@ -244,7 +249,8 @@ def _print_row(row: dict[str, Any]) -> None:
         return
     mb = row["bytes_moved"] / 1e6
     print(
-        f"{row['state_gb']:g} GB ({mb:.1f} MB moved, computed from the state): "
+        f"{row['state_gb']:g} GB, {row['survivors']} survivor(s) "
+        f"({mb:.1f} MB moved, computed from the state): "
         f"{row['next_step_s']:.2f}s to the next step = detect {row['detect_s']:.2f}s + "
         f"rendezvous {row['rendezvous_s']:.2f}s + restore {row['restore_s']:.2f}s + "
         f"first step {row['first_step_s']:.2f}s"
@@ -295,11 +301,16 @@ def main() -> None:
     parser.add_argument(
         "--checksum", action="store_true", help="compare the receiver's state with the sender's"
     )
+    parser.add_argument(
+        "--nodes", type=int, nargs="+", default=[2],
+        help="active nodes of each job (a row each; the survivors of 3 or more each send "
+        "the spare a share of the model and optimizer)",
+    )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="print the jobs' output")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for size in args.sizes:
-        skipped = skipped_for_memory(size, memory_needed(size * 1e9))
+    for size, nodes in [(size, n) for size in args.sizes for n in args.nodes]:
+        skipped = skipped_for_memory(size, memory_needed(size * 1e9, nodes))
         if skipped is not None:
             row: dict[str, Any] = skipped
         else:
@@ -307,7 +318,7 @@ def main() -> None:
             # the rest after it (at the bytes it moved)
             before = _wire_limit.transfers(int(size * 1e9), args.limit_rounds // 2)
             with tempfile.TemporaryDirectory() as tmp:
-                row = run_heal(Path(tmp), size, args.layers, args.checksum, args.verbose)
+                row = run_heal(Path(tmp), size, args.layers, args.checksum, args.verbose, nodes)
             after = _wire_limit.transfers(
                 row["bytes_moved"], args.limit_rounds - args.limit_rounds // 2
             )
@@ -319,7 +330,7 @@ def main() -> None:
         json.dumps(
             {
                 "sizes_gb": args.sizes,
-                "nodes": 2,
+                "nodes": args.nodes,
                 "spares": 1,
                 "transport": "gloo on 127.0.0.1",
                 "checksum": args.checksum,

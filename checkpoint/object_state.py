@@ -16,7 +16,10 @@ the state dict saved and in the live object's.  A restore therefore loads
 each entry straight into the live object's own tensor where the two agree in
 shape and dtype (:func:`live_object_targets`): an EMA copy of the weights is
 filled in place, with no new memory and no second copy, and its
-``load_state_dict`` then copies each tensor onto itself (a no-op).  Entries
+``load_state_dict`` then copies each tensor onto itself (a no-op); a load that
+fails after the checkpoint verified leaves them filled, as it leaves the
+model's parameters.  A tensor a load cannot write (``meta``, an inference
+tensor, an expanded one) is left alone.  Entries
 the live object lacks, or holds in another shape, are allocated from the
 checkpoint's metadata (:func:`match_object_targets`); the object's
 ``load_state_dict`` decides what to make of them.

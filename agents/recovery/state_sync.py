@@ -85,6 +85,7 @@ def sync_state(
     restore: Any,
     group: dist.ProcessGroup | None = None,
     data_group: dist.ProcessGroup | None = None,
+    shared: Callable[[tuple[Any, ...]], bool] | None = None,
 ) -> SyncResult:
     """Make every rank hold the freshest live state.
 
@@ -97,6 +98,10 @@ def sync_state(
             a part of the ranks syncs among itself.
         data_group: the group device tensors travel on (None: the default group):
             the same ranks as ``group``, on the data backend.
+        shared: whether the tensor at a path of the captured state is the same on
+            every rank at one step (a DDP model's parameters and optimizer state):
+            every rank at the most advanced step then sends a share of those host
+            tensors, at once (:func:`broadcast_state`'s ``helpers``).
 
     Returns:
         The decision; ``step == NO_STATE`` when no rank has state (a fresh job).
@@ -111,21 +116,28 @@ def sync_state(
     members = [r if group is None else dist.get_global_rank(group, r) for r in range(len(steps))]
     behind_ranks = [members[r] for r, s in enumerate(steps) if s != best]
     behind = rank in behind_ranks
+    helpers = [m for m, s in zip(members, steps, strict=True) if s == best and m != src]
+    if shared is None:
+        helpers = []
     started = time.perf_counter()
     state = broadcast_state(
-        capture if rank == src else None,
+        capture if rank == src or rank in helpers else None,
         src,
         group,
         receivers=behind_ranks,
         data_group=data_group,
         # a fresh process has nothing to lose: its own tensors take the bytes
         into=capture() if behind and my_step == NO_STATE else None,
+        helpers=helpers,
+        shared=shared,
     )
     if behind:
         restore(state)
-    log.info(
-        "state synced from rank %d at step %d to ranks %s in %.2fs (steps seen %s)",
+    log.log(
+        logging.WARNING if rank == src else logging.INFO,  # one line per sync in the output
+        "state synced from rank %d%s at step %d to ranks %s in %.2fs (steps seen %s)",
         src,
+        f" and ranks {helpers}, each a share of what they hold alike," if helpers else "",
         best,
         behind_ranks,
         time.perf_counter() - started,
@@ -224,6 +236,8 @@ def broadcast_state(
     data_group: dist.ProcessGroup | None = None,
     into: Any = None,
     chunk_bytes: int = tensor_stream.CHUNK_BYTES,
+    helpers: Sequence[int] = (),
+    shared: Callable[[tuple[Any, ...]], bool] | None = None,
 ) -> Any:
     """Send the source's captured state to ``receivers``: collective on ``group``.
 
@@ -246,6 +260,14 @@ def broadcast_state(
             source's instead of allocating one (it is left part-written if the
             transfer fails).
         chunk_bytes: the most bytes of one message (and of a staging buffer).
+        helpers: other ranks that hold the same state (``capture`` given there too):
+            the host tensors ``shared`` says are the same everywhere are sent a share
+            by each of them and the source at once, whole tensors balanced by bytes
+            (:func:`~agents.recovery.tensor_stream.transfer_from`); the rest, and
+            every device tensor, come from the source.  A helper whose tensors do not
+            match the source's in shape, dtype and device sends none.
+        shared: whether the tensor at a path (keys and indices) of the state is the
+            same on the source and every helper.
 
     Returns:
         On the source, its captured state (its own tensors); on a receiver, the
@@ -254,16 +276,21 @@ def broadcast_state(
     rank = dist.get_rank()
     if receivers is None:
         receivers = [r for r in range(dist.get_world_size()) if r != src]
-    header: list[Any] = [None]
+    header: list[Any] = [None, None]
     state, tensors = None, None
-    if rank == src:
-        assert capture is not None, "the source rank captures its state"
+    helping = rank in helpers and bool(receivers)
+    if rank == src or helping:
+        assert capture is not None, "the source and its helpers capture their state"
         state = capture()
         skeleton, tensors = split_tensors(state)
-        header = [skeleton]
+        common = _shared_slots(state, shared) if helpers and shared is not None else []
+        header = [skeleton, common]
     dist.broadcast_object_list(header, src=src, group=group)
-    skeleton = header[0]
+    skeleton, common = header
     slots = slots_of(skeleton)
+    owners = _owners(slots, common, src, helpers, tensors, group) if common and receivers else {}
+    if helping:
+        state = None  # a helper sends its share and takes nothing
     receiving = rank in receivers
     if receiving:
         found: dict[int, torch.Tensor] = {}
@@ -285,14 +312,69 @@ def broadcast_state(
             if device_route  # the data backend (NCCL on GPUs) broadcasts device tensors
             else tensor_stream.Route(group, False, torch.device("cpu"))
         )
-        tensor_stream.transfer(
-            [tensors[i] for i in chosen] if tensors is not None else None,
+        senders = [owners.get(i, src) for i in chosen]
+        party = rank in senders or receiving or (device_route and rank == src)
+        tensor_stream.transfer_from(
+            senders,
+            [tensors[i] for i in chosen] if tensors is not None and party else None,
             [slots[i].nbytes for i in chosen],
-            src,
             receivers,
             route,
             chunk_bytes,
         )
     if rank == src:
         return state
+    if helping:
+        return None
     return join_tensors(skeleton, tensors) if tensors is not None else None
+
+
+def _tensor_paths(x: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path (keys and indices) of each tensor of ``x``, in :func:`split_tensors`' order."""
+    if isinstance(x, torch.Tensor):
+        return [path]
+    if isinstance(x, dict):
+        return [p for k, v in x.items() for p in _tensor_paths(v, (*path, k))]
+    if isinstance(x, (list, tuple)):
+        return [p for i, v in enumerate(x) for p in _tensor_paths(v, (*path, i))]
+    return []
+
+
+def _shared_slots(state: Any, shared: Callable[[tuple[Any, ...]], bool] | None) -> list[int]:
+    """The slots (tensor indices) of host tensors ``shared`` says every helper holds too."""
+    if shared is None:
+        return []
+    _, tensors = split_tensors(state)
+    paths = _tensor_paths(state)
+    return [i for i, p in enumerate(paths) if shared(p) and tensors[i].device.type == "cpu"]
+
+
+def _owners(
+    slots: Sequence[_TensorSlot],
+    common: Sequence[int],
+    src: int,
+    helpers: Sequence[int],
+    mine: Sequence[torch.Tensor] | None,
+    group: dist.ProcessGroup | None,
+) -> dict[int, int]:
+    """Which rank sends each slot of ``common``: the source and every helper whose tensors
+    match the source's, each a share of the bytes (largest tensors first, each to the
+    sender with the fewest bytes so far).  Collective on ``group`` (one small gather)."""
+    rank = dist.get_rank()
+    fits = rank in helpers and mine is not None and all(
+        i < len(mine)
+        and tuple(mine[i].shape) == slots[i].shape
+        and mine[i].dtype == slots[i].dtype
+        and mine[i].device.type == slots[i].device_type
+        for i in common
+    )  # fmt: skip
+    told: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, (rank, fits), group=group)
+    senders = [src] + [r for r, ok in told if ok and r in helpers]
+    load = dict.fromkeys(senders, 0)
+    owners: dict[int, int] = {}
+    for i in sorted(common, key=lambda i: (-slots[i].nbytes, i)):
+        owner = min(senders, key=lambda r: (load[r], senders.index(r)))
+        owners[i] = owner
+        load[owner] += slots[i].nbytes
+    return owners

@@ -37,8 +37,10 @@ __all__ = [
     "IN_FLIGHT",
     "Route",
     "Run",
+    "interleaved_runs",
     "runs",
     "transfer",
+    "transfer_from",
 ]
 
 #: The most bytes one message carries (a direct slice or a packed run).  64 MiB
@@ -147,38 +149,89 @@ def transfer(
     Returns:
         The bytes this rank sent (to each receiver) or received; 0 on a bystander.
     """
+    return transfer_from([src] * len(sizes), tensors, sizes, receivers, route, chunk_bytes)
+
+
+def interleaved_runs(
+    owners: Sequence[int], sizes: Sequence[int], chunk_bytes: int
+) -> list[tuple[Run, int]]:
+    """The messages of tensors sent by several ranks: each owner's tensors cut as
+    :func:`runs` cuts them (a packed run holds one owner's tensors only), the owners'
+    runs taken in turn so that every sender is busy at once; ``(run, its sender)``.
+    """
+    by_owner: dict[int, list[Run]] = {}
+    for owner in dict.fromkeys(owners):
+        mine = [i for i, o in enumerate(owners) if o == owner]
+        cut = runs([sizes[i] for i in mine], chunk_bytes)
+        by_owner[owner] = [
+            Run(tuple((mine[i], a, b) for i, a, b in r.pieces), r.direct) for r in cut
+        ]
+    out: list[tuple[Run, int]] = []
+    queues = [(owner, collections.deque(rs)) for owner, rs in by_owner.items()]
+    while any(q for _, q in queues):
+        for owner, q in queues:
+            if q:
+                out.append((q.popleft(), owner))
+    return out
+
+
+def transfer_from(
+    owners: Sequence[int],
+    tensors: Sequence[torch.Tensor] | None,
+    sizes: Sequence[int],
+    receivers: Sequence[int],
+    route: Route,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> int:
+    """:func:`transfer` where tensor ``i`` is sent by rank ``owners[i]``: several ranks that
+    hold the same tensors each send a share at once (point to point only: a broadcast
+    has one source).
+
+    Args:
+        owners: each tensor's sender, the same on every rank.
+        tensors: on a sender, its tensors (those it does not send may be anything);
+            on a receiver, the tensors to fill; on any other rank, None.
+
+    Returns:
+        The bytes this rank sent (to each receiver) or received; 0 on a bystander.
+    """
     rank = dist.get_rank()
-    sending, receiving = rank == src, rank in receivers
+    sending, receiving = rank in owners, rank in receivers
+    if route.broadcast and len(set(owners)) > 1:
+        raise ValueError("a broadcast has one source: several senders go point to point")
     if not (sending or receiving or route.broadcast):
         return 0  # point to point: nothing passes through this rank
     if (sending or receiving) != (tensors is not None):
         raise ValueError(f"rank {rank}: tensors given to a bystander, or none to a party")
     if receiving and not all(t.is_contiguous() for t in tensors or ()):
         raise ValueError("a receiver's tensors must be contiguous: their bytes are filled")
-    plan = runs(sizes, chunk_bytes)
+    plan = interleaved_runs(owners, sizes, chunk_bytes)
+    if not (receiving or route.broadcast):
+        plan = [(run, src) for run, src in plan if src == rank]  # a sender's own share
 
     def staged(run: Run) -> bool:
         """Whether the run goes through a staging buffer on this rank."""
         return not run.direct or tensors is None or tensors[run.pieces[0][0]].device != route.device
 
     sources = _Sources(tensors if sending and tensors is not None else ())
-    staging = _Staging(max((r.nbytes for r in plan if staged(r)), default=0), route.device)
+    staging = _Staging(max((r.nbytes for r, _ in plan if staged(r)), default=0), route.device)
     pending: collections.deque[_Posted] = collections.deque()
-    for run in plan:
+    for run, src in plan:
         if len(pending) >= IN_FLIGHT:
             pending.popleft().finish()
+        mine = rank == src
         slot = None
         if staged(run):
             slot, buf = staging.take(pending)
             view = buf[: run.nbytes]
-            if sending:
+            if mine:
                 sources.pack(run, view)
         else:  # straight from, or into, the tensor's own memory
             assert tensors is not None
             i, start, stop = run.pieces[0]
-            whole = sources.bytes_of(i) if sending else byte_view(tensors[i])
+            whole = sources.bytes_of(i) if mine else byte_view(tensors[i])
             view = whole[start:stop]
-        posted = _Posted(_post(view, sending, src, receivers, route), view)
+        posted = _Posted(_post(view, mine, src, receivers, route), view)
         if receiving and slot is not None:
             posted.unpack = (tensors, run)
         pending.append(posted)
@@ -186,7 +239,7 @@ def transfer(
             staging.last[slot] = posted
     while pending:
         pending.popleft().finish()
-    return sum(r.nbytes for r in plan) if (sending or receiving) else 0
+    return sum(r.nbytes for r, _ in plan) if (sending or receiving) else 0
 
 
 def _post(

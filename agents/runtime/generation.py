@@ -26,9 +26,8 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +35,6 @@ from agents.api import (
     DurableState,
     JobEndedError,
     RecoveryError,
-    Stateful,
     StateMismatchError,
     UnequalSitesError,
     WorkerEnv,
@@ -45,6 +43,7 @@ from agents.api import (
 from agents.recovery import shard_recovery
 from agents.recovery.site_shards import Placed, join_site_shards
 from agents.recovery.state_sync import NO_STATE, sync_state
+from agents.runtime import live_state
 from agents.runtime.process_group import (
     Groups,
     form_group,
@@ -341,13 +340,16 @@ class Generations:
                     buddies.start(rank, plan.world_size, member.nproc, layouts, sharded.rows, hang)
             else:
                 mine = held.step if holds_state else NO_STATE
-                capture = functools.partial(_capture, held.step, held.tracked)
-                restore = functools.partial(_restore, held.tracked)
+                capture = functools.partial(live_state.capture, held.step, held.tracked)
+                restore = functools.partial(live_state.restore, held.tracked)
+                shared = live_state.replicated if models.replicas_identical() else None
                 if models.outer is not None:  # a delayed sync: each site its own state
                     outer, control = models.outer, groups.control
-                    synced = join_sites(outer, plan, rank, mine, capture, restore, control, ceiling)
+                    synced = join_sites(
+                        outer, plan, rank, mine, capture, restore, control, ceiling, shared
+                    )
                 else:
-                    synced = sync_state(mine, capture, restore, group=groups.control).step
+                    synced = sync_state(mine, capture, restore, groups.control, shared=shared).step
                 if synced != NO_STATE:
                     step, has_state = synced, True
                 elif self._durable.can_resume():
@@ -404,23 +406,6 @@ class Generations:
         log.warning(
             "etcd is back; resuming at step %d after %.1fs", step, time.monotonic() - started
         )
-
-
-def _capture(step: int, tracked: Mapping[str, Stateful]) -> dict[str, Any]:
-    """This rank's live state, to send to the ranks behind it."""
-    return {
-        "step": step,
-        "tracked": {name: obj.state_dict() for name, obj in tracked.items()},
-        "rng": torch.get_rng_state(),
-    }
-
-
-def _restore(tracked: Mapping[str, Stateful], state: dict[str, Any]) -> None:
-    """Load a live state sent by the most advanced rank into the tracked objects."""
-    for name, obj in tracked.items():
-        if name in state["tracked"]:
-            obj.load_state_dict(state["tracked"][name])
-    torch.set_rng_state(state["rng"])
 
 
 def _check_writable(client: EtcdClient) -> None:

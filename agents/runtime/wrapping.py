@@ -73,6 +73,8 @@ class WrappedModels:
         self._failures = failures
         self._spec_hook = spec_hook
         self.ddps: list[ElasticDDP] = []
+        #: a DDP of the script's own comm hook (it may let the replicas drift apart)
+        self._script_hook = False
         #: the sharded model (``sharding="fsdp"|"hsdp"``), if any
         self.sharded: ShardedModel | None = None
         #: ``fsdp`` with redundancy: this rank's snapshots and its ward's copy
@@ -135,6 +137,8 @@ class WrappedModels:
                     "DDP takes one, so remove one of them"
                 )
             hook_installer = self._spec_hook
+        else:
+            self._script_hook = self._script_hook or hook_installer is not None
         wrapped = wrap_ddp(
             module, hook_installer, shard_size=shard_size,
             redundancy_every_steps=redundancy_every_steps, spec=self._spec,
@@ -146,6 +150,13 @@ class WrappedModels:
         if dist.is_initialized():
             wrapped.rebuild(self._data_group())
         return wrapped
+
+    def replicas_identical(self) -> bool:
+        """Every rank at one step holds the same model and optimizer state: one DDP
+        model, whose gradients are averaged at every step (not post-local SGD, nor a
+        comm hook of the script's own, which may let the replicas differ)."""
+        local_sgd = self._spec.comm.compression.type.value == "localsgd"
+        return len(self.ddps) == 1 and not self._script_hook and not local_sgd
 
     def check_tracked(self, names: Iterable[str]) -> None:
         """Refuse a script's object tracked under the name the delayed sync's outer

@@ -66,6 +66,7 @@ def join_sites(
     restore: Callable[[Any], None],
     control: dist.ProcessGroup | None,
     timeout: timedelta,
+    shared: Callable[[tuple[Any, ...]], bool] | None = None,
 ) -> int:
     """Form the sites' groups and bring each site to its state (see the module docstring).
 
@@ -82,6 +83,8 @@ def join_sites(
         restore: loads a live state into the tracked objects.
         control: the generation's gloo control group (None: the default group).
         timeout: the generation's collective timeout (the sites' groups start with it).
+        shared: which tensors of a capture every rank of a site at one step holds alike
+            (each such rank sends a share: :func:`~agents.recovery.state_sync.sync_state`).
     """
     sites = Sites.of_plan(plan, outer.spec.site_label)
     if len(sites) == 1 and rank == 0:
@@ -94,7 +97,9 @@ def join_sites(
         )  # fmt: skip
     outer.drop()
     outer.groups = groups = form_site_groups(sites, rank, outer.device, timeout)
-    step = sync_state(mine, capture, restore, group=groups.inner_host, data_group=groups.inner).step
+    step = sync_state(
+        mine, capture, restore, groups.inner_host, data_group=groups.inner, shared=shared
+    ).step
     row = torch.tensor([step, *outer.counts], dtype=torch.int64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row, group=control)

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
+from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.chaos.tiny_by_hand import tiny_final
 
@@ -90,6 +91,25 @@ def test_sigkill_whole_node_spare_takes_over_nothing_lost(
     spare_logs = [s for w, s in step_log(tmp_path).items() if not w.startswith(result.killed_node)]
     assert any(seq and seq[0] >= 40 for seq in spare_logs)
     assert_same_params(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_two_survivors_each_send_the_spare_a_share_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Two nodes of two workers and a spare of two: a SIGKILLed node leaves two ranks at
+    the newest step, which hold the DDP model and optimizer alike; each sends the spare's
+    workers a share of them (the rest, such as the RNG state, from the first), and the
+    run ends with the parameters of a fault-free run of four ranks."""
+    lines: list[str] = []
+    base = tiny_job("two-senders", tmp_path, steps=60).to_dict()
+    base["nproc_per_node"] = 2
+    spec = load_job_data(base)
+    with quiet_run(spec, lines, kill_node_at_step=30) as run:
+        result = run.wait()
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    assert result.recoveries == 1, summary(result, lines)
+    shared = [line for line in lines if "each a share of what they hold alike" in line]
+    assert shared, summary(result, lines)
+    assert_exactly_once(tmp_path, 60)
+    assert_same_params(torch.load(tmp_path / "final.pt"), tiny_final(60, world=4))
 
 
 def test_sigstop_worker_hang_is_detected_and_recovered(

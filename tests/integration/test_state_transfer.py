@@ -119,3 +119,51 @@ def test_receivers_get_the_sources_structure_and_data_with_two_chunks_of_memory_
     lacks = state - tensor_bytes(_state(1)["model"]) - tensor_bytes(_state(1)["ema"])
     assert replacement["extra"] <= lacks + 2 * CHUNK + SLACK, (replacement["extra"], lacks)
     assert allocating["extra"] <= state + 2 * CHUNK + SLACK, (allocating["extra"], state)
+
+
+def _shared_heal(rank: int, world: int, chunk: int, misfit: bool) -> dict[str, Any]:
+    """Ranks 0 and 1 hold the same model and EMA (1's other parts differ); 2 receives,
+    with ranks 0 and 1 each sending a share of what they hold alike.  ``misfit``: rank
+    1's model has a tensor of another shape, so it sends nothing."""
+    import torch.distributed as dist
+
+    from agents.recovery import state_sync, tensor_stream
+
+    sent: list[int] = []
+    real = tensor_stream.transfer_from
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        n = real(*args, **kwargs)
+        sent.append(n)
+        return n
+
+    tensor_stream.transfer_from = counted  # type: ignore[assignment]
+    mine = _state(seed=100 if rank in (0, 1) else rank)
+    if rank == 1:
+        mine["small"] = _state(seed=5)["small"]  # not shared: must come from rank 0
+        if misfit:
+            mine["model"]["w0"] = torch.zeros(10)
+    got = state_sync.broadcast_state(
+        (lambda: mine) if rank in (0, 1) else None,
+        0,
+        None,
+        receivers=[2],
+        chunk_bytes=chunk,
+        helpers=[1],
+        shared=lambda path: path[0] in ("model", "ema"),
+    )
+    dist.barrier()
+    return {"bytes": sum(sent), "digests": digests(got) if rank == 2 else None}
+
+
+@pytest.mark.parametrize("misfit", [False, True], ids=["two-senders", "helper-misfit"])
+def test_ranks_holding_the_same_state_each_send_a_share(misfit: bool) -> None:
+    source, helper, receiver = run_gloo(_shared_heal, 3, CHUNK, misfit, timeout=120)
+    assert receiver["digests"] == digests(_state(100))  # rank 0's parts where not shared
+    assert source["bytes"] + helper["bytes"] == receiver["bytes"]
+    if misfit:
+        assert helper["bytes"] == 0
+        return
+    shared = tensor_bytes(_state(100)["model"]) + tensor_bytes(_state(100)["ema"])
+    # six tensors of 4 MB dealt by bytes: three from each, the rest from the source
+    assert helper["bytes"] == shared // 2, (helper["bytes"], shared)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agents.recovery.state_sync import join_tensors, split_tensors
-from agents.recovery.tensor_stream import runs
+from agents.recovery.tensor_stream import interleaved_runs, runs
 
 pytestmark = pytest.mark.unit
 
@@ -73,3 +73,18 @@ def test_runs_cover_every_byte_once_in_order_and_no_message_exceeds_a_chunk() ->
         ((9, 0, 900_000), (10, 0, 900_000)),
         ((11, 0, 900_000),),
     ]
+
+
+def test_runs_of_several_senders_take_turns_and_pack_one_senders_tensors_only() -> None:
+    # tensors 0 and 2 from rank 0, 1 and 3 from rank 5; 1 and 3 small enough to pack
+    got = interleaved_runs([0, 5, 0, 5], [300, 40, 250, 40], chunk_bytes=200)
+    assert [(src, r.pieces) for r, src in got] == [
+        (0, ((0, 0, 200),)),
+        (5, ((1, 0, 40), (3, 0, 40))),  # packed together: both rank 5's
+        (0, ((0, 200, 300),)),
+        (0, ((2, 0, 200),)),
+        (0, ((2, 200, 250),)),
+    ]
+    # every byte of every tensor once, whoever sends it
+    pieces = [p for r, _ in got for p in r.pieces]
+    assert sorted(pieces) == sorted(p for r in runs([300, 40, 250, 40], 200) for p in r.pieces)

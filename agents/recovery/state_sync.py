@@ -91,8 +91,9 @@ def sync_state(
 
     Args:
         my_step: this rank's completed steps, or ``NO_STATE`` (-1) for a fresh process.
-        capture: ``() -> object`` returning this rank's state (called on the source, and
-            on a fresh rank behind it for the tensors to receive into).
+        capture: ``() -> object`` returning this rank's state (called on the source, on
+            the other ranks at its step when ``shared`` is given, and on a fresh rank
+            behind it for the tensors to receive into).
         restore: ``(object) -> None`` loading a state (called on ranks behind the source).
         group: the gloo group to use (None: the default group, which must be gloo);
             a part of the ranks syncs among itself.
@@ -133,11 +134,9 @@ def sync_state(
     )
     if behind:
         restore(state)
-    log.log(
-        logging.WARNING if rank == src else logging.INFO,  # one line per sync in the output
-        "state synced from rank %d%s at step %d to ranks %s in %.2fs (steps seen %s)",
+    log.info(
+        "state synced from rank %d at step %d to ranks %s in %.2fs (steps seen %s)",
         src,
-        f" and ranks {helpers}, each a share of what they hold alike," if helpers else "",
         best,
         behind_ranks,
         time.perf_counter() - started,
@@ -249,7 +248,8 @@ def broadcast_state(
     device, unless ``into`` holds one to receive it into.
 
     Args:
-        capture: ``() -> object``, the state (on the source; None elsewhere).
+        capture: ``() -> object``, the state (on the source and the helpers; None
+            elsewhere).
         src: the source rank.
         group: the gloo group of the structure and the host tensors.
         receivers: the ranks that take the state (None: every rank but ``src``).
@@ -276,19 +276,26 @@ def broadcast_state(
     rank = dist.get_rank()
     if receivers is None:
         receivers = [r for r in range(dist.get_world_size()) if r != src]
+    if set(helpers) & set(receivers) or src in helpers:
+        raise ValueError(f"helpers {list(helpers)} must hold the state: not {src} nor a receiver")
     header: list[Any] = [None, None]
-    state, tensors = None, None
+    state, tensors, paths = None, None, []
     helping = rank in helpers and bool(receivers)
     if rank == src or helping:
         assert capture is not None, "the source and its helpers capture their state"
         state = capture()
         skeleton, tensors = split_tensors(state)
-        common = _shared_slots(state, shared) if helpers and shared is not None else []
-        header = [skeleton, common]
+        paths = _tensor_paths(state)
+        if rank == src:
+            common = _shared_slots(tensors, paths, shared) if helpers else {}
+            header = [skeleton, common]
     dist.broadcast_object_list(header, src=src, group=group)
     skeleton, common = header
     slots = slots_of(skeleton)
-    owners = _owners(slots, common, src, helpers, tensors, group) if common and receivers else {}
+    owners: dict[int, int] = {}
+    if common and receivers:  # every rank: the header says so
+        mine = (tensors, paths) if helping and tensors is not None else None
+        owners = _owners(slots, common, src, mine, group)
     if helping:
         state = None  # a helper sends its share and takes nothing
     receiving = rank in receivers
@@ -340,41 +347,50 @@ def _tensor_paths(x: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return []
 
 
-def _shared_slots(state: Any, shared: Callable[[tuple[Any, ...]], bool] | None) -> list[int]:
-    """The slots (tensor indices) of host tensors ``shared`` says every helper holds too."""
+def _shared_slots(
+    tensors: Sequence[torch.Tensor],
+    paths: Sequence[tuple[Any, ...]],
+    shared: Callable[[tuple[Any, ...]], bool] | None,
+) -> dict[int, tuple[Any, ...]]:
+    """The slots (tensor index → path) of the host tensors ``shared`` says every helper
+    holds too.  Device tensors travel by the data backend's broadcast, from one source."""
     if shared is None:
-        return []
-    _, tensors = split_tensors(state)
-    paths = _tensor_paths(state)
-    return [i for i, p in enumerate(paths) if shared(p) and tensors[i].device.type == "cpu"]
+        return {}
+    return {i: p for i, p in enumerate(paths) if shared(p) and tensors[i].device.type == "cpu"}
 
 
 def _owners(
     slots: Sequence[_TensorSlot],
-    common: Sequence[int],
+    common: dict[int, tuple[Any, ...]],
     src: int,
-    helpers: Sequence[int],
-    mine: Sequence[torch.Tensor] | None,
+    mine: tuple[Sequence[torch.Tensor], Sequence[tuple[Any, ...]]] | None,
     group: dist.ProcessGroup | None,
 ) -> dict[int, int]:
     """Which rank sends each slot of ``common``: the source and every helper whose tensors
-    match the source's, each a share of the bytes (largest tensors first, each to the
-    sender with the fewest bytes so far).  Collective on ``group`` (one small gather)."""
+    there sit at the same paths with the source's shapes, dtypes and devices (``mine``:
+    a helper's tensors and their paths), each a share of the bytes (largest tensors
+    first, each to the sender with the fewest bytes so far).  Every rank of ``group``
+    calls this (one small gather), and all take the senders from what the gather told.
+    """
     rank = dist.get_rank()
-    fits = rank in helpers and mine is not None and all(
-        i < len(mine)
-        and tuple(mine[i].shape) == slots[i].shape
-        and mine[i].dtype == slots[i].dtype
-        and mine[i].device.type == slots[i].device_type
-        for i in common
+    fits = mine is not None and all(
+        i < len(mine[0])
+        and mine[1][i] == path
+        and tuple(mine[0][i].shape) == slots[i].shape
+        and mine[0][i].dtype == slots[i].dtype
+        and mine[0][i].device.type == slots[i].device_type
+        for i, path in common.items()
     )  # fmt: skip
     told: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(told, (rank, fits), group=group)
-    senders = [src] + [r for r, ok in told if ok and r in helpers]
+    senders = [src, *sorted(r for r, ok in told if ok and r != src)]
     load = dict.fromkeys(senders, 0)
     owners: dict[int, int] = {}
     for i in sorted(common, key=lambda i: (-slots[i].nbytes, i)):
         owner = min(senders, key=lambda r: (load[r], senders.index(r)))
         owners[i] = owner
         load[owner] += slots[i].nbytes
+    if len(senders) > 1 and rank == src:
+        shares = ", ".join(f"rank {r} {load[r]:,} bytes" for r in senders)
+        log.warning("the tensors the ranks hold alike are sent in shares: %s", shares)
     return owners

@@ -1,4 +1,4 @@
-"""Move a list of tensors from one rank to others in fixed-size chunks, with no flat copy.
+"""Move a list of tensors from one rank (or several) to others in fixed-size chunks, no flat copy.
 
 Runs in the training process, under :mod:`~agents.recovery.state_sync`.  Both
 sides know the tensors' sizes in order (the sender pickled the structure
@@ -16,10 +16,12 @@ Peak memory on either side is therefore the tensors themselves plus two
 staging buffers (sized to the largest packed run, never more than
 ``chunk_bytes``), instead of a second copy of everything.
 
-Host tensors go point to point (gloo ``isend``/``irecv``) to the receivers
-only; device tensors go by a collective ``broadcast`` on the data group (NCCL,
-or gloo over CUDA tensors), in which a rank that needs none of the bytes
-takes part with a scratch buffer.
+Where several ranks hold the same tensors, each may send a share of them
+(:func:`transfer_from`: each tensor from its owner, the owners' runs taken in
+turn, so all send at once).  Host tensors go point to point (gloo
+``isend``/``irecv``) to the receivers only; device tensors go by a collective
+``broadcast`` on the data group (NCCL, or gloo over CUDA tensors), in which a
+rank that needs none of the bytes takes part with a scratch buffer.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def transfer(
     Returns:
         The bytes this rank sent (to each receiver) or received; 0 on a bystander.
     """
+    if not sizes:
+        return 0  # nothing to move: no message
     return transfer_from([src] * len(sizes), tensors, sizes, receivers, route, chunk_bytes)
 
 

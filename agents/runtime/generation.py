@@ -342,7 +342,8 @@ class Generations:
                 mine = held.step if holds_state else NO_STATE
                 capture = functools.partial(live_state.capture, held.step, held.tracked)
                 restore = functools.partial(live_state.restore, held.tracked)
-                shared = live_state.replicated if models.replicas_identical() else None
+                one = models.ddps[0].module if models.replicas_identical() else None
+                shared = live_state.replicated(held.tracked, one) if one is not None else None
                 if models.outer is not None:  # a delayed sync: each site its own state
                     outer, control = models.outer, groups.control
                     synced = join_sites(

@@ -9,7 +9,7 @@ send a share of them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,16 +18,34 @@ from agents.api import Stateful
 
 __all__ = ["capture", "replicated", "restore"]
 
-#: Tracked objects a DDP keeps alike on every rank at one step: its model (every
-#: gradient averaged) and the optimizer that steps it.
-REPLICATED = ("model", "optimizer")
 
+def replicated(
+    tracked: Mapping[str, Stateful], module: torch.nn.Module
+) -> Callable[[tuple[Any, ...]], bool] | None:
+    """Which tensors of a :func:`capture` every rank at one step holds alike, for a job
+    whose one DDP model (``module``, tracked as ``model``) averages every gradient
+    (:meth:`agents.runtime.wrapping.WrappedModels.replicas_identical`): its parameters
+    (not its buffers: a BatchNorm's running statistics come from each rank's own
+    batches), and the state of the tracked ``optimizer`` where every parameter it steps
+    is one of them.  None where the model tracked is not that DDP's.
+    """
+    model = tracked.get("model")
+    if model is None or getattr(model, "module", None) is not module:
+        return None
+    params = {name for name, _ in module.named_parameters()}
+    own = {id(p) for p in module.parameters()}
+    optimizer = tracked.get("optimizer")
+    groups = getattr(optimizer, "param_groups", None)
+    stepped_alike = groups is not None and all(id(p) in own for g in groups for p in g["params"])
 
-def replicated(path: tuple[Any, ...]) -> bool:
-    """Whether the tensor at ``path`` of a :func:`capture` is the same on every rank at one
-    step, for a job whose replicas are kept identical
-    (:meth:`agents.runtime.wrapping.WrappedModels.replicas_identical`)."""
-    return len(path) >= 2 and path[0] == "tracked" and path[1] in REPLICATED
+    def alike(path: tuple[Any, ...]) -> bool:
+        if len(path) < 3 or path[0] != "tracked":
+            return False
+        if path[1] == "model":
+            return path[2] in params
+        return path[1] == "optimizer" and stepped_alike
+
+    return alike
 
 
 def capture(step: int, tracked: Mapping[str, Stateful]) -> dict[str, Any]:

@@ -106,8 +106,10 @@ def test_two_survivors_each_send_the_spare_a_share_and_nothing_is_lost(tmp_path:
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries == 1, summary(result, lines)
-    shared = [line for line in lines if "each a share of what they hold alike" in line]
-    assert shared, summary(result, lines)
+    shares = [line for line in lines if "the tensors the ranks hold alike are sent in" in line]
+    assert shares, summary(result, lines)
+    sent = re.findall(r"rank \d+ ([\d,]+) bytes", shares[0])
+    assert len(sent) == 2 and all(int(n.replace(",", "")) > 0 for n in sent), shares[0]
     assert_exactly_once(tmp_path, 60)
     assert_same_params(torch.load(tmp_path / "final.pt"), tiny_final(60, world=4))
 

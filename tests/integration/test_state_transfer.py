@@ -121,10 +121,12 @@ def test_receivers_get_the_sources_structure_and_data_with_two_chunks_of_memory_
     assert allocating["extra"] <= state + 2 * CHUNK + SLACK, (allocating["extra"], state)
 
 
-def _shared_heal(rank: int, world: int, chunk: int, misfit: bool) -> dict[str, Any]:
+def _shared_heal(rank: int, world: int, chunk: int, misfit: str) -> dict[str, Any]:
     """Ranks 0 and 1 hold the same model and EMA (1's other parts differ); 2 receives,
     with ranks 0 and 1 each sending a share of what they hold alike.  ``misfit``: rank
-    1's model has a tensor of another shape, so it sends nothing."""
+    1's model has a tensor of another shape (``shape``), or its state has one more
+    tensor ahead of the model, of the model's tensors' shape (``shifted``: each index
+    names another tensor there), so it sends nothing."""
     import torch.distributed as dist
 
     from agents.recovery import state_sync, tensor_stream
@@ -141,8 +143,10 @@ def _shared_heal(rank: int, world: int, chunk: int, misfit: bool) -> dict[str, A
     mine = _state(seed=100 if rank in (0, 1) else rank)
     if rank == 1:
         mine["small"] = _state(seed=5)["small"]  # not shared: must come from rank 0
-        if misfit:
+        if misfit == "shape":
             mine["model"]["w0"] = torch.zeros(10)
+        elif misfit == "shifted":
+            mine = {"first": torch.zeros(1_000_000), **mine}
     got = state_sync.broadcast_state(
         (lambda: mine) if rank in (0, 1) else None,
         0,
@@ -150,14 +154,14 @@ def _shared_heal(rank: int, world: int, chunk: int, misfit: bool) -> dict[str, A
         receivers=[2],
         chunk_bytes=chunk,
         helpers=[1],
-        shared=lambda path: path[0] in ("model", "ema"),
+        shared=lambda path: path[0] in ("model", "ema", "first"),
     )
     dist.barrier()
     return {"bytes": sum(sent), "digests": digests(got) if rank == 2 else None}
 
 
-@pytest.mark.parametrize("misfit", [False, True], ids=["two-senders", "helper-misfit"])
-def test_ranks_holding_the_same_state_each_send_a_share(misfit: bool) -> None:
+@pytest.mark.parametrize("misfit", ["", "shape", "shifted"])
+def test_ranks_holding_the_same_state_each_send_a_share(misfit: str) -> None:
     source, helper, receiver = run_gloo(_shared_heal, 3, CHUNK, misfit, timeout=120)
     assert receiver["digests"] == digests(_state(100))  # rank 0's parts where not shared
     assert source["bytes"] + helper["bytes"] == receiver["bytes"]

@@ -264,8 +264,8 @@ def broadcast_state(
             the host tensors ``shared`` says are the same everywhere are sent a share
             by each of them and the source at once, whole tensors balanced by bytes
             (:func:`~agents.recovery.tensor_stream.transfer_from`); the rest, and
-            every device tensor, come from the source.  A helper whose tensors do not
-            match the source's in shape, dtype and device sends none.
+            every device tensor, come from the source.  A helper whose tensors there do
+            not sit at the source's paths with its shapes, dtypes and devices sends none.
         shared: whether the tensor at a path (keys and indices) of the state is the
             same on the source and every helper.
 
@@ -296,8 +296,6 @@ def broadcast_state(
     if common and receivers:  # every rank: the header says so
         mine = (tensors, paths) if helping and tensors is not None else None
         owners = _owners(slots, common, src, mine, group)
-    if helping:
-        state = None  # a helper sends its share and takes nothing
     receiving = rank in receivers
     if receiving:
         found: dict[int, torch.Tensor] = {}
@@ -320,7 +318,7 @@ def broadcast_state(
             else tensor_stream.Route(group, False, torch.device("cpu"))
         )
         senders = [owners.get(i, src) for i in chosen]
-        party = rank in senders or receiving or (device_route and rank == src)
+        party = rank in senders or receiving
         tensor_stream.transfer_from(
             senders,
             [tensors[i] for i in chosen] if tensors is not None and party else None,
@@ -332,7 +330,7 @@ def broadcast_state(
     if rank == src:
         return state
     if helping:
-        return None
+        return None  # a helper sends its share and takes nothing
     return join_tensors(skeleton, tensors) if tensors is not None else None
 
 

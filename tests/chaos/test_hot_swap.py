@@ -17,12 +17,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from orchestrator import keys
+from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.spec_loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.chaos.tiny_by_hand import tiny_final
+from tests.faults.partitioned_job import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -99,10 +100,19 @@ def test_two_survivors_each_send_the_spare_a_share_and_nothing_is_lost(tmp_path:
     workers a share of them (the rest, such as the RNG state, from the first), and the
     run ends with the parameters of a fault-free run of four ranks."""
     lines: list[str] = []
-    base = tiny_job("two-senders", tmp_path, steps=60).to_dict()
+    go = tmp_path / "go"
+    hold = ["--hold-at", "30", "--go-file", str(go)]
+    base = tiny_job("two-senders", tmp_path, steps=60, extra_args=hold).to_dict()
     base["nproc_per_node"] = 2
     spec = load_job_data(base)
-    with quiet_run(spec, lines, kill_node_at_step=30) as run:
+    with quiet_run(spec, lines) as run:
+        # every worker holds before step 30, so the survivors stand at one step (a kill
+        # mid step may leave them a step apart: then one is behind and receives too)
+        wait_for("every worker at step 30", lambda: _all_applied(tmp_path, 4, 29))
+        status = jobs.read_status(run.client, spec.name)
+        assert status is not None
+        run.kill_node(status.active_nodes[0])
+        go.touch()
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries == 1, summary(result, lines)
@@ -112,6 +122,14 @@ def test_two_survivors_each_send_the_spare_a_share_and_nothing_is_lost(tmp_path:
     assert len(sent) == 2 and all(int(n.replace(",", "")) > 0 for n in sent), shares[0]
     assert_exactly_once(tmp_path, 60)
     assert_same_params(torch.load(tmp_path / "final.pt"), tiny_final(60, world=4))
+
+
+def _all_applied(tmp: Path, workers: int, step: int) -> bool:
+    try:
+        logs = step_log(tmp)
+    except (ValueError, IndexError):  # a line being written
+        return False
+    return len(logs) == workers and all(step in seq for seq in logs.values())
 
 
 def test_sigstop_worker_hang_is_detected_and_recovered(

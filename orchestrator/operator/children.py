@@ -46,7 +46,7 @@ from orchestrator.operator.meta import (
     pdb_name,
     service_name,
 )
-from orchestrator.operator.pods import RUN_AS_USER
+from orchestrator.operator.pods import container_security, pod_security
 from orchestrator.spec import JobSpec
 
 
@@ -136,13 +136,7 @@ def controller_deployment(
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
         "containers": [
             {
                 "name": "controller",
@@ -158,11 +152,7 @@ def controller_deployment(
                     "requests": {"cpu": cpu, "memory": memory},
                     "limits": {"memory": memory},
                 },
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]},
-                },
+                "securityContext": container_security(),
                 "volumeMounts": [
                     {"name": "tmp", "mountPath": "/tmp"},
                     *etcd_mounts(settings),

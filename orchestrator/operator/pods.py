@@ -58,6 +58,26 @@ from orchestrator.spec import JobSpec
 RUN_AS_USER = 1000
 
 
+def pod_security() -> dict[str, Any]:
+    """The ``securityContext`` of every pod the operator makes (agents and controller)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> dict[str, Any]:
+    """The ``securityContext`` of the operator's own containers (agent, controller)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 #: Runs the agent after exporting the topology labels (``$@`` is the agent's argv).
 LAUNCH_SCRIPT = (
     'RINGMASTER_LABELS="$(python -m orchestrator.operator.topology)" || exit 1; '
@@ -174,11 +194,7 @@ def agent_pod_spec(
         },
         "lifecycle": {"preStop": {"exec": {"command": list(DRAIN_COMMAND)}}},
         "resources": agent_resources(spec),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security(),
         "volumeMounts": [
             {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -192,13 +208,7 @@ def agent_pod_spec(
         "terminationGracePeriodSeconds": grace_seconds(spec),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
         "topologySpreadConstraints": spread_constraints(spec, settings),
         "containers": [container],
         "volumes": [

@@ -23,6 +23,7 @@ from typing import Any
 from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobNotFoundError, OrchestratorError
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.port_credential import ensure_token
 from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
 from orchestrator.spec import JobSpec
 
@@ -174,7 +175,9 @@ def submit(
     of a finished job (stopped, failed or succeeded) again starts its next
     run: what belonged to the last run (its plan, status, nodes, progress,
     commands) is cleared, while the job's events, logs, history, recoveries
-    and run records stay readable.
+    and run records stay readable.  The job's port credential (what its agents
+    ask of every request but the liveness status, :mod:`orchestrator.port_credential`)
+    is created at its first submit and kept.
 
     Args:
         client: etcd.
@@ -187,6 +190,8 @@ def submit(
         JobExistsError: a job of that name exists and has not finished.
     """
     spec.validate()
+    # before the spec: an agent that sees the spec finds its port's credential there too
+    ensure_token(client, spec.name)
     record = SpecRecord(
         spec=spec.to_dict(), hash=spec_hash(spec), submitted_at=time.time(), resume=resume
     )

@@ -21,6 +21,7 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/history/<ns>      sampled step, rate and loss over time (bounded)
     /ringmaster/jobs/<job>/recoveries/<run>-<gen>  one record per recovery: cause and phase timings
     /ringmaster/jobs/<job>/runs/<run>        one record per run of the job (submit, resume)
+    /ringmaster/jobs/<job>/port-token        the credential its agents' ports ask for (all runs)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
     /ringmaster/controller/leader            election among the controllers of every job (leased)
@@ -190,6 +191,13 @@ def job_recoveries(job: str) -> str:
 def job_recovery(job: str, run: int, generation: int) -> str:
     """The record of the recovery that ended with ``generation`` of ``run`` training."""
     return job_recoveries(job) + f"{int(run):04d}-{int(generation):08d}"
+
+
+def job_port_token(job: str) -> str:
+    """The secret an agent of the job asks of every request on its port but the liveness
+    status and the watch (:mod:`orchestrator.port_credential`).  Created once per job
+    and kept across its runs: whoever may read the job's keys may read its agents."""
+    return job_prefix(job) + "port-token"
 
 
 def job_runs(job: str) -> str:

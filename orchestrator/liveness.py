@@ -20,6 +20,10 @@ may send one JSON line ``{"op": ..., ...}`` and read one JSON line back.  The
 agent serves its workers' output this way (``ringmaster logs``, see
 :mod:`agents.node.log_files`).  A probe that just reads the status and closes is
 answered as before, and a slow or silent client holds only its own thread.
+An agent's port asks every request but the watch for the job's credential
+(a *guard*, :class:`~orchestrator.port_credential.PortGuard`): the status and
+the watch say only alive or dead; the rest is for whoever may read the job's
+keys in etcd.  A request refused is answered with one error line, nothing else.
 
 A probe is asked only once something already broke.  A **watch**
 (``{"op": "watch"}``, :data:`WATCH_OP`) asks nothing more: the server answers
@@ -38,6 +42,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,17 +58,25 @@ MAX_ANSWER = 16 * 1024 * 1024
 REQUEST_WAIT = 5.0
 #: Requests a server answers at once; a connection beyond gets the status only.
 MAX_SESSIONS = 8
+#: Seconds a server reads (and drops) what a refused streaming client still sends, so
+#: that its refusal line is not lost to a reset; the connection is closed after them.
+REFUSED_DRAIN_S = 1.0
 #: The request that keeps a connection open until the server closes (see above).
 WATCH_OP = "watch"
 #: What a watch is answered at once, and what the server sends it when it closes.
 WATCHING = b'{"watching": true}\n'
 BYE = b'{"bye": true}\n'
+#: The request field that carries the job's port credential (:func:`ask`'s ``token``).
+TOKEN_FIELD = "token"
 
 #: A request's handler: the request (a JSON object) in, the answer (a JSON object) out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 #: A streamed request's handler: it also reads what the client sends after the
 #: request line from the connection (:mod:`orchestrator.link_probe`'s sink).
 StreamHandler = Callable[[dict[str, Any], socket.socket], dict[str, Any]]
+#: What a port asks of a request before it answers: ``(op, request)`` in, the
+#: refusal's text out, or None to answer it (:class:`~orchestrator.port_credential.PortGuard`).
+Guard = Callable[[str, dict[str, Any]], str | None]
 
 
 class RequestError(OrchestratorError):
@@ -88,6 +101,8 @@ class LivenessServer:
         status: the status line every connection gets first.
         requests: ``op`` → handler, for the requests answered after the status.
         streams: ``op`` → handler of a request followed by a stream of bytes.
+        guard: asked about every request but the watch before it is answered (a
+            node agent's: the job's credential); None answers every request.
     """
 
     def __init__(
@@ -96,8 +111,10 @@ class LivenessServer:
         status: Callable[[], dict[str, Any]],
         requests: Mapping[str, Handler] | None = None,
         streams: Mapping[str, StreamHandler] | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self._status = status
+        self._guard = guard
         self._requests = dict(requests or {})
         self._streams = dict(streams or {})
         self._sessions = threading.BoundedSemaphore(MAX_SESSIONS)
@@ -146,21 +163,31 @@ class LivenessServer:
                     return
                 if not (self._requests or self._streams):
                     return  # a port that serves watches only: closed, as before requests
-                answer = self._answer(line, conn)
+                answer, answered = self._answer(line, conn)
                 conn.sendall(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
                 if self._is_stream(line):  # let the client read the answer before it stops
-                    _drain(conn)
+                    _drain(conn, None if answered else REFUSED_DRAIN_S)
         finally:
             self._sessions.release()
 
-    def _answer(self, line: bytes, conn: socket.socket) -> dict[str, Any]:
+    def _answer(self, line: bytes, conn: socket.socket) -> tuple[dict[str, Any], bool]:
+        """The answer to a request line, and whether it was let through the guard."""
         try:
             request = json.loads(line)
         except ValueError:
-            return {"error": "the request is not one line of JSON"}
+            return {"error": "the request is not one line of JSON"}, False
         op = request.get("op") if isinstance(request, dict) else None
-        stream = self._streams.get(op) if isinstance(op, str) else None
-        handler = self._requests.get(op) if isinstance(op, str) else None
+        if not isinstance(request, dict) or not isinstance(op, str):
+            return {"error": 'a request is one JSON object with an "op"'}, False
+        if self._guard is not None:
+            refused = self._guard(op, request)
+            if refused is not None:
+                return {"error": refused}, False
+        return self._handle(op, request, conn), True
+
+    def _handle(self, op: str, request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
+        stream = self._streams.get(op)
+        handler = self._requests.get(op)
         if handler is None and stream is None:
             known = sorted([*self._requests, *self._streams])
             return {"error": f"unknown request {op!r}: this port answers {known}"}
@@ -260,13 +287,21 @@ def _hung_up(conn: socket.socket) -> bool:
         return True
 
 
-def _drain(conn: socket.socket) -> None:
+def _drain(conn: socket.socket, within: float | None = None) -> None:
     """Read and drop what a streaming client still sends, until it closes or resets (a
-    close with unread bytes would reset the connection and could drop the answer)."""
+    close with unread bytes would reset the connection and could drop the answer), or
+    for ``within`` seconds at most (a refused client: it gets no more of the port)."""
+    deadline = None if within is None else time.monotonic() + within
     with contextlib.suppress(OSError):
         conn.settimeout(REQUEST_WAIT)
-        while conn.recv(65536):
-            pass
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                conn.settimeout(left)
+            if not conn.recv(65536):
+                return
 
 
 def read_line(conn: socket.socket, limit: int) -> bytes:
@@ -284,8 +319,14 @@ def read_line(conn: socket.socket, limit: int) -> bytes:
         data += chunk
 
 
-def ask(address: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+def ask(
+    address: str, request: dict[str, Any], timeout: float = 5.0, token: str | None = None
+) -> dict[str, Any]:
     """Send ``request`` to the port at ``host:port`` and return its answer.
+
+    ``token``: the job's port credential (:mod:`orchestrator.port_credential`),
+    sent with the request; an agent's port refuses every request but the
+    watch without it.
 
     Raises:
         AgentUnreachableError: nothing answers there, the answer is cut short
@@ -300,7 +341,8 @@ def ask(address: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str
             if not read_line(conn, MAX_REQUEST):
                 raise AgentUnreachableError(f"the agent at {address} closed without a status")
             try:
-                conn.sendall(json.dumps(request).encode() + b"\n")
+                sent = request if token is None else {**request, TOKEN_FIELD: token}
+                conn.sendall(json.dumps(sent).encode() + b"\n")
                 data = read_line(conn, MAX_ANSWER)
             except (ConnectionResetError, BrokenPipeError):
                 # it closed after its status (a port without requests) before the

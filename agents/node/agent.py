@@ -9,6 +9,9 @@ Runs in the agent's own process.  It registers the node in etcd under a lease
   (:mod:`agents.node.in_process_tier`) restarts a worker that exits with an
   error, the restart tier (:mod:`agents.node.restart_tier`) launches each
   generation's workers from warm standbys;
+* serves its port (:mod:`agents.node.agent_port`): the liveness status and
+  watch to anyone, its workers' output and the link probes only to requests
+  that carry the job's credential from etcd;
 * executes the controller's commands (``kill-worker`` for a hung worker, ``stop``),
   which its watches (:mod:`agents.node.watches`) read;
 * rides out etcd outages (a member down, quorum lost, this node cut off):
@@ -57,7 +60,7 @@ from typing import Any
 from agents.api import ENV_RECOVERY, WorkerEnv
 from agents.channels.plan_feed import ENV_PLAN_FEED, PlanFeed
 from agents.channels.progress import ENV_PROGRESS_SOCKET
-from agents.node import log_files
+from agents.node.agent_port import open_port
 from agents.node.api import JobNotSubmittedError, NodeRefusedError, Tier, TierSetup
 from agents.node.break_reports import NodeReports
 from agents.node.capacity import capacity_problem, usable_cpus, visible_gpus
@@ -76,7 +79,6 @@ from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.jobs import send_command
-from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, sink
 from orchestrator.liveness import LivenessServer
 from orchestrator.records import NodeRecord
 from orchestrator.settings import SETTINGS
@@ -189,11 +191,9 @@ class NodeAgent:
         try:
             self._lease = self.client.lease(max(int(self.ttl.total_seconds()), 2))
             self._lease.keep_alive(on_lost=self._on_lease_lost)
-            self._liveness = LivenessServer(
-                self.address,
-                self._liveness_status,
-                {**log_files.requests(self.job, self.node), PROBE_OP: probe_peers},
-                streams={SINK_OP: sink},  # the controller measures links through it
+            # the status and watch for anyone; the rest for the job's credential holders
+            self._liveness = open_port(
+                self.client, self.job, self.node, self.address, self._liveness_status
             )
             if not restart:
                 interval = spec.fault_tolerance.heartbeat_interval.total_seconds()

@@ -101,7 +101,7 @@ class JobController:
         # a node quarantined under an earlier leader stays so (its registration is read
         # again at the first tick: a restarted agent releases it)
         self._follow_spec({n: None for n in self.status.quarantined})
-        self.prober = LinkProber()
+        self.prober = LinkProber(client, job)
         self.metrics = metrics
         self._last_written: dict[str, Any] = {}
         #: this run's hold on the checkpoint root (the controller runs where the job's

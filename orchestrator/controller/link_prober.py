@@ -6,7 +6,10 @@ the agents one after the other (two probes at once would share a link and
 halve each other's figures), each to stream to its next two nodes: a probe
 of ``n`` nodes takes about ``n x 2 x 2 x 0.2`` seconds.  The tick that follows
 the last answer finds the result in its world (:attr:`World.link_probe`), and
-the pure :mod:`orchestrator.controller.slow_links` reads it.
+the pure :mod:`orchestrator.controller.slow_links` reads it.  Each request
+carries the job's port credential, read from etcd
+(:mod:`orchestrator.port_credential`): an agent answers link probes to no one
+else, and probes only its job's registered nodes, at their registered ports.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 
+from orchestrator.api import EtcdError
 from orchestrator.controller.slow_links import LinkProbeResult, probe_pairs
+from orchestrator.etcd.client import EtcdClient
 from orchestrator.link_probe import PROBE_OP
 from orchestrator.liveness import AgentUnreachableError, RequestError, ask
+from orchestrator.port_credential import PortCredentialError, read_token
 
 __all__ = ["PROBE_ROUNDS", "PROBE_SECONDS", "LinkProber"]
 
@@ -31,9 +37,15 @@ PROBE_ROUNDS = 2
 
 
 class LinkProber:
-    """Runs one probe at a time in the background; :meth:`take` hands its result over."""
+    """Runs one probe at a time in the background; :meth:`take` hands its result over.
 
-    def __init__(self) -> None:
+    Args:
+        client / job: where the job's port credential is read (at each probe).
+    """
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self._client = client
+        self._job = job
         self._lock = threading.Lock()
         self._result: LinkProbeResult | None = None
         self._thread: threading.Thread | None = None
@@ -57,6 +69,13 @@ class LinkProber:
     def _run(self, ports: dict[str, str]) -> None:
         rates: dict[str, dict[str, float]] = {}
         errors: dict[str, str] = {}
+        try:
+            token = read_token(self._client, self._job)
+        except (PortCredentialError, EtcdError) as e:
+            log.warning("link probe not asked: %s", e)
+            with self._lock:
+                self._result = LinkProbeResult({}, {node: str(e) for node in ports})
+            return
         pairs = probe_pairs(list(ports))
         for node, port in ports.items():
             peers = {n: ports[n] for n in pairs[node]}
@@ -64,7 +83,7 @@ class LinkProber:
             request = {"op": PROBE_OP, "peers": peers, "seconds": PROBE_SECONDS,
                        "max_bytes": PROBE_MAX_BYTES, "rounds": PROBE_ROUNDS}  # fmt: skip
             try:
-                answer = ask(port, request, timeout=budget)
+                answer = ask(port, request, timeout=budget, token=token)
             except (AgentUnreachableError, RequestError) as e:
                 errors[node] = str(e)
                 continue

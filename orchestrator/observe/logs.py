@@ -5,7 +5,10 @@ kubelet's log) and writes it to rotated files (:mod:`agents.node.log_files`).  W
 the agent lives, its liveness port (the ``liveness`` address of its
 registration, :mod:`orchestrator.liveness`) answers reads of those files, each
 answer bounded: an index of its workers, a page after a position, the last
-lines.  This module asks every agent of the job and merges the lines by time.
+lines.  This module asks every agent of the job and merges the lines by time,
+each request with the job's port credential, read from etcd
+(:mod:`orchestrator.port_credential`): an agent answers its workers' output
+only to whoever may read the job's keys.
 
 etcd keeps only what a node that is gone can still show: when a worker exits,
 its agent stores its last lines (at most ``agents.node.log_shipper.TAIL_LINES`` and
@@ -36,6 +39,7 @@ from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
 from orchestrator.liveness import AgentUnreachableError, RequestError, ask
+from orchestrator.port_credential import PortCredentialError, read_token
 from orchestrator.runs import list_runs, run_window
 
 log = logging.getLogger(__name__)
@@ -156,10 +160,13 @@ class _Agent:
     job: str
     node: str
     address: str
+    #: the job's port credential, sent with every request
+    token: str = field(default="", repr=False)
     timeout: float = AGENT_TIMEOUT
 
     def _ask(self, op: str, **args: object) -> dict[str, object]:
-        return ask(self.address, {"op": op, "job": self.job, **args}, self.timeout)
+        request = {"op": op, "job": self.job, **args}
+        return ask(self.address, request, self.timeout, token=self.token)
 
     def workers(self) -> list[int]:
         index = self._ask("logs.index").get("workers")
@@ -201,7 +208,15 @@ def _find_sources(client: EtcdClient, job: str, node: str | None, notes: Notes |
     """Ask every registered agent for its workers; read the tails in etcd."""
     stored_kvs = client.get_prefix(_prefix(job, node))
     sources = _Sources(stored=_stored(stored_kvs))
-    agents = [_Agent(job, n, address) for n, address in _agents(client, job, node).items()]
+    ports = _agents(client, job, node)
+    if not ports:
+        return sources
+    try:
+        token = read_token(client, job)
+    except PortCredentialError as e:
+        _note(notes, f"{e}; showing the last lines kept in etcd")
+        return sources
+    agents = [_Agent(job, n, address, token) for n, address in ports.items()]
 
     def index(agent: _Agent) -> tuple[_Agent, list[int]]:
         try:

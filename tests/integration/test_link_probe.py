@@ -1,7 +1,8 @@
 """Measuring links between agents' ports: the sink, the probe, and a link limited by ``tc``.
 
-Real sockets: agents' ports (:class:`~orchestrator.liveness.LivenessServer` with
-the link sink, as every node agent serves it) on this host, and one inside a
+Real sockets: agents' ports (:func:`agents.node.agent_port.open_port`, as every
+node agent serves them, with real etcd for the job's credential and
+registrations; a bare sink where only the link is measured) on this host, and one inside a
 network namespace whose veth is limited with ``tbf`` on both ends (needs root;
 skipped with the reason where namespaces cannot be made).
 """
@@ -12,21 +13,23 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, send_probe, sink
+from agents.node.agent_port import open_port
+from orchestrator import keys, records
+from orchestrator.etcd.client import EtcdClient
+from orchestrator.link_probe import PROBE_OP, SINK_OP, send_probe, sink
 from orchestrator.liveness import AgentUnreachableError, LivenessServer, ask
+from orchestrator.port_credential import read_token
 from tests.faults.netns import IsolatedNode, unavailable_reason
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _port(address: str = "127.0.0.1") -> LivenessServer:
-    return LivenessServer(address, dict, {PROBE_OP: probe_peers}, streams={SINK_OP: sink})
 
 
 def _closed_port() -> str:
@@ -35,11 +38,25 @@ def _closed_port() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_an_agent_measures_its_peers_and_says_which_it_could_not_reach() -> None:
-    with _port() as a, _port() as b:
-        gone = _closed_port()
+def _register(client: EtcdClient, job: str, node: str, port: str) -> None:
+    record = records.NodeRecord(node, "127.0.0.1", 1, 1, [], time.time(), liveness=port)
+    records.write(client, keys.job_node(job, node), record)
+
+
+def test_an_agent_measures_its_peers_and_says_which_it_could_not_reach(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    job = f"links-{uuid.uuid4().hex[:8]}"
+    with (
+        open_port(etcd_client, job, "a", "127.0.0.1", dict, tmp_path) as a,
+        open_port(etcd_client, job, "b", "127.0.0.1", dict, tmp_path) as b,
+    ):
+        gone = _closed_port()  # a node still registered whose agent is gone
+        for node, port in (("a", a.address), ("b", b.address), ("x", gone)):
+            _register(etcd_client, job, node, port)
         answer = ask(a.address, {"op": PROBE_OP, "peers": {"b": b.address, "x": gone},
-                                 "seconds": 0.1, "max_bytes": 4 << 20}, timeout=30)  # fmt: skip
+                                 "seconds": 0.1, "max_bytes": 4 << 20}, timeout=30,
+                     token=read_token(etcd_client, job))  # fmt: skip
     assert set(answer["rates"]) == {"b"} and answer["rates"]["b"] > 10e6, answer
     assert gone in answer["errors"]["x"], answer
 
@@ -82,7 +99,7 @@ def test_a_link_limited_by_tc_measures_near_its_limit() -> None:
     if reason is not None:
         pytest.skip(reason)
     slow = _through("8mbit")
-    with _port() as local:
+    with LivenessServer("127.0.0.1", dict, streams={SINK_OP: sink}) as local:
         fast = max(send_probe(local.address, 0.1, 16 << 20) for _ in range(2))
     crawl = _through("512kbit", burst="4kb", latency="400ms")  # a small bucket: its burst
     # 8 Mbit/s is 1 MB/s; the bucket's 32 kB burst and the ends' timing leave it near

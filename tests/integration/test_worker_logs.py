@@ -1,8 +1,8 @@
 """Worker output stays on the node; `ringmaster logs` reads it through the agent, else etcd.
 
-Real etcd, real worker processes, and the agent's real liveness port serving
-the files (:func:`agents.node.log_files.requests`), registered as a node agent
-registers it.
+Real etcd, real worker processes, and the agent's real port serving the files
+(:func:`agents.node.agent_port.open_port`, which asks the job's credential),
+registered as a node agent registers it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from agents.node import log_files
+from agents.node.agent_port import open_port
 from agents.node.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
 from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
@@ -81,8 +82,9 @@ def ship(
 
 @contextmanager
 def agent(client: EtcdClient, job: str, node: str, root: Path) -> Iterator[LivenessServer]:
-    """The node's liveness port serving its log files, registered as the agent does."""
-    with LivenessServer("127.0.0.1", dict, log_files.requests(job, node, root)) as server:
+    """The node's agent port serving its log files (the job's credential asked, as the
+    agent asks it), registered as the agent does."""
+    with open_port(client, job, node, "127.0.0.1", dict, root) as server:
         record = records.NodeRecord(node, "127.0.0.1", 1, 1, [], time.time())
         record.liveness = server.address
         records.write(client, keys.job_node(job, node), record)

@@ -53,6 +53,7 @@ from orchestrator.observe.consequences import ConsequenceFolder
 from orchestrator.observe.endings import agents_gone_message
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
+from orchestrator.records import TrainingTime
 from orchestrator.spec import JobSpec, RecoveryMode
 from orchestrator.writer_hold import release_root, root_url
 
@@ -77,7 +78,10 @@ class RunResult:
     killed_at_step: int | None = None
     events: list[events.Event] = field(default_factory=list)
     metrics_url: str | None = None
+    #: effective training: productive time over the wall time since the first step
     effective_fraction: float = 0.0
+    #: where the run's wall time went (the controller's split, ``JobStatus.training_time``)
+    training_time: TrainingTime | None = None
     #: the recovery tier the job ran in (``in_process``, ``restart``; empty if it never ran)
     recovery: str = ""
     #: nodes the controller declared failed (killed by this run or from outside)
@@ -378,6 +382,7 @@ class LocalRun:
             events=events.list_events(self._client, self.spec.name),
             metrics_url=self.metrics_url,
             effective_fraction=status.effective_fraction,
+            training_time=status.training_time,
             recovery=status.recovery,
             failed_nodes=list(status.failed_nodes),
         )

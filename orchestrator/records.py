@@ -75,6 +75,7 @@ __all__ = [
     "RunRecord",
     "SpecRecord",
     "Telemetry",
+    "TrainingTime",
     "decode",
     "read",
     "read_all",
@@ -163,6 +164,9 @@ class Telemetry(Record):
     first_step_at: float | None = None
     checkpoint_blocking_s: float | None = None
     checkpoint_upload_s: float | None = None
+    #: running total of the seconds checkpoint saves blocked this process's training
+    #: loop between its first and its latest completed step (failed saves included)
+    checkpoint_stall_s: float = 0.0
     wire_bytes: int = 0
     dense_bytes: int = 0
     #: what ended the worker's last failed generation: error, timeout or abort
@@ -338,6 +342,45 @@ class RunRecord(Record):
 
 
 @dataclass
+class TrainingTime(Record):
+    """Where a run's wall time went, in seconds (the one definition:
+    :func:`orchestrator.observe.training_time.training_time`).
+
+    ``startup_s + productive_s + failures_s + checkpoint_s + other_s == wall_s``, and
+    ``wall_s - startup_s == since_first_step_s``.
+
+    Attributes:
+        wall_s: from the run's submission to its end (or now, while it runs).
+        startup_s: from the submission to the first completed step.
+        since_first_step_s: from the first completed step to the end.
+        productive_s: the steps gained since the first step, each at the fault-free
+            step time ``step_s``.
+        failures_s: lost to failures: ``recovering_s`` (each failure to the first
+            step of the generation that replaced it) plus ``rerun_s`` (steps
+            trained again, at ``step_s`` each).
+        checkpoint_s: checkpoint saves that blocked the training loop.
+        other_s: the rest: mostly after the latest step (a stop's save, the
+            workers exiting, the controller seeing the end).
+        effective: ``productive_s / since_first_step_s`` (effective training).
+        whole_run: ``productive_s / wall_s``.
+        step_s: the fault-free step time (stepping time over steps trained).
+    """
+
+    wall_s: float = 0.0
+    startup_s: float = 0.0
+    since_first_step_s: float = 0.0
+    productive_s: float = 0.0
+    failures_s: float = 0.0
+    recovering_s: float = 0.0
+    rerun_s: float = 0.0
+    checkpoint_s: float = 0.0
+    other_s: float = 0.0
+    effective: float = 0.0
+    whole_run: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass
 class JobStatus(Record):
     """What the controller reports about a job (``/ringmaster/jobs/<job>/status``)."""
 
@@ -370,8 +413,11 @@ class JobStatus(Record):
     train_started_at: float | None = None
     last_step_at: float | None = None
     finished_at: float | None = None
+    #: ``training_time.productive_s`` and ``training_time.effective`` (kept for scripts)
     productive_s: float = 0.0
     effective_fraction: float = 0.0
+    #: where the run's wall time went: start-up, productive, failures, checkpoint stalls
+    training_time: TrainingTime | None = None
     last_recovery: dict[str, Any] | None = None
     #: how the job recovers (``in_process`` or ``restart``; empty until known): in
     #: the restart tier the script reports no steps, so ``step`` stays 0

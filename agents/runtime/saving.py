@@ -306,6 +306,7 @@ class Saving:
                 step, state, timeout=SETTINGS.checkpoint_save_timeout, busy_timeout=self._busy()
             )
         except Exception as e:
+            self._telemetry.checkpoint_failed(time.perf_counter() - started)
             self._save_failed(step, e)
             return
         self._telemetry.checkpoint_blocked(time.perf_counter() - started)

@@ -8,7 +8,9 @@ worker only records wall-clock timestamps and running totals:
   completed; the controller splits a recovery into detect / rendezvous /
   restore / first step from them;
 * durable checkpoints: how long the training loop was blocked by the last
-  save and how long its upload took;
+  save and how long its upload took, and the running total of the time saves
+  blocked it between this process's first and latest completed steps (the
+  controller's checkpoint-stall line, :mod:`orchestrator.observe.training_time`);
 * gradient exchange: bytes this rank put on the wire and the dense fp32
   bytes they stand for (their ratio is the compression ratio).  Without a
   comm hook DDP sends every gradient dense, so wire bytes equal dense bytes;
@@ -54,6 +56,11 @@ class WorkerTelemetry:
         self.first_step_at: float | None = None
         self.checkpoint_blocking_s: float | None = None
         self.checkpoint_upload_s: float | None = None
+        #: seconds saves blocked the loop: all of them, and as of the first and the
+        #: latest completed step (what is published: the stalls between those steps)
+        self._stalled = 0.0
+        self._stalled_at_first: float | None = None
+        self._stalled_at_latest = 0.0
         self.wire_bytes = 0
         self.dense_bytes = 0
         #: what ended this worker's last failed generation: ``error`` (a collective
@@ -83,6 +90,9 @@ class WorkerTelemetry:
         """A step of the current generation completed; count its gradient bytes."""
         if self.first_step_at is None:
             self.first_step_at = time.time()
+        if self._stalled_at_first is None:
+            self._stalled_at_first = self._stalled
+        self._stalled_at_latest = self._stalled
         if self.timing is not None:
             self.timing.step_done()
         last = getattr(getattr(hook, "metrics", None), "last", None)
@@ -97,7 +107,20 @@ class WorkerTelemetry:
     # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_blocked(self, seconds: float) -> None:
+        """A save returned to the loop after blocking it ``seconds``."""
         self.checkpoint_blocking_s = round(seconds, 6)
+        self._stalled += seconds
+
+    def checkpoint_failed(self, seconds: float) -> None:
+        """A save failed after blocking the loop ``seconds`` (a stall, not a save's time)."""
+        self._stalled += seconds
+
+    @property
+    def checkpoint_stall_s(self) -> float:
+        """Seconds saves blocked the loop between the first and the latest completed step."""
+        if self._stalled_at_first is None:
+            return 0.0
+        return self._stalled_at_latest - self._stalled_at_first
 
     def checkpoint_uploaded(self, seconds: float | None) -> None:
         if seconds is not None:
@@ -114,6 +137,7 @@ class WorkerTelemetry:
             first_step_at=self.first_step_at,
             checkpoint_blocking_s=self.checkpoint_blocking_s,
             checkpoint_upload_s=self.checkpoint_upload_s,
+            checkpoint_stall_s=round(self.checkpoint_stall_s, 6),
             wire_bytes=self.wire_bytes,
             dense_bytes=self.dense_bytes,
             left_by=self.left_by,

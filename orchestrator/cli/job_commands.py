@@ -27,6 +27,7 @@ from orchestrator.cli.options import (
 )
 from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.recoveries import ordered_phases, phase_label, restart_phases
+from orchestrator.observe.training_time import seconds_text, time_rows
 
 
 @click.command()
@@ -222,19 +223,29 @@ def _one_job(s: jobs.JobStatus, undecided: float | None = None) -> Table:
         rows.append(("quarantined", f"{', '.join(s.quarantined)} (`ringmaster release`)"))
     if s.last_recovery:
         rows.append(("last recovery", _last_recovery(s)))
-    rows += [
-        ("last checkpoint", checkpoint_cell(s)),
-        (
-            "effective training",
-            f"{s.effective_fraction:.0%} ({s.productive_s:.1f}s of progress)"
-            if s.train_started_at
-            else "-",
-        ),
-        ("message", s.message or "-"),
-    ]
+    rows += [("last checkpoint", checkpoint_cell(s)), *_time_rows(s), ("message", s.message or "-")]
     for key, value in rows:
         out.add_row(key, escape(value))
     return out
+
+
+def _time_rows(s: jobs.JobStatus) -> list[tuple[str, str]]:
+    """Where the run's wall time went (:mod:`orchestrator.observe.training_time`).
+
+    A restart-tier script reports no steps: its start-up runs on, so only the
+    wall time is told.  A status from a controller that did not split the time
+    gives its effective training alone.
+    """
+    split = s.training_time
+    if split is None:
+        text = f"{s.effective_fraction:.0%} ({s.productive_s:.1f}s of progress)"
+        return [("effective training", text if s.train_started_at else "-")]
+    if s.train_started_at is None:
+        wait = "not reported by the script" if s.recovery == "restart" else "no step completed yet"
+        return [
+            ("effective training", f"- ({wait}; {seconds_text(split.wall_s)} since submission)")
+        ]
+    return time_rows(split)
 
 
 def _last_recovery(s: jobs.JobStatus) -> str:

@@ -24,9 +24,11 @@ from orchestrator.cli.options import (
     print_table,
     table,
 )
+from orchestrator.observe.training_time import PART_LABELS, PARTS, seconds_text, time_parts
 
 if TYPE_CHECKING:
     from orchestrator.local_run import RunResult
+    from orchestrator.records import TrainingTime
 
 #: What the restart tier shows where the script would have to report (steps, progress).
 NOT_REPORTED = "not reported by the script"
@@ -209,6 +211,8 @@ def run(
             html_out, png_out, _ = write_report(local.client, spec.name, report_path)
             view.print(f"[run] report: {html_out} and {png_out}")
     print_table(run_table(spec.name, result))
+    if result.recovery != "restart" and result.training_time is not None:
+        print_table(time_table(result.training_time))
     if local.etcd_embedded:
         from orchestrator.observe.local_logs import local_job_dir
 
@@ -273,5 +277,24 @@ def run_table(job: str, result: RunResult) -> Table:
         escape(failed),
         f"{result.wall_s:.1f}s",
         NOT_REPORTED if restart else f"{result.effective_fraction:.0%}",
+    )
+    return out
+
+
+def time_table(split: TrainingTime) -> Table:
+    """Where a run's wall time went, as one row under the run's table: start-up,
+    productive, lost to failures, checkpoint stalls, the rest, and the effective
+    training since the first step beside the whole run's
+    (:mod:`orchestrator.observe.training_time`)."""
+    out = table(
+        *(column(PART_LABELS[part], justify="right") for part in PARTS),
+        column("effective", wrap=False, justify="right"),
+        column("whole run", justify="right"),
+        title="where the wall time went (effective training: since the first step)",
+    )
+    out.add_row(
+        *(seconds_text(v) for v in time_parts(split).values()),
+        f"{split.effective:.1%}",
+        f"{split.whole_run:.1%}",
     )
     return out

@@ -23,6 +23,15 @@ from orchestrator.cli.options import (
     table,
     wide_option,
 )
+from orchestrator.observe.training_time import effective_summary
+
+
+def effective_line(status: jobs.JobStatus) -> str:
+    """Effective training beside the start-up, failures and checkpoint stalls (the
+    status's split of the time), or the effective training alone from an older status."""
+    if status.training_time is None or status.train_started_at is None:
+        return f"effective training {status.effective_fraction:.1%}"
+    return effective_summary(status.training_time)
 
 
 def _clock(t: float) -> str:
@@ -96,8 +105,7 @@ def report(job: str, output: str, png_path: str | None, **kw: Any) -> None:
         html_out, png_out, data = write_report(client, job, output, png_path)
     recoveries = plural(len(data.recoveries), "recovery", "recoveries")
     console.print(
-        f"wrote {html_out} and {png_out}: {recoveries}, "
-        f"effective training {data.status.effective_fraction:.1%}",
+        f"wrote {html_out} and {png_out}: {recoveries}, {effective_line(data.status)}",
         highlight=False,
         soft_wrap=True,
     )
@@ -132,8 +140,7 @@ def watch(job: str, interval: float, **kw: Any) -> None:
                 time.sleep(interval)
     console.print(
         f"{job}: {status.phase.value} at step {status.step}; "
-        f"{plural(status.recoveries, 'recovery', 'recoveries')}; "
-        f"effective training {status.effective_fraction:.1%}",
+        f"{plural(status.recoveries, 'recovery', 'recoveries')}; {effective_line(status)}",
         highlight=False,
         soft_wrap=True,
     )

@@ -3,8 +3,9 @@
 :class:`JobObserver` is fed by :class:`~orchestrator.controller.job.JobController`
 on every tick and at the moments that matter (a failure seen, a failure
 declared, a recovery finished, a checkpoint committed).  From that it keeps
-the job status's observability fields (rate, throughput, loss, effective
-training time, the last recovery), appends the sampled history
+the job status's observability fields (rate, throughput, loss, where the
+wall time went and the effective training time
+(:mod:`orchestrator.observe.training_time`), the last recovery), appends the sampled history
 (:mod:`orchestrator.observe.history`), records membership changes and recoveries as
 events, stores recovery records, and updates the Prometheus metrics
 (:mod:`orchestrator.observe.metrics`) when the controller serves them.
@@ -28,9 +29,9 @@ from orchestrator.observe.recoveries import (
     FailureCause,
     build_record,
     classify_cause,
-    effective_time,
     recovered_message,
 )
+from orchestrator.observe.training_time import training_time
 from orchestrator.observe.units import size_text
 from orchestrator.records import (
     BreakReport,
@@ -40,6 +41,7 @@ from orchestrator.records import (
     ProgressRecord,
     SpecRecord,
     Telemetry,
+    TrainingTime,
 )
 
 #: Steps per second are measured over this trailing window.
@@ -83,6 +85,14 @@ class JobObserver:
             for r in records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values()
             if r.run == self.run
         ]
+        #: seconds checkpoint saves blocked the run's rank 0 (between its steps), summed
+        #: over the processes that were rank 0: each one's increases while it was
+        self.checkpoint_stall_s = 0.0
+        #: (worker, pid) → its running stall total when last seen
+        self._stalls_seen: dict[tuple[str, int], float] = {}
+        #: a controller that took over a running job: what its first look finds was
+        #: counted by the one before
+        self._took_over = False
 
     def adopt(self, status: JobStatus) -> None:
         """A controller takes over a started job whose last status is ``status``.
@@ -93,6 +103,9 @@ class JobObserver:
         """
         if status.phase is not JobPhase.PENDING:
             self._known_nodes = set(status.active_nodes) | set(status.spare_nodes)
+            self._took_over = True
+            if status.run == self.run and status.training_time is not None:
+                self.checkpoint_stall_s = status.training_time.checkpoint_s
 
     # -- every tick --------------------------------------------------------------------
 
@@ -134,17 +147,21 @@ class JobObserver:
         status.uploading = min(uploads, key=lambda u: u[1]) if uploads else None
         if status.phase.terminal and status.finished_at is None:
             status.finished_at = now
+        self._count_stalls(workers, progress)
         end = status.finished_at or now
-        eff = effective_time(
+        split = training_time(
             submitted_at=status.submitted_at,
             train_started_at=status.train_started_at,
             last_step_at=status.last_step_at,
-            now=end,
+            end=end,
             steps=max(0, status.step - self._start_step - 1),
             recoveries=self.recoveries,
+            checkpoint_stall_s=self.checkpoint_stall_s,
+            failing_since=self._pending.failure_at if self._pending is not None else None,
         )
-        status.productive_s = round(eff.productive_s, 3)
-        status.effective_fraction = round(eff.fraction, 4)
+        status.training_time = _rounded(split)
+        status.productive_s = status.training_time.productive_s
+        status.effective_fraction = round(split.effective, 4)
         if plan is not None and not status.phase.terminal and self.history.due():
             self.history.append(
                 HistorySample(
@@ -173,9 +190,29 @@ class JobObserver:
                 active=len(status.active_nodes),
                 spares=len(status.spare_nodes),
                 failed=len(status.failed_nodes),
-                effective_ratio=eff.fraction,
-                productive_s=eff.productive_s,
+                effective_ratio=split.effective,
+                productive_s=split.productive_s,
             )
+            self.metrics.training_time(self.job, split)
+
+    def _count_stalls(
+        self, workers: dict[str, ProgressRecord], progress: dict[str, ProgressRecord]
+    ) -> None:
+        """Add what the rank 0 of the plan's workers stalled on saves since the last look.
+
+        Every process's running total is remembered, so one that becomes rank 0
+        (its predecessor gone) adds only what it stalls from then on; one first
+        seen starts from zero, except at a takeover's first look (the controller
+        before counted it).
+        """
+        base_only = self._took_over and not self._stalls_seen
+        for w, p in progress.items():
+            key = (w, p.pid)
+            total = p.telemetry.checkpoint_stall_s
+            before = self._stalls_seen.get(key, total if base_only else 0.0)
+            if total > before and p.rank == 0 and workers.get(w) is p:
+                self.checkpoint_stall_s += total - before
+            self._stalls_seen[key] = max(total, before)
 
     def _plan_workers(
         self, plan: Plan | None, progress: dict[str, ProgressRecord]
@@ -351,6 +388,15 @@ class JobObserver:
         if self.metrics is not None:
             self.metrics.checkpoint(self.job, blocking, upload)
         return {"blocking_s": blocking, "upload_s": upload}
+
+
+def _rounded(split: TrainingTime) -> TrainingTime:
+    """``split`` as the status keeps it: milliseconds, and fractions to 4 places."""
+    out = {k: round(v, 3) for k, v in dataclasses.asdict(split).items()}
+    out["effective"] = round(split.effective, 4)
+    out["whole_run"] = round(split.whole_run, 4)
+    out["step_s"] = round(split.step_s, 6)
+    return TrainingTime(**out)
 
 
 def _rank0_telemetry(progress: dict[str, ProgressRecord]) -> Telemetry:

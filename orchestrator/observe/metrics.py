@@ -39,7 +39,13 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
 * ``ringmaster_link_bytes_per_second`` (gauge; ringmaster_job, sender, receiver): the
   rate the last link probe measured from one node's agent to another's
   (:mod:`orchestrator.link_probe`, run when step timings point at a slow link)
-* ``ringmaster_job_effective_training_ratio``, ``ringmaster_job_productive_seconds``
+* ``ringmaster_job_effective_training_ratio`` (gauge): productive time over the wall
+  time since the first completed step; ``ringmaster_job_whole_run_effective_ratio``
+  (gauge): productive time over the run's whole wall time; and
+  ``ringmaster_job_productive_seconds`` (gauge)
+* ``ringmaster_job_time_seconds`` (gauge; ringmaster_job, part = startup, productive,
+  failures, checkpoint, other): where the run's wall time went, the parts adding up
+  to it (:mod:`orchestrator.observe.training_time`)
 
 And of etcd itself, read when scraped (:class:`EtcdCollector`, once the
 controller calls :meth:`JobMetrics.watch_etcd`), without a job label:
@@ -63,7 +69,8 @@ from prometheus_client.registry import Collector
 
 from orchestrator.api import EtcdError, JobPhase, OrchestratorError
 from orchestrator.observe.records import PHASES, RecoveryRecord
-from orchestrator.records import Telemetry
+from orchestrator.observe.training_time import time_parts
+from orchestrator.records import Telemetry, TrainingTime
 
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
@@ -199,8 +206,20 @@ class JobMetrics:
         )
         self.effective_ratio = Gauge(
             "ringmaster_job_effective_training_ratio",
-            "Share of wall time spent making progress",
+            "Share of the wall time since the first completed step spent making progress",
             [JOB_LABEL],
+            registry=r,
+        )
+        self.whole_run_ratio = Gauge(
+            "ringmaster_job_whole_run_effective_ratio",
+            "Share of the run's whole wall time (start-up included) spent making progress",
+            [JOB_LABEL],
+            registry=r,
+        )
+        self.time_seconds = Gauge(
+            "ringmaster_job_time_seconds",
+            "Where the run's wall time went: startup, productive, failures, checkpoint, other",
+            [JOB_LABEL, "part"],
             registry=r,
         )
         self.productive_seconds = Gauge(
@@ -266,6 +285,12 @@ class JobMetrics:
         self.productive_seconds.labels(job).set(productive_s)
         self._count_increase(self.steps_total, self._last_step, job, step)
         self._count_increase(self.productive_total, self._last_productive, job, productive_s)
+
+    def training_time(self, job: str, split: TrainingTime) -> None:
+        """Where the run's wall time went (the parts of ``ringmaster_job_time_seconds``)."""
+        self.whole_run_ratio.labels(job).set(split.whole_run)
+        for part, seconds in time_parts(split).items():
+            self.time_seconds.labels(job, part).set(seconds)
 
     @staticmethod
     def _count_increase(counter: Counter, last: dict[str, Any], job: str, value: float) -> None:

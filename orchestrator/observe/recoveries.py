@@ -21,14 +21,13 @@ agents' (:func:`recovered_message` words them): *declared*, then *relaunched*
 (the last agent started the new workers: the group-formed boundary), then the
 script's next progress, its first line of output (the restored and trained
 boundaries), when the agents report it.  Also here: the failure
-causes and the effective training time (the share of wall time spent making
-progress).
+causes.  What the recoveries cost the run beside its start-up and its
+checkpoint stalls is :mod:`orchestrator.observe.training_time`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -226,54 +225,3 @@ def _slowest(workers: dict[str, dict[str, Any]]) -> set[str]:
         timed = [(float(t[name]), w) for w, t in workers.items() if t.get(name) is not None]
         kept.update(w for _, w in sorted(timed, reverse=True)[:SLOWEST_KEPT])
     return kept
-
-
-@dataclass
-class EffectiveTime:
-    """How much of a job's wall time went into progress.
-
-    ``productive_s`` is the time from the first completed step to the latest
-    one, minus recoveries and minus the time spent training steps again; the
-    startup before the first step counts as wall time only.
-    """
-
-    wall_s: float
-    productive_s: float
-
-    @property
-    def fraction(self) -> float:
-        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def effective_time(
-    *,
-    submitted_at: float,
-    train_started_at: float | None,
-    last_step_at: float | None,
-    now: float,
-    steps: int,
-    recoveries: Iterable[RecoveryRecord],
-) -> EffectiveTime:
-    """Effective training time of a job (see :class:`EffectiveTime`).
-
-    Args:
-        submitted_at: when the job was submitted (wall time starts here).
-        train_started_at: when the first step completed (None: not yet).
-        last_step_at: when the latest step completed.
-        now: the end of the wall time (the job's end, or now while it runs).
-        steps: steps completed since ``train_started_at``.
-        recoveries: recoveries of the job.
-    """
-    wall = max(0.0, now - submitted_at)
-    if train_started_at is None or last_step_at is None:
-        return EffectiveTime(wall, 0.0)
-    span = max(0.0, last_step_at - train_started_at)
-    lost = 0.0
-    rerun = 0
-    for r in recoveries:
-        if r.failure_at >= train_started_at:
-            lost += max(0.0, min(r.first_step_at, last_step_at) - r.failure_at)
-            rerun += r.steps_rerun
-    stepping = max(0.0, span - lost)
-    per_step = stepping / steps if steps > 0 else 0.0
-    return EffectiveTime(wall, max(0.0, stepping - rerun * per_step))

@@ -3,7 +3,9 @@
 :func:`build_report` gathers the job from etcd into a :class:`ReportData`:
 the sampled history (loss, throughput), markers for failures, recoveries and
 checkpoints on the same time axis (seconds since submission), the recovery
-records with their phase timings, and the effective training time.
+records with their phase timings, and where the wall time went (start-up,
+productive, failures, checkpoint stalls: :mod:`orchestrator.observe.training_time`)
+with the effective training time.
 :func:`render_png` draws it with matplotlib (Agg, no display needed);
 :func:`render_html` writes a self-contained page with the PNG embedded as
 base64, so the report is a single file to attach to an incident.
@@ -25,6 +27,14 @@ from orchestrator.jobs import read_status
 from orchestrator.observe.history import read_history
 from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.records import PHASES, HistorySample, RecoveryRecord
+from orchestrator.observe.training_time import (
+    PART_LABELS,
+    effective_summary,
+    effective_text,
+    seconds_text,
+    time_parts,
+    time_rows,
+)
 from orchestrator.records import JobStatus
 from orchestrator.runs import list_runs
 
@@ -172,11 +182,11 @@ def render_png(data: ReportData) -> bytes:
             seen.add(m.kind)
         if seen:
             ax_loss.legend(loc="upper right", fontsize=8)
-        effective = data.status.effective_fraction
         ax_loss.set_title(
             f"{data.job}: {data.status.phase.value} at step {data.status.step}, "
-            f"{len(data.recoveries)} recover{'y' if len(data.recoveries) == 1 else 'ies'}, "
-            f"effective training {effective:.0%}"
+            f"{len(data.recoveries)} recover{'y' if len(data.recoveries) == 1 else 'ies'}\n"
+            + title_time(data.status),
+            fontsize=10,
         )
         for ax in (ax_loss, ax_rate):
             ax.grid(alpha=0.3)
@@ -186,6 +196,33 @@ def render_png(data: ReportData) -> bytes:
         return buf.getvalue()
     finally:
         plt.close(fig)
+
+
+def title_time(s: JobStatus) -> str:
+    """The plot's second title line: effective training, and what the rest went to."""
+    if s.training_time is None or s.train_started_at is None:
+        return f"effective training {s.effective_fraction:.0%}"
+    return effective_summary(s.training_time)
+
+
+def _time_html(s: JobStatus) -> str:
+    """Where the run's wall time went, part by part (none before the first step)."""
+    split = s.training_time
+    if split is None or s.train_started_at is None or split.wall_s <= 0:
+        return ""
+    parts = "".join(
+        f'<tr class="part" data-part="{part}" data-seconds="{seconds:.3f}">'
+        f"<th>{PART_LABELS[part]}</th>"
+        f"<td>{seconds_text(seconds)}</td><td>{seconds / split.wall_s:.1%}</td></tr>"
+        for part, seconds in time_parts(split).items()
+    )
+    return (
+        f'<h2>Where the wall time went</h2>\n<table class="time" data-wall="{split.wall_s:.3f}" '
+        f'data-effective="{split.effective:.4f}" data-whole-run="{split.whole_run:.4f}">'
+        f"<tr><th>part</th><th>seconds</th><th>share</th></tr>{parts}</table>\n"
+        "<p>Effective training is the productive time over the wall time since the first "
+        f"completed step: {html.escape(effective_text(split))}.</p>"
+    )
 
 
 def render_html(data: ReportData, png: bytes) -> str:
@@ -199,13 +236,20 @@ def render_html(data: ReportData, png: bytes) -> str:
         ("world size", str(s.world_size)),
         ("recoveries", str(len(data.recoveries))),
         ("wall time", f"{data.wall_s:.1f}s"),
-        ("productive time", f"{s.productive_s:.1f}s"),
-        ("effective training", f"{s.effective_fraction:.1%}"),
+        *(
+            time_rows(s.training_time)
+            if s.training_time is not None and s.train_started_at is not None
+            else [
+                ("productive time", f"{s.productive_s:.1f}s"),
+                ("effective training", f"{s.effective_fraction:.1%}"),
+            ]
+        ),
         ("last checkpoint", s.last_checkpoint or "-"),
     ]
     if s.sync:
         summary.append(("outer loop", outer_loop_text(s.sync)))
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary)
+    time_table = _time_html(s)
     head = "".join(f"<th>{p.replace('_', ' ')} (s)</th>" for p in PHASES)
     rec_rows = []
     for r in data.recoveries:
@@ -250,6 +294,7 @@ img {{ max-width: 100%; }}
 <h1>Job {e(data.job)}</h1>
 <p>Generated {generated}; times are seconds since the job was submitted.</p>
 <table class="summary">{rows}</table>
+{time_table}
 <img alt="loss and throughput over time" src="data:image/png;base64,{image}">
 <h2>Recoveries</h2>
 {recoveries}

@@ -9,6 +9,7 @@ CLI (`status`, `events`, `report`) is run against the run's etcd.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import threading
@@ -20,13 +21,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
+from orchestrator.cli.local_commands import time_table
 from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.report import CHECKPOINT, FAILURE, RECOVERY, build_report
+from orchestrator.observe.training_time import PARTS, seconds_text, time_parts
 from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -232,9 +236,63 @@ def test_status_shows_phase_rate_nodes_checkpoint_and_effective_time(observed: O
     status = jobs.read_status(observed.run._client, "observed")  # type: ignore[arg-type]
     assert status is not None
     assert 0 < status.effective_fraction < 1
-    assert f"{status.effective_fraction:.0%}" in out
+    assert f"{status.effective_fraction:.1%} since the first step" in out
     assert status.train_started_at is not None and status.finished_at is not None
     assert status.productive_s < status.finished_at - status.submitted_at
+
+
+def test_the_wall_time_splits_into_start_up_failures_and_checkpoint_stalls(
+    observed: Observed, tmp_path: Path
+) -> None:
+    """The split adds up to the wall time; the failure line is the recovery's cost
+    (the failure to the new generation's first step; no step was trained again),
+    the start-up is the submission to the first step; table, status, report and
+    metrics say the same."""
+    status = jobs.read_status(observed.run._client, "observed")  # type: ignore[arg-type]
+    assert status is not None and status.training_time is not None
+    t = status.training_time
+    assert status.train_started_at is not None and status.finished_at is not None
+    ms = 0.01  # the status keeps milliseconds
+    assert sum(time_parts(t).values()) == pytest.approx(t.wall_s, abs=ms)
+    assert t.wall_s == pytest.approx(status.finished_at - status.submitted_at, abs=ms)
+    assert t.startup_s == pytest.approx(status.train_started_at - status.submitted_at, abs=ms)
+    r = _record(observed)
+    assert r.steps_rerun == 0 and t.rerun_s == 0
+    assert t.failures_s == pytest.approx(r.total_s, abs=ms)
+    assert t.recovering_s == pytest.approx(r.total_s, abs=ms)
+    assert t.checkpoint_s > 0  # the saves at steps 50 and 100 blocked the loop
+    assert t.effective == status.effective_fraction
+    assert t.productive_s == status.productive_s
+    assert t.effective == pytest.approx(t.productive_s / t.since_first_step_s, abs=1e-3)
+    # the metrics: the same parts, the same effective training
+    m = observed.end
+    for part, seconds in time_parts(t).items():
+        assert value(m, "ringmaster_job_time_seconds", job="observed", part=part) == (
+            pytest.approx(seconds, abs=ms)
+        )
+    assert value(m, "ringmaster_job_effective_training_ratio", job="observed") == (
+        pytest.approx(t.effective, abs=1e-3)
+    )
+    assert value(m, "ringmaster_job_whole_run_effective_ratio", job="observed") == (
+        pytest.approx(t.whole_run, abs=1e-3)
+    )
+    # the table `ringmaster run` ends with
+    assert observed.result.training_time == t
+    out = io.StringIO()
+    Console(file=out, width=80, force_terminal=False).print(time_table(t))
+    cells = " ".join(out.getvalue().split())
+    assert seconds_text(t.startup_s) in cells and seconds_text(t.failures_s) in cells
+    assert f"{t.effective:.1%}" in cells
+    # status and the report
+    shown = observed.cli("status", "observed")
+    assert "start-up" in shown and "lost to failures" in shown and "checkpoint stalls" in shown
+    html_path = tmp_path / "report.html"
+    observed.cli("report", "observed", "-o", str(html_path))
+    page = html_path.read_text()
+    found = dict(re.findall(r'data-part="(\w+)" data-seconds="([\d.]+)"', page))
+    assert list(found) == list(PARTS)
+    for part, seconds in time_parts(t).items():
+        assert float(found[part]) == pytest.approx(seconds, abs=ms)
 
 
 def test_report_writes_html_and_png_with_failure_and_recovery_marked(

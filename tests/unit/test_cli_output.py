@@ -34,7 +34,7 @@ from orchestrator.etcd.kv import KeyValue
 from orchestrator.local_run import LocalRun
 from orchestrator.observe.records import PHASES
 from orchestrator.observe.recoveries import ordered_phases
-from orchestrator.records import JobStatus, LogChunk
+from orchestrator.records import JobStatus, LogChunk, TrainingTime
 from orchestrator.spec_loader import load_job_data
 
 pytestmark = pytest.mark.unit
@@ -207,6 +207,28 @@ def test_status_of_one_job_shows_the_whole_message_and_phases_in_order(etcd: Mem
     assert _row(out, "last recovery") == (
         "agent_gone: 2.31s (detect 0.50s, rendezvous 0.80s, restore 0.60s, first step 0.41s)"
     )
+
+
+def test_status_of_one_job_shows_start_up_failures_and_checkpoint_stalls_apart(
+    etcd: MemoryEtcd,
+) -> None:
+    status = _recovering()
+    status.training_time = TrainingTime(
+        wall_s=130.0, startup_s=15.2, since_first_step_s=114.8, productive_s=110.0,
+        failures_s=2.8, recovering_s=2.31, rerun_s=0.49, checkpoint_s=1.5, other_s=0.5,
+        effective=0.9582, whole_run=0.8462, step_s=0.1,
+    )  # fmt: skip
+    _store(etcd, status)
+    out = _cli("status", status.name).output
+    _fits(out)
+    assert _row(out, "start-up") == "15.2s (submission to the first step)"
+    assert _row(out, "lost to failures") == "2.80s (recovering 2.31s, steps re-run 0.49s)"
+    assert _row(out, "checkpoint stalls") == "1.50s"
+    assert _row(out, "effective training").startswith(
+        "95.8% since the first step (84.6% of the whole run)"
+    )
+    (row,) = [json.loads(line) for line in _cli("status", "--json").output.splitlines()]
+    assert row["training_time"]["startup_s"] == 15.2 and row["effective_fraction"] == 0.87
 
 
 def test_status_wide_prints_each_row_on_one_line(etcd: MemoryEtcd) -> None:

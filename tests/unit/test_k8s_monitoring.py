@@ -23,7 +23,7 @@ from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.reconcile import reconcile
-from orchestrator.records import Telemetry
+from orchestrator.records import Telemetry, TrainingTime
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +49,7 @@ def exported() -> dict[str, str]:
         effective_ratio=0.9,
         productive_s=4.0,
     )
+    m.training_time("j", TrainingTime(wall_s=10.0, startup_s=5.0, productive_s=5.0))
     m.checkpoint("j", 0.1, 1.0)
     m.recovery(
         "j",

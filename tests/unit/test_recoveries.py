@@ -1,4 +1,4 @@
-"""Recovery records, failure causes, effective training time and the metric counters."""
+"""Recovery records, failure causes and the metric counters."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from orchestrator.observe.recoveries import (
     FailureCause,
     build_record,
     classify_cause,
-    effective_time,
     recovered_message,
     restart_phases,
 )
@@ -116,37 +115,6 @@ def test_phase_boundaries_are_clamped_never_negative() -> None:
     assert r.phases["rendezvous"] == 0 and r.phases["restore"] == 0
     assert sum(r.phases.values()) == pytest.approx(r.total_s) == pytest.approx(2.5)
     assert r.steps_rerun == 3  # restored from step 5, had reached 8
-
-
-def test_effective_time_excludes_startup_recoveries_and_rerun_steps() -> None:
-    rec = build_record(
-        generation=2,
-        cause="signal",
-        nodes=["n1"],
-        reason="",
-        failure_at=50.0,
-        declared_at=51.0,
-        workers={"a": _worker(52.0, 53.0, 54.0, step=30)},
-        step=40,
-        observed_s=4.0,
-    )
-    eff = effective_time(
-        submitted_at=0.0,
-        train_started_at=10.0,
-        last_step_at=110.0,
-        now=120.0,
-        steps=960,
-        recoveries=[rec],
-    )
-    # 100 s stepping, minus 4 s of recovery; 96 s for 960 steps → 0.1 s per step;
-    # 10 steps trained twice cost 1 s more
-    assert eff.wall_s == 120.0
-    assert eff.productive_s == pytest.approx(95.0)
-    assert eff.fraction == pytest.approx(95.0 / 120.0)
-    before = effective_time(
-        submitted_at=0.0, train_started_at=None, last_step_at=None, now=5.0, steps=0, recoveries=[]
-    )
-    assert before.productive_s == 0 and before.fraction == 0
 
 
 def test_byte_counters_add_only_increases_and_survive_worker_restarts() -> None:

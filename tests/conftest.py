@@ -139,3 +139,14 @@ def s3() -> Iterator[S3Endpoint]:
 @pytest.fixture
 def gloo() -> Any:
     return run_gloo
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """List the long modules at the end of a run: a reason to look at them, not a failure."""
+    from tests.unit.test_layout import LOOK_AT_LINES, long_module_report
+
+    report = long_module_report()
+    if report:
+        terminalreporter.section(f"modules over {LOOK_AT_LINES} lines (look at them)")
+        for line in report:
+            terminalreporter.write_line(line)

@@ -32,6 +32,7 @@ from orchestrator.cli import (  # noqa: E402
     job_commands,
     local_commands,
     observe_commands,
+    plan_command,
     service_commands,
     settings_command,
 )
@@ -61,6 +62,7 @@ for _command in (
     service_commands.controller,
     service_commands.operator,
     settings_command.settings,
+    plan_command.plan,
 ):
     main.add_command(_command)
 

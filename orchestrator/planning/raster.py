@@ -150,7 +150,9 @@ def _panel(
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 0.01
     pad = (y1 - y0) * 0.08
-    y0, y1 = y0 - pad, y1 + pad
+    y0, y1 = max(0.0, y0 - pad), min(1.0, y1 + pad)  # a share: never below 0 % or above 100 %
+    if y1 <= y0:
+        y0, y1 = max(0.0, y1 - 0.01), min(1.0, y0 + 0.01)
 
     def at(x: float, y: float) -> tuple[int, int]:
         px = left + round((x - x0) / (x1 - x0) * (right - left))

@@ -97,9 +97,14 @@ class _Run:
         self.n = job.nodes
         self.spares = job.spares if tier.uses_spares else 0
         self.reserved = self.n + self.spares
-        # torchft trains on any number of replica groups, down to one (or nodes.min)
+        # torchft trains on any number of replica groups, down to one: a job of one
+        # size (nodes.min = nodes) is held to it only by the tiers with spares; an
+        # elastic job's nodes.min holds for torchft too
         group = min(tier.drop_nodes, self.n)
-        self.floor = job.floor if tier.uses_spares or job.min_nodes else group
+        if tier.uses_spares:
+            self.floor = job.floor
+        else:
+            self.floor = group if job.floor >= self.n else max(group, job.floor)
         self.active, self.pool, self.stranded = self.n, self.spares, 0
         self.t, self.down_until, self.waiting = 0.0, 0.0, False
         self.work = self.since = self.seg = 0.0

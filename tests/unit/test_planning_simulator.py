@@ -111,6 +111,19 @@ def test_torchft_drops_the_whole_replica_group_until_it_heals() -> None:
     assert [size for _, size in result.sizes if size] == [16, 8, 16]
 
 
+def test_torchft_shrinks_a_one_size_job_and_keeps_an_elastic_ones_floor() -> None:
+    fault = [Fault(100.0, FaultKind.CRASH, 1, 1000.0)]
+    one_size = JobShape(nodes=16, min_nodes=16, step_s=1.0, state_gb=0.0)
+    tier = recovery_model(one_size).tiers[Tier.TORCHFT]
+    result = simulate(one_size, tier, 10_000.0, schedule=fault)
+    assert result.lost_gpu_h["waiting"] == 0  # torchft has no way to wait at one size
+    assert [size for _, size in result.sizes if size] == [16, 8, 16]
+    floor_above_a_group = JobShape(nodes=16, min_nodes=12, step_s=1.0, state_gb=0.0)
+    result = simulate(floor_above_a_group, tier, 10_000.0, schedule=fault)
+    assert result.lost_gpu_h["waiting"] > 0  # 8 of 16 left is below nodes.min 12
+    assert result.lost_gpu_h["smaller"] == 0
+
+
 def test_accounts_close_and_runs_repeat() -> None:
     """Work done plus every loss is the wall time, in every tier; one seed, one run."""
     job = JobShape(nodes=256, spares=3, step_s=2.0, checkpoint_every_s=900.0, min_nodes=250)

@@ -24,6 +24,7 @@ Everything ringmaster stores lives under ``/ringmaster/``::
     /ringmaster/jobs/<job>/port-token        the credential its agents' ports ask for (all runs)
     /ringmaster/rdzv/<run_id>/state          rendezvous state (torch elastic backend)
     /ringmaster/rdzv/<run_id>/store/<key>    c10d store keys
+    /ringmaster/rdzv/<run_id>/store#queues/<queue>/<item>  c10d store queues (beside the keys)
     /ringmaster/controller/leader            election among the controllers of every job (leased)
     /ringmaster/controller/metrics           their leader's Prometheus endpoint (URL)
     /ringmaster/controller/jobs/<job>/leader   the one election of the job's decider (leased):

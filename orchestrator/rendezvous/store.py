@@ -17,6 +17,12 @@ compare-and-set on ``mod_revision``, as ``TCPStore`` keeps them.
 Keys can carry a :class:`RunLease`, a long lease kept alive while its
 process lives, so that the keys of an abandoned run expire instead of piling
 up in etcd.
+
+torch's whole store contract holds, from Python and through C++ (see
+``docs/etcd-store.md``).  ``clone()`` shares the client and the lease; the
+store keeps every clone it hands out, because torch calls ``clone`` from C++
+and keeps only the C++ half of the answer.  Queues (``queue_push``,
+``queue_pop``, ``queue_len``) are in :mod:`orchestrator.rendezvous.store_queues`.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from etcd3.utils import prefix_range_end
 
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError
+from orchestrator.etcd.diagnosis import EtcdCompactedError, EtcdLeaseNotFoundError
 from orchestrator.etcd.kv import KeyValue, Lease
+from orchestrator.rendezvous.store_queues import LeasedWrite, StoreQueues, queue_root
 from orchestrator.settings import SETTINGS
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,14 @@ class EtcdStoreTimeoutError(dist.DistStoreError):
 
 class EtcdStoreConnectionError(dist.DistNetworkError):
     """etcd could not be reached; the message names the endpoints."""
+
+
+#: What torch's stores raise for a non-blocking pop of an empty queue (where torch has it).
+_QueueEmptyBase: type[dist.DistStoreError] = getattr(dist, "QueueEmptyError", dist.DistStoreError)
+
+
+class EtcdStoreQueueEmptyError(_QueueEmptyBase):  # type: ignore[valid-type,misc]
+    """``queue_pop(key, block=False)`` found the queue empty (a ``dist.QueueEmptyError``)."""
 
 
 class RunLease:
@@ -116,6 +132,15 @@ class RunLease:
                 self._lease = None
 
 
+def _leased_writer(lease: RunLease | None) -> LeasedWrite:
+    """Runs a write with ``lease`` (:meth:`RunLease.write`), or without one when None."""
+
+    def write(fn: Callable[[Lease | None], T]) -> T:
+        return fn(None) if lease is None else lease.write(fn)
+
+    return write
+
+
 def _as_bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -144,6 +169,11 @@ class EtcdStore(dist.Store):
         self._client = client
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._lease = lease
+        # The queues get a writer that does not hold this store: no reference cycle,
+        # so a store (a clone above all) goes when its last reference does.
+        self._queues = StoreQueues(client, queue_root(self.prefix), _leased_writer(lease))
+        #: every clone handed out, kept alive for C++ callers (see :meth:`clone`)
+        self._clones: list[EtcdStore] = []
         self.set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -189,12 +219,54 @@ class EtcdStore(dist.Store):
                 continue  # appeared since the batch read
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                shown = [k[len(self.prefix) :] for k in missing]
-                raise EtcdStoreTimeoutError(
-                    f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: {shown} "
-                    f"(etcd store {self.prefix} at {', '.join(self._client.endpoints)})"
-                )
+                raise self._timed_out([k[len(self.prefix) :] for k in missing], timeout)
             self._client.wait_for_change(missing[0], revision, timedelta(seconds=remaining))
+
+    def _timed_out(self, keys: list[str], timeout: timedelta) -> EtcdStoreTimeoutError:
+        return EtcdStoreTimeoutError(
+            f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: {keys} "
+            f"(etcd store {self.prefix} at {', '.join(self._client.endpoints)}); "
+            "the ranks that set them are late or gone, or the store timeout is too short"
+        )
+
+    def _missing(self, keys: list[str], first_only: bool = False) -> list[str]:
+        """The names in ``keys`` that are neither a key nor a non-empty queue now.
+
+        One read for the keys; a queue is read only for a name without a key
+        (up to the first missing one with ``first_only``).
+        """
+        found = self._client.get_many([self._key(k) for k in keys])
+        missing: list[str] = []
+        for k in keys:
+            if self._key(k) not in found and not self._queues.nonempty(k):
+                missing.append(k)
+                if first_only:
+                    break
+        return missing
+
+    def _wait_for_names(self, keys: list[str], timeout: timedelta) -> None:
+        """Block until every name in ``keys`` is a key or a non-empty queue (``wait``)."""
+        deadline = time.monotonic() + max(timeout.total_seconds(), 0.0)
+        while True:
+            missing = self._missing(keys, first_only=True)
+            if not missing:
+                return
+            first = missing[0]
+            kv, revision = self._client.get_with_revision(self._key(first))
+            try:
+                if kv is not None or self._queues.nonempty(first, revision):
+                    continue  # appeared since the batch read
+            except EtcdCompactedError:
+                continue  # the revision just read is compacted already: read again
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timed_out(self._missing(keys) or [first], timeout)
+            items = self._queues.items(first)
+            self._queues.watch(
+                [(self._key(first), None), (items, prefix_range_end(items.encode()))],
+                revision,
+                remaining,
+            )
 
     # -- the Store interface -----------------------------------------------------------
 
@@ -293,13 +365,12 @@ class EtcdStore(dist.Store):
             EtcdStoreTimeoutError: some key did not appear in time.
         """
         with self._errors("wait"):
-            self._wait_for(list(keys), self.default_timeout if timeout is None else timeout)
+            self._wait_for_names(list(keys), self.default_timeout if timeout is None else timeout)
 
     def check(self, keys: list[str]) -> bool:
-        """True when every key exists right now (no waiting)."""
-        full = [self._key(k) for k in keys]
+        """True when every name is a key or a non-empty queue right now (no waiting)."""
         with self._errors("check"):
-            return len(self._client.get_many(full)) == len(full)
+            return not self._missing(list(keys), first_only=True)
 
     def delete_key(self, key: str) -> bool:
         with self._errors("delete_key"):
@@ -314,8 +385,62 @@ class EtcdStore(dist.Store):
             return [kv.key[len(self.prefix) :] for kv in self._client.get_prefix(self.prefix)]
 
     def clone(self) -> EtcdStore:
-        """Another handle on the same keys (shares the client and the lease)."""
-        return EtcdStore(self._client, self.prefix, self.default_timeout, self._lease)
+        """Another handle on the same keys and queues, with a timeout of its own.
+
+        It shares the client and the lease.  This store keeps a reference to
+        it: torch calls ``clone`` from C++ and keeps only the C++ half of the
+        answer, whose Python half (the methods C++ calls into) would otherwise
+        be freed at once.  The clone therefore lives as long as this store.
+        """
+        twin = EtcdStore(self._client, self.prefix, self.default_timeout, self._lease)
+        self._clones.append(twin)
+        return twin
+
+    # -- queues (orchestrator.rendezvous.store_queues) ---------------------------------
+
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to the queue ``key`` (created when absent)."""
+        data = _as_bytes(value)
+        with self._errors("queue_push"):
+            self._queues.push(key, data)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the oldest item of the queue ``key``.
+
+        Args:
+            key: the queue.
+            block: wait up to the store timeout for an item when the queue is
+                empty; False: raise at once.
+
+        Raises:
+            EtcdStoreQueueEmptyError: ``block=False`` and the queue is empty.
+            EtcdStoreTimeoutError: the queue stayed empty for the store timeout.
+            EtcdStoreConnectionError: etcd could not be reached.
+        """
+        timeout = self.default_timeout
+        with self._errors("queue_pop"):
+            item = self._queues.pop(key, block, timeout)
+        if item is not None:
+            return item
+        where = f"(etcd store {self.prefix} at {', '.join(self._client.endpoints)})"
+        if not block:
+            raise EtcdStoreQueueEmptyError(
+                f"queue is empty: {key!r} {where}; push to it first, or pop with block=True"
+            )
+        raise EtcdStoreTimeoutError(
+            f"queue_pop timeout after {timeout.total_seconds() * 1000:.0f}ms, queue {key!r} "
+            f"stayed empty {where}; the pushers are late or gone, or the store timeout is "
+            "too short"
+        )
+
+    def queue_len(self, key: str) -> int:
+        """How many items the queue ``key`` holds (0 when it never existed)."""
+        with self._errors("queue_len"):
+            return self._queues.length(key)
+
+    def has_extended_api(self) -> bool:
+        """True: ``append``, ``multi_get`` and ``multi_set`` are the store's own."""
+        return True
 
     # C++ callers (PrefixStore, process groups) reach these under their C++ names.
     deleteKey = delete_key

@@ -207,8 +207,10 @@ class StragglerSpec:
     action: StragglerAction = StragglerAction.REPORT
     #: how many times the peers' median compute time a straggler's is (more than 1)
     threshold: float = 1.2
-    #: consecutive windows above ``threshold`` before a node is called a straggler
-    windows: int = 3
+    #: consecutive windows above ``threshold`` before a node is called a straggler (5: a
+    #: burst of noise on one node, a CPU hog or a GC pause storm, is not called, and a
+    #: node 1.5x as slow is still called in about 11 s at a 2 s heartbeat)
+    windows: int = 5
     #: ``swap``: by how much the time the swap saves over the rest of the job must beat
     #: what the swap costs (the job's last recovery, else 2 s) for a spare to take over
     min_gain: timedelta = timedelta(seconds=10)

@@ -327,8 +327,8 @@ def _from_storage(
 class RecoveryTelemetry(WorkerTelemetry):
     """Worker telemetry that also says where a sharded model's state came from."""
 
-    def __init__(self, timed: bool = True) -> None:
-        super().__init__(timed)
+    def __init__(self, timed: bool = True, device: torch.device | None = None) -> None:
+        super().__init__(timed, device)
         self.restored_from: str | None = None
         self.steps_lost = 0
 

@@ -80,7 +80,7 @@ class Session:
         self._finished = False
         self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
         timed = spec.fault_tolerance.stragglers.action is not StragglerAction.OFF
-        self._telemetry = RecoveryTelemetry(timed)
+        self._telemetry = RecoveryTelemetry(timed, self._device)
         self._failures = CollectiveFailures(self._telemetry.timing)
         self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
         self._groups: Groups | None = None

@@ -52,6 +52,8 @@ from agents.runtime.mesh_layout import (
 )
 from agents.runtime.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
 from agents.runtime.replica_barrier import ReplicaBarrier
+from agents.runtime.sharded_timing import time_collectives
+from agents.runtime.step_timing import StepTiming
 from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
 from agents.runtime.tracked_optimizers import repoint_optimizer
 
@@ -200,6 +202,9 @@ class ShardedModel(nn.Module):
             self.runner = PipelineRunner(pipeline, stages)
         #: a replica's ranks apply an optimizer step together (``hsdp``, ``mesh``)
         self.barrier = ReplicaBarrier()
+        #: the worker's step timing, fed by each generation's FSDP2 collectives
+        #: (:mod:`agents.runtime.sharded_timing`); None: not timed
+        self.timing: StepTiming | None = None
         #: ``wrap(mesh=...)``'s shape, None for ``fsdp``/``hsdp``
         self.mesh_shape = mesh
         self.tensor_plan = plan
@@ -272,6 +277,7 @@ class ShardedModel(nn.Module):
         if self.mode != "fsdp":  # one replica of fsdp is every rank: buddies' snapshots serve
             self.barrier.form(mesh.get_rank(), mesh.size(), layout.shards)
         fresh = copy.deepcopy(self._blueprint)
+        sharded_over = mesh
         if self.mesh_shape is None:
             fully_shard(fresh, mesh=mesh)
         else:
@@ -281,7 +287,12 @@ class ShardedModel(nn.Module):
             plan = {k: v for k, v in self.tensor_plan.items() if k in names}
             if plan:
                 apply_plan(fresh, mesh["tensor"], plan)
-            fully_shard(fresh, mesh=mesh["replicate", "shard"])
+            sharded_over = mesh["replicate", "shard"]
+            fully_shard(fresh, mesh=sharded_over)
+        if self.timing is not None:  # FSDP2's collectives feed the step timing
+            sizes = sharded_over.shape  # (shard,) or (replicate, shard)
+            replicas = sizes[0] if len(sizes) == 2 else 1
+            time_collectives(fresh, self.timing, shards=sizes[-1], replicas=replicas)
         fresh.to_empty(device=device)
         gen = _Generation(mesh, layout, dict(fresh.named_parameters()), device)
         for name, p in gen.params.items():

@@ -31,8 +31,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
+from agents.runtime.device_timing import step_timing_for
 from agents.runtime.step_timing import StepTiming
 from agents.sync.outer_sync import OuterSync
 from orchestrator.records import Telemetry
@@ -46,9 +48,11 @@ class WorkerTelemetry:
     Args:
         timed: time the steps (``fault_tolerance.stragglers.action`` is not ``off``);
             without it the step loop reads no clock for them and the totals stay 0.
+        device: where the worker trains: a CUDA device's steps are timed from CUDA
+            events (:mod:`agents.runtime.device_timing`), others from the host's clock.
     """
 
-    def __init__(self, timed: bool = True) -> None:
+    def __init__(self, timed: bool = True, device: torch.device | None = None) -> None:
         self.generation = 0
         self.group_formed_at: float | None = None
         self.restored_at: float | None = None
@@ -66,8 +70,9 @@ class WorkerTelemetry:
         #: what ended this worker's last failed generation: ``error`` (a collective
         #: raised), ``timeout`` or ``abort`` (see :mod:`agents.runtime.collective_guard`)
         self.left_by: str | None = None
-        #: this rank's compute and wait time per step (fed by the comm hooks), if timed
-        self.timing = StepTiming() if timed else None
+        #: this rank's compute and wait time per step (fed by the comm hooks and a
+        #: sharded model's collectives), if timed
+        self.timing: StepTiming | None = step_timing_for(device) if timed else None
         #: a delayed sync's outer loop, once the script wrapped its model
         self.outer: OuterSync | None = None
 

@@ -56,7 +56,8 @@ class WrappedModels:
     Args:
         spec: the job's spec (``comm``, ``fault_tolerance.redundancy``).
         device: the worker's device.
-        failures: records a failed collective of the DDPs' comm hooks.
+        failures: records a failed collective of the DDPs' comm hooks; its step
+            timing is fed by the DDPs' hooks and a sharded model's collectives.
         spec_hook: installs the job file's comm hook on a DDP, for a ``ddp``
             wrap without a hook of the script's own when the job file asks for one.
     """
@@ -120,6 +121,7 @@ class WrappedModels:
                 mesh=mesh_shape(mesh) if mesh is not None else None, tensor_plan=tensor_plan,
                 pipeline=pipeline,
             )  # fmt: skip
+            self.sharded.timing = self._failures.timing  # its collectives time its steps
             if self._spec.sync.delayed:  # FSDP2 in each site: each rank syncs its own slice
                 sharded = self.sharded
                 names = list(sharded.rows)  # buddy copies pair inside each site

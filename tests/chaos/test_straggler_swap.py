@@ -1,5 +1,6 @@
 """A real slow node swapped for a warm spare, nothing lost: the final parameters equal a
-fault-free run's.
+fault-free run's.  A DDP job, and a sharded one (FSDP2's HSDP, its slow rank's slice
+taken over from its twin; FSDP2 with buddy copies as a longer variant).
 
 Real processes (``LocalRun``: a private etcd, a controller, three node agents, two
 active and one warm spare, gloo).  Once the job trains, one active node's workers get
@@ -9,7 +10,9 @@ straggler, the spare takes its slot in a planned switch, the slow node is
 quarantined, and the job finishes with every step applied exactly once and the same
 parameters as a run without the slowdown (computed: :mod:`tests.chaos.tiny_by_hand`).
 No other straggler call is made in the whole run: not before the slowdown, not on
-the healthy node, not after the swap.
+the healthy node, not after the swap.  The sharded job's steps are timed from FSDP2's
+own collectives (:mod:`agents.runtime.sharded_timing`): without them it would never
+be called.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import torch
 
 from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.records import NodeRecord, Plan
 from orchestrator.spec import JobSpec, StragglerAction
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
+from tests.chaos.sharded_jobs import assembled, assert_same_params, fault_free, sharded_job
 from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.duty_cycle import DutyCycle
 
@@ -34,8 +39,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS = 400
 
 
-def _job(name: str, tmp: Path, spares: int) -> JobSpec:
-    spec = tiny_job(name, tmp, steps=STEPS, spares=spares)
+def _swapping(spec: JobSpec) -> JobSpec:
     ft = spec.fault_tolerance
     ft.heartbeat_interval = timedelta(seconds=1)
     ft.stragglers.action = StragglerAction.SWAP
@@ -45,42 +49,40 @@ def _job(name: str, tmp: Path, spares: int) -> JobSpec:
     return spec
 
 
-def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Path) -> None:
-    reference = tiny_final(STEPS)  # a fault-free run's (tests/chaos/tiny_by_hand.py)
-    swap_dir = tmp_path / "swap"
-    swap_dir.mkdir()
-    lines: list[str] = []
-    spec = _job("straggler-swap", swap_dir, spares=1)
+def _slow_down_one_node(run: LocalRun, spec: JobSpec, lines: list[str]) -> tuple[str, RunResult]:
+    """Once the job trains, duty-cycle its second node until the swap; the run's result."""
     cycle: DutyCycle | None = None
-    with quiet_run(spec, lines) as run:
-        try:
-            wait_for_step(run, 60)
-            plan = records.read(run.client, keys.job_plan(spec.name), Plan)
-            assert plan is not None and plan.generation == 1, plan
-            slow = plan.members[1].node
-            before = events.list_events(run.client, spec.name)
-            assert not [e for e in before if e.type.startswith("Straggler")], before
-            node = records.read(run.client, keys.job_node(spec.name, slow), NodeRecord)
-            assert node is not None and node.worker_pids, node
-            cycle = DutyCycle(node.worker_pids)
-            cycle.start()
-            deadline = time.monotonic() + 60
-            while not any(
-                e.type == "StragglerSwapped" for e in events.list_events(run.client, spec.name)
-            ):
-                assert time.monotonic() < deadline, summary(run.wait(), lines)
-                time.sleep(0.1)
-            # the controller writes the status at the end of the tick that emitted the event
-            # (seen once: read between the two, the status was the tick before's)
-            while not (status := jobs.read_status(run.client, spec.name)) or not (
-                status.quarantined or status.phase.terminal or time.monotonic() > deadline
-            ):
-                time.sleep(0.05)
-            assert status is not None and status.quarantined == [slow], status
-        finally:
-            if cycle is not None:
-                cycle.done.set()
-        result = run.wait()
+    try:
+        wait_for_step(run, 60)
+        plan = records.read(run.client, keys.job_plan(spec.name), Plan)
+        assert plan is not None and plan.generation == 1, plan
+        slow = plan.members[1].node
+        before = events.list_events(run.client, spec.name)
+        assert not [e for e in before if e.type.startswith("Straggler")], before
+        node = records.read(run.client, keys.job_node(spec.name, slow), NodeRecord)
+        assert node is not None and node.worker_pids, node
+        cycle = DutyCycle(node.worker_pids)
+        cycle.start()
+        deadline = time.monotonic() + 60
+        while not any(
+            e.type == "StragglerSwapped" for e in events.list_events(run.client, spec.name)
+        ):
+            assert time.monotonic() < deadline, summary(run.wait(), lines)
+            time.sleep(0.1)
+        # the controller writes the status at the end of the tick that emitted the event
+        # (seen once: read between the two, the status was the tick before's)
+        while not (status := jobs.read_status(run.client, spec.name)) or not (
+            status.quarantined or status.phase.terminal or time.monotonic() > deadline
+        ):
+            time.sleep(0.05)
+        assert status is not None and status.quarantined == [slow], status
+    finally:
+        if cycle is not None:
+            cycle.done.set()
+    return slow, run.wait()
+
+
+def _assert_one_call_and_swap(result: RunResult, lines: list[str], slow: str) -> None:
     assert result.phase is JobPhase.SUCCEEDED and result.step == STEPS, summary(result, lines)
     kinds = [e.type for e in result.events]
     # one call in the whole run: none on healthy nodes, before the slowdown (60 steps) or
@@ -94,8 +96,46 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
     assert cost >= 1.0, swapped.message  # not before it had cost the job `confirm`
     generations = [e.message for e in result.events if e.type == "Generation"]
     assert len(generations) == 2 and f"replaces {slow}" in generations[1], generations
+
+
+def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Path) -> None:
+    reference = tiny_final(STEPS)  # a fault-free run's (tests/chaos/tiny_by_hand.py)
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    lines: list[str] = []
+    spec = _swapping(tiny_job("straggler-swap", swap_dir, steps=STEPS, spares=1))
+    with quiet_run(spec, lines) as run:
+        slow, result = _slow_down_one_node(run, spec, lines)
+    _assert_one_call_and_swap(result, lines, slow)
     assert_exactly_once(swap_dir, STEPS)
     final = torch.load(swap_dir / "final.pt")
     assert final.keys() == reference.keys()
     for k in final:
         assert torch.allclose(final[k], reference[k], rtol=1e-6, atol=1e-7), f"{k} differs"
+
+
+@pytest.mark.parametrize(
+    ("sharding", "redundancy"),
+    [("hsdp", None), pytest.param("fsdp", 1, marks=pytest.mark.long)],
+    ids=["hsdp-twin", "fsdp-buddy"],
+)
+def test_a_slowed_node_of_a_sharded_job_is_swapped_and_nothing_is_lost(
+    tmp_path: Path, sharding: str, redundancy: int | None
+) -> None:
+    """``hsdp`` over two nodes of one worker (each node a replica): the slow node's
+    replica is its twin; ``fsdp`` with a buddy copy every step: its buddy's copy."""
+    lines: list[str] = []
+    spec = sharded_job(
+        f"straggler-{sharding}",
+        tmp_path,
+        sharding,
+        nodes=2,
+        nproc=1,
+        steps=STEPS,
+        redundancy=redundancy,
+    )
+    with quiet_run(_swapping(spec), lines) as run:
+        slow, result = _slow_down_one_node(run, spec, lines)
+    _assert_one_call_and_swap(result, lines, slow)
+    assert_exactly_once(tmp_path, STEPS)  # 0 steps lost: none applied twice
+    assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))

@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck unit bench chaos clean compat compat-newest
+.PHONY: venv demo test lint typecheck unit bench bench-smoke chaos clean compat compat-newest
 
 venv: $(STAMP)
 
@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 
 # `long` tests are further variants of scenarios the suite runs once: `make chaos` runs them
 test: lint typecheck  # the 30 slowest tests are listed at the end: the suite's time budget
-	$(PY) -m pytest --durations=30 -m 'not long' $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 -m 'not long and not bench_smoke' $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
@@ -52,6 +52,11 @@ bench: $(BENCH_STAMP)
 	@set -e; for b in benchmarks/[a-z]*.py; do \
 		echo "== $$b"; $(PY) $$b; \
 	done
+
+# every benchmark's --smoke form (every row's code path, nothing measured); CI runs it
+# beside `make test`
+bench-smoke: $(BENCH_STAMP)
+	$(PY) -m pytest -m bench_smoke tests/benchmarks $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -56,6 +56,9 @@ def link_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         marks["onset"] = time.time()
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and "swap" not in marks:
+            status = jobs.read_status(client, name)
+            if status is not None and status.phase.terminal:
+                break  # nothing is called or swapped after the end
             for e in events.list_events(client, name):
                 key = {"LinkProbe": "probe", "StragglerSwapped": "swap"}.get(e.type)
                 if e.type == "Straggler" and "link is slow" in e.message:

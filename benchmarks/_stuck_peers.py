@@ -37,7 +37,7 @@ STEPS = 300
 Measure = Callable[[Path, float, bool], tuple[float, int]]
 
 
-def _job(name: str, logs: Path, **extra: Any) -> Any:
+def _job(name: str, logs: Path, steps: int, **extra: Any) -> Any:
     from orchestrator.spec_loader import load_job_data
 
     return load_job_data(
@@ -49,7 +49,7 @@ def _job(name: str, logs: Path, **extra: Any) -> Any:
                 "env": {"RINGMASTER_LOG_EVERY": "100000"},
             },
             "nodes": {"min": 2, "max": 2, "spares": 1},
-            "max_steps": STEPS,
+            "max_steps": steps,
             "fault_tolerance": {"heartbeat_interval": f"{HEARTBEAT_S * 1000:g}ms"},
             **extra,
         }
@@ -63,20 +63,23 @@ def _ended_by(client: Any, job: str) -> str:
     return str(found[0].data.get("ended_by", "")) if found else ""
 
 
-def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
+def run_sigstop(
+    tmp: Path, measure: Measure, *, steps: int = STEPS, fault_at: int = FAULT_AT
+) -> dict[str, Any]:
+    """The SIGSTOP row: ``steps`` steps, a worker stopped at ``fault_at``."""
     from orchestrator import jobs, keys
     from orchestrator.controller.world import read_progress
     from orchestrator.local_run import LocalRun
 
     logs = tmp / "steps"
     logs.mkdir()
-    spec = _job("bench-sigstop", logs)
+    spec = _job("bench-sigstop", logs, steps)
     lines: list[str] = []
     with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
         client = run._client
         while True:
             status = jobs.read_status(client, spec.name)
-            if status and status.step >= FAULT_AT and status.active_nodes:
+            if status and status.step >= fault_at and status.active_nodes:
                 worker = keys.worker_id(status.active_nodes[0], 0)
                 p = read_progress(client, spec.name).get(worker)
                 if p is not None:
@@ -96,8 +99,11 @@ def run_sigstop(tmp: Path, measure: Measure) -> dict[str, Any]:
     }
 
 
-def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
-    """The partition row, or ``{"skipped": why}`` where namespaces cannot be made."""
+def run_partition(
+    tmp: Path, measure: Measure, *, steps: int = STEPS, fault_at: int = FAULT_AT
+) -> dict[str, Any]:
+    """The partition row (``steps`` steps, the node cut off at ``fault_at``), or
+    ``{"skipped": why}`` where namespaces cannot be made."""
     from orchestrator import jobs, keys, records
     from orchestrator.records import Plan
     from tests.faults.netns import IsolatedNode, unavailable_reason
@@ -108,14 +114,14 @@ def run_partition(tmp: Path, measure: Measure) -> dict[str, Any]:
         return {"skipped": f"needs network namespaces: {reason}"}
     logs = tmp / "steps"
     logs.mkdir()
-    spec = _job("bench-partition", logs, comm={"op_timeout_floor": "1s"})
+    spec = _job("bench-partition", logs, steps, comm={"op_timeout_floor": "1s"})
     job = spec.name
     lines: list[str] = []
     with IsolatedNode("bench") as isolated, partitioned_job(spec, isolated, lines) as running:
         client = running.client
         wait_for(
-            f"step {FAULT_AT}",
-            lambda: (s := jobs.read_status(client, job)) and s.step >= FAULT_AT,
+            f"step {fault_at}",
+            lambda: (s := jobs.read_status(client, job)) and s.step >= fault_at,
             120,
         )
         isolated.cut()

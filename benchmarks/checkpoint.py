@@ -26,7 +26,8 @@ the page cache and allocator settling after the state is built.
 Targets: blocking <= 10% of the synchronous save; throughput >= 70% of raw.
 The last line of stdout is one JSON object with the headline figures.
 
-Usage: ``python benchmarks/checkpoint.py [--gib 1.1] [--dir /tmp]``
+Usage: ``python benchmarks/checkpoint.py [--gib 1.1] [--dir /tmp]``; ``--smoke``: one
+layer of 256 x 256, one warm-up round and one counted round of each comparison.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -55,20 +55,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._smoke import parse, result_line
 from checkpoint import Checkpointer, TrainState
 
 WIDTH = 4096
+#: ``--smoke``: the smallest state (one layer of 256 x 256) and one round of each kind.
+SMOKE = {"gib": 0.0, "width": 256, "rounds": 1, "warmup": 1}
 
 
-def build_state(gib: float, device: str = "cpu") -> TrainState:
+def build_state(gib: float, device: str = "cpu", width: int = WIDTH) -> TrainState:
     """Linear layers + Adam (params, exp_avg, exp_avg_sq) totalling at least ``gib`` GiB,
     on ``device`` (``cuda``: staging copies device memory into pinned host buffers)."""
-    per_layer = WIDTH * WIDTH * 4 * 3  # weights + two Adam moments, float32
+    per_layer = width * width * 4 * 3  # weights + two Adam moments, float32
     layers = max(1, int(-(-gib * 2**30 // per_layer)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(1, WIDTH, device=device)).sum().backward()
+    model(torch.randn(1, width, device=device)).sum().backward()
     optimizer.step()
     for p in model.parameters():
         p.grad = None
@@ -264,7 +267,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each comparison")
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
-    args = parser.parse_args()
+    parser.add_argument("--width", type=int, default=WIDTH, help="square layers' width")
+    args = parse(parser, SMOKE)
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dist.init_process_group(
@@ -276,7 +280,7 @@ def main() -> None:
     )
     workdir = Path(tempfile.mkdtemp(prefix="rm-bench-ckpt-", dir=args.dir))
     try:
-        state = build_state(args.gib, args.device)
+        state = build_state(args.gib, args.device, args.width)
         size = state_bytes(state)
         print(f"state: {size / 2**30:.2f} GiB (model + Adam), writing under {workdir}")
 
@@ -362,7 +366,7 @@ def main() -> None:
             "rounds": args.rounds,
             "checksum": "crc32c",
         }
-        print(json.dumps(headline))
+        print(result_line(headline, args.smoke))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         dist.destroy_process_group()

@@ -42,14 +42,15 @@ machine can simulate.
 The targets (for 1,000 nodes x 8 workers) are checked against what was
 measured and printed beside it.  The last line of stdout is one JSON object
 with the headline figures (units in the names).  ``docs/control-plane.md``
-has the method and the figures measured.
+has the method and the figures measured.  ``--smoke`` (:data:`SMOKE`): a fleet of 6
+nodes for a 2 s window and one failure of each kind, then the static snapshot of
+the same size, its figures under ``static``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import sys
@@ -87,6 +88,7 @@ from benchmarks._control_plane.report import (  # noqa: E402
     range_note,
     targets,
 )
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator import jobs, keys, records  # noqa: E402
 from orchestrator.api import JobPhase  # noqa: E402
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
@@ -112,6 +114,21 @@ SPARE_S = 60.0
 PROBE_ROUNDS = 3
 #: Pause between a recovery and the next failure.
 FAILURE_GAP_S = 2.0
+#: ``--smoke``: a fleet of 6 nodes x 2 workers, a 2 s steady window, one failure of each
+#: kind; then the ``--static`` snapshot of the same size.
+SMOKE = {
+    "nodes": 6,
+    "workers": 2,
+    "spares": 2,
+    "duration": 2.0,
+    "step_time": 0.2,
+    "heartbeat_interval": 0.5,
+    "log_lines": 0.5,
+    "failures": 2,
+    "failure": "both",
+    "lanes": 8,
+    "clients": 2,
+}
 
 
 # ---------------------------------------------------------------------------- the run
@@ -575,7 +592,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no fleet: write one snapshot of N x W workers' records and time the "
         "controller's tick and the commands' reads on it (for N beyond what can be simulated)",
     )
-    args = p.parse_args(argv)
+    args = parse(p, SMOKE, argv)
     if args.spares >= args.nodes:
         p.error(f"--spares ({args.spares}) must be fewer than --nodes ({args.nodes})")
     if args.watchers_per_node < 1:
@@ -583,8 +600,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_static(args: argparse.Namespace, result: dict[str, Any]) -> int:
-    """``--static``: one snapshot of N x W workers, the controller's tick and the reads on it."""
+def run_static(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """``--static``: one snapshot of N x W workers, the controller's tick and the reads on
+    it; prints them and returns the figures of its JSON line."""
     from benchmarks._control_plane import static
 
     result["mode"] = "static"
@@ -630,8 +648,7 @@ def run_static(args: argparse.Namespace, result: dict[str, Any]) -> int:
         result[f"{name}_ms_median"] = c["median_ms"]
         if c["error"]:
             result[f"{name}_error"] = c["error"]
-    print(json.dumps(result, sort_keys=True))
-    return 0
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -648,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         "watchers_per_node": args.watchers_per_node,
     }
     if args.static:
-        return run_static(args, result)
+        print(result_line(run_static(args, result), args.smoke, sort_keys=True))
+        return 0
     error = ""
     with (
         tempfile.TemporaryDirectory(prefix="rm-control-plane-") as tmp,
@@ -669,11 +687,14 @@ def main(argv: list[str] | None = None) -> int:
         result.update(bench.result)
     if error:
         result["error"] = error.splitlines()[0][:500]
-        print(json.dumps(result, sort_keys=True))
+        print(result_line(result, args.smoke, sort_keys=True))
         return 1
     result["targets"] = targets(result)
     print_table(result, sys.stdout)
-    print(json.dumps(headline(result), sort_keys=True))
+    line = headline(result)
+    if args.smoke:  # the static snapshot too, its figures under "static"
+        line["static"] = run_static(argparse.Namespace(**{**vars(args), "static": True}), {})
+    print(result_line(line, args.smoke, sort_keys=True))
     return 0
 
 

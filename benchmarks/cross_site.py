@@ -38,6 +38,10 @@ why otherwise.  The last stdout line is one JSON object of headline figures.
 Usage::
 
     python benchmarks/cross_site.py [--rates 100mbit,1gbit] [--steps 120] [--width 256]
+
+``--smoke``: every row at one rate (1 Gbit/s), 40 steps of a 32-wide one-layer
+model (the kill rows 300: their spare must be up first), H 4, two fragments, timed from
+step 2.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
@@ -69,6 +74,18 @@ apply_grpc_environment()
 #: Steps not timed at the start of a row (process groups, first state sync, warm caches).
 WARM_STEPS = 10
 LOG_EVERY = 1
+#: ``--smoke``: one rate, a tiny model, short inner periods, every row.
+SMOKE = {
+    "rates": "1gbit",
+    "steps": 40,
+    "width": 32,
+    "layers": 1,
+    "inner_steps": 4,
+    "fragments": 2,
+    "delay_steps": 1,
+    "warm_steps": 2,
+    "kill_steps": 300,
+}
 #: Seconds a row may take before it counts as failed.
 ROW_TIMEOUT_S = float(os.environ.get("RINGMASTER_BENCH_TIMEOUT", "900"))
 
@@ -84,6 +101,8 @@ class Row:
     kill: bool = False
     #: site b has two nodes (the killed one has a live peer in its site)
     peer: bool = False
+    #: max_steps, where not ``--steps`` (``--kill-steps``: the kill rows')
+    steps: int | None = None
 
 
 class TimedLines(list[str]):
@@ -100,7 +119,7 @@ class TimedLines(list[str]):
 
 def rows(args: argparse.Namespace) -> list[Row]:
     """The rows of one run, in order (see the module docstring)."""
-    powersgd = {"compression": {"type": "powersgd", "rank": 4, "start_iter": WARM_STEPS}}
+    powersgd = {"compression": {"type": "powersgd", "rank": 4, "start_iter": args.warm_steps}}
     outer = {"name": args.outer_optimizer, "lr": args.outer_lr, "momentum": args.outer_momentum}
     diloco = {"mode": "diloco", "inner_steps": args.inner_steps, "outer_optimizer": outer}
     streaming = {
@@ -121,9 +140,17 @@ def rows(args: argparse.Namespace) -> list[Row]:
         ]
     if not args.no_kill:
         first = args.rates.split(",")[0]
+        steps = args.kill_steps or None
         out += [
-            Row(f"diloco_kill_{first}", out[1].rate, sync=diloco, kill=True),
-            Row(f"diloco_kill_peer_{first}", out[1].rate, sync=diloco, kill=True, peer=True),
+            Row(f"diloco_kill_{first}", out[1].rate, sync=diloco, kill=True, steps=steps),
+            Row(
+                f"diloco_kill_peer_{first}",
+                out[1].rate,
+                sync=diloco,
+                kill=True,
+                peer=True,
+                steps=steps,
+            ),
         ]
     return out
 
@@ -139,7 +166,7 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
             "entrypoint": {"script": str(REPO / "examples" / "train_lm.py"), "args": train},
             "nodes": {"min": 2 + row.peer, "max": 2 + row.peer, "spares": 1 if row.kill else 0},
             "nproc_per_node": 1,
-            "max_steps": args.steps,
+            "max_steps": row.steps or args.steps,
             "checkpoint": {"url": f"file://{out}/ckpt", "every_steps": 0},
             "comm": row.comm,
             "sync": row.sync,
@@ -208,7 +235,7 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
             agent(spare_node, site_b)  # the spare starts once both sites train: b0 is active
             # past half the run, mid inner period: the spare starts from the anchors of the
             # last outer step and has the inner steps since then to compute again
-            kill_at, h = args.steps // 2, args.inner_steps
+            kill_at, h = (row.steps or args.steps) // 2, args.inner_steps
 
             def due(step: int) -> bool:
                 return step >= kill_at and h // 4 <= step % h <= 3 * h // 4
@@ -247,9 +274,9 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
         raise RuntimeError(f"{row.name} ended {status.phase.value}:\n" + "\n".join(lines[-60:]))
     finals = [json.loads(p.read_text()) for p in sorted(out.glob("final-rank*.json"))]
     return {
-        "steps_per_s": _step_rate(lines),
+        "steps_per_s": _step_rate(lines, args.warm_steps),
         "link_bytes": sent,
-        "link_bytes_per_step": sent / args.steps,
+        "link_bytes_per_step": sent / (row.steps or args.steps),
         "eval_loss": finals[0]["eval_loss"],
         "eval_loss_sites": [f["eval_loss"] for f in finals],
         "tokens": finals[0]["tokens"],
@@ -270,15 +297,15 @@ def _kept(lines: list[str], where: str, name: str) -> Iterator[None]:
             Path(where, f"{name}.log").write_text("\n".join(lines) + "\n")
 
 
-def _step_rate(lines: TimedLines) -> float:
-    """Steps per second between rank 0's logged step ``WARM_STEPS`` and its last logged step."""
+def _step_rate(lines: TimedLines, warm_steps: int = WARM_STEPS) -> float:
+    """Steps per second between rank 0's logged step ``warm_steps`` and its last logged step."""
     logged = []
     for t, line in zip(lines.times, lines, strict=True):
         m = re.search(r"\bstep (\d+) loss ", line)
-        if m and int(m.group(1)) >= WARM_STEPS:
+        if m and int(m.group(1)) >= warm_steps:
             logged.append((int(m.group(1)), t))
     if len(logged) < 2:
-        raise RuntimeError(f"fewer than two logged steps past {WARM_STEPS}: {logged}")
+        raise RuntimeError(f"fewer than two logged steps past {warm_steps}: {logged}")
     (s0, t0), (s1, t1) = logged[0], logged[-1]
     return (s1 - s0) / (t1 - t0)
 
@@ -397,7 +424,16 @@ def main() -> int:
     parser.add_argument("--no-kill", action="store_true", help="skip the SIGKILL row")
     parser.add_argument("--only", default="", help="run only these rows (names, commas)")
     parser.add_argument("--keep-logs", default="", help="directory: each row's output")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--kill-steps", type=int, default=0, help="max_steps of the kill rows (0: --steps)"
+    )
+    parser.add_argument(
+        "--warm-steps",
+        type=int,
+        default=WARM_STEPS,
+        help="steps not timed at the start of a row; PowerSGD's start_iter",
+    )
+    args = parse(parser, SMOKE)
     from tests.faults.netns import unavailable_reason
 
     reason = unavailable_reason()
@@ -405,9 +441,9 @@ def main() -> int:
         reason = "the `tc` command (iproute2) is not installed"
     if reason is not None:
         print(f"SKIPPED: two sites need network namespaces and tc ({reason})")
-        print(json.dumps({"skipped": True, "reason": reason}))
+        print(result_line({"skipped": True, "reason": reason}, args.smoke))
         return 0
-    print(json.dumps(run(args)))
+    print(result_line(run(args), args.smoke))
     return 0
 
 

@@ -42,7 +42,8 @@ restored into and the raw read's bytes.
 
 The last line is one JSON object: a row per size and backend, units, target.
 
-Usage: ``python benchmarks/durable_restore.py [--sizes 0.1 0.5 1 2] [--rounds 2]``
+Usage: ``python benchmarks/durable_restore.py [--sizes 0.1 0.5 1 2] [--rounds 2]``;
+``--smoke``: 1 MB of state in 2 layers, one round of every row.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ import fsspec  # noqa: E402
 import torch  # noqa: E402
 from _state_at_size import build_state, fingerprint, memory_available, state_bytes  # noqa: E402
 
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from checkpoint import Checkpointer, CheckpointStorageError, RestoreSource  # noqa: E402
 from checkpoint.api import MANIFEST_NAME  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
@@ -91,6 +93,8 @@ UNITS = {
     "ratio": "restore throughput / raw read throughput of the same bytes (raw_s / restore_s)",
 }
 TARGET = {"ratio_at_least": 0.8}
+#: ``--smoke``: the least state and one round of each row.
+SMOKE = {"sizes": [0.001], "layers": 2, "rounds": 1}
 #: The moto server, run in a process of its own; it prints ``ready`` once it listens.
 _SERVER = """
 import sys
@@ -330,7 +334,7 @@ def main() -> None:
     )
     parser.add_argument("--no-s3", action="store_true", help="local rows only")
     parser.add_argument("--dir", default=None, help="where the local checkpoints go (a temp dir)")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     rows: list[dict[str, Any]] = []
     with s3_server() if not args.no_s3 else _no_server() as s3_options:
@@ -348,7 +352,7 @@ def main() -> None:
             args.size = size
             rows += run_size(args, s3_options)
     print(
-        json.dumps(
+        result_line(
             {
                 "sizes_gb": args.sizes,
                 "rounds": args.rounds,
@@ -358,7 +362,8 @@ def main() -> None:
                 "rows": rows,
                 "units": UNITS,
                 "target": TARGET,
-            }
+            },
+            args.smoke,
         )
     )
 

@@ -15,11 +15,13 @@ One run of the tiny job (2 active nodes, 1 spare, local processes) on
    be 0: one member down is invisible) and after the quorum was lost.
 
 Every wait has a deadline and fails loudly with the job's last output.  The
-last line is a JSON object.
+last line is a JSON object.  ``--smoke``: the same faults at steps 10, 20 and 25
+of 150 steps of 20 ms, the quorum lost for 2 s.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import itertools
 import json
@@ -28,12 +30,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator import jobs  # noqa: E402
 from orchestrator.api import JobPhase  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
@@ -54,6 +58,24 @@ STEP_DEADLINE_S = 90.0
 RUN_DEADLINE = timedelta(minutes=5)
 #: What a worker logs when it pauses for etcd.
 PAUSE_LINE = "pausing until etcd is back"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The job's length and when each fault comes (job steps, seconds)."""
+
+    steps: int = STEPS
+    step_time: float = 0.05
+    one_down_at: int = 30
+    one_back_at: int = 60
+    quorum_lost_at: int = 65
+    outage_s: float = OUTAGE_S
+
+
+#: ``--smoke``: the same faults, early in a short job of short steps.
+SMOKE = Schedule(
+    steps=150, step_time=0.02, one_down_at=10, one_back_at=20, quorum_lost_at=25, outage_s=2.0
+)
 
 
 def fail(what: str, lines: list[str]) -> SystemExit:
@@ -90,7 +112,7 @@ def is_leader(endpoint: str) -> bool:
     return bool(status["leader"] == status["header"]["member_id"])
 
 
-def step_times(tmp: Path) -> tuple[dict[int, float], int, int]:
+def step_times(tmp: Path, steps: int = STEPS) -> tuple[dict[int, float], int, int]:
     """First completion time of each step; steps applied twice by a worker; steps never."""
     first: dict[int, float] = {}
     twice = 0
@@ -101,33 +123,35 @@ def step_times(tmp: Path) -> tuple[dict[int, float], int, int]:
             seen[int(step)] += 1
             first[int(step)] = min(first.get(int(step), float("inf")), float(at))
         twice += sum(1 for c in seen.values() if c > 1)
-    never = sum(1 for s in range(STEPS) if s not in first)
+    never = sum(1 for s in range(steps) if s not in first)
     return first, twice, never
 
 
 def main() -> None:
+    args = parse(argparse.ArgumentParser(description=__doc__.split("\n")[0]), {})
+    at = SMOKE if args.smoke else Schedule()
     tmp = Path(tempfile.mkdtemp(prefix="rm-bench-etcd-"))
     lines: list[str] = []
-    spec = tiny_job("etcd-outage", tmp, steps=STEPS, step_time=0.05)
+    spec = tiny_job("etcd-outage", tmp, steps=at.steps, step_time=at.step_time)
     with (
         EtcdCluster(3) as cluster,
         quiet_run(spec, lines, etcd=EtcdOptions(cluster.endpoints), timeout=RUN_DEADLINE) as run,
     ):
-        wait_for_step(run, 30, lines)
+        wait_for_step(run, at.one_down_at, lines)
         one_down = time.time()
         one_down_from = len(lines)
         leader_killed = is_leader(cluster.members[0].endpoint)
         cluster.kill(0)
-        wait_for_step(run, 60, lines)
+        wait_for_step(run, at.one_back_at, lines)
         cluster.restart(0)
         cluster.wait_healthy()
-        wait_for_step(run, 65, lines)
+        wait_for_step(run, at.quorum_lost_at, lines)
         one_down_pauses = pauses(lines[one_down_from:])
         quorum_lost = time.time()
         quorum_lost_from = len(lines)
         cluster.kill(0)
         cluster.kill(1)
-        time.sleep(OUTAGE_S)
+        time.sleep(at.outage_s)  # the outage itself: etcd is down for this long
         cluster.restart(0)
         cluster.restart(1)
         cluster.wait_healthy()
@@ -136,7 +160,7 @@ def main() -> None:
         quorum_lost_pauses = pauses(lines[quorum_lost_from:])
     if result.phase is not JobPhase.SUCCEEDED:
         raise fail(f"the job ended {result.phase.value}, not Succeeded", lines)
-    first, twice, never = step_times(tmp)
+    first, twice, never = step_times(tmp, at.steps)
     ordered = sorted(first.items())
     gaps = [b[1] - a[1] for a, b in itertools.pairwise(ordered)]
     median = statistics.median(gaps)
@@ -159,7 +183,7 @@ def main() -> None:
         "steps_never_applied": never,
         "recoveries": result.recoveries,
     }
-    print(json.dumps(figures))
+    print(result_line(figures, args.smoke))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ either way) is serial here where real workers decode in parallel: the times
 measure this process as much as the delivery; the bytes do not.
 
 The last line of stdout is one JSON object with the headline figures.
+``--smoke``: 2 nodes of 2 workers, a plan of 10 members, 1 plan per mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +36,7 @@ from agents.channels.plan_feed import PlanFeed
 from agents.node.watches import NodeWatches
 from agents.runtime.plan_watch import PlanWatcher
 from benchmarks._control_plane.etcd_metrics import scrape
+from benchmarks._smoke import parse, result_line
 from orchestrator import keys, records
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="workers per node")
     p.add_argument("--plan-members", type=int, default=1000, help="nodes the plan lists")
     p.add_argument("--plans", type=int, default=5, help="plans published in each mode")
-    args = p.parse_args()
+    args = parse(p, {"nodes": 2, "workers": 2, "plan_members": 10, "plans": 1})
     size = len(big_plan(1, args.plan_members).encode())
     print(f"{args.nodes} nodes x {args.workers} workers, a plan of {size / 1e3:.0f} KB")
     with EmbeddedEtcd() as etcd:
@@ -126,7 +127,7 @@ def main() -> None:
         )
     watch, feed = results["watch"], results["feed"]
     print(
-        json.dumps(
+        result_line(
             {
                 "nodes": args.nodes,
                 "workers_per_node": args.workers,
@@ -144,7 +145,8 @@ def main() -> None:
                     watch["put_to_every_worker_s_median"] / feed["put_to_every_worker_s_median"],
                     2,
                 ),
-            }
+            },
+            args.smoke,
         )
     )
 

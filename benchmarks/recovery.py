@@ -45,13 +45,15 @@ blocked per copy, of which copying to host, and the exchange on its thread).
 
 ``--tier0``, ``--stuck`` and ``--sharded`` run those rows alone; ``--sharded``
 takes row names to run only those (``ddp hsdp tensor_parallel pipeline
-fsdp_redundancy fsdp_durable overhead``).  The last line is a JSON object.
+fsdp_redundancy fsdp_durable overhead``).  ``--smoke``, alone or beside those, runs
+the same rows as short jobs (:data:`SMOKE`): each setting of the overhead rows once,
+torchrun given ``SMOKE.torchrun_patience_s`` to train again.  The last line is a
+JSON object.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -59,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +73,10 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()
 
 import _restart_runs  # noqa: E402
+import _stuck_peers  # noqa: E402
 
 from agents.recovery.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
+from benchmarks._smoke import announce, result_line  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
 
 STEPS = 400
@@ -83,6 +88,49 @@ TORCHRUN_PATIENCE_S = _restart_runs.TORCHRUN_PATIENCE_S
 TIER0_EPOCHS = 6
 TIER0_KILL_AT = 105
 TIER0_CHECKPOINT_EVERY = 10
+#: Sharded rows: steps, the kill, and the model of the redundancy overhead row.
+SHARDED_STEPS = 200
+SHARDED_KILL_AT = 60
+SHARDED_WIDTH = 512
+OVERHEAD_STEPS = 300
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How long each row's jobs run, where they are killed, how long torchrun is given."""
+
+    steps: int = STEPS
+    kill_at: int = KILL_AT
+    torchrun_patience_s: float = TORCHRUN_PATIENCE_S
+    tier0_epochs: int = TIER0_EPOCHS
+    tier0_kill_at: int = TIER0_KILL_AT
+    tier0_checkpoint_every: int = TIER0_CHECKPOINT_EVERY
+    stuck_steps: int = _stuck_peers.STEPS
+    stuck_fault_at: int = _stuck_peers.FAULT_AT
+    sharded_steps: int = SHARDED_STEPS
+    sharded_kill_at: int = SHARDED_KILL_AT
+    sharded_width: int = SHARDED_WIDTH
+    overhead_steps: int = OVERHEAD_STEPS
+    #: the overhead rows' settings run in both orders (else once each)
+    overhead_both_orders: bool = True
+
+
+#: ``--smoke``: every row, its jobs short (one epoch of tier 0: 32 steps).
+SMOKE = Scale(
+    steps=60,
+    kill_at=20,
+    torchrun_patience_s=20.0,
+    tier0_epochs=1,
+    tier0_kill_at=12,
+    tier0_checkpoint_every=5,
+    stuck_steps=60,
+    stuck_fault_at=20,
+    sharded_steps=40,
+    sharded_kill_at=15,
+    sharded_width=64,
+    overhead_steps=40,
+    overhead_both_orders=False,
+)
 
 
 def _entries(log_dir: Path, by_file: bool) -> list[tuple[float, int, str]]:
@@ -119,7 +167,7 @@ def _measure(log_dir: Path, killed_at: float, by_file: bool) -> tuple[float, int
     return first_t - killed_at, lost
 
 
-def run_ringmaster(tmp: Path) -> dict[str, float]:
+def run_ringmaster(tmp: Path, scale: Scale) -> dict[str, float]:
     from orchestrator.local_run import LocalRun
     from orchestrator.spec_loader import load_job_data
 
@@ -134,7 +182,7 @@ def run_ringmaster(tmp: Path) -> dict[str, float]:
                 "env": {"RINGMASTER_LOG_EVERY": "100000"},
             },
             "nodes": {"min": 2, "max": 2, "spares": 1},
-            "max_steps": STEPS,
+            "max_steps": scale.steps,
             "fault_tolerance": {"heartbeat_interval": "500ms"},
         }
     )
@@ -145,7 +193,7 @@ def run_ringmaster(tmp: Path) -> dict[str, float]:
         killed_at = 0.0
         while True:
             status = jobs.read_status(run._client, spec.name)
-            if status and status.step >= KILL_AT and status.active_nodes:
+            if status and status.step >= scale.kill_at and status.active_nodes:
                 node = status.active_nodes[0]
                 killed_at = time.time()
                 run.kill_node(node)
@@ -155,13 +203,6 @@ def run_ringmaster(tmp: Path) -> dict[str, float]:
     assert result.phase.value == "Succeeded", "\n".join(lines[-40:])
     recovery, lost = _measure(logs, killed_at, by_file=False)
     return {"recovery_s": recovery, "steps_lost": lost}
-
-
-#: Sharded rows: steps, the kill, and the model of the redundancy overhead row.
-SHARDED_STEPS = 200
-SHARDED_KILL_AT = 60
-SHARDED_WIDTH = 512
-OVERHEAD_STEPS = 300
 
 
 def _sharded_run(
@@ -260,11 +301,12 @@ def _copy_costs(lines: list[str]) -> dict[str, float]:
     }
 
 
-def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
+def sharded_rows(only: list[str] | None = None, scale: Scale = Scale()) -> dict[str, object]:
     """The ddp / hsdp / fsdp recovery rows and the redundancy overhead.
 
     Args:
         only: names of :data:`SHARDED_ROWS` and/or ``overhead`` to run (default: all).
+        scale: the jobs' steps, the kill and the overhead rows' model.
     """
     common = ["--step-time", str(STEP_TIME)]
     rows: dict[str, object] = {}
@@ -279,8 +321,8 @@ def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
                 [*args, *common],
                 nodes=nodes,
                 nproc=nproc,
-                steps=SHARDED_STEPS,
-                kill_at=SHARDED_KILL_AT,
+                steps=scale.sharded_steps,
+                kill_at=scale.sharded_kill_at,
                 checkpoint_every=checkpoint_every,
             )
             recovery, lost = _measure(logs, killed_at, by_file=False)
@@ -292,17 +334,17 @@ def sharded_rows(only: list[str] | None = None) -> dict[str, object]:
         # runs (the machine is shared) weighs on each setting alike
         order = (1, DEFAULT_EVERY_STEPS, 0)
         times: dict[int, list[float]] = {every: [] for every in order}
-        for i, every in enumerate(order + order[::-1]):
+        for i, every in enumerate(order + order[::-1] if scale.overhead_both_orders else order):
             logs, _, lines = _sharded_run(
                 tmp,
                 f"bench-overhead-{every}-{i}",
                 [
                     *("--sharding", "fsdp", "--redundancy-every-steps", str(every)),
-                    *("--width", str(SHARDED_WIDTH)),
+                    *("--width", str(scale.sharded_width)),
                 ],
                 nodes=3,
                 nproc=1,
-                steps=OVERHEAD_STEPS,
+                steps=scale.overhead_steps,
                 kill_at=None,
                 env={"RINGMASTER_LOG_LEVEL": "INFO"},  # the copies' costs (BuddyCopies.stop)
             )
@@ -358,24 +400,24 @@ def _print_sharded(rows: dict[str, object]) -> None:
     )
 
 
-def _tier0_args() -> list[str]:
+def _tier0_args(scale: Scale) -> list[str]:
     return [
         "--epochs",
-        str(TIER0_EPOCHS),
+        str(scale.tier0_epochs),
         "--step-time",
         str(STEP_TIME),
         "--checkpoint-every",
-        str(TIER0_CHECKPOINT_EVERY),
+        str(scale.tier0_checkpoint_every),
     ]
 
 
-def run_torchrun(tmp: Path) -> dict[str, float]:
+def run_torchrun(tmp: Path, scale: Scale) -> dict[str, float]:
     logs = tmp / "steps"
     logs.mkdir()
     ckpt = tmp / "ckpt.pt"
     port = free_port()
     store = _restart_runs.store_process(port)
-    args = ["--steps", str(STEPS), "--ckpt", str(ckpt), "--steplog-dir", str(logs),
+    args = ["--steps", str(scale.steps), "--ckpt", str(ckpt), "--steplog-dir", str(logs),
             "--step-time", str(STEP_TIME)]  # fmt: skip
     script = REPO / "benchmarks" / "_torchrun_job.py"  # its own script: a tiny model
     nodes = _restart_runs.torchrun_nodes(port, args, script=script)
@@ -384,7 +426,7 @@ def run_torchrun(tmp: Path) -> dict[str, float]:
         deadline = time.time() + 180
         while time.time() < deadline:
             done = [s for _, s in _steps_by_time(logs)]
-            if done and max(done) >= KILL_AT:
+            if done and max(done) >= scale.kill_at:
                 # a node that trains (one that joined late may wait outside the round)
                 victim, worker = _training_node(nodes, logs)
                 killed_at = time.time()
@@ -393,8 +435,8 @@ def run_torchrun(tmp: Path) -> dict[str, float]:
                     os.kill(worker, signal.SIGKILL)
                 break
             time.sleep(0.01)
-        # wait for the job to complete a step again, up to TORCHRUN_PATIENCE_S
-        until = time.time() + TORCHRUN_PATIENCE_S
+        # wait for the job to complete a step again, up to its patience
+        until = time.time() + scale.torchrun_patience_s
         while time.time() < until and killed_at:
             if _measure(logs, killed_at, by_file=True)[0] != float("inf"):
                 time.sleep(2)  # let it run a little past recovery
@@ -428,24 +470,25 @@ def _training_node(
     raise RuntimeError("no training torchrun worker found")
 
 
-def _tier0() -> dict[str, object]:
+def _tier0(scale: Scale) -> dict[str, object]:
     """The tier-0 row: the plain torchrun script under ringmaster and under torchrun."""
+    args, kill_at, patience = _tier0_args(scale), scale.tier0_kill_at, scale.torchrun_patience_s
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        rm = _restart_runs.run_ringmaster(Path(a), "bench-tier0", _tier0_args(), TIER0_KILL_AT)
+        rm = _restart_runs.run_ringmaster(Path(a), "bench-tier0", args, kill_at)
         print(
             f"tier 0, ringmaster (restart): {rm['recovery_s']:.2f}s to the next step, "
             f"{rm['steps_lost']} lost"
         )
-        tr = _restart_runs.run_torchrun(Path(b), _tier0_args(), TIER0_KILL_AT)
+        tr = _restart_runs.run_torchrun(Path(b), args, kill_at, patience=patience)
         if tr["recovery_s"] == float("inf"):
-            print(f"tier 0, torchrun: no step within {TORCHRUN_PATIENCE_S:g}s of the kill")
+            print(f"tier 0, torchrun: no step within {patience:g}s of the kill")
         else:
             print(
                 f"tier 0, torchrun: {tr['recovery_s']:.2f}s to the next step, "
                 f"{tr['steps_lost']} lost"
             )
     recovered = tr["recovery_s"] != float("inf")
-    speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
+    speedup = (tr["recovery_s"] if recovered else patience) / rm["recovery_s"]
     return {
         "tier0_recovery_s": round(rm["recovery_s"], 3),
         "tier0_steps_lost": rm["steps_lost"],
@@ -456,17 +499,15 @@ def _tier0() -> dict[str, object]:
     }
 
 
-def _stuck_peer_rows() -> dict[str, object]:
+def _stuck_peer_rows(scale: Scale) -> dict[str, object]:
     """The SIGSTOP and partition rows (:mod:`_stuck_peers`): a peer that hangs."""
-    import _stuck_peers
-
     out: dict[str, object] = {}
     for name, run in (
         ("sigstop", _stuck_peers.run_sigstop),
         ("partition", _stuck_peers.run_partition),
     ):
         with tempfile.TemporaryDirectory() as tmp:
-            row = run(Path(tmp), _measure)
+            row = run(Path(tmp), _measure, steps=scale.stuck_steps, fault_at=scale.stuck_fault_at)
         if "skipped" in row:
             print(f"{name}: not measured: {row['skipped']}")
             out[f"{name}_recovery_s"] = None
@@ -483,52 +524,65 @@ def _stuck_peer_rows() -> dict[str, object]:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--tier0"]:  # the tier-0 row alone
-        print(json.dumps(_tier0()))
+    argv = sys.argv[1:]
+    smoke = "--smoke" in argv
+    argv = [a for a in argv if a != "--smoke"]
+    scale = SMOKE if smoke else Scale()
+    if smoke:
+        announce(f"{scale}")
+    if argv == ["--tier0"]:  # the tier-0 row alone
+        print(result_line(_tier0(scale), smoke))
         return
-    if sys.argv[1:] == ["--stuck"]:  # the SIGSTOP and partition rows alone
-        print(json.dumps(_stuck_peer_rows()))
+    if argv == ["--stuck"]:  # the SIGSTOP and partition rows alone
+        print(result_line(_stuck_peer_rows(scale), smoke))
         return
-    if sys.argv[1:2] == ["--sharded"]:  # the sharded rows alone, or only the ones named
-        sharded = sharded_rows(sys.argv[2:] or None)
+    if argv[:1] == ["--sharded"]:  # the sharded rows alone, or only the ones named
+        sharded = sharded_rows(argv[1:] or None, scale)
         _print_sharded(sharded)
-        print(json.dumps(sharded))
+        print(result_line(sharded, smoke))
         return
+    if argv:
+        raise SystemExit(
+            f"recovery.py: unknown arguments {argv}; it takes --tier0, --stuck or "
+            "--sharded [rows], and --smoke beside any of them (or alone)"
+        )
+    patience = scale.torchrun_patience_s
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        rm = run_ringmaster(Path(a))
+        rm = run_ringmaster(Path(a), scale)
         print(f"ringmaster: {rm['recovery_s']:.2f}s to the next step, {rm['steps_lost']} lost")
-        tr = run_torchrun(Path(b))
+        tr = run_torchrun(Path(b), scale)
         if tr["recovery_s"] == float("inf"):
             print(
-                f"torchrun:   no step within {TORCHRUN_PATIENCE_S:g}s of the kill, "
-                f"{tr['completed']}/{STEPS} steps completed"
+                f"torchrun:   no step within {patience:g}s of the kill, "
+                f"{tr['completed']}/{scale.steps} steps completed"
             )
         else:
             print(
                 f"torchrun:   {tr['recovery_s']:.2f}s to the next step, {tr['steps_lost']} lost, "
-                f"{tr['completed']}/{STEPS} steps completed"
+                f"{tr['completed']}/{scale.steps} steps completed"
             )
     recovered = tr["recovery_s"] != float("inf")
     # torchrun that never trained again within its patience: the ratio is at least this
-    speedup = (tr["recovery_s"] if recovered else TORCHRUN_PATIENCE_S) / rm["recovery_s"]
-    tier0 = _tier0()
-    stuck = _stuck_peer_rows()
-    sharded = sharded_rows()
+    speedup = (tr["recovery_s"] if recovered else patience) / rm["recovery_s"]
+    tier0 = _tier0(scale)
+    stuck = _stuck_peer_rows(scale)
+    sharded = sharded_rows(scale=scale)
     _print_sharded(sharded)
     print(
-        json.dumps(
+        result_line(
             {
                 "recovery_s": round(rm["recovery_s"], 3),
                 "steps_lost": rm["steps_lost"],
                 "torchrun_recovery_s": round(tr["recovery_s"], 3) if recovered else None,
-                "torchrun_recovered_within_s": None if recovered else TORCHRUN_PATIENCE_S,
+                "torchrun_recovered_within_s": None if recovered else patience,
                 "torchrun_steps_lost": tr["steps_lost"] if recovered else None,
                 "speedup": round(speedup, 2) if recovered else None,
                 "speedup_at_least": None if recovered else round(speedup, 1),
                 **tier0,
                 **stuck,
                 **sharded,
-            }
+            },
+            smoke,
         )
     )
 

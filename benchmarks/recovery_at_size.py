@@ -44,7 +44,8 @@ available now (about ``MEMORY_FACTOR`` times the state, see
 
 The last line is one JSON object: a row per size, the units, the targets.
 
-Usage: ``python benchmarks/recovery_at_size.py [--sizes 0.1 0.5 1 2] [--checksum]``
+Usage: ``python benchmarks/recovery_at_size.py [--sizes 0.1 0.5 1 2] [--checksum]``;
+``--smoke``: 2 MB of state in 2 layers, checksums on, one transfer per transport.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ apply_grpc_environment()
 
 import _wire_limit  # noqa: E402
 from _state_at_size import skipped_for_memory  # noqa: E402
+
+from benchmarks._smoke import parse, result_line  # noqa: E402
 
 #: The step after which an active node is killed; the job runs until its recovery
 #: record is written (the new generation completed a step), then its processes go.
@@ -93,6 +96,10 @@ TARGETS = {
     "heal_ratio_to_gloo_at_1_and_2_gb": 0.8,
     "peak_rss_over_state_at_most": 1.25,
 }
+
+
+#: ``--smoke``: the least state, its digests compared, one transfer per transport.
+SMOKE = {"sizes": [0.002], "layers": 2, "limit_rounds": 1, "checksum": True}
 
 
 def memory_needed(state_bytes: float, nodes: int = 2) -> int:
@@ -307,7 +314,7 @@ def main() -> None:
         "the spare a share of the model and optimizer)",
     )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="print the jobs' output")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     rows: list[dict[str, Any]] = []
     for size, nodes in [(size, n) for size in args.sizes for n in args.nodes]:
         skipped = skipped_for_memory(size, memory_needed(size * 1e9, nodes))
@@ -327,7 +334,7 @@ def main() -> None:
         _print_row(row)
         rows.append(row)
     print(
-        json.dumps(
+        result_line(
             {
                 "sizes_gb": args.sizes,
                 "nodes": args.nodes,
@@ -337,7 +344,8 @@ def main() -> None:
                 "rows": rows,
                 "units": UNITS,
                 "targets": TARGETS,
-            }
+            },
+            args.smoke,
         )
     )
 

@@ -23,12 +23,13 @@ ranks through the etcd store and through a TCPStore, and single store ops.
 
 Both backends run the same torch ``DynamicRendezvousHandler`` with the same
 settings; only where the state lives differs.  The last line of stdout is a
-JSON object with the headline figures.
+JSON object with the headline figures.  ``--smoke``: N = 2 only, one trial of each
+kind, 10 store operations.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import multiprocessing as mp
 import os
 import statistics
@@ -43,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator.etcd.embedded import EmbeddedEtcd  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
 
@@ -58,6 +60,10 @@ CONF = {
     "keep_alive_max_attempt": "3",
     "read_timeout": "20",
 }
+#: ``--smoke``: the sizes, trials per figure and store operations timed.
+SMOKE_SIZES = (2,)
+SMOKE_REPEATS = 1
+SMOKE_OPS = 10
 #: How long the coordinator waits for any one answer from an agent.
 REPLY_TIMEOUT = timedelta(seconds=90)
 
@@ -335,17 +341,22 @@ def store_op_ms(etcd: EmbeddedEtcd, ops: int = 200) -> dict[str, float]:
 
 
 def main() -> None:
+    args = parse(argparse.ArgumentParser(description=__doc__.split("\n")[0]), {})
+    sizes = SMOKE_SIZES if args.smoke else SIZES
+    repeats = SMOKE_REPEATS if args.smoke else REPEATS
     started = time.monotonic()
     results: dict[str, float | bool | str] = {}
     with EmbeddedEtcd() as etcd:
-        print(f"etcd at {etcd.endpoint}; starting {max(SIZES) + 3} agent processes ...")
-        pool = Pool(max(SIZES) + 3)
+        # the store-host test takes the three agents past the largest N
+        agents = max(max(sizes) + 3, PG_WORLD)
+        print(f"etcd at {etcd.endpoint}; starting {agents} agent processes ...")
+        pool = Pool(agents)
         try:
             print(f"agents ready after {time.monotonic() - started:.1f}s")
             print(f"{'N':>3} {'backend':>8} {'round s':>8} {'re-form s':>9}")
-            for n in SIZES:
+            for n in sizes:
                 for backend in ("etcd-v3", "c10d"):
-                    runs = [trial(pool, etcd, backend, n) for _ in range(REPEATS)]
+                    runs = [trial(pool, etcd, backend, n) for _ in range(repeats)]
                     r = {m: statistics.median(x[m] for x in runs) for m in ("round_s", "reform_s")}
                     key = backend.replace("-", "_")
                     results[f"{key}_round_s_n{n}"] = round(r["round_s"], 3)
@@ -360,21 +371,21 @@ def main() -> None:
                     f"{results[f'ratio_etcd_v3_over_c10d_reform_n{n}']:.2f}x"
                 )
             for store in ("etcd", "tcp"):
-                s = pg_bootstrap(pool, etcd, store)
+                s = pg_bootstrap(pool, etcd, store, repeats=1 if args.smoke else 3)
                 results[f"pg_init_allreduce_s_w{PG_WORLD}_{store}_store"] = round(s, 3)
                 print(f"gloo init + all-reduce, {PG_WORLD} ranks, {store} store: {s:.3f}s")
-            ops = store_op_ms(etcd)
+            ops = store_op_ms(etcd, ops=SMOKE_OPS if args.smoke else 200)
             for name, ms in ops.items():
                 results[f"store_set_get_ms_{name}"] = round(ms, 3)
                 print(f"set+get round trip, {name} store: {ms:.3f} ms")
-            survives, error = c10d_store_host_death(pool, max(SIZES))
+            survives, error = c10d_store_host_death(pool, agents - 3)
             results["c10d_survives_store_host_death"] = survives
             results["c10d_store_host_death_error"] = error[:200]
             print(f"c10d after the store host died: {'re-formed' if survives else error}")
         finally:
             pool.close()
     results["total_runtime_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(results, sort_keys=True))
+    print(result_line(results, args.smoke, sort_keys=True))
 
 
 if __name__ == "__main__":

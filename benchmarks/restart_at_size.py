@@ -43,7 +43,9 @@ A size whose job could not fit in the memory available now (about
 with the reason.  The last line is one JSON object: a row per size, the
 units, the target.
 
-Usage: ``python benchmarks/restart_at_size.py [--sizes 0.1 0.5 1 2] [--cold]``
+Usage: ``python benchmarks/restart_at_size.py [--sizes 0.1 0.5 1 2] [--cold]``;
+``--smoke``: 1 MB of state, ``--cold``, torchrun given ``SMOKE_PATIENCE_S`` to train
+again.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ apply_grpc_environment()
 
 import _restart_runs  # noqa: E402
 from _state_at_size import skipped_for_memory  # noqa: E402
+
+from benchmarks._smoke import parse, result_line  # noqa: E402
 
 #: fp32 bytes per parameter in the state: the parameter and Adam's two moments.
 STATE_BYTES_PER_PARAM = 12
@@ -101,6 +105,9 @@ UNITS = {"state_gb": "10^9 bytes", "_bytes": "bytes", "_s": "seconds",
          "ratio": "torchrun's seconds / ringmaster's",
          "_load_average": "runnable processes, 1-minute mean, as the run started"}  # fmt: skip
 TARGET = {"ratio_at_1_gb_at_least": 3.0}
+#: ``--smoke``: the least state, the cold path; torchrun's time to train again.
+SMOKE = {"sizes": [0.001], "cold": True}
+SMOKE_PATIENCE_S = 30.0
 
 
 def width_for(state_bytes: float) -> int:
@@ -196,8 +203,11 @@ def _phases(logs: Path, killed_at: float) -> dict[str, Any]:
     return out
 
 
-def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
-    """Both runs at one size; the row."""
+def run_size(
+    size_gb: float, cold: bool, patience: float = _restart_runs.TORCHRUN_PATIENCE_S
+) -> dict[str, Any]:
+    """Both runs at one size; the row (torchrun has ``patience`` seconds after the kill
+    to train again)."""
     width = width_for(size_gb * 1e9)
     params = parameters(width)
     args = script_args(width)
@@ -221,7 +231,9 @@ def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
                         env={"OMP_NUM_THREADS": "1"}, victim_rank=VICTIM_RANK,
                     )  # fmt: skip
                 else:
-                    got = _restart_runs.run_torchrun(tmp, args, KILL_AT, victim_rank=VICTIM_RANK)
+                    got = _restart_runs.run_torchrun(
+                        tmp, args, KILL_AT, patience=patience, victim_rank=VICTIM_RANK
+                    )
             files = sorted((tmp / "ckpt").rglob("ckpt-*.pt"))
             if files:
                 row["checkpoint_bytes"] = files[-1].stat().st_size
@@ -242,7 +254,7 @@ def run_size(size_gb: float, cold: bool) -> dict[str, Any]:
     row["ratio"] = row["torchrun_s"] / row["ringmaster_s"] if recovered else None
     if not recovered:
         row["torchrun_s"] = None
-        row["ratio_at_least"] = _restart_runs.TORCHRUN_PATIENCE_S / row["ringmaster_s"]
+        row["ratio_at_least"] = patience / row["ringmaster_s"]
     return row
 
 
@@ -299,19 +311,20 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="drop each checkpoint from the page cache"
     )
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
+    patience = SMOKE_PATIENCE_S if args.smoke else _restart_runs.TORCHRUN_PATIENCE_S
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         skipped = skipped_for_memory(size, memory_needed(size * 1e9))
         if skipped is not None:
             row: dict[str, Any] = skipped
         else:
-            row = run_size(size, args.cold)
+            row = run_size(size, args.cold, patience)
         row = _rounded(row)
         _print_row(row)
         rows.append(row)
     print(
-        json.dumps(
+        result_line(
             {
                 "sizes_gb": args.sizes,
                 "nodes": 2,
@@ -322,7 +335,8 @@ def main() -> None:
                 "rows": rows,
                 "units": UNITS,
                 "target": TARGET,
-            }
+            },
+            args.smoke,
         )
     )
 

@@ -13,7 +13,8 @@ reduction complete (wall clock, exact on one machine).
 
 ``--rate none`` runs the same job without a limit.  Needs root (network
 namespaces).  The findings are in docs/stragglers.md ("Not yet").  The last
-line is one JSON object.
+line is one JSON object.  ``--smoke``: 2 steps past the ``SKIP`` left out, 1 ms of
+compute each.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agents.runtime.step_timing import StepTiming  # noqa: E402
+from benchmarks._smoke import parse, result_line  # noqa: E402
 
 PORT = 29533
 WORLD = 3
@@ -147,7 +149,7 @@ def main() -> None:
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser, {"steps": SKIP + 2, "compute": 0.001})
     if args.worker is not None:
         worker(args.worker, args.addr, args.out, args.steps, args.compute)
         return
@@ -158,13 +160,13 @@ def main() -> None:
         reason = "the `tc` command (iproute2) is not installed"
     if reason is not None:  # `make bench` goes on with the other benchmarks
         print(f"skipped: {reason}")
-        print(json.dumps({"skipped": True, "reason": reason}))
+        print(result_line({"skipped": True, "reason": reason}, args.smoke))
         return
     figures = measure(args.rate, args.slow_rank, args.steps, args.compute)
     print(f"tbf {args.rate} on rank {args.slow_rank}'s link, {figures['steps']} steps")
     for r in figures["ranks"]:
         print("  ".join(f"{k} {v}" for k, v in r.items()))
-    print(json.dumps(figures))
+    print(result_line(figures, args.smoke))
 
 
 if __name__ == "__main__":

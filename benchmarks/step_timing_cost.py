@@ -17,13 +17,13 @@ that bound.  This measures the cost where it is paid, in one process:
   buckets a step posted.
 
 Run alone (``python benchmarks/step_timing_cost.py``) or as the ``cost`` row of
-``benchmarks/stragglers.py``.  The last line is one JSON object.
+``benchmarks/stragglers.py``.  The last line is one JSON object.  ``--smoke``: a
+thousand calls each, 4 pairs of 5-step blocks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,11 +36,14 @@ sys.path.insert(0, str(REPO))
 
 from agents.runtime.failures import CollectiveFailures  # noqa: E402
 from agents.runtime.step_timing import StepTiming  # noqa: E402
+from benchmarks._smoke import parse, result_line  # noqa: E402
 
-__all__ = ["call_costs", "ddp_cost"]
+__all__ = ["SMOKE", "call_costs", "ddp_cost"]
 
 #: The step the target is stated against: 0.5 % of it is 250 µs.
 STEP_S = 0.05
+#: ``--smoke``: calls timed per kind (``call_costs``), steps per block and pairs (``ddp_cost``).
+SMOKE = {"number": 1000, "block": 5, "pairs": 4}
 
 
 def call_costs(number: int = 1_000_000) -> dict[str, float]:
@@ -127,10 +130,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=30)
-    args = parser.parse_args()
-    figures = {"calls": call_costs(), "ddp": ddp_cost(args.buckets, pairs=args.pairs)}
+    parser.add_argument("--block", type=int, default=200, help="steps per block")
+    parser.add_argument("--number", type=int, default=1_000_000, help="calls timed per kind")
+    args = parse(parser, SMOKE)
+    figures = {
+        "calls": call_costs(args.number),
+        "ddp": ddp_cost(args.buckets, block=args.block, pairs=args.pairs),
+    }
     print(f"calls: {figures['calls']}\nddp: {figures['ddp']}", flush=True)
-    print(json.dumps(figures))
+    print(result_line(figures, args.smoke))
 
 
 if __name__ == "__main__":

@@ -43,13 +43,14 @@ Rows, all in this run:
   limited to ``--link-rate`` at step ``--onset``; seconds to the link probe,
   the call and the swap, the step rate before, during and after.
 
-The last line is one JSON object with every figure.
+The last line is one JSON object with every figure.  ``--smoke``: every default row
+(``side_by_side`` too) with short jobs of 20 ms steps and half-second windows, one
+overhead pair, the ``slow`` row at 3x only, 3 s of ``healthy``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -63,13 +64,34 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._slow_link_row import link_row  # noqa: E402
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from benchmarks._straggler_jobs import job, rate, step_times  # noqa: E402
+from benchmarks.step_timing_cost import SMOKE as COST_SMOKE  # noqa: E402
 from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
 from orchestrator import events, jobs, keys, records  # noqa: E402
 from orchestrator.local_run import LocalRun  # noqa: E402
 from orchestrator.records import NodeRecord, Plan  # noqa: E402
 from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
 from tests.faults.duty_cycle import DutyCycle, stopped_share  # noqa: E402
+
+#: ``--smoke``: short jobs, short windows, one pair, every row.
+SMOKE = {
+    "compute": 0.02,
+    "steps": 150,
+    "onset": 15,
+    "healthy_seconds": 3.0,
+    "heartbeat": "500ms",
+    "overhead_pairs": 1,
+    "overhead_steps": 30,
+    "link_width": 32,
+    "rows": ["cost", "side_by_side", "overhead", "slow", "link", "healthy"],
+}
+
+
+def ended(local: LocalRun) -> bool:
+    """Whether the job has ended (no straggler can be called or swapped after that)."""
+    status = jobs.read_status(local.client, local.spec.name)
+    return status is not None and status.phase.terminal
 
 
 def run(spec: JobSpec, tmp: Path, during: Any = None) -> tuple[Any, list[events.Event]]:
@@ -182,7 +204,7 @@ def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float
         cycle.start()
         deadline = time.monotonic() + 120
         try:
-            while time.monotonic() < deadline and "swap" not in marks:
+            while time.monotonic() < deadline and "swap" not in marks and not ended(local):
                 for e in events.list_events(local.client, spec.name):
                     if e.type == "Straggler" and "detect" not in marks:
                         marks["detect"] = e.time
@@ -273,13 +295,18 @@ def main() -> None:
                         help="the link row's model: width x width parameters")  # fmt: skip
     parser.add_argument("--rows", nargs="*",
                         default=["cost", "overhead", "slow", "link", "healthy"])  # fmt: skip
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     figures: dict[str, Any] = {"machine_cores": os.cpu_count(), "compute_s": args.compute}
     with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
         root = Path(d)
         healthy = None
         if "cost" in args.rows:
-            figures["cost"] = {"calls": call_costs(), "ddp": ddp_cost()}
+            if args.smoke:
+                calls = call_costs(COST_SMOKE["number"])
+                ddp = ddp_cost(block=COST_SMOKE["block"], pairs=COST_SMOKE["pairs"])
+            else:
+                calls, ddp = call_costs(), ddp_cost()
+            figures["cost"] = {"calls": calls, "ddp": ddp}
             print(f"cost: {figures['cost']}", flush=True)
         if "side_by_side" in args.rows:
             figures["side_by_side"] = side_by_side_rows(args, root)
@@ -287,7 +314,7 @@ def main() -> None:
             figures["overhead"] = overhead_rows(args, root)
             healthy = figures["overhead"]["report_steps_per_s"]
         if "slow" in args.rows and healthy:
-            for factor in (1.5, 3.0):
+            for factor in (3.0,) if args.smoke else (1.5, 3.0):
                 figures[f"slow_{factor:g}x"] = slow_row(args, root, factor, healthy)
         if "link" in args.rows:
             figures["slow_link"] = link_row(args, root)
@@ -295,7 +322,7 @@ def main() -> None:
             figures["healthy"] = healthy_row(args, root)
     figures["units"] = {"*_s": "seconds", "*_ratio": "step rate / healthy step rate",
                         "overhead_pct": "percent of the step rate"}  # fmt: skip
-    print(json.dumps(figures))
+    print(result_line(figures, args.smoke))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,20 @@ Measured, all on this machine in this run:
 3. goodput: for ``--window`` seconds from the first completed step, a node is
    killed every ``--periods`` seconds (at half a period, then every period)
    and started again; effective training = steps gained times the system's own
-   fault-free step time / window.
+   fault-free step time / window (from the first completed step): the same as
+   ringmaster's own "effective training since the first step" (productive step
+   time over the wall time since the first step; start-up is left out of both).
+   Each kill's time to the next step is listed, with the worst and the mean;
+   for ringmaster also whether a warm spare stood ready at the kill and the
+   phases of the job's own ``Recovered`` event.
+
+A kill is timed from the moment the node's processes are all dead (the kill
+has returned): a step that started while they were being killed can still
+complete, and is not a step "after" the kill.
+
+``--smoke`` runs the smallest configuration that goes through every row's
+code (:data:`SMOKE`): every system, each row once (steady state, one
+failure, one goodput run), 30 steps of 20 ms and a goodput window of 6 s.
 
 The last line is a JSON object with every figure.
 """
@@ -66,7 +79,8 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 # before gRPC is imported: this process forks agents (see orchestrator.etcd.grpc_env)
 apply_grpc_environment()
 
-from benchmarks.recovery import _parent, _store_process  # noqa: E402
+from benchmarks._restart_runs import parent_pid, store_process  # noqa: E402
+from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
 
 #: the workers' scripts: a directory of their own, since a script's directory comes first
@@ -79,6 +93,21 @@ PATIENCE_S = 90.0
 TORCHFT_HEARTBEAT_TIMEOUT_MS = 5000
 #: steps ignored at the start of a steady-state run (startup, first quorum, warm-up)
 WARM_STEPS = 20
+#: ``--smoke``: every system through every row once, at the smallest size (the 10 ms
+#: steady state is the 20 ms one's runs, not run again; a 6 s goodput window, one kill)
+SMOKE = {
+    "steps": WARM_STEPS + 10,
+    "fast_steps": WARM_STEPS + 10,
+    "kill_at": WARM_STEPS + 2,
+    "step_time": 0.02,
+    "fast_step_time": 0.02,
+    "ckpt_every": 5,
+    "rounds": 1,
+    "fast_rounds": 1,
+    "periods": "6",
+    "window": 6.0,
+    "max_kills": 1,
+}
 
 
 # -- step logs ------------------------------------------------------------------------
@@ -155,7 +184,7 @@ def _kill_group(pid: int) -> None:
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
-        if d.name.isdigit() and _parent(int(d.name)) == pid:
+        if d.name.isdigit() and parent_pid(int(d.name)) == pid:
             out.append(int(d.name))
     return out
 
@@ -198,6 +227,14 @@ class System:
 
     def finals(self) -> list[Path]:
         return sorted(self.tmp.glob("final.pt*"))
+
+    def recoveries(self, expected: int) -> list[dict[str, object]]:
+        """The system's own account of each recovery, oldest first (none for most)."""
+        return []
+
+    def warm_spares(self) -> list[str] | None:
+        """The warm spares standing ready now (None: the system has no spares)."""
+        return None
 
     def _by_age(self, nodes: list[str]) -> list[str]:
         return sorted(nodes, key=lambda n: self.started.get(n, 0.0))
@@ -267,9 +304,44 @@ class Ringmaster(System):
         status = jobs.read_status(self.run.client, self.run.spec.name)
         if not (status and status.phase.terminal):
             return False
-        # the phase ends before rank 0 has written its final parameters and exited
-        agents = [p for n, p in self.run.procs.items() if not n.startswith("controller")]
+        # the phase ends before rank 0 has written its final parameters and exited; a
+        # spare started late (at a kill near the end) may still be starting: not waited for
+        members = set(status.active_nodes)
+        agents = [
+            p
+            for n, p in self.run.procs.items()
+            if not n.startswith("controller") and (n in members or not members)
+        ]
         return all(p.popen.poll() is not None for p in agents)
+
+    def recoveries(self, expected: int) -> list[dict[str, object]]:
+        """The job's ``Recovered`` events (message, phases), each with the ``Generation``
+        event it ended (which says who replaced whom, and any wait for a spare), waiting
+        up to 5 s for ``expected`` of them."""
+        from orchestrator import events
+
+        deadline = time.time() + 5.0
+        while True:
+            found = events.list_events(self.run.client, self.run.spec.name)
+            recovered = [e for e in found if e.type == "Recovered"]
+            if len(recovered) >= expected or time.time() >= deadline:
+                break
+            time.sleep(0.1)
+        plans = {e.data.get("generation"): e.message for e in found if e.type == "Generation"}
+        return [
+            {
+                "message": e.message,
+                "plan": plans.get(e.data.get("generation"), ""),
+                "phases": e.data.get("phases", {}),
+            }
+            for e in recovered
+        ]
+
+    def warm_spares(self) -> list[str] | None:
+        from orchestrator import jobs
+
+        status = jobs.read_status(self.run.client, self.run.spec.name)
+        return list(status.spare_nodes) if status else []
 
     def stop(self) -> None:
         for proc in self.run.procs.values():
@@ -392,7 +464,7 @@ class Torchrun(System):
 
     def start(self) -> None:
         self.port = free_port()
-        self.store = _store_process(self.port)
+        self.store = store_process(self.port)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._spawned = 0
         for _ in range(2):
@@ -555,7 +627,7 @@ def single_failure(
 ) -> dict[str, object]:
     system = FACTORIES[name](tmp, steps, step_time, ckpt_every)
     system.start()
-    killed_at, victim = 0.0, ""
+    killed_at, victim, spares = 0.0, "", None
     try:
         deadline = time.time() + PATIENCE_S
         while time.time() < deadline and not killed_at:
@@ -563,11 +635,13 @@ def single_failure(
             nodes = system.training()
             if entries and max(e.step for e in entries) >= kill_at and len(nodes) >= 2:
                 victim = nodes[0]
-                killed_at = time.time()
+                spares = system.warm_spares()
                 system.kill(victim)
+                killed_at = time.time()  # every process of the node is dead
                 system.replace(victim)
             time.sleep(0.01)
         finished = _wait_finished(system, PATIENCE_S + steps * step_time * 3)
+        recovered = system.recoveries(1) if killed_at else []
     finally:
         system.stop()
     entries = read_log(system.logs)
@@ -580,6 +654,8 @@ def single_failure(
         "finished": finished,
         "final_equal": equal,
         "final_max_abs_diff": diff,
+        "spare_warm": None if spares is None else bool(spares),
+        "events": recovered,
     }
 
 
@@ -595,6 +671,7 @@ def goodput(
     system = FACTORIES[name](tmp, 10**6, step_time, ckpt_every)
     system.start()
     kills: list[float] = []
+    spare_warm: list[bool] = []
     try:
         t0 = _wait_first_step(system)
         end = t0 + window
@@ -603,27 +680,38 @@ def goodput(
             if time.time() >= due:
                 nodes = system.training()
                 if nodes:
-                    kills.append(time.time())
+                    spares = system.warm_spares()
                     system.kill(nodes[0])
+                    kills.append(time.time())  # every process of the node is dead
                     system.replace(nodes[0])
+                    if spares is not None:
+                        spare_warm.append(bool(spares))
                 due += period
             time.sleep(0.02)
+        recovered = system.recoveries(len(kills))
     finally:
         system.stop()
     if os.environ.get("PEERS_DEBUG"):
-        print("\n".join(line for line in system.lines if "[event]" in line or "controller" in line))
+        shown = ("[event]", "controller", "rejoined", "generation")
+        print("\n".join(line for line in system.lines if any(w in line for w in shown)))
+        for r in recovered:
+            print("RECOVERED", json.dumps(r))
     entries = [e for e in read_log(system.logs) if e.t_end <= end]
     gained = max((e.step for e in entries), default=-1) + 1
     per_kill = [after_kill(entries, k) for k in kills]
     lost = sum(max(lost, 0) for _, lost in per_kill)
+    times = [r for r, _ in per_kill]
+    done = [r for r in times if r != float("inf")]
     return {
         "kills": len(kills),
         "steps": gained,
         "steps_lost": lost,
-        "next_step_each_s": [round(r, 2) for r, _ in per_kill],
-        "mean_next_step_s": statistics.fmean(r for r, _ in per_kill if r != float("inf"))
-        if any(r != float("inf") for r, _ in per_kill)
-        else None,
+        # inf (no step after it within the window) becomes null in the JSON
+        "next_step_each_s": [round(r, 3) if r != float("inf") else r for r in times],
+        "worst_next_step_s": max(times) if times else None,
+        "mean_next_step_s": statistics.fmean(done) if done else None,
+        "spare_warm_at_kill": spare_warm if spare_warm else None,
+        "events": recovered,
         "effective": gained * own_period / window,
     }
 
@@ -636,6 +724,26 @@ CANNOT = {
     ("torchft", "durable"): "no durable checkpoints",
     ("ringmaster", "durable"): "off here (live-peer recovery)",
 }
+
+
+def _each_kill(g: dict[str, object]) -> str:
+    """Each kill's seconds to the next step, the worst and the mean, and (systems with
+    spares) whether a warm spare stood ready at each kill."""
+    each = g["next_step_each_s"]
+    assert isinstance(each, list)
+    text = "next step after each kill: " + ", ".join(_seconds(r) for r in each)
+    text += f" (worst {_seconds(g['worst_next_step_s'])}, mean {_seconds(g['mean_next_step_s'])})"
+    warm = g.get("spare_warm_at_kill")
+    if isinstance(warm, list) and not all(warm):
+        cold = [str(i + 1) for i, w in enumerate(warm) if not w]
+        text += f"; no warm spare ready at kill {', '.join(cold)}"
+    return text
+
+
+def _seconds(v: object) -> str:
+    """``1.23 s``; ``never`` (no step after it within the window); ``-`` (no figure)."""
+    text = _fmt(v)
+    return text if text in ("never", "-") else f"{text} s"
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -676,7 +784,7 @@ def main() -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep the runs' step logs and outputs")
     p.add_argument("--skip", default="", help="comma-separated: fast, single, goodput")
-    args = p.parse_args()
+    args = parse(p, SMOKE)
     global TORCHFT_HEARTBEAT_TIMEOUT_MS
     TORCHFT_HEARTBEAT_TIMEOUT_MS = args.torchft_heartbeat_timeout_ms
     systems = [s for s in args.systems.split(",") if s]
@@ -726,7 +834,10 @@ def main() -> None:
     base = ref["ddp"]["period_s"]
     assert isinstance(base, float)
     fast: dict[str, dict[str, object]] = {}
-    if "fast" not in skip:
+    same = (args.fast_steps, args.fast_step_time) == (args.steps, args.step_time)
+    if "fast" not in skip and same and args.fast_rounds <= args.rounds:
+        fast = ref  # the same runs (--smoke): not run twice
+    elif "fast" not in skip:
         fast = steady_rounds(args.fast_steps, args.fast_step_time, args.fast_rounds)
     single: dict[str, dict[str, object]] = {}
     if "single" not in skip:
@@ -739,9 +850,16 @@ def main() -> None:
             print(
                 f"single failure {name:10s}: next step {_fmt(r['next_step_s'])} s, "
                 f"{r['steps_lost']} lost, final equal {r['final_equal']} "
-                f"(max diff {_fmt(r['final_max_abs_diff'], '.2g')})",
+                f"(max diff {_fmt(r['final_max_abs_diff'], '.2g')})"
+                + (
+                    ""
+                    if r["spare_warm"] is None
+                    else f", warm spare at the kill: {r['spare_warm']}"
+                ),
                 flush=True,
             )
+            for e in r["events"]:  # type: ignore[attr-defined]
+                print(f"    {e['plan']}\n    {e['message']}", flush=True)
     good: dict[str, dict[str, dict[str, object]]] = {}
     if "goodput" not in skip:
         for period in periods:
@@ -753,9 +871,12 @@ def main() -> None:
                 good.setdefault(name, {})[f"{period:g}"] = g
                 print(
                     f"goodput {name:10s} kill every {period:g}s: {g['effective']:.1%} effective, "
-                    f"{g['steps']} steps, {g['kills']} kills, {g['steps_lost']} lost",
+                    f"{g['steps']} steps, {g['kills']} kills, {g['steps_lost']} lost; "
+                    f"{_each_kill(g)}",
                     flush=True,
                 )
+                for e in g["events"]:  # type: ignore[attr-defined]
+                    print(f"    {e['plan']}\n    {e['message']}", flush=True)
     load = os.getloadavg()
     print(
         f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
@@ -787,13 +908,14 @@ def main() -> None:
             eq = s.get("final_equal")
             diff = s.get("final_max_abs_diff")
             cells += [
-                f"{_fmt(s.get('next_step_s'))} s" if s else "not measured",
+                _seconds(s.get("next_step_s")) if s else "not measured",
                 _fmt(s.get("steps_lost")),
                 "bitwise"
                 if eq
                 else (f"no (max diff {diff:.1e})" if isinstance(diff, float) else "-"),
                 *[
-                    f"{gp['effective']:.1%} ({gp['steps']} steps)"
+                    f"{gp['effective']:.1%} ({gp['steps']} steps, worst kill "
+                    f"{_seconds(gp['worst_next_step_s'])})"
                     if (gp := good.get(name, {}).get(f"{p:g}"))
                     else "not measured"
                     for p in periods
@@ -860,7 +982,7 @@ def main() -> None:
         print(f"step logs and outputs kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(json.dumps(out))
+    print(result_line(out, args.smoke))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from orchestrator import keys
 from orchestrator.controller.hangs import STALE_BEATS
+from orchestrator.controller.memory import Memory
 from orchestrator.controller.placement import (
     nearest_spare,
     replacement_order,
@@ -35,6 +36,7 @@ from orchestrator.spec import JobSpec, RecoveryMode
 from orchestrator.topology import NodeInfo, topology_order
 
 __all__ = [
+    "end_wait",
     "is_warm",
     "make_plan",
     "node_info",
@@ -76,6 +78,24 @@ def is_warm(spec: JobSpec, world: World, node: str, restart_tier: bool) -> bool:
         if p is None or world.now - p.beat > stale or p.pid not in info.worker_pids:
             return False
     return True
+
+
+def end_wait(memory: Memory, world: World, members: list[str], order: list[str]) -> str:
+    """End a replacement's wait for nodes (``memory.short_since``); say what held it
+    back, for its plan's reason (empty when it did not wait).
+
+    A node of ``order`` that had registered when the wait began was a spare
+    still starting (its workers not warm yet); otherwise a node joined during it.
+    """
+    since, memory.short_since = memory.short_since, None
+    if since is None:
+        return ""
+    waited = world.mono - since
+    began = world.now - waited  # wall clock, as the registrations
+    came = [world.nodes.get(n) for n in order if n not in members]
+    if any(info is not None and info.started <= began for info in came):
+        return f"; the spare was still starting: {waited:.1f}s"
+    return f"; no spare for {waited:.1f}s" if came else ""
 
 
 def node_info(spec: JobSpec, world: World, node: str) -> NodeInfo:

@@ -52,7 +52,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from orchestrator.api import JobPhase
-from orchestrator.controller import breaks
+from orchestrator.controller import breaks, plans
 from orchestrator.controller.actions import (
     Action,
     CheckpointCommitted,
@@ -430,7 +430,7 @@ class _Decider:
                 "(rendezvous.join_timeout) for more",
             )
             return
-        self.m.short_since = None
+        waited = plans.end_wait(self.m, self.w, members, order)  # the wait is over
         for node in sorted(failed):
             if node not in self.status.failed_nodes:
                 self.status.failed_nodes.append(node)
@@ -438,7 +438,7 @@ class _Decider:
             self.m.recovery_started = self.w.mono
             self.m.recovery_step = self.status.step
         self.status.recoveries += 1
-        reason = "; ".join(swapped) or f"scaled down to {len(kept)} nodes"
+        reason = ("; ".join(swapped) or f"scaled down to {len(kept)} nodes") + waited
         # the failed nodes' last heartbeats still look fresh for a moment: not spares
         self.status.spare_nodes = [n for n in spares if n not in failed]
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)

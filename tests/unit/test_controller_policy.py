@@ -487,6 +487,31 @@ def no_spare_left_waits_then_fails() -> None:
     assert "rendezvous.join_timeout" in run.status.message
 
 
+def a_replacement_that_waited_for_a_spare_says_so() -> None:
+    run = Run(_spec())
+    plan = _plan(1, "a", "b")
+    reports = {"a-0": _report()}
+    world = _world(["a", "b", "c"], plan, mono=50.0, reports=reports, dead={"b"})
+    del world.progress["c-0"]  # c's agent registered; its worker has not beaten yet
+    run.tick(world)
+    assert run.plans() == [] and run.status.phase is JobPhase.RECOVERING
+    run.tick(_world(["a", "b", "c"], plan, mono=62.5, reports=reports, dead={"b"}))
+    (new,) = run.plans()
+    assert _order(new) == ["a", "c"]
+    assert new.reason == "c replaces b; the spare was still starting: 12.5s"
+    # a spare warm at once: no wait is named; a node that registered during the wait
+    # was no spare then
+    run.tick(_world(["a", "c", "d"], new, mono=90.0, reports=reports, dead={"c"}))
+    assert run.plans()[0].reason == "d replaces c"
+    world = _world(["a", "d"], run.plans()[0], mono=100.0, reports=reports, dead={"d"})
+    run.tick(world)
+    assert run.plans() == []
+    world = _world(["a", "d", "e"], world.plan, mono=104.0, reports=reports, dead={"d"})
+    world.nodes["e"].started = NOW - 1.0  # 3 s into the wait
+    run.tick(world)
+    assert run.plans()[0].reason == "e replaces d; no spare for 4.0s"
+
+
 def user_error_restarts_then_fails_without_a_recovery() -> None:
     run = Run(_spec(max_restarts=1))
     error = _report(step=5, user_error=True, reason="RuntimeError: socket timed out")
@@ -818,6 +843,7 @@ SCENARIOS: list[Callable[[], None]] = [
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,
     no_spare_left_waits_then_fails,
+    a_replacement_that_waited_for_a_spare_says_so,
     user_error_restarts_then_fails_without_a_recovery,
     a_peer_failure_beside_a_user_error_is_the_user_error,
     a_user_error_beside_a_dead_node_is_a_node_failure,

@@ -17,12 +17,21 @@ simulates a month of one job under:
 Every recovery cost is labelled with its source (ringmaster's benchmarks, or
 docs/peers.md for the peers); the assumptions are printed beside the numbers.
 
-``--validate`` (run by default; ``--skip-validate`` leaves it out) replays
-the fault schedule of ``benchmarks/peers.py``'s goodput rows (2 nodes + 1
-spare; a node SIGKILLed every 60 s over 100 s and every 15 s over 60 s, the
-first at half a period) with the component costs measured there, and prints
-the predicted effective training beside the measured one (docs/peers.md; not
-re-run here).
+The replay of ``benchmarks/peers.py``'s goodput rows (``--skip-validate``
+leaves it out): ``--peers-json FILE`` takes the JSON line a peers.py run ended
+with (the file may hold its whole output) and replays each goodput row (2
+nodes, 1 warm spare for ringmaster; a node SIGKILLed every ``period`` from
+half a period after the first step) through the simulator two ways
+(:mod:`orchestrator.planning.replay`): with each kill's own cost in that run
+(``replay``), and, for the in-process tier, with the model's costs, a swap to a
+warm spare and a replaced node that is a spare only once warm (``model``: the
+run's warm swaps and spare warm-up, not each kill's time).  Each is printed
+beside the effective training the run measured.  Without a file, the figures
+typed in from docs/peers.md's quiet run (:data:`PEERS_MEASURED`) are replayed
+instead, and labelled so.
+
+``--from-run JOB --etcd HOST:PORT`` replays a job's own records the same way
+(its recoveries and their costs, against its ``training_time``).
 
 ``--smoke``: the smallest configuration (1,024 GPUs, 2 days, one seed) through
 every row's code path, in seconds.  The last line is one JSON object.
@@ -46,12 +55,21 @@ from orchestrator.planning.api import (  # noqa: E402
     Fault,
     FaultKind,
     JobShape,
+    RecordedRun,
     Tier,
     TierModel,
 )
 from orchestrator.planning.costs import Measured, recovery_model  # noqa: E402
+from orchestrator.planning.peers_records import runs_from_peers  # noqa: E402
 from orchestrator.planning.presets import PRESETS  # noqa: E402
 from orchestrator.planning.recommend import mtbf_s, recommend, young_daly_s  # noqa: E402
+from orchestrator.planning.replay import (  # noqa: E402
+    effective,
+    model,
+    replay,
+    spare_warmup_from,
+    warm_stop_from,
+)
 from orchestrator.planning.simulator import simulate  # noqa: E402
 
 GPUS_PER_NODE = 8
@@ -59,7 +77,8 @@ SIZES = (1024, 16_384, 100_000)
 STEP_S = 2.0
 STATE_GB = 10.0
 
-#: docs/peers.md, "Results": effective training with a kill every 60 s / 15 s, and the
+#: The fallback when no --peers-json is given: typed in from docs/peers.md's quiet run
+#: (the previous tree): effective training with a kill every 60 s / 15 s, and the
 #: seconds from each kill to the next completed step in those runs.
 PEERS_MEASURED: dict[str, dict[str, Any]] = {
     "ringmaster-in-process": {60: 0.991, 15: 0.963, "next_step": {60: 0.445, 15: 0.455}},
@@ -70,6 +89,8 @@ PEERS_MEASURED: dict[str, dict[str, Any]] = {
 PEERS_STEP_S = 0.05  # --step-time of benchmarks/peers.py
 PEERS_CHECKPOINT_STEPS = 10  # the script's checkpoint cadence under torchrun and tier 0
 PEERS_RESTART_S = 5.0  # assumed: a killed node started again is back (imports) after this
+#: the largest gap between predicted and measured effective training (points) aimed at
+TARGET_GAP_POINTS = 3.0
 PHASES = 10  # kill times spread over a checkpoint interval, averaged
 
 
@@ -143,6 +164,9 @@ def _peers_tier(name: str, period: int) -> TierModel:
         costs={**base.costs, FaultKind.CRASH: cost},
         checkpoint_block_s=0.0,
         rejoin_s=measured.torchft_rejoin_s if name == "torchft" else 0.0,
+        # the quiet run's kills all found a warm spare: the node back after
+        # PEERS_RESTART_S stands for its warm-up
+        spare_warmup_s=0.0,
     )
 
 
@@ -183,6 +207,73 @@ def validation_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def read_json_line(path: Path) -> dict[str, Any]:
+    """The last line of ``path`` that is a JSON object (a benchmark's result line)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise SystemExit(f"--peers-json {path}: cannot read it: {e}") from e
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                found = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(found, dict):
+                return found
+    raise SystemExit(
+        f"--peers-json {path}: no line of it is a JSON object; give the output of "
+        "`benchmarks/peers.py` (its last line is the JSON)"
+    )
+
+
+def replay_rows(runs: list[RecordedRun]) -> list[dict[str, Any]]:
+    """Each recorded run replayed with its own costs and, for the in-process tier, with the
+    model's (warm swap + spare warm-up): predicted beside measured."""
+    swaps = [r for r in runs if r.tier is Tier.IN_PROCESS]
+    warm_stop, warmup = warm_stop_from(swaps), spare_warmup_from(swaps)
+    if warmup is None:  # no kill waited: warm-up below every gap; the measured default
+        warmup = Measured().spare_warmup_s
+    rows = []
+    for run in runs:
+        replayed = effective(run, replay(run))
+        row: dict[str, Any] = {
+            "run": run.name,
+            "kills": len(run.faults),
+            "measured": round(run.measured, 4),
+            "replay": round(replayed, 4),
+            "replay_gap_points": round(abs(replayed - run.measured) * 100, 2),
+            "each_stop_s": [None if f.stop_s is None else round(f.stop_s, 3) for f in run.faults],
+        }
+        if run.tier is Tier.IN_PROCESS and run.spares and warm_stop is not None:
+            sim = model(run, warm_stop, warmup)
+            modelled = effective(run, sim)
+            row.update(
+                model=round(modelled, 4),
+                model_gap_points=round(abs(modelled - run.measured) * 100, 2),
+                model_warm_stop_s=round(warm_stop, 3),
+                model_spare_warmup_s=round(warmup, 2),
+                model_waits=sim.exhaustions,
+                recorded_waits=sum(1 for f in run.faults if f.waited_s > 0),
+            )
+        rows.append(row)
+    return rows
+
+
+def print_replay(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    for r in rows:
+        said = f"replay {r['replay'] * 100:6.2f}% (gap {r['replay_gap_points']:.2f})"
+        if "model" in r:
+            said += (
+                f"  model {r['model'] * 100:6.2f}% (gap {r['model_gap_points']:.2f}; "
+                f"warm swap {r['model_warm_stop_s']} s, spare warm-up "
+                f"{r['model_spare_warmup_s']} s, {r['model_waits']} waits vs "
+                f"{r['recorded_waits']} recorded)"
+            )
+        print(f"  {r['run']:<42} measured {r['measured'] * 100:6.2f}%  {said}")
+
+
 def assumptions() -> list[str]:
     m = Measured()
     failures = PRESETS["llama3"]
@@ -213,6 +304,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--days", type=float, default=30.0, help="simulated days per run")
     parser.add_argument("--seeds", type=int, default=3, help="runs averaged per row")
     parser.add_argument("--skip-validate", action="store_true", help="leave out the replay")
+    parser.add_argument(
+        "--peers-json",
+        type=Path,
+        help="the output (last line: JSON) of a benchmarks/peers.py run to replay; "
+        "without it, docs/peers.md's quiet-run figures (typed in)",
+    )
+    parser.add_argument("--from-run", metavar="JOB", help="replay this job's records too")
+    parser.add_argument("--etcd", default="127.0.0.1:2379", help="etcd of --from-run's job")
     args = parser.parse_args(argv)
     sizes, days, seeds = (SIZES[:1], 2.0, 1) if args.smoke else (SIZES, args.days, args.seeds)
     print("assumptions:")
@@ -242,16 +341,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     at_16k = [r for r in rows if r["gpus"] == 16_384 and r["tier"] == Tier.IN_PROCESS.value]
     if at_16k:
         out["in_process_16k_ettr"] = at_16k[0]["ettr"]
-    if not args.skip_validate:
+    if not args.skip_validate and args.peers_json is not None:
+        runs = runs_from_peers(read_json_line(args.peers_json), str(args.peers_json))
+        checks = replay_rows(runs)
+        print_replay(f"replay of the goodput rows of {args.peers_json} (its own records):", checks)
+        out["validation_source"] = str(args.peers_json)
+        out["validation"] = checks
+        out["max_replay_gap_points"] = max(c["replay_gap_points"] for c in checks)
+        modelled = [c["model_gap_points"] for c in checks if "model" in c]
+        if modelled:
+            out["max_model_gap_points"] = max(modelled)
+    elif not args.skip_validate:
         checks = validation_rows()
-        print("\nreplay of benchmarks/peers.py's goodput schedule (measured: docs/peers.md):")
+        print(
+            "\nreplay of benchmarks/peers.py's goodput schedule, with figures TYPED IN from "
+            "docs/peers.md's quiet run (no --peers-json given):"
+        )
         for c in checks:
             said = f"predicted {c['predicted'] * 100:6.2f}%  measured {c['measured'] * 100:6.2f}%"
             print(
                 f"  {c['schedule']:<28} {c['system']:<22} {said}  gap {c['gap_points']:.2f} points"
             )
+        out["validation_source"] = "typed in: docs/peers.md, the quiet run"
         out["validation"] = checks
         out["max_gap_points"] = max(c["gap_points"] for c in checks)
+    if args.from_run:
+        from orchestrator.etcd.client import connect
+        from orchestrator.etcd.options import EtcdOptions
+        from orchestrator.planning.from_run import recorded_run
+
+        client = connect(EtcdOptions(endpoints=tuple(args.etcd.split(","))))
+        try:
+            job_rows = replay_rows([recorded_run(client, args.from_run)])
+        finally:
+            client.close()
+        print_replay(f"replay of job {args.from_run}'s records (etcd {args.etcd}):", job_rows)
+        out["from_run"] = job_rows
     if args.smoke:
         out["smoke"] = True
     print(json.dumps(out))

@@ -23,6 +23,8 @@ __all__ = [
     "FaultKind",
     "JobShape",
     "PlanError",
+    "RecordedFault",
+    "RecordedRun",
     "RecoveryModel",
     "SimResult",
     "Tier",
@@ -100,7 +102,9 @@ class FailureModel:
 class Fault:
     """One scheduled fault, for a replay instead of random arrivals (a benchmark's schedule).
 
-    ``repair_s`` is when the nodes are back, counted from ``at``.
+    ``repair_s`` is when the nodes are back, counted from ``at``.  ``cost``, when
+    given, is what this fault cost in a recorded run and replaces the tier's cost
+    of its kind (a replay of that run).
     """
 
     at: float
@@ -109,6 +113,7 @@ class Fault:
     repair_s: float = 0.0
     slowdown: float = 1.0
     duration_s: float = 0.0
+    cost: Cost | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,9 @@ class Cost:
     ``detect_s`` + ``rendezvous_s`` + ``restore_s`` + ``extra_s`` is the time
     the job does not train; ``rework`` says whether the work since the last
     durable checkpoint is lost too; ``in_flight`` whether the step running at the
-    fault is lost (not for a planned departure at a step boundary).
+    fault is lost (not for a planned departure at a step boundary); ``rework_s``
+    seconds of training done again that a recorded run counted (its steps re-run),
+    taken back beside ``rework``.
     """
 
     detect_s: float = 0.0
@@ -168,6 +175,7 @@ class Cost:
     rework: bool = False
     in_flight: bool = True
     source: str = ""
+    rework_s: float = 0.0
 
     @property
     def stop_s(self) -> float:
@@ -190,6 +198,9 @@ class TierModel:
         straggler_swap_s: seconds from a straggler's start to its swap, as a
             function input: the detection delay; None: the tier never swaps.
         straggler_confirm_s: seconds of peers' waiting before a swap is confirmed.
+        spare_warmup_s: seconds from a replaced node's start until it is a warm spare
+            (its workers have imported what the first step needs); a failure that finds
+            no warm spare but one starting waits for it.
     """
 
     tier: Tier
@@ -201,6 +212,7 @@ class TierModel:
     checkpoint_block_s: float = 0.0
     straggler_swap_s: float | None = None
     straggler_confirm_s: float = 5.0
+    spare_warmup_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -260,3 +272,56 @@ class SimResult:
         """Work done per GPU reserved (the job's size and its spares)."""
         held = self.job.nodes + (self.job.spares if self.tier is not Tier.TORCHFT else 0)
         return self.ettr * self.job.nodes / held if held else 0.0
+
+
+@dataclass(frozen=True)
+class RecordedFault:
+    """One fault of a recorded run and what it cost there.
+
+    Attributes:
+        at: seconds from the run's first completed step.
+        stop_s: seconds the job did not train because of it; None: it did not train
+            again within the run.
+        rework_s: seconds of training done again (completed steps lost x the step).
+        warm_spare: whether a warm spare stood ready (None: not recorded, or no spares).
+        waited_s: seconds the replacement waited for a spare still starting (0: none).
+    """
+
+    at: float
+    stop_s: float | None
+    rework_s: float = 0.0
+    warm_spare: bool | None = None
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """A run's faults as its own records give them, and the effective training it measured.
+
+    Attributes:
+        name: what ran (``ringmaster-in-process, kill every 15 s``).
+        tier: how it recovered.
+        window_s: seconds from its first completed step to the end of the measure.
+        step_s: its fault-free step time.
+        nodes, spares: training nodes and warm spares.
+        faults: in time order.
+        measured: the effective training it measured (productive time over ``window_s``).
+        in_flight: whether the step running at each fault is lost beside ``stop_s``
+            (``stop_s`` ends where the next step starts) or inside it.
+        checkpoint_s: seconds its saves blocked training within the window.
+        tail_s: seconds at the end of the window after its latest step (not training).
+        source: where the records come from.
+    """
+
+    name: str
+    tier: Tier
+    window_s: float
+    step_s: float
+    nodes: int
+    spares: int
+    faults: tuple[RecordedFault, ...]
+    measured: float
+    in_flight: bool = True
+    checkpoint_s: float = 0.0
+    tail_s: float = 0.0
+    source: str = ""

@@ -60,6 +60,13 @@ class Measured:
     # swapped once it cost its peers `confirm` (5 s) of waiting
     straggler_call_s: float = 3.0
     straggler_confirm_s: float = 5.0
+    # docs/peers.md (benchmarks/peers.py, kill every 15 s, load average 8 on 2 cores): a
+    # node started at one kill was still importing torch at the next, 15 s later; the
+    # controller waited 2.5, 1.4 and 4.6 s for it (the Generation events' "the spare was
+    # still starting"): warm 16.4-19.6 s after its start, 17.8 s on average.  On a quiet
+    # machine every kill 15 s apart found a warm spare (under 15 s); the loaded figure
+    # is kept, since a spare starts beside a job that trains
+    spare_warmup_s: float = 17.8
 
 
 #: What the defaults leave out, said wherever a plan is printed.
@@ -70,6 +77,8 @@ NOTES = (
     "not measured (0.22 s with gloo)",
     "peers' costs: docs/peers.md (2 nodes); torchrun's hang waits for NCCL's default "
     "10-minute timeout; torchft's rejoin is an assumption",
+    "a replaced node is a warm spare 17.8 s after its start (docs/peers.md, measured on 2 "
+    "busy cores); a failure that finds only a spare still starting waits for it",
 )
 
 
@@ -117,6 +126,7 @@ def recovery_model(job: JobShape, m: Measured | None = None) -> RecoveryModel:
         checkpoint_block_s=save * m.async_block_fraction,
         straggler_swap_s=m.straggler_call_s if job.straggler_swap else None,
         straggler_confirm_s=m.straggler_confirm_s,
+        spare_warmup_s=m.spare_warmup_s,
     )
     restart_tier = TierModel(
         Tier.RESTART,
@@ -129,6 +139,7 @@ def recovery_model(job: JobShape, m: Measured | None = None) -> RecoveryModel:
         drop_nodes=job.replica_nodes,
         grow=replace(restart, rework=False, in_flight=False),
         checkpoint_block_s=save,
+        spare_warmup_s=m.spare_warmup_s,
     )
     torchrun_tier = TierModel(
         Tier.TORCHRUN,

@@ -5,6 +5,10 @@ wall time), its :class:`~orchestrator.observe.records.RecoveryRecord` s (each
 failure's cause, nodes and phases) and its ``NodeFailed`` events (a spare that
 died leaves no recovery).  The failure rate is failures per node-day over the
 run's wall time; the recovery costs are the median phases of its recoveries.
+:func:`recorded_run` gives the same records as a run to replay
+(:mod:`orchestrator.planning.replay`): each recovery at its time with its cost,
+beside the effective training the job measured
+(:mod:`orchestrator.observe.training_time`, the status's ``training_time``).
 """
 
 from __future__ import annotations
@@ -15,12 +19,27 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import read_status
+from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.records import RecoveryRecord
-from orchestrator.planning.api import FailureModel, FailureSource, FaultKind, PlanError
+from orchestrator.planning.api import (
+    FailureModel,
+    FailureSource,
+    FaultKind,
+    PlanError,
+    RecordedFault,
+    RecordedRun,
+    Tier,
+)
 from orchestrator.planning.costs import Measured
+from orchestrator.planning.peers_records import waited_s
 
-__all__ = ["RunFigures", "failure_model_from_run", "measured_from_run", "read_run"]
+__all__ = [
+    "RunFigures",
+    "failure_model_from_run",
+    "measured_from_run",
+    "read_run",
+    "recorded_run",
+]
 
 _KINDS = {"hang": FaultKind.HANG, "preemption": FaultKind.PREEMPTION}
 
@@ -128,4 +147,58 @@ def measured_from_run(figures: RunFigures, state_gb: float, base: Measured) -> M
         detect_per_1000_nodes_s=0.0,
         rendezvous_s=figures.phases["rendezvous"],
         heal_gbps=state_gb / restore if restore > 0 else base.heal_gbps,
+    )
+
+
+def recorded_run(client: EtcdClient, job: str) -> RecordedRun:
+    """``job``'s latest run as its records give it: every recovery that began after the
+    first step at its time, its cost (the failure to the first step of the generation
+    that replaced the broken one, and the steps trained again) and any wait for a spare
+    still starting (its plan's reason); the checkpoint stalls, the end after the latest
+    step, and the effective training the job measured (its status's ``training_time``).
+
+    Raises:
+        PlanError: no such job, or it has not trained yet.
+    """
+    status = read_status(client, job)
+    measured = status.training_time if status is not None else None
+    if status is None or measured is None or status.train_started_at is None:
+        raise PlanError(
+            f"{job}: no job of that name that has trained in this etcd (see `ringmaster "
+            "status` for the jobs it holds, or pass --etcd for another)"
+        )
+    spec, _ = read_spec(client, job)
+    first = status.train_started_at
+    last = status.last_step_at if status.last_step_at is not None else first
+    found = records.read_all(client, keys.job_recoveries(job), RecoveryRecord).values()
+    recoveries = sorted(
+        (r for r in found if r.run == status.run and r.failure_at >= first),
+        key=lambda r: r.failure_at,
+    )
+    faults = []
+    for r in recoveries:
+        waited = waited_s(r.reason)
+        faults.append(
+            RecordedFault(
+                at=r.failure_at - first,
+                stop_s=r.total_s,
+                rework_s=r.steps_rerun * measured.step_s,
+                warm_spare=waited == 0,
+                waited_s=waited,
+            )
+        )
+    restart = status.recovery == "restart"
+    return RecordedRun(
+        name=f"job {job}, run {status.run}",
+        tier=Tier.RESTART if restart else Tier.IN_PROCESS,
+        window_s=measured.since_first_step_s,
+        step_s=measured.step_s,
+        nodes=spec.nodes.max,
+        spares=spec.nodes.spares,
+        faults=tuple(faults),
+        measured=measured.effective,
+        in_flight=False,  # a recovery's time runs from the failure, as the measure counts it
+        checkpoint_s=measured.checkpoint_s,
+        tail_s=max(0.0, measured.since_first_step_s - (last - first)),
+        source=f"job {job}'s records in etcd",
     )

@@ -17,7 +17,10 @@ the cost of a run is the number of faults, not the length of the month:
   checkpoint.
 
 Failed nodes come back after their repair time: as spares (ringmaster, and
-torchrun given the same pool), or as their replica group once it healed (torchft).
+torchrun given the same pool) once their workers are warm (``spare_warmup_s``:
+a failure that finds no warm spare but one starting waits for it), or as their
+replica group once it healed (torchft).  A scheduled fault may carry the cost it
+had in a recorded run, which then replaces its tier's (a replay of that run).
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ class _Run:
         else:
             self.floor = group if job.floor >= self.n else max(group, job.floor)
         self.active, self.pool, self.stranded = self.n, self.spares, 0
+        # nodes back but still warming up: when each is warm (heap), and how many of the
+        # earliest were already taken by a failure that waited for them
+        self.warming: list[float] = []
+        self.claimed = 0
         self.t, self.down_until, self.waiting = 0.0, 0.0, False
         self.work = self.since = self.seg = 0.0
         self.lost = dict.fromkeys(LOSS_CAUSES, 0.0)
@@ -126,7 +133,7 @@ class _Run:
         dt = to - self.t
         if dt <= 0:
             return
-        self.idle_node_s += self.pool * dt
+        self.idle_node_s += (self.pool + len(self.warming)) * dt
         if self.waiting:
             self.lost["waiting"] += dt
         else:
@@ -161,25 +168,30 @@ class _Run:
 
     # -- what happens ------------------------------------------------------------------
 
-    def stop(self, cost: Cost) -> None:
-        """The whole job stops for ``cost`` (and loses the work since the checkpoint)."""
-        stop = cost.stop_s + (0.5 * self.job.step_s if cost.in_flight else 0.0)
+    def stop(self, cost: Cost, wait_s: float = 0.0) -> None:
+        """The whole job stops for ``cost`` after ``wait_s`` (a spare warming up), and
+        loses the work since the checkpoint (``rework``) or what a run recorded."""
+        stop = wait_s + cost.stop_s + (0.5 * self.job.step_s if cost.in_flight else 0.0)
         if cost.rework:
             self.work -= self.since
             self.lost["rework"] += self.since
             self.since = self.seg = 0.0
+        if cost.rework_s > 0:
+            again = min(cost.rework_s, self.work)
+            self.work -= again
+            self.lost["rework"] += again
         self.down_until = max(self.down_until, self.t + stop)
         self.push(self.down_until, "mark")
 
     def fault(self, arrival: _Arrival) -> None:
         f = arrival.fault
-        up = self.active + self.pool + self.stranded
+        up = self.active + self.pool + self.stranded + len(self.warming)
         if arrival.node_kind and arrival.thin >= up / max(1, self.reserved):
             return  # it would have struck a node already out
         if f.kind is FaultKind.SOFTWARE:
             self.faults[f.kind.value] += 1
             if not self.waiting:
-                self.stop(self.tier.costs[FaultKind.SOFTWARE])
+                self.stop(f.cost or self.tier.costs[FaultKind.SOFTWARE])
             return
         if f.kind is FaultKind.STRAGGLER:
             self.straggler(f)
@@ -194,6 +206,7 @@ class _Run:
             return
         self.faults[f.kind.value] += 1
         self.active -= lost
+        wait = 0.0
         if self.tier.uses_spares:
             self.push(self.t + f.repair_s, "back", lost)
             take = min(lost, self.pool)
@@ -201,6 +214,7 @@ class _Run:
             self.active += take
             if take < lost:
                 self.exhaustions += 1
+                wait = self.wait_for_warming(lost - take)
             self.regroup()
         else:  # the failed nodes' replica groups leave until the nodes are back and healed
             group = min(self.tier.drop_nodes, self.n)
@@ -211,8 +225,18 @@ class _Run:
         if self.active < self.floor:
             self.waiting = True
         elif not self.waiting:
-            self.stop(self.tier.costs[f.kind])
+            self.stop(f.cost or self.tier.costs[f.kind], wait)
         self.mark()
+
+    def wait_for_warming(self, short: int) -> float:
+        """Take up to ``short`` spares still warming up into the job, the earliest first;
+        the seconds until the last of them is warm (the job waits for it)."""
+        wait = 0.0
+        for _ in range(min(short, len(self.warming))):
+            wait = max(wait, heapq.heappop(self.warming) - self.t)
+            self.claimed += 1
+            self.active += 1
+        return wait
 
     def regroup(self) -> None:
         """Train on whole replicas only: the rest of a broken one waits as spares."""
@@ -221,7 +245,23 @@ class _Run:
         self.active = whole
 
     def back(self, nodes: int) -> None:
-        self.pool += nodes
+        warmup = self.tier.spare_warmup_s if self.tier.uses_spares else 0.0
+        if warmup <= 0:
+            self.pool += nodes
+            self.grow()
+            return
+        for _ in range(nodes):  # its workers start and import; a spare once warm
+            heapq.heappush(self.warming, self.t + warmup)
+            self.push(self.t + warmup, "warm")
+
+    def warm(self, _: object) -> None:
+        """A node started ``spare_warmup_s`` ago is warm: a spare, unless a failure that
+        waited for it already took it (those are always the earliest)."""
+        if self.claimed:
+            self.claimed -= 1
+            return
+        heapq.heappop(self.warming)
+        self.pool += 1
         self.grow()
 
     def rejoin(self, group: tuple[int, int]) -> None:
@@ -320,6 +360,7 @@ def simulate(
         "fault": run.fault,
         "back": run.back,
         "rejoin": run.rejoin,
+        "warm": run.warm,
         "straggler_end": lambda key: run.stragglers.pop(key, None),
         "straggler_swap": run.straggler_swap,
         "mark": lambda _: None,

@@ -88,7 +88,9 @@ def test_without_spares_a_one_size_job_waits_for_the_repair() -> None:
     tier = recovery_model(job).tiers[Tier.IN_PROCESS]
     result = simulate(job, tier, 10_000.0, schedule=[Fault(100.0, FaultKind.CRASH, 1, 3000.0)])
     assert result.exhaustions == 1
-    assert result.lost_gpu_h["waiting"] == pytest.approx(3000.0 * 16 / 3600)
+    # back after its repair, then a spare once warm (its workers imported torch)
+    back = 3000.0 + tier.spare_warmup_s
+    assert result.lost_gpu_h["waiting"] == pytest.approx(back * 16 / 3600)
     assert (100.0, 0) in result.sizes
 
 

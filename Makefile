@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck unit bench bench-smoke chaos clean compat compat-newest
+.PHONY: venv demo test lint typecheck unit bench bench-smoke chaos slurm clean compat compat-newest
 
 venv: $(STAMP)
 
@@ -32,13 +32,18 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # `long` tests are further variants of scenarios the suite runs once: `make chaos` runs them
-test: lint typecheck  # the 30 slowest tests are listed at the end: the suite's time budget
+# Slurm's daemons for the tests that start a real cluster on this machine (Debian's
+# slurm-wlm, as root; elsewhere those tests skip with the reason)
+slurm:
+	./tests/slurm/install.sh
+
+test: lint typecheck slurm  # the 30 slowest tests are listed at the end: the suite's time budget
 	$(PY) -m pytest --durations=30 -m 'not long and not bench_smoke' $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-chaos: $(STAMP)  # the long soak (12 faults of every kind in one run) and the `long` variants
+chaos: $(STAMP) slurm  # the long soak (12 faults of every kind in one run) and the `long` variants
 	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m 'chaos or long' $(PYTEST_ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-stamp

@@ -38,6 +38,7 @@ from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
     CompressionKind,
     CompressionSpec,
 )
+from orchestrator.spec_slurm import SlurmSpec
 from orchestrator.spec_sync import (  # noqa: F401  (part of the spec's names)
     OuterOptimizerName,
     OuterOptimizerSpec,
@@ -359,6 +360,7 @@ class JobSpec:
     comm: CommSpec = field(default_factory=CommSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    slurm: SlurmSpec = field(default_factory=SlurmSpec)  # read only by `ringmaster slurm`
 
     def problems(self) -> Problems:
         out: Problems = []

@@ -35,6 +35,7 @@ from orchestrator.cli import (  # noqa: E402
     plan_command,
     service_commands,
     settings_command,
+    slurm_commands,
 )
 
 
@@ -63,6 +64,7 @@ for _command in (
     service_commands.operator,
     settings_command.settings,
     plan_command.plan,
+    slurm_commands.slurm,
 ):
     main.add_command(_command)
 

@@ -45,6 +45,14 @@ HANG_TIMEOUT = "4s"
 #: How long the survivor's collective waits on the cut peer: 10 x the slowest
 #: recent step (about 0.1 s here) is under this floor, so the floor applies.
 OP_TIMEOUT_FLOOR = "1s"
+#: The workers wait before this step until the test lets them go: the spare's
+#: workers import torch meanwhile (on a loaded machine the job could end first).
+HOLD_AT = 25
+
+
+def go_file(tmp: Path) -> Path:
+    """The file whose existence lets the workers past :data:`HOLD_AT`."""
+    return tmp / "go"
 
 
 def partition_job(name: str, tmp: Path, spares: int) -> JobSpec:
@@ -56,6 +64,7 @@ def partition_job(name: str, tmp: Path, spares: int) -> JobSpec:
         spares=spares,
         hang_timeout=HANG_TIMEOUT,
         comm={"op_timeout_floor": OP_TIMEOUT_FLOOR},
+        extra_args=["--hold-at", str(HOLD_AT), "--go-file", str(go_file(tmp))],
     )
     # periodic asynchronous checkpoints, so commits happen around the partition
     return dataclasses.replace(
@@ -95,7 +104,7 @@ def test_partitioned_node_is_replaced_and_fenced(
                 (s := jobs.read_status(client, job)) and s.step >= 20 and "node-c" in s.spare_nodes
             ),
         )
-
+        go_file(tmp_path).touch()  # training goes on, and is cut off mid-run
         isolated.cut()
         cut_at = time.time()
         second = wait_for(

@@ -1,4 +1,11 @@
-"""The straggler benchmark's job: a compute-bound step, every applied step logged.
+"""The straggler benchmark's jobs, every applied step logged.
+
+* :func:`lm_job`: the flagship LM (``examples/train_lm.py``, DDP) or its sharded
+  form (``examples/train_lm_mesh.py --mesh shard=2``: FSDP2 within a node,
+  replicas across nodes), run through ``benchmarks/_noisy_worker.py`` (the step
+  log, the GC pause storm), with the straggler settings of a :class:`Settings`;
+* :func:`job`: a compute-bound busy step around a small layer, for the extra
+  rows (overhead, slow link).
 
 Shared by ``benchmarks/stragglers.py`` and its slow-link row
 (``benchmarks/_slow_link_row.py``).
@@ -7,10 +14,89 @@ Shared by ``benchmarks/stragglers.py`` and its slow-link row
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.spec import JobSpec, StragglerAction
 from orchestrator.spec_loader import load_job_data
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "benchmarks" / "_noisy_worker.py"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``fault_tolerance`` keys a row sets; every other key keeps the job file's default."""
+
+    name: str
+    #: ``fault_tolerance.stragglers`` keys beyond ``action``
+    stragglers: dict[str, Any] = field(default_factory=dict)
+    #: ``fault_tolerance.heartbeat_interval`` (one window); None: the default
+    heartbeat: str | None = None
+
+    def describe(self, action: StragglerAction) -> str:
+        """What the row ran with, for its output."""
+        from orchestrator.spec import FaultToleranceSpec
+
+        ft = FaultToleranceSpec()
+        s = ft.stragglers
+        given = {"action": action.value, **self.stragglers}
+        every = {"action": s.action.value, "threshold": s.threshold, "windows": s.windows,
+                 "min_gain": f"{s.min_gain.total_seconds():g}s",
+                 "confirm": f"{s.confirm.total_seconds():g}s"}  # fmt: skip
+        every.update(given)
+        beat = self.heartbeat or f"{ft.heartbeat_interval.total_seconds():g}s"
+        text = ", ".join(f"{k} {v}" + ("" if k in given else " (default)")
+                         for k, v in every.items())  # fmt: skip
+        return (f"{self.name}: stragglers {text}; heartbeat_interval {beat}"
+                + ("" if self.heartbeat else " (default)"))  # fmt: skip
+
+
+#: the job file's defaults; ``action: swap`` is set by the rows that swap (the
+#: default action is ``report``)
+DEFAULTS = Settings("defaults")
+#: the benchmark's former settings: 1 s windows, 3 of them, every swap made
+FAST = Settings("fast-settings", {"windows": 3, "min_gain": "0s"}, "1s")
+#: ``--smoke``: half-second windows, 2 of them, no wait: the code path, not a figure
+SMOKE = Settings("smoke-settings", {"windows": 2, "min_gain": "0s", "confirm": "0s"}, "500ms")
+
+
+def lm_job(name: str, tmp: Path, *, sharded: bool, settings: Settings,
+           action: StragglerAction, steps: int, short: bool = False,
+           gc_storm: Path | None = None, slow: Path | None = None, nodes: int = 0,
+           spares: int = 1) -> JobSpec:  # fmt: skip
+    """The LM under DDP (``nodes`` active nodes of 1 worker, 3 unless given) or sharded
+    (2 of 2 workers, HSDP: FSDP2 within a node), ``spares`` warm spares, its steps
+    logged in ``tmp/steps``."""
+    (tmp / "steps").mkdir(parents=True, exist_ok=True)
+    wrapper = ["--step-log", str(tmp / "steps")]
+    if gc_storm is not None:
+        wrapper += ["--gc-storm", str(gc_storm)]
+    if slow is not None:
+        wrapper += ["--slow", str(slow)]
+    if sharded:
+        example = [str(REPO / "examples" / "train_lm_mesh.py"), "--mesh", "shard=2"]
+        nodes, nproc = nodes or 2, 2
+    else:
+        example = [str(REPO / "examples" / "train_lm.py"), "--accum", "2"]
+        nodes, nproc = nodes or 3, 1
+    example += ["--warmup", "20", "--log-every", "1000000"] + (["--short"] if short else [])
+    ft: dict[str, Any] = {"stragglers": {"action": action.value, **settings.stragglers}}
+    if settings.heartbeat:
+        ft["heartbeat_interval"] = settings.heartbeat
+    return load_job_data(
+        {
+            "name": name,
+            "entrypoint": {"script": str(WORKER), "args": wrapper + example},
+            "nodes": {"min": nodes, "max": nodes, "spares": spares},
+            "nproc_per_node": nproc,
+            "max_steps": steps,
+            "checkpoint": {"url": str(tmp / "ckpt"), "every_steps": 0},
+            "fault_tolerance": ft,
+        }
+    )
+
 
 #: The training script: a compute-bound step, every applied step logged with its time.
 SCRIPT = """\

@@ -1,61 +1,78 @@
-"""Stragglers: a node slowed from outside, detected and swapped for a warm spare.
+"""Stragglers: a node of a real training job slowed from outside, called and swapped.
 
-Every row runs a real job with ``LocalRun`` on this machine (a private etcd,
-a controller, node agents and their workers on gloo).  The training step is
-compute bound: each worker spins for ``--compute`` seconds of CPU time per
-step (a forward and backward pass would), then all-reduces its gradients.
-A node is slowed from outside, as a throttled machine would be: its workers
-are SIGSTOPped for a share of every 100 ms (1 - 1/factor: at 1.5x they run
-two thirds of the time).
+Every row runs real jobs with ``LocalRun`` on this machine (a private etcd, a
+controller, node agents and their workers on gloo).  The headline rows run the
+flagship LM (``examples/train_lm.py``) with the job file's defaults for
+``fault_tolerance`` (``stragglers``: threshold 1.2, 5 windows, ``min_gain``
+10 s, ``confirm`` 5 s; ``heartbeat_interval`` 2 s), but ``stragglers.action:
+swap`` (the default is ``report``: it never swaps).  The output says which
+settings each row used.
 
-Rows, all in this run:
+Headline rows (the default ``--rows``):
 
+* ``ddp-1.5x``, ``ddp-3x``: the LM under DDP, 3 active nodes of 1 worker and 1
+  warm spare.  Once the job has trained ``--warm-steps`` steps, it trains
+  healthy for ``--healthy-seconds``: its step rate then is the row's healthy
+  reference (the same job, in the same run).  Then one active node is slowed
+  from outside, as a throttled machine would be: its workers are SIGSTOPped
+  for a share of every 100 ms (1 - 1/factor: at 1.5x they run two thirds of
+  the time).  Seconds from the onset to that node's ``Straggler`` event and to
+  its ``StragglerSwapped`` one; the step rate between the onset and the swap
+  and from the swap to the end, over the healthy rate; seconds from the swap
+  until a ``--rate-window`` window runs at 95 % of the healthy rate again (its
+  end); steps lost (applied twice by a worker, or never, from every worker's
+  step log); calls of any other node.  The job stops ``--after-seconds`` after
+  the swap (``max_steps`` is ``--max-steps``: a long job, so that a swap pays);
+* ``fsdp-1.5x``, ``fsdp-3x``: the same with the LM sharded by FSDP2
+  (``examples/train_lm_mesh.py --mesh shard=2``: 2 active nodes of 2 workers,
+  each node one replica sharded over its 2 workers, HSDP; 1 spare node), timed
+  from FSDP2's collectives; the spare takes the slow node's slices from their
+  twins;
+* ``noise``, ``noise-beside``: the false-swap rows.  The LM under DDP as above,
+  healthy, for ``--noise-minutes``, with noise on ONE node only: a CPU hog
+  beside its worker in bursts of random length (``benchmarks/_cpu_hog.py``:
+  0.5 to 4 s, 2 to 30 s apart, 1 or 2 hogs sharing one core with the node's
+  processes) and a garbage-collection pause storm inside its worker
+  (``benchmarks/_noisy_worker.py``: 20 to 300 ms pauses, one every 2 s on
+  average), both seeded (``--seed``).  ``noise-beside`` runs a second job (the
+  LM, 2 nodes, steps not timed) beside it on the same cores.  Counted:
+  ``Straggler`` calls (of the noisy node and of others), ``StragglerSwapped``
+  swaps, the hog's bursts and the pauses.
+
+Each slow row runs ``--repeats`` times (default 3) and gives, per figure, the
+median and the least and most of the runs.
+
+Extra rows (only when named in ``--rows``), each named for what differs:
+
+* ``fast-settings-1.5x``, ``fast-settings-3x``: the DDP rows with the
+  benchmark's former settings (1 s windows, 3 of them, ``min_gain: 0s``);
 * ``cost``: what timing the steps costs inside one worker process
-  (``benchmarks/step_timing_cost.py``): nanoseconds per clock read, and a
-  real DDP step with and without it, in percent of a 50 ms step;
-* ``overhead``: 3 nodes, no slowdown, ``fault_tolerance.stragglers.action``
-  ``off`` (steps not timed) against ``report`` (timed and judged):
-  ``--overhead-pairs`` pairs of short runs in alternating order (off first,
-  then report first, ...); the median step rate of each, and the median,
-  least and most of the pairs' differences, in percent.  On a shared machine
-  the spread is wider than the cost: ``cost`` is what bounds it;
-* ``side_by_side`` (only when named in ``--rows``): the same two jobs at the
-  same time on the same cores, ``--overhead-pairs`` times; the median, least
-  and most of the differences of their step rates over the time both
-  trained;
-* ``slow_1.5x`` and ``slow_3x`` (the ``slow`` of ``--rows``): 3 active nodes and 1 warm spare with
-  ``action: swap``; at step ``--onset`` one active node is slowed.  Seconds
-  from the onset to the ``Straggler`` event and to the ``StragglerSwapped``
-  one; the step rate before the onset, between the onset and the swap, and
-  from 2 s after the swap to the end, against the healthy rate of the
-  ``overhead`` rows (``report``); seconds from the onset until a 5 s window
-  runs at 95 % of the healthy rate again; steps lost (applied twice or never,
-  from every worker's step log);
-* ``healthy``: 3 active nodes and 1 spare with ``action: swap`` for
-  ``--healthy-seconds`` with no slowdown, while a second job (2 nodes, same
-  step) trains beside it on the same cores: the machine's own noise, and
-  more.  False ``Straggler`` calls and false swaps are counted, and the
-  machine's load average (least, median, most of a sample every 10 s) is
-  given beside them: on a shared machine it says how much noise there was.
+  (``benchmarks/step_timing_cost.py``): nanoseconds per clock read, and a real
+  DDP step with and without it, in percent of a 50 ms step;
+* ``overhead``: 3 nodes of a busy-loop step (``--compute`` s of CPU a step,
+  ``--heartbeat`` windows), ``action: off`` against ``report``, in
+  ``--overhead-pairs`` pairs of short runs in alternating order;
+* ``side_by_side``: the same two jobs at the same time on the same cores;
+* ``link`` (``benchmarks/_slow_link_row.py``, needs root): the busy-loop job,
+  one node's NIC limited to ``--link-rate`` with ``tc``, 1 s windows.
 
-* ``slow_link`` (``link`` in ``--rows``; ``benchmarks/_slow_link_row.py``, needs root): 2 active
-  nodes and 1 spare, one of them in a network namespace whose veth is
-  limited to ``--link-rate`` at step ``--onset``; seconds to the link probe,
-  the call and the swap, the step rate before, during and after.
-
-The last line is one JSON object with every figure.  ``--smoke``: every default row
-(``side_by_side`` too) with short jobs of 20 ms steps and half-second windows, one
-overhead pair, the ``slow`` row at 3x only, 3 s of ``healthy``.
+The last line is one JSON object of every figure, with their units.
+``--smoke``: every row but ``fast-settings`` (the DDP rows' code with other
+settings) with the LM's short form, half-second windows, 2 of them and no
+``confirm``, a few seconds each, one repeat, the slow rows at 3x only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,9 +80,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._cpu_hog import HogBursts  # noqa: E402
 from benchmarks._slow_link_row import link_row  # noqa: E402
 from benchmarks._smoke import parse, result_line  # noqa: E402
-from benchmarks._straggler_jobs import job, rate, step_times  # noqa: E402
+from benchmarks._straggler_jobs import (  # noqa: E402
+    DEFAULTS,
+    FAST,
+    Settings,
+    job,
+    lm_job,
+    rate,
+    step_times,
+)
+from benchmarks._straggler_jobs import SMOKE as SMOKE_SETTINGS  # noqa: E402
 from benchmarks.step_timing_cost import SMOKE as COST_SMOKE  # noqa: E402
 from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
 from orchestrator import events, jobs, keys, records  # noqa: E402
@@ -74,17 +101,29 @@ from orchestrator.records import NodeRecord, Plan  # noqa: E402
 from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
 from tests.faults.duty_cycle import DutyCycle, stopped_share  # noqa: E402
 
-#: ``--smoke``: short jobs, short windows, one pair, every row.
+HEADLINE = ["ddp-1.5x", "ddp-3x", "fsdp-1.5x", "fsdp-3x", "noise", "noise-beside"]
+SLOW_ROW = re.compile(r"^(ddp|fsdp|fast-settings)-([0-9.]+)x$")
+#: the targets (issue figures): seconds to the call by slowdown, to 95 % after the swap
+CALL_TARGET_S = {1.5: 30.0, 3.0: 15.0}
+BACK_TARGET_S = 30.0
+
+#: ``--smoke``: short jobs, short windows, one repeat, every row's code path.
 SMOKE = {
+    "warm_steps": 5,
+    "healthy_seconds": 2.0,
+    "after_seconds": 2.0,
+    "give_up_seconds": 60.0,
+    "rate_window": 1.0,
+    "repeats": 1,
+    "noise_minutes": 0.1,
     "compute": 0.02,
     "steps": 150,
     "onset": 15,
-    "healthy_seconds": 3.0,
     "heartbeat": "500ms",
     "overhead_pairs": 1,
     "overhead_steps": 30,
     "link_width": 32,
-    "rows": ["cost", "side_by_side", "overhead", "slow", "link", "healthy"],
+    "rows": ["cost", "ddp-3x", "fsdp-3x", "noise-beside", "side_by_side", "overhead", "link"],
 }
 
 
@@ -94,28 +133,258 @@ def ended(local: LocalRun) -> bool:
     return status is not None and status.phase.terminal
 
 
-def run(spec: JobSpec, tmp: Path, during: Any = None) -> tuple[Any, list[events.Event]]:
-    """Run ``spec`` to its end; ``during(run)`` runs once the job trains (in this thread)."""
+def run(spec: JobSpec, tmp: Path, during: Callable[[LocalRun], None] | None = None) -> Any:
+    """Run ``spec`` to its end; ``during(run)`` runs once it started (in this thread)."""
     lines: list[str] = []
     local = LocalRun(spec, printer=lines.append, workdir=str(tmp), metrics_port=None,
-                     timeout=timedelta(minutes=20))  # fmt: skip
+                     timeout=timedelta(minutes=30))  # fmt: skip
     with local:
         if during is not None:
             during(local)
         result = local.wait()
-    if result.phase.value != "Succeeded" and not during:
+    if result.phase.value not in ("Succeeded", "Stopped"):
         print("\n".join(lines[-40:]), file=sys.stderr)
-    return result, result.events
+    return result
 
 
-def wait_step(local: LocalRun, step: int, timeout: float = 180.0) -> None:
+def wait_step(local: LocalRun, step: int, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = jobs.read_status(local.client, local.spec.name)
         if status is not None and status.step >= step:
             return
+        if status is not None and status.phase.terminal:
+            raise RuntimeError(f"{local.spec.name} ended ({status.phase.value}: "
+                               f"{status.message}) before step {step}")  # fmt: skip
         time.sleep(0.05)
     raise RuntimeError(f"{local.spec.name} did not reach step {step} in {timeout:g}s")
+
+
+def wait_while(local: LocalRun, seconds: float) -> None:
+    """Sleep ``seconds``, or less when the job ends first."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not ended(local):
+        time.sleep(min(0.5, max(end - time.monotonic(), 0.0)))
+
+
+def last_member(local: LocalRun) -> tuple[str, list[int]]:
+    """The plan's last active node and its workers' process ids."""
+    plan = records.read(local.client, keys.job_plan(local.spec.name), Plan)
+    assert plan is not None
+    name = plan.members[-1].node
+    node = records.read(local.client, keys.job_node(local.spec.name, name), NodeRecord)
+    assert node is not None and node.worker_pids, node
+    return name, node.worker_pids
+
+
+def say(path: Path, text: str) -> None:
+    """Write ``path`` whole (a rename): a worker never reads it half written."""
+    part = path.with_suffix(".part")
+    part.write_text(text)
+    part.replace(path)
+
+
+def spread(values: list[float | None]) -> dict[str, Any]:
+    """Median, least and most of the runs' values (None: a run without the figure)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None, "missing": len(values)}
+    out: dict[str, Any] = {"median": round(statistics.median(got), 3),
+                           "min": round(min(got), 3), "max": round(max(got), 3)}  # fmt: skip
+    if len(got) < len(values):
+        out["missing"] = len(values) - len(got)
+    return out
+
+
+# --------------------------------------------------------------------------- slow rows
+
+
+def slowed_run(args: argparse.Namespace, tmp: Path, sharded: bool, factor: float,
+               settings: Settings) -> dict[str, Any]:  # fmt: skip
+    """One run of a slow row: healthy reference, onset, call, swap, recovery."""
+    name = tmp.name.replace(".", "-")
+    slow_file = tmp / "slow"
+    spec = lm_job(name, tmp, sharded=sharded, settings=settings, action=StragglerAction.SWAP,
+                  steps=args.max_steps, short=args.smoke, slow=slow_file)  # fmt: skip
+    marks: dict[str, float] = {}
+    others: dict[float, str] = {}  # calls of another node, by event time
+
+    def slow_one(local: LocalRun) -> None:
+        wait_step(local, args.warm_steps)
+        marks["healthy"] = time.time()
+        wait_while(local, args.healthy_seconds)
+        victim, pids = last_member(local)
+        cycle = DutyCycle(pids, stopped=0.1 * stopped_share(factor))
+        marks["onset"] = time.time()
+        if args.slowdown == "stop":
+            cycle.start()
+        else:
+            say(slow_file, f"{victim} {factor}")
+        deadline = time.monotonic() + args.give_up_seconds
+        try:
+            while time.monotonic() < deadline and "swap" not in marks and not ended(local):
+                for e in events.list_events(local.client, spec.name):
+                    node = e.data.get("node")
+                    if e.type == "Straggler" and node == victim:
+                        marks.setdefault("call", e.time)
+                    elif e.type == "Straggler":
+                        others[e.time] = f"{node} at {e.time - marks['onset']:.1f}s"
+                    if e.type == "StragglerSwapped":
+                        marks["swap"] = e.time
+                time.sleep(0.1)
+        finally:
+            cycle.done.set()
+            say(slow_file, "nobody 1")  # a run without a swap: the slow node recovers
+        wait_while(local, args.after_seconds)
+        with contextlib.suppress(Exception):
+            jobs.request_stop(local.client, spec.name)
+
+    result = run(spec, tmp, slow_one)
+    done, lost = step_times(tmp)
+    onset, end = marks["onset"], max(done.values())
+    healthy = rate(done, marks["healthy"], onset)
+    swap = marks.get("swap")
+    during = rate(done, onset, swap or end)
+    after = rate(done, swap, end) if swap else None
+    back = None
+    t = swap
+    while swap is not None and t is not None and t + args.rate_window <= end:
+        r = rate(done, t, t + args.rate_window)
+        if healthy and r is not None and r >= 0.95 * healthy:
+            back = t + args.rate_window - swap
+            break
+        t += 0.25
+    out = {
+        "phase": result.phase.value,
+        "healthy_steps_per_s": round(healthy, 3) if healthy else None,
+        "call_s": round(marks["call"] - onset, 2) if "call" in marks else None,
+        "swap_s": round(swap - onset, 2) if swap else None,
+        "during_ratio": round(during / healthy, 3) if during and healthy else None,
+        "after_ratio": round(after / healthy, 3) if after and healthy else None,
+        "back_to_95pct_after_swap_s": round(back, 2) if back is not None else None,
+        "steps_lost": lost,
+        "other_calls": len(others),
+    }
+    print(
+        f"  {tmp.name}: {out}" + (f" other calls: {list(others.values())}" if others else ""),
+        flush=True,
+    )
+    return out
+
+
+def slow_row(args: argparse.Namespace, root: Path, row: str) -> dict[str, Any]:
+    match = SLOW_ROW.match(row)
+    assert match is not None
+    kind, factor = match.group(1), float(match.group(2))
+    settings = SMOKE_SETTINGS if args.smoke else FAST if kind == "fast-settings" else DEFAULTS
+    sharded = kind == "fsdp"
+    job_text = ("LM, FSDP2 (HSDP: 2 nodes x 2 workers, sharded within a node), 1 spare"
+                if sharded else "LM, DDP, 3 nodes x 1 worker, 1 spare")  # fmt: skip
+    said = settings.describe(StragglerAction.SWAP)
+    print(f"{row}: {job_text}; {said}", flush=True)
+    runs = [slowed_run(args, root / f"{row}-{i}", sharded, factor, settings)
+            for i in range(args.repeats)]  # fmt: skip
+    keys_ = [k for k in runs[0] if k != "phase"]
+    out: dict[str, Any] = {"job": job_text, "settings": said, "runs": len(runs),
+                           "phases": [r["phase"] for r in runs]}  # fmt: skip
+    for k in keys_:
+        out[k] = spread([r[k] for r in runs])
+    call_target = CALL_TARGET_S.get(factor)
+    calls, backs = [r["call_s"] for r in runs], [r["back_to_95pct_after_swap_s"] for r in runs]
+    called = [c is not None and call_target is not None and c <= call_target for c in calls]
+    out["targets"] = {
+        "call_within_s": call_target,
+        "call_met": all(called),
+        "swapped_every_run": all(r["swap_s"] is not None for r in runs),
+        "back_within_s": BACK_TARGET_S,
+        "back_met": all(b is not None and b <= BACK_TARGET_S for b in backs),
+        "no_step_lost": all(r["steps_lost"] == 0 for r in runs),
+    }
+    print(f"{row}: {out}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- noise rows
+
+
+def noise_row(args: argparse.Namespace, root: Path, beside: bool) -> dict[str, Any]:
+    """Per-node noise on a healthy job at the defaults for ``--noise-minutes``."""
+    tag = "noise-beside" if beside else "noise"
+    tmp = root / tag
+    trigger = tmp / "gc-storm"
+    settings = SMOKE_SETTINGS if args.smoke else DEFAULTS
+    spec = lm_job(tag, tmp, sharded=False, settings=settings, action=StragglerAction.SWAP,
+                  steps=args.max_steps, short=args.smoke, gc_storm=trigger)  # fmt: skip
+    said = settings.describe(StragglerAction.SWAP)
+    print(f"{tag}: LM, DDP, 3 nodes x 1 worker, 1 spare"
+          + (", a second LM job of 2 nodes beside it" if beside else "") + f"; {said}",
+          flush=True)  # fmt: skip
+    seconds = 60.0 * args.noise_minutes
+    loads: list[float] = []
+    noise: dict[str, Any] = {}
+
+    def noisy(local: LocalRun) -> None:
+        wait_step(local, args.warm_steps)
+        node, pids = last_member(local)
+        noise["node"] = node
+        say(trigger, f"{node} {args.seed}")
+        hog = HogBursts(pids, args.seed, smoke=args.smoke)
+        hog.start()
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end and not ended(local):
+                loads.append(os.getloadavg()[0])
+                time.sleep(min(10.0, max(end - time.monotonic(), 0.0)))
+        finally:
+            hog.done.set()
+            hog.join()
+        noise.update(hog_bursts=hog.bursts, hog_seconds=round(hog.seconds, 1))
+        jobs.request_stop(local.client, spec.name)
+
+    second = None
+    if beside:
+        other_dir = root / f"{tag}-second"
+        other = lm_job(f"{tag}-second", other_dir, sharded=False, settings=DEFAULTS,
+                       action=StragglerAction.OFF, steps=args.max_steps, short=args.smoke,
+                       nodes=2, spares=0)  # fmt: skip
+        second = LocalRun(other, printer=lambda line: None, workdir=str(other_dir),
+                          metrics_port=None)  # fmt: skip
+    with second if second is not None else contextlib.nullcontext():
+        result = run(spec, tmp, noisy)
+        if second is not None:
+            jobs.request_stop(second.client, second.spec.name)
+            second.wait()
+    evs = result.events
+    calls = [e for e in evs if e.type == "Straggler"]
+    swaps = [e for e in evs if e.type == "StragglerSwapped"]
+    pauses = trigger.with_suffix(".pauses")
+    paused = [float(x) for x in pauses.read_text().split()] if pauses.exists() else []
+    _, lost = step_times(tmp)
+    out = {
+        "settings": said,
+        "seconds": round(seconds, 1),
+        "noisy_node": noise.get("node"),
+        "hog_bursts": noise.get("hog_bursts"),
+        "hog_seconds": noise.get("hog_seconds"),
+        "gc_pauses": len(paused),
+        "gc_pause_seconds": round(sum(paused), 1),
+        "calls_noisy_node": sum(1 for e in calls if e.data.get("node") == noise.get("node")),
+        "calls_other_nodes": sum(1 for e in calls if e.data.get("node") != noise.get("node")),
+        "false_swaps": len(swaps),
+        "steps_lost": lost,
+        "load_min": round(min(loads), 2) if loads else None,
+        "load_median": round(statistics.median(loads), 2) if loads else None,
+        "load_max": round(max(loads), 2) if loads else None,
+    }
+    start = min((e.time for e in evs), default=0.0)
+    said_evs = [e for e in evs if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped",
+                                             "StragglerKept")]  # fmt: skip
+    print(f"{tag}: {out}" + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}"
+                                    for e in said_evs), flush=True)  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- extra rows
 
 
 def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -142,6 +411,7 @@ def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"overhead pair {i}: off {pair['off']:.2f}, report {pair['report']:.2f} steps/s, "
               f"ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
     return {
+        "job": f"busy loop of {args.compute:g} s CPU a step, 3 nodes, heartbeat {args.heartbeat}",
         "pairs": len(ratios),
         "steps_per_run": args.overhead_steps,
         "off_steps_per_s": round(statistics.median(rates["off"]), 3),
@@ -178,6 +448,8 @@ def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         ratios.append(report / off)
         print(f"side by side {i}: off {off:.2f}, report {report:.2f} steps/s over "
               f"{end - start:.0f} s, ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
+    if not ratios:
+        return {"pairs": 0}
     return {
         "pairs": len(ratios),
         "overhead_pct": round(100.0 * (1.0 - statistics.median(ratios)), 2),
@@ -186,142 +458,83 @@ def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
-def slow_row(args: argparse.Namespace, root: Path, factor: float, healthy: float) -> dict[str, Any]:
-    tmp = root / f"slow-{factor:g}x"
-    spec = job(f"slow-{factor:g}x".replace(".", "-"), tmp, args, nodes=3, spares=1,
-               action=StragglerAction.SWAP, steps=args.steps)  # fmt: skip
-    marks: dict[str, float] = {}
-
-    def slow_one(local: LocalRun) -> None:
-        wait_step(local, args.onset)
-        plan = records.read(local.client, keys.job_plan(spec.name), Plan)
-        assert plan is not None
-        victim = plan.members[-1].node
-        node = records.read(local.client, keys.job_node(spec.name, victim), NodeRecord)
-        assert node is not None
-        cycle = DutyCycle(node.worker_pids, stopped=0.1 * stopped_share(factor))
-        marks["onset"] = time.time()
-        cycle.start()
-        deadline = time.monotonic() + 120
-        try:
-            while time.monotonic() < deadline and "swap" not in marks and not ended(local):
-                for e in events.list_events(local.client, spec.name):
-                    if e.type == "Straggler" and "detect" not in marks:
-                        marks["detect"] = e.time
-                    if e.type == "StragglerSwapped":
-                        marks["swap"] = e.time
-                time.sleep(0.1)
-        finally:
-            cycle.done.set()
-
-    result, _ = run(spec, tmp, slow_one)
-    done, lost = step_times(tmp)
-    onset = marks["onset"]
-    end = max(done.values())
-    out: dict[str, Any] = {
-        "phase": result.phase.value,
-        "detect_s": round(marks["detect"] - onset, 2) if "detect" in marks else None,
-        "swap_s": round(marks["swap"] - onset, 2) if "swap" in marks else None,
-        "steps_lost": lost,
-    }
-    trained = sorted(done.values())[min(5, len(done) - 1)]  # past the first steps
-    before = rate(done, max(onset - 10.0, trained), onset)
-    swap = marks.get("swap", end)
-    during = rate(done, onset, swap)
-    after = rate(done, swap + 2.0, end)
-    back = None
-    t = onset
-    while t + 5.0 <= end:
-        r = rate(done, t, t + 5.0)
-        if t > onset + 1.0 and r is not None and r >= 0.95 * healthy:
-            back = round(t + 5.0 - onset, 2)
-            break
-        t += 0.5
-    out.update(
-        before_ratio=round(before / healthy, 3) if before else None,
-        during_ratio=round(during / healthy, 3) if during else None,
-        after_ratio=round(after / healthy, 3) if after else None,
-        back_to_95pct_s=back,
-    )
-    print(f"slow {factor:g}x: {out}", flush=True)
-    return out
-
-
-def healthy_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    tmp, beside = root / "healthy", root / "beside"
-    spec = job("healthy", tmp, args, nodes=3, spares=1, action=StragglerAction.SWAP,
-               steps=10**9)  # fmt: skip
-    other = job("beside", beside, args, nodes=2, spares=0, action=StragglerAction.OFF,
-                steps=10**9)  # fmt: skip
-    second = LocalRun(other, printer=lambda line: None, workdir=str(beside), metrics_port=None)
-
-    loads: list[float] = []  # the machine's 1-minute load average, every 10 s
-
-    def train_for_a_while(local: LocalRun) -> None:
-        wait_step(local, 20)
-        end = time.monotonic() + args.healthy_seconds  # the row's length: noise is measured
-        while time.monotonic() < end:
-            loads.append(os.getloadavg()[0])
-            time.sleep(min(10.0, max(end - time.monotonic(), 0.0)))
-        jobs.request_stop(local.client, spec.name)
-
-    with second:
-        _, evs = run(spec, tmp, train_for_a_while)
-        jobs.request_stop(second.client, other.name)
-        second.wait()
-    calls = [e for e in evs if e.type == "Straggler"]
-    swaps = [e for e in evs if e.type == "StragglerSwapped"]
-    out = {"seconds": args.healthy_seconds, "false_calls": len(calls), "false_swaps": len(swaps),
-           "load_min": round(min(loads), 2), "load_median": round(statistics.median(loads), 2),
-           "load_max": round(max(loads), 2)}  # fmt: skip
-    start = min((e.time for e in evs), default=0.0)
-    said = [e for e in evs if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped")]
-    print(f"healthy: {out}" + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}"
-                                      for e in said), flush=True)  # fmt: skip
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--compute", type=float, default=0.05, help="CPU seconds per step")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--onset", type=int, default=80, help="step at which a node is slowed")
-    parser.add_argument("--healthy-seconds", type=float, default=120.0)
-    parser.add_argument("--heartbeat", default="1s", help="heartbeat_interval: one window")
+    parser.add_argument("--rows", nargs="*", default=["cost", *HEADLINE],
+                        help="rows to run: " + ", ".join(HEADLINE) + "; extra: "
+                        "fast-settings-1.5x, fast-settings-3x, overhead, side_by_side, "
+                        "link (any ddp-/fsdp-/fast-settings-<factor>x)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each slow row")
+    parser.add_argument("--warm-steps", type=int, default=20,
+                        help="steps trained before the healthy reference starts")  # fmt: skip
+    parser.add_argument("--healthy-seconds", type=float, default=30.0,
+                        help="healthy training before the onset: the reference rate")  # fmt: skip
+    parser.add_argument("--after-seconds", type=float, default=45.0,
+                        help="training after the swap before the job is stopped")  # fmt: skip
+    parser.add_argument("--give-up-seconds", type=float, default=150.0,
+                        help="no swap this long after the onset: the run goes on")  # fmt: skip
+    parser.add_argument("--rate-window", type=float, default=5.0,
+                        help="seconds of the windows the recovery's rate is read over")  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=1_000_000,
+                        help="the LM jobs' max_steps (a long job: stopped by the row)")  # fmt: skip
+    parser.add_argument("--slowdown", choices=["work", "stop"], default="work",
+                        help="work: the slow node's steps do FACTOR times the CPU work; stop: "
+                        "its workers SIGSTOPped 1 - 1/FACTOR of every 100 ms")  # fmt: skip
+    parser.add_argument("--noise-minutes", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=1, help="the noise rows' bursts and pauses")
+    parser.add_argument("--compute", type=float, default=0.05,
+                        help="extra rows' busy-loop job: CPU seconds per step")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=400, help="the link row's steps")
+    parser.add_argument("--onset", type=int, default=80, help="the link row's onset step")
+    parser.add_argument("--heartbeat", default="1s", help="extra rows' heartbeat_interval")
     parser.add_argument("--overhead-pairs", type=int, default=6, help="pairs of off/report runs")
     parser.add_argument("--overhead-steps", type=int, default=250, help="steps of each such run")
     parser.add_argument("--link-rate", default="100mbit", help="the link row's tbf rate")
     parser.add_argument("--link-width", type=int, default=512,
                         help="the link row's model: width x width parameters")  # fmt: skip
-    parser.add_argument("--rows", nargs="*",
-                        default=["cost", "overhead", "slow", "link", "healthy"])  # fmt: skip
     args = parse(parser, SMOKE)
-    figures: dict[str, Any] = {"machine_cores": os.cpu_count(), "compute_s": args.compute}
+    for row in args.rows:
+        known = {"cost", "overhead", "side_by_side", "link", *HEADLINE}
+        if row not in known and not SLOW_ROW.match(row):
+            parser.error(f"--rows: unknown row {row!r}; rows: {', '.join(sorted(known))} "
+                         f"or ddp-/fsdp-/fast-settings-<factor>x, e.g. ddp-2x")  # fmt: skip
+    figures: dict[str, Any] = {
+        "machine_cores": os.cpu_count(),
+        "settings_note": "headline rows: the job file's defaults but stragglers.action swap "
+                         "(the default action is report); extra rows name their settings",
+    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
         root = Path(d)
-        healthy = None
-        if "cost" in args.rows:
-            if args.smoke:
-                calls = call_costs(COST_SMOKE["number"])
-                ddp = ddp_cost(block=COST_SMOKE["block"], pairs=COST_SMOKE["pairs"])
-            else:
-                calls, ddp = call_costs(), ddp_cost()
-            figures["cost"] = {"calls": calls, "ddp": ddp}
-            print(f"cost: {figures['cost']}", flush=True)
-        if "side_by_side" in args.rows:
-            figures["side_by_side"] = side_by_side_rows(args, root)
-        if "overhead" in args.rows or "slow" in args.rows:
-            figures["overhead"] = overhead_rows(args, root)
-            healthy = figures["overhead"]["report_steps_per_s"]
-        if "slow" in args.rows and healthy:
-            for factor in (3.0,) if args.smoke else (1.5, 3.0):
-                figures[f"slow_{factor:g}x"] = slow_row(args, root, factor, healthy)
-        if "link" in args.rows:
-            figures["slow_link"] = link_row(args, root)
-        if "healthy" in args.rows:
-            figures["healthy"] = healthy_row(args, root)
-    figures["units"] = {"*_s": "seconds", "*_ratio": "step rate / healthy step rate",
-                        "overhead_pct": "percent of the step rate"}  # fmt: skip
+        for row in args.rows:
+            started = time.monotonic()
+            if row == "cost":
+                if args.smoke:
+                    calls = call_costs(COST_SMOKE["number"])
+                    ddp = ddp_cost(block=COST_SMOKE["block"], pairs=COST_SMOKE["pairs"])
+                else:
+                    calls, ddp = call_costs(), ddp_cost()
+                figures["cost"] = {"calls": calls, "ddp": ddp}
+                print(f"cost: {figures['cost']}", flush=True)
+            elif SLOW_ROW.match(row):
+                figures[row] = slow_row(args, root, row)
+            elif row in ("noise", "noise-beside"):
+                figures[row] = noise_row(args, root, beside=row == "noise-beside")
+            elif row == "overhead":
+                figures["overhead"] = overhead_rows(args, root)
+            elif row == "side_by_side":
+                figures["side_by_side"] = side_by_side_rows(args, root)
+            elif row == "link":
+                figures["slow_link"] = link_row(args, root)
+            print(f"({row}: {time.monotonic() - started:.0f} s)", flush=True)
+    figures["units"] = {
+        "*_s": "seconds (call_s, swap_s: from the onset; back_to_95pct_after_swap_s: from "
+               "the swap to the end of the first window at 95 % of the healthy rate)",
+        "*_ratio": "step rate / the same run's healthy step rate",
+        "healthy_steps_per_s": "steps per second",
+        "median/min/max": "over the row's repeats",
+        "overhead_pct": "percent of the step rate",
+        "load_*": "1-minute load average",
+    }  # fmt: skip
     print(result_line(figures, args.smoke))
 
 

@@ -343,7 +343,8 @@ def logs(
     on that host.  Without an etcd (after ``ringmaster run``, whose etcd ended
     with it) the files of this machine are read.
     """
-    from orchestrator.observe.logs import LogLine, check_target, follow_logs, iter_logs
+    from orchestrator.observe.log_follow import follow_logs
+    from orchestrator.observe.logs import LogLine, check_target, iter_logs
     from orchestrator.runs import list_runs, run_window
 
     def show(line: LogLine) -> None:

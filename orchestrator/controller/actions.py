@@ -65,6 +65,9 @@ class DeclareFailed:
     agent_gone: frozenset[str] = frozenset()
     #: when the failure was seen (wall clock), where that was before the deciding tick
     seen_at: float | None = None
+    #: seconds the replacement waited for a spare (still starting, or none yet) before
+    #: this declaration: part of the time to declare, reported apart from detection
+    spare_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,7 @@ class JobController:
                 set(action.agent_gone),
                 at=world.now,  # when the snapshot it was decided on was read
                 seen_at=action.seen_at,
+                spare_wait_s=action.spare_wait_s,
             )
             log.warning("[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)),
                         action.why, cause)  # fmt: skip

@@ -80,22 +80,26 @@ def is_warm(spec: JobSpec, world: World, node: str, restart_tier: bool) -> bool:
     return True
 
 
-def end_wait(memory: Memory, world: World, members: list[str], order: list[str]) -> str:
+def end_wait(
+    memory: Memory, world: World, members: list[str], order: list[str]
+) -> tuple[str, float]:
     """End a replacement's wait for nodes (``memory.short_since``); say what held it
-    back, for its plan's reason (empty when it did not wait).
+    back, for its plan's reason (empty when it did not wait), and for how many
+    seconds (0.0 when no node came to end it): the recovery record shows that
+    wait apart from detection.
 
     A node of ``order`` that had registered when the wait began was a spare
     still starting (its workers not warm yet); otherwise a node joined during it.
     """
     since, memory.short_since = memory.short_since, None
     if since is None:
-        return ""
+        return "", 0.0
     waited = world.mono - since
     began = world.now - waited  # wall clock, as the registrations
     came = [world.nodes.get(n) for n in order if n not in members]
     if any(info is not None and info.started <= began for info in came):
-        return f"; the spare was still starting: {waited:.1f}s"
-    return f"; no spare for {waited:.1f}s" if came else ""
+        return f"; the spare was still starting: {waited:.1f}s", waited
+    return (f"; no spare for {waited:.1f}s", waited) if came else ("", 0.0)
 
 
 def node_info(spec: JobSpec, world: World, node: str) -> NodeInfo:

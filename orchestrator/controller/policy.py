@@ -430,7 +430,7 @@ class _Decider:
                 "(rendezvous.join_timeout) for more",
             )
             return
-        waited = plans.end_wait(self.m, self.w, members, order)  # the wait is over
+        waited, spare_wait_s = plans.end_wait(self.m, self.w, members, order)  # it is over
         for node in sorted(failed):
             if node not in self.status.failed_nodes:
                 self.status.failed_nodes.append(node)
@@ -444,7 +444,7 @@ class _Decider:
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)
         # the plan first: every worker waits for it; what the failure was is recorded after
         self.actions.append(PublishPlan(new_plan))
-        gone, step = frozenset(verdict.agent_gone), self.status.step
-        self.actions.append(DeclareFailed(frozenset(failed), why, step, gone, verdict.seen_at))
+        gone, step, seen = frozenset(verdict.agent_gone), self.status.step, verdict.seen_at
+        self.actions.append(DeclareFailed(frozenset(failed), why, step, gone, seen, spare_wait_s))
         after = breaks.consequences(why, self.w.reports, failed) if self.restart_tier else ""
         self.phase(JobPhase.RECOVERING, f"generation {new_plan.generation}: {reason}{after}")

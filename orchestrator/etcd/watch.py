@@ -12,7 +12,10 @@ between is not reported).  Each read is at one revision, and the watch starts
 right after it.  A follower that only needs to know *that* something changed
 (the controller, woken by changes under every job) reads no values: its read
 learns the revision to start from, and ``on_read`` tells it that changes may
-have gone untold.
+have gone untold.  A follower that already read what is stored (and shows it
+itself) starts with ``start_after``, the revision of its read.  ``on_error``
+and ``on_watch`` tell whoever shows the changes to a person when the watch is
+lost and when it runs again.
 
 It runs in a daemon thread of whichever process follows a key: a worker
 (:mod:`agents.runtime.plan_watch`), a node agent (its commands and the plan),
@@ -27,16 +30,21 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
+from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.diagnosis import EtcdCompactedError
 from orchestrator.etcd.kv import KeyValue, Watch, WatchEvent
 
-__all__ = ["RETRY_PAUSE", "KeyFollower"]
+__all__ = ["RETRY_PAUSE", "KeyFollower", "WatchEndedError"]
 
 log = logging.getLogger(__name__)
 
 #: Pause between a watch that ended (etcd away) and the next attempt.
 RETRY_PAUSE = timedelta(seconds=0.5)
+
+
+class WatchEndedError(EtcdError):
+    """A watch's stream ended without an error (closed by etcd, or cancelled elsewhere)."""
 
 
 class KeyFollower:
@@ -57,6 +65,12 @@ class KeyFollower:
             revision to watch from (nothing is handed on for it).
         on_read: called after each read (the first, and after a compaction),
             once what it found was handed on.
+        on_error: called with what ended a read or a watch (etcd away, a
+            broken stream, a compaction), before the follower tries again;
+            :attr:`revision` is then where it resumes (None: it reads first).
+        on_watch: called with the start revision each time a watch runs.
+        start_after: the revision of a read the caller made itself: the
+            follower watches from the one after it instead of reading first.
         stop: an event that ends the following once set (default: its own;
             :meth:`stop` sets it and cancels the watch at once).
         retry_pause: wait between a watch that ended and the next.
@@ -71,6 +85,9 @@ class KeyFollower:
         prefix: bool = False,
         values: bool = True,
         on_read: Callable[[], object] | None = None,
+        on_error: Callable[[Exception], object] | None = None,
+        on_watch: Callable[[int], object] | None = None,
+        start_after: int | None = None,
         stop: threading.Event | None = None,
         retry_pause: timedelta = RETRY_PAUSE,
     ) -> None:
@@ -80,6 +97,8 @@ class KeyFollower:
         self._handle = handle
         self._values = values
         self._on_read = on_read
+        self._on_error = on_error
+        self._on_watch = on_watch
         self._stop = stop if stop is not None else threading.Event()
         self._pause = retry_pause.total_seconds()
         self._lock = threading.Lock()
@@ -87,7 +106,7 @@ class KeyFollower:
         self._thread: threading.Thread | None = None
         #: the revision of the last event handed on (or of the last read); None
         #: before the first read and after a compaction: read the key next
-        self.revision: int | None = None
+        self.revision: int | None = start_after
 
     def start(self, name: str | None = None) -> KeyFollower:
         """Follow in a daemon thread (named ``name``, default after the key); returns self."""
@@ -125,10 +144,20 @@ class KeyFollower:
             except EtcdCompactedError as e:
                 log.info("watch of %s resumes with a read: %s", self.key, e)
                 self.revision = None
+                self._tell(e)
                 continue  # not an outage: read and watch again at once
             except Exception as e:  # etcd went away, or the stream broke
                 log.debug("watch of %s ended (resuming): %s", self.key, e)
+                self._tell(e)
             self._stop.wait(self._pause)
+
+    def _tell(self, e: Exception) -> None:
+        if self._on_error is None or self._stop.is_set():
+            return
+        try:
+            self._on_error(e)
+        except Exception:
+            log.exception("reporting the end of a watch of %s failed", self.key)
 
     def _read(self) -> None:
         """Hand on what is stored now; the watch resumes right after the read's revision."""
@@ -159,11 +188,18 @@ class KeyFollower:
         try:
             if self._stop.is_set():
                 return
+            if self._on_watch is not None:
+                try:
+                    self._on_watch(start_revision)
+                except Exception:
+                    log.exception("reporting a watch of %s failed", self.key)
             for event in watch:
                 if self._stop.is_set():
                     return
                 self._hand_on(event)
                 self.revision = event.mod_revision
+            if not self._stop.is_set():
+                raise WatchEndedError(f"the watch of {self.key} ended without an error")
         finally:
             with self._lock:
                 self._watch = None

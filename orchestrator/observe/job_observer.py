@@ -57,6 +57,8 @@ class _Pending:
         self.failure_at = failure_at
         self.step = step
         self.declared_at: float | None = None
+        #: of the time to the declaration, seconds spent waiting for a spare
+        self.spare_wait_s = 0.0
         self.nodes: set[str] = set()
         self.cause: str | None = None
         self.reason = ""
@@ -282,9 +284,11 @@ class JobObserver:
         agent_gone: set[str] | None = None,
         at: float | None = None,
         seen_at: float | None = None,
+        spare_wait_s: float = 0.0,
     ) -> str:
         """The controller replaces ``failed`` (decided at ``at``, wall-clock; default now;
-        the failure seen at ``seen_at``, if before); returns the failure cause."""
+        the failure seen at ``seen_at``, if before; after waiting ``spare_wait_s`` for a
+        spare); returns the failure cause."""
         now = time.time() if at is None else at
         if self._pending is None:
             self._pending = _Pending(now, step)
@@ -293,6 +297,7 @@ class JobObserver:
             pending.failure_at = min(pending.failure_at, seen_at)
         if pending.declared_at is None:
             pending.declared_at = now
+            pending.spare_wait_s = spare_wait_s
         since = pending.failure_at - CAUSE_LOOKBACK.total_seconds()
         recent = [e for e in events.list_events(self.client, self.job) if e.time >= since]
         cause = classify_cause(failed, recent, nodes, agent_gone or set())
@@ -342,6 +347,7 @@ class JobObserver:
             reason=pending.reason,
             failure_at=pending.failure_at,
             declared_at=pending.declared_at or now,
+            spare_wait_s=pending.spare_wait_s,
             workers=workers,
             step=pending.step,
             observed_s=now - pending.failure_at,
@@ -358,6 +364,7 @@ class JobObserver:
             "cause": record.cause,
             "total_s": round(record.total_s, 3),
             "phases": {k: round(v, 3) for k, v in phases.items()},
+            **({"spare_wait_s": round(record.spare_wait_s, 3)} if record.spare_wait_s else {}),
         }
         events.emit(
             self.client,
@@ -376,6 +383,7 @@ class JobObserver:
             ),
             total_s=round(record.total_s, 6),
             phases={k: round(v, 6) for k, v in phases.items()},
+            **({"spare_wait_s": round(record.spare_wait_s, 6)} if record.spare_wait_s else {}),
         )
         if self.metrics is not None:
             self.metrics.recovery(self.job, record)

@@ -23,12 +23,8 @@ older ringmaster streamed under the same prefix are read the same way.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import logging
-import queue
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,9 +48,6 @@ PARALLEL = 16
 PAGE_BYTES = 1024 * 1024
 MIN_PAGE_BYTES = 64 * 1024
 PAGES_BUDGET = 64 * 1024 * 1024
-#: ``follow``: seconds between reads of new lines, and between looks for new workers and nodes.
-FOLLOW_POLL = 0.5
-FOLLOW_RESCAN = 5.0
 
 #: Where notes about the sources go (an agent that did not answer ...): one line each.
 Notes = Callable[[str], None]
@@ -326,122 +319,3 @@ def read_logs(
 ) -> list[LogLine]:
     """:func:`iter_logs` as a list."""
     return list(iter_logs(client, job, node=node, tail=tail, run=run, notes=notes))
-
-
-class _Follower:
-    """The state of ``follow_logs``: where each worker was read up to, and what was shown."""
-
-    def __init__(self, client: EtcdClient, job: str, node: str | None, notes: Notes | None):
-        self.client, self.job, self.node, self.notes = client, job, node, notes
-        self.cursors: dict[Worker, int] = {}
-        self.agents: dict[Worker, _Agent] = {}
-        #: per worker, the time of the newest line shown (a tail in etcd may repeat them)
-        self.shown: dict[Worker, float] = {}
-
-    def shown_now(self, lines: Iterable[LogLine]) -> list[LogLine]:
-        """``lines`` (read once each, from an agent's files) in time order, now marked shown."""
-        out = sorted(lines, key=lambda x: x.time)
-        for line in out:
-            worker = (line.node, line.local_rank)
-            self.shown[worker] = max(line.time, self.shown.get(worker, float("-inf")))
-        return out
-
-    def fresh(self, lines: Iterable[LogLine]) -> list[LogLine]:
-        """The lines of a tail from etcd not shown yet (newer than the worker's last shown)."""
-        last = dict(self.shown)
-        return self.shown_now(
-            x for x in lines if x.time > last.get((x.node, x.local_rank), float("-inf"))
-        )
-
-    def rescan(self) -> None:
-        """Look for workers and nodes that came since (their output is read from the start)."""
-        try:
-            sources = _find_sources(self.client, self.job, self.node, self.notes)
-        except Exception as e:  # etcd away for a moment: the agents known still answer
-            log.debug("looking for new workers: %s", e)
-            return
-        for worker, agent in sources.agents.items():
-            if worker not in self.agents:
-                self.agents[worker] = agent
-                self.cursors.setdefault(worker, 0)
-
-    def poll(self) -> list[LogLine]:
-        """New lines from every agent followed; a worker whose agent stops answering is dropped."""
-        new: list[LogLine] = []
-        for worker, agent in list(self.agents.items()):
-            after = self.cursors.get(worker)
-            while True:
-                try:
-                    lines, position = agent.read(worker[1], after, PAGE_BYTES)
-                except (AgentUnreachableError, RequestError) as e:
-                    _note(self.notes, f"{agent.node}: {e}; following what it keeps in etcd")
-                    del self.agents[worker]
-                    break
-                self.cursors[worker] = position
-                new += lines
-                if not lines or position == after:
-                    break
-                after = position
-        return new
-
-
-def follow_logs(
-    client: EtcdClient,
-    job: str,
-    stop: threading.Event,
-    *,
-    node: str | None = None,
-    tail: int | None = None,
-    notes: Notes | None = None,
-    poll: float = FOLLOW_POLL,
-    since: float = 0.0,
-) -> Iterator[LogLine]:
-    """The lines so far (the last ``tail``), then new ones as they come, until ``stop``
-    (``since``: only lines written from then on, e.g. the start of a run).
-
-    New lines are read from the agents every ``poll`` seconds; tails stored in
-    etcd (a worker of a node whose agent is gone exited) come by a watch.
-    """
-    follower = _Follower(client, job, node, notes)
-    _, revision = client.get_with_revision(_prefix(job, node))  # the watch starts after it
-    sources = _find_sources(client, job, node, notes)
-    follower.agents = dict(sources.agents)
-    streams: list[Iterable[LogLine]] = list(sources.etcd_only().values())
-    if tail and not since:  # the last lines of every source (else: read, then cut)
-        streams += _tails(sources, tail, notes, follower.cursors)
-    else:
-        limit = _page_limit(len(sources.agents))
-        streams += [
-            _pages(a, rank, limit, notes, follower.cursors)
-            for (_, rank), a in sources.agents.items()
-        ]
-    first = [x for x in heapq.merge(*streams, key=lambda x: x.time) if x.time >= since]
-    yield from follower.shown_now(first[-tail:] if tail else first)
-
-    arrived: queue.Queue[LogLine] = queue.Queue()
-    watch = client.watch(_prefix(job, node), prefix=True, start_revision=revision + 1)
-
-    def consume() -> None:
-        with contextlib.suppress(Exception):
-            for ev in watch:
-                if ev.value is not None:
-                    for line in _decode(KeyValue(ev.key, ev.value, ev.mod_revision, 0, 0, 0)):
-                        arrived.put(line)
-
-    threading.Thread(target=consume, daemon=True, name="logs-watch").start()
-    next_scan = time.monotonic() + FOLLOW_RESCAN
-    try:
-        while not stop.wait(poll):
-            if time.monotonic() >= next_scan:
-                follower.rescan()
-                next_scan = time.monotonic() + FOLLOW_RESCAN
-            new = follower.shown_now(follower.poll())
-            stored: list[LogLine] = []
-            while not arrived.empty():
-                line = arrived.get_nowait()
-                if (line.node, line.local_rank) not in follower.agents:
-                    stored.append(line)
-            yield from sorted([*new, *follower.fresh(stored)], key=lambda x: x.time)
-    finally:
-        stop.set()
-        watch.cancel()

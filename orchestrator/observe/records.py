@@ -70,6 +70,9 @@ class RecoveryRecord(Record):
         restored_from: where the sharded state came from, over all workers
             (``+``-joined where they differ; empty for a model that is not sharded).
         most_steps_lost: the most completed steps any worker lost.
+        spare_wait_s: of the ``detect`` phase, the seconds the replacement waited
+            for a spare (one still starting, or none yet) before the controller
+            could declare it: not time spent noticing the failure.
     """
 
     generation: int
@@ -94,6 +97,7 @@ class RecoveryRecord(Record):
     worker_count: int = 0
     restored_from: str = ""
     most_steps_lost: int = 0
+    spare_wait_s: float = 0.0
 
     @property
     def phases(self) -> dict[str, float]:

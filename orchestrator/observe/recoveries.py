@@ -16,6 +16,14 @@ boundaries come from the controller and from every worker's telemetry
 Each boundary is clamped to be no earlier than the one before, so the phases
 are never negative and always add up to the total.
 
+A replacement that found no warm spare (one still starting, or none yet)
+waits for one before the controller declares it: that wait ends the *detect*
+phase, but it is not detection.  The record keeps it (``spare_wait_s``, at
+most the detect phase) and :func:`recovered_message` shows it apart:
+``detect 3.40s (of which 3.10s waiting for a spare)``.  The phases are
+unchanged by it and still add up to the total, and the whole recovery is still
+time lost to failures (:mod:`orchestrator.observe.training_time`).
+
 In the restart tier the scripts report no steps: the boundaries are the
 agents' (:func:`recovered_message` words them): *declared*, then *relaunched*
 (the last agent started the new workers: the group-formed boundary), then the
@@ -129,6 +137,7 @@ def build_record(
     workers: dict[str, dict[str, Any]],
     step: int,
     observed_s: float,
+    spare_wait_s: float = 0.0,
 ) -> RecoveryRecord:
     """A record from the controller's times and the new generation's worker telemetry.
 
@@ -138,6 +147,8 @@ def build_record(
 
     Args:
         workers: worker id → its telemetry (``agents.runtime.telemetry``) for ``generation``.
+        spare_wait_s: seconds of the time to the declaration spent waiting for a
+            spare (kept apart from detection; at most that time).
     """
 
     def last(name: str, floor: float) -> float:
@@ -173,6 +184,7 @@ def build_record(
             sorted({str(t["restored_from"]) for t in workers.values() if t.get("restored_from")})
         ),
         most_steps_lost=max([int(t.get("steps_lost") or 0) for t in workers.values()] or [0]),
+        spare_wait_s=round(min(max(spare_wait_s, 0.0), declared - failure_at), 6),
     )
 
 
@@ -184,16 +196,17 @@ def recovered_message(record: RecoveryRecord, restart_tier: bool) -> str:
     reported it, rather than steps the script never reported.
     """
     phases = record.phases
+    detect = detect_text(record)
     if not restart_tier:
         return (
             f"generation {record.generation} trains again {record.total_s:.2f}s after the "
-            f"failure ({record.cause}): detect {phases['detect']:.2f}s, rendezvous "
+            f"failure ({record.cause}): {detect}, rendezvous "
             f"{phases['rendezvous']:.2f}s, restore {phases['restore']:.2f}s, first step "
             f"{phases['first_step']:.2f}s"
         )
     relaunch = phases["detect"] + phases["rendezvous"]
     progress = phases["restore"] + phases["first_step"]
-    timings = f"detect {phases['detect']:.2f}s, relaunch {phases['rendezvous']:.2f}s"
+    timings = f"{detect}, relaunch {phases['rendezvous']:.2f}s"
     if record.first_step_at <= record.group_formed_at:  # the agents reported no output
         return (
             f"generation {record.generation}: every worker relaunched {relaunch:.2f}s after "
@@ -205,6 +218,14 @@ def recovered_message(record: RecoveryRecord, restart_tier: bool) -> str:
         f"of output) {record.total_s:.2f}s after the failure ({record.cause}): {timings}, "
         f"to the first output {progress:.2f}s"
     )
+
+
+def detect_text(record: RecoveryRecord) -> str:
+    """The detect phase for people, with the part of it spent waiting for a spare."""
+    text = f"detect {record.phases['detect']:.2f}s"
+    if record.spare_wait_s > 0:
+        text += f" (of which {record.spare_wait_s:.2f}s waiting for a spare)"
+    return text
 
 
 def restart_phases(phases: dict[str, Any]) -> dict[str, float]:

@@ -16,7 +16,8 @@ submission to its end (or now), into parts that add up to it::
   before the first step is part of it.
 * failures: for each recovery that began after the first step, its failure to
   the first completed step of the generation that replaced the broken one
-  (detect, rendezvous, restore, first step: :mod:`orchestrator.observe.recoveries`),
+  (detect, a wait for a spare included, rendezvous, restore, first step:
+  :mod:`orchestrator.observe.recoveries`),
   and a failure still being recovered from up to now; plus the completed steps
   trained again (a restore from an older state), at the fault-free step time.
 * checkpoint stalls: the time saves blocked rank 0's training loop, as the

@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,12 +27,15 @@ from agents.node.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogSh
 from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
-from orchestrator.etcd.client import EtcdClient
+from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
 from orchestrator.liveness import LivenessServer
-from orchestrator.observe.logs import follow_logs, read_logs
+from orchestrator.observe.log_follow import follow_logs
+from orchestrator.observe.logs import LogLine, read_logs
 from orchestrator.records import JobStatus
 from orchestrator.spec import EntrypointSpec, JobSpec
+from tests.etcd_relay import Relay
 
 pytestmark = pytest.mark.integration
 
@@ -248,3 +252,79 @@ def test_follow_from_a_time_shows_only_what_was_written_since(
     stop.set()
     every = [line.text for line in follow_logs(etcd_client, job, stop, tail=5)]
     assert every == ["old", "new"], every
+
+
+class Followed:
+    """What ``follow_logs`` yielded and noted, with waits on it."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.notes: list[str] = []
+        self._cond = threading.Condition()
+
+    def line(self, line: LogLine) -> None:
+        with self._cond:
+            self.lines.append(f"{line.worker} {line.text}")
+            self._cond.notify_all()
+
+    def note(self, text: str) -> None:
+        with self._cond:
+            self.notes.append(text)
+            self._cond.notify_all()
+
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        with self._cond:
+            assert self._cond.wait_for(done, 30), (self.lines, self.notes)
+
+
+def test_follow_resumes_a_lost_watch_without_missing_or_repeating_a_line(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient
+) -> None:
+    """The follower's etcd connection goes through a relay; cutting it loses the watch."""
+    job = submitted(etcd_client)
+    kept: dict[str, list[tuple[float, str]]] = {}
+
+    def exited(node: str, *texts: str) -> int:
+        """A worker of ``node`` printed ``texts``: its tail (all it printed) goes to etcd."""
+        kept.setdefault(node, []).extend((time.time(), t) for t in texts)
+        key = keys.worker_log_tail(job, node, 0)
+        records.write(etcd_client, key, records.LogChunk(node, 0, list(kept[node])))
+        kv = etcd_client.get(key)
+        assert kv is not None
+        return kv.mod_revision
+
+    relay = Relay(etcd.endpoint)
+    client = connect(EtcdOptions((relay.endpoint,), op_timeout=timedelta(seconds=2)))
+    seen = Followed()
+    stop = threading.Event()
+
+    def consume() -> None:
+        for line in follow_logs(client, job, stop, poll=0.05, notes=seen.note):
+            seen.line(line)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    try:
+        last = exited("n1", "a0")
+        seen.wait_for(lambda: len(seen.lines) == 1)
+        relay.cut()  # the watch is lost; tails go on reaching etcd
+        seen.wait_for(lambda: bool(seen.notes))
+        exited("n1", "a1")  # the same worker's tail again, with its earlier line
+        exited("n2", "b0")
+        exited("n1", "a2")
+        relay.restore()
+        seen.wait_for(lambda: len(seen.lines) == 4)
+        exited("n3", "c0")  # and the renewed watch goes on
+        seen.wait_for(lambda: len(seen.lines) == 5)
+    finally:
+        stop.set()
+        reader.join(30)
+        client.close()
+        relay.close()
+    assert not reader.is_alive()
+    assert sorted(seen.lines) == ["n1/0 a0", "n1/0 a1", "n1/0 a2", "n2/0 b0", "n3/0 c0"]
+    assert seen.lines.index("n1/0 a1") < seen.lines.index("n1/0 a2")
+    # one line for the loss, saying that it resumes where it was
+    (note,) = seen.notes
+    assert f"etcd watch of {keys.job_logs(job)} was lost (" in note, note
+    assert note.endswith(f"resuming from revision {last + 1}"), note

@@ -499,10 +499,13 @@ def a_replacement_that_waited_for_a_spare_says_so() -> None:
     (new,) = run.plans()
     assert _order(new) == ["a", "c"]
     assert new.reason == "c replaces b; the spare was still starting: 12.5s"
+    # the recovery record gets the wait apart from detection
+    assert run.of(DeclareFailed)[-1].spare_wait_s == pytest.approx(12.5)
     # a spare warm at once: no wait is named; a node that registered during the wait
     # was no spare then
     run.tick(_world(["a", "c", "d"], new, mono=90.0, reports=reports, dead={"c"}))
     assert run.plans()[0].reason == "d replaces c"
+    assert run.of(DeclareFailed)[-1].spare_wait_s == 0.0
     world = _world(["a", "d"], run.plans()[0], mono=100.0, reports=reports, dead={"d"})
     run.tick(world)
     assert run.plans() == []
@@ -510,6 +513,7 @@ def a_replacement_that_waited_for_a_spare_says_so() -> None:
     world.nodes["e"].started = NOW - 1.0  # 3 s into the wait
     run.tick(world)
     assert run.plans()[0].reason == "e replaces d; no spare for 4.0s"
+    assert run.of(DeclareFailed)[-1].spare_wait_s == pytest.approx(4.0)
 
 
 def user_error_restarts_then_fails_without_a_recovery() -> None:

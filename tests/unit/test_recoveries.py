@@ -19,6 +19,7 @@ from orchestrator.observe.recoveries import (
     recovered_message,
     restart_phases,
 )
+from orchestrator.observe.training_time import training_time
 from orchestrator.records import Telemetry
 
 pytestmark = pytest.mark.unit
@@ -243,3 +244,55 @@ def test_a_restart_tier_recovery_says_what_it_measured() -> None:
         "generation 2 trains again 0.80s after the failure (agent_gone): detect 0.10s"
     )
     assert restart_phases(record(None).phases) == pytest.approx({"detect": 0.1, "relaunch": 0.4})
+
+
+def test_a_wait_for_a_spare_is_shown_apart_from_detection() -> None:
+    """The replacement waited 3.1 s for a spare still starting before it was declared:
+    part of the detect phase, but not detection; the phases still add up."""
+
+    def record(spare_wait_s: float) -> RecoveryRecord:
+        return build_record(
+            generation=2,
+            cause="signal",
+            nodes=["b"],
+            reason="c replaces b; the spare was still starting: 3.1s",
+            failure_at=10.0,
+            declared_at=13.4,
+            workers={"c": _worker(13.6, 13.8, 14.1)},
+            step=7,
+            observed_s=4.2,
+            spare_wait_s=spare_wait_s,
+        )
+
+    r = record(3.1)
+    assert r.spare_wait_s == pytest.approx(3.1)
+    assert r.phases == pytest.approx(
+        {"detect": 3.4, "rendezvous": 0.2, "restore": 0.2, "first_step": 0.3}
+    )
+    assert sum(r.phases.values()) == pytest.approx(r.total_s) == pytest.approx(4.1)
+    assert recovered_message(r, restart_tier=False) == (
+        "generation 2 trains again 4.10s after the failure (signal): detect 3.40s (of which "
+        "3.10s waiting for a spare), rendezvous 0.20s, restore 0.20s, first step 0.30s"
+    )
+    assert "detect 3.40s (of which 3.10s waiting for a spare), relaunch 0.20s" in (
+        recovered_message(r, restart_tier=True)
+    )
+    again = RecoveryRecord.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert again.spare_wait_s == pytest.approx(3.1) and again.phases == r.phases
+    # a wait longer than the time to the declaration (clocks apart) is cut to it
+    assert record(5.0).spare_wait_s == pytest.approx(3.4)
+    # no wait: the message is as before, and an older record reads as no wait
+    assert "detect 3.40s, rendezvous" in recovered_message(record(0.0), restart_tier=False)
+    old = r.to_dict()
+    del old["spare_wait_s"]
+    assert RecoveryRecord.from_dict(old).spare_wait_s == 0.0
+    # the whole recovery, wait included, is still time lost to failures
+    split = training_time(
+        submitted_at=0.0,
+        train_started_at=5.0,
+        last_step_at=20.0,
+        end=20.0,
+        steps=10,
+        recoveries=[r],
+    )
+    assert split.recovering_s == pytest.approx(r.total_s)

@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck unit bench bench-smoke chaos slurm clean compat compat-newest
+.PHONY: venv demo test check lint typecheck unit bench bench-smoke chaos slurm clean compat compat-newest
 
 venv: $(STAMP)
 
@@ -42,6 +42,9 @@ test: lint typecheck slurm  # the 30 slowest tests are listed at the end: the su
 
 unit: $(STAMP)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+# the edit loop: lint, types, import contracts and the unit tests (no services)
+check: lint typecheck unit
 
 chaos: $(STAMP) slurm  # the long soak (12 faults of every kind in one run) and the `long` variants
 	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m 'chaos or long' $(PYTEST_ARGS)

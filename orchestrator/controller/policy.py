@@ -161,6 +161,11 @@ class _Decider:
         if self.w.plan is None:
             self.maybe_start()
             return
+        if self.status.phase is JobPhase.PENDING:
+            # the leader before published the first generation and ended before it
+            # recorded the start: the job runs (else it could never succeed or fail)
+            active = ", ".join(m.node for m in self.w.plan.members)
+            self.phase(JobPhase.RUNNING, f"started with {len(self.w.plan.members)} nodes: {active}")
         self.notice_outage()
         self.end_pause()
         self.watch_running(self.w.plan)

@@ -516,6 +516,18 @@ def a_replacement_that_waited_for_a_spare_says_so() -> None:
     assert run.of(DeclareFailed)[-1].spare_wait_s == pytest.approx(4.0)
 
 
+def a_start_the_leader_before_did_not_record_runs_and_ends() -> None:
+    # the leader published generation 1 and ended before it wrote the status
+    run = Run(_spec(), status=JobStatus("job", JobPhase.PENDING))
+    plan = _plan(1, "a", "b")
+    run.tick(_world(["a", "b", "c"], plan))
+    assert run.status.phase is JobPhase.RUNNING and run.plans() == []
+    assert [a.phase for a in run.of(PhaseChanged)] == [JobPhase.RUNNING]
+    done = DoneRecord(step=5, generation=1, at=NOW)
+    run.tick(_world(["a", "b", "c"], plan, done={"a-0": done, "b-0": done}))
+    assert run.status.phase is JobPhase.SUCCEEDED
+
+
 def user_error_restarts_then_fails_without_a_recovery() -> None:
     run = Run(_spec(max_restarts=1))
     error = _report(step=5, user_error=True, reason="RuntimeError: socket timed out")
@@ -825,6 +837,7 @@ def restart_tier_stop_ends_the_job_at_once() -> None:
 
 
 SCENARIOS: list[Callable[[], None]] = [
+    a_start_the_leader_before_did_not_record_runs_and_ends,
     delayed_sync_places_sites_once_every_registered_node_is_warm,
     start_in_topology_order,
     node_death_refused_probe_is_replaced_from_its_rack,

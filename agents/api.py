@@ -3,8 +3,8 @@
 The node agent starts workers with the environment described by
 :class:`WorkerEnv`; the worker runtime (:mod:`agents.runtime`) reads it.  The
 worker runtime never imports the controller: the two meet only through etcd
-keys (:mod:`orchestrator.keys`) and the records stored there
-(:mod:`orchestrator.records`).
+keys (:mod:`orchestrator.state.keys`) and the records stored there
+(:mod:`orchestrator.state.records`).
 
 Inside the training process, the session (:class:`agents.runtime.Session`)
 owns one record of where its worker stands (``WorkerState``); its parts

@@ -108,10 +108,10 @@ def run_ringmaster(
         ``recovery_s``, ``steps_lost``, ``killed_at`` (wall clock) and the phases of
         ringmaster's ``Recovered`` event (``detect_s``...).
     """
-    from orchestrator import jobs
-    from orchestrator.entrypoint import resolve_recovery
     from orchestrator.local_run import LocalRun
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.entrypoint import resolve_recovery
+    from orchestrator.spec.loader import load_job_data
+    from orchestrator.state import jobs
 
     logs = tmp / "steps"
     logs.mkdir()
@@ -167,7 +167,7 @@ def run_ringmaster(
 def _recovered_phases(client: Any, job: str, until: float) -> dict[str, float]:
     """The phases of the job's ``Recovered`` event (from the survivor's first report of
     the break), waiting for it until ``until``; empty when none came."""
-    from orchestrator import events
+    from orchestrator.state import events
 
     while True:
         found = [e for e in events.list_events(client, job) if e.type == "Recovered"]

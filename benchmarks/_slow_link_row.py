@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._straggler_jobs import job, rate, step_times
-from orchestrator import events, jobs
-from orchestrator.spec import StragglerAction
+from orchestrator.spec.job import StragglerAction
+from orchestrator.state import events, jobs
 
 __all__ = ["link_row"]
 

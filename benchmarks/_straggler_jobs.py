@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.spec import JobSpec, StragglerAction
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec, StragglerAction
+from orchestrator.spec.loader import load_job_data
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_noisy_worker.py"
@@ -37,7 +37,7 @@ class Settings:
 
     def describe(self, action: StragglerAction) -> str:
         """What the row ran with, for its output."""
-        from orchestrator.spec import FaultToleranceSpec
+        from orchestrator.spec.job import FaultToleranceSpec
 
         ft = FaultToleranceSpec()
         s = ft.stragglers

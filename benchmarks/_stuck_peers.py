@@ -38,7 +38,7 @@ Measure = Callable[[Path, float, bool], tuple[float, int]]
 
 
 def _job(name: str, logs: Path, steps: int, **extra: Any) -> Any:
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
 
     return load_job_data(
         {
@@ -57,7 +57,7 @@ def _job(name: str, logs: Path, steps: int, **extra: Any) -> Any:
 
 
 def _ended_by(client: Any, job: str) -> str:
-    from orchestrator import events
+    from orchestrator.state import events
 
     found = [e for e in events.list_events(client, job) if e.type == "Recovered"]
     return str(found[0].data.get("ended_by", "")) if found else ""
@@ -67,9 +67,9 @@ def run_sigstop(
     tmp: Path, measure: Measure, *, steps: int = STEPS, fault_at: int = FAULT_AT
 ) -> dict[str, Any]:
     """The SIGSTOP row: ``steps`` steps, a worker stopped at ``fault_at``."""
-    from orchestrator import jobs, keys
     from orchestrator.controller.world import read_progress
     from orchestrator.local_run import LocalRun
+    from orchestrator.state import jobs, keys
 
     logs = tmp / "steps"
     logs.mkdir()
@@ -104,8 +104,8 @@ def run_partition(
 ) -> dict[str, Any]:
     """The partition row (``steps`` steps, the node cut off at ``fault_at``), or
     ``{"skipped": why}`` where namespaces cannot be made."""
-    from orchestrator import jobs, keys, records
-    from orchestrator.records import Plan
+    from orchestrator.state import jobs, keys, records
+    from orchestrator.state.records import Plan
     from tests.faults.netns import IsolatedNode, unavailable_reason
     from tests.faults.partitioned_job import partitioned_job, wait_for
 

@@ -278,7 +278,7 @@ def worker_train(args: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from agents.comm import build_comm_hook
-    from orchestrator.spec import CommSpec, CompressionKind, CompressionSpec
+    from orchestrator.spec.job import CommSpec, CompressionKind, CompressionSpec
 
     rank, world = _init()
     dim, hidden, steps, batch = 256, int(args["hidden"]), int(args["steps"]), int(args["batch"])

@@ -89,14 +89,14 @@ from benchmarks._control_plane.report import (  # noqa: E402
     targets,
 )
 from benchmarks._smoke import parse, result_line  # noqa: E402
-from orchestrator import jobs, keys, records  # noqa: E402
 from orchestrator.api import JobPhase  # noqa: E402
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
-from orchestrator.records import JobStatus, Plan  # noqa: E402
 from orchestrator.settings import SETTINGS  # noqa: E402
-from orchestrator.spec import JobSpec  # noqa: E402
-from orchestrator.spec_loader import load_job_data  # noqa: E402
+from orchestrator.spec.job import JobSpec  # noqa: E402
+from orchestrator.spec.loader import load_job_data  # noqa: E402
+from orchestrator.state import jobs, keys, records  # noqa: E402
+from orchestrator.state.records import JobStatus, Plan  # noqa: E402
 
 JOB = "cp-bench"
 

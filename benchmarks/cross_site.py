@@ -156,7 +156,7 @@ def rows(args: argparse.Namespace) -> list[Row]:
 
 
 def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
 
     train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2",
              "--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]  # fmt: skip
@@ -191,10 +191,10 @@ def _wait(what: str, check: Callable[[], Any], timeout: float, lines: list[str])
 
 def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path) -> dict[str, Any]:
     """Run ``row``'s job to its end; its figures (see the module docstring)."""
-    from orchestrator import events, jobs, keys, records
     from orchestrator.etcd.client import connect
     from orchestrator.etcd.options import EtcdOptions
-    from orchestrator.records import Plan
+    from orchestrator.state import events, jobs, keys, records
+    from orchestrator.state.records import Plan
     from tests.faults.processes import Services
 
     out = tmp / row.name

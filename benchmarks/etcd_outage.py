@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._smoke import parse, result_line  # noqa: E402
-from orchestrator import jobs  # noqa: E402
 from orchestrator.api import JobPhase  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
+from orchestrator.state import jobs  # noqa: E402
 from tests.chaos.jobs import quiet_run, tiny_job  # noqa: E402
 from tests.faults.etcd_cluster import EtcdCluster  # noqa: E402
 

@@ -269,7 +269,7 @@ class Ringmaster(System):
 
     def start(self) -> None:
         from orchestrator.local_run import LocalRun
-        from orchestrator.spec_loader import load_job_data
+        from orchestrator.spec.loader import load_job_data
 
         self.run = LocalRun(
             load_job_data(self.spec_data()),
@@ -283,7 +283,7 @@ class Ringmaster(System):
         self._spawned = len(self.started)
 
     def training(self) -> list[str]:
-        from orchestrator import jobs
+        from orchestrator.state import jobs
 
         status = jobs.read_status(self.run.client, self.run.spec.name)
         return self._by_age(list(status.active_nodes)) if status else []
@@ -299,7 +299,7 @@ class Ringmaster(System):
         self.started[name] = time.time()
 
     def finished(self) -> bool:
-        from orchestrator import jobs
+        from orchestrator.state import jobs
 
         status = jobs.read_status(self.run.client, self.run.spec.name)
         if not (status and status.phase.terminal):
@@ -318,7 +318,7 @@ class Ringmaster(System):
         """The job's ``Recovered`` events (message, phases), each with the ``Generation``
         event it ended (which says who replaced whom, and any wait for a spare), waiting
         up to 5 s for ``expected`` of them."""
-        from orchestrator import events
+        from orchestrator.state import events
 
         deadline = time.time() + 5.0
         while True:
@@ -338,7 +338,7 @@ class Ringmaster(System):
         ]
 
     def warm_spares(self) -> list[str] | None:
-        from orchestrator import jobs
+        from orchestrator.state import jobs
 
         status = jobs.read_status(self.run.client, self.run.spec.name)
         return list(status.spare_nodes) if status else []

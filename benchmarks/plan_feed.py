@@ -37,11 +37,11 @@ from agents.node.watches import NodeWatches
 from agents.runtime.plan_watch import PlanWatcher
 from benchmarks._control_plane.etcd_metrics import scrape
 from benchmarks._smoke import parse, result_line
-from orchestrator import keys, records
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import Member, Plan
+from orchestrator.state import keys, records
+from orchestrator.state.records import Member, Plan
 
 #: Longest wait for every worker to hold a plan before the run fails loudly.
 DELIVERY_TIMEOUT_S = 60.0

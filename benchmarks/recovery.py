@@ -169,7 +169,7 @@ def _measure(log_dir: Path, killed_at: float, by_file: bool) -> tuple[float, int
 
 def run_ringmaster(tmp: Path, scale: Scale) -> dict[str, float]:
     from orchestrator.local_run import LocalRun
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
 
     logs = tmp / "steps"
     logs.mkdir()
@@ -188,7 +188,7 @@ def run_ringmaster(tmp: Path, scale: Scale) -> dict[str, float]:
     )
     lines: list[str] = []
     with LocalRun(spec, printer=lines.append, workdir=str(REPO)) as run:
-        from orchestrator import jobs
+        from orchestrator.state import jobs
 
         killed_at = 0.0
         while True:
@@ -218,9 +218,9 @@ def _sharded_run(
     env: dict[str, str] | None = None,
 ) -> tuple[Path, float, list[str]]:
     """One ``train_sharded.py`` job; returns its step logs, the kill time and its output."""
-    from orchestrator import jobs
     from orchestrator.local_run import LocalRun
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
+    from orchestrator.state import jobs
 
     logs = tmp / name
     logs.mkdir()

@@ -113,10 +113,10 @@ def run_heal(
 ) -> dict[str, Any]:
     """One job at ``size_gb``: kill a node, read the recovery record and the workers'
     reports.  Returns the row's heal figures (no limit yet)."""
-    from orchestrator import jobs, keys, records
     from orchestrator.local_run import LocalRun
     from orchestrator.observe.records import RecoveryRecord
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
+    from orchestrator.state import jobs, keys, records
 
     reports = tmp / "reports"
     args = ["--state-gb", str(size_gb), "--layers", str(layers), "--report", str(reports)]

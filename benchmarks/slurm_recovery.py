@@ -37,7 +37,7 @@ from orchestrator.etcd.grpc_env import apply_grpc_environment  # noqa: E402
 apply_grpc_environment()  # before gRPC is imported (this process forks Slurm daemons)
 
 from benchmarks._smoke import parse, result_line  # noqa: E402
-from orchestrator.spec_loader import load_job_data  # noqa: E402
+from orchestrator.spec.loader import load_job_data  # noqa: E402
 from tests.chaos.slurm_jobs import SlurmJob, submit  # noqa: E402
 from tests.faults.slurm_cluster import (  # noqa: E402
     SlurmCluster,

@@ -95,10 +95,10 @@ from benchmarks._straggler_jobs import (  # noqa: E402
 from benchmarks._straggler_jobs import SMOKE as SMOKE_SETTINGS  # noqa: E402
 from benchmarks.step_timing_cost import SMOKE as COST_SMOKE  # noqa: E402
 from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
-from orchestrator import events, jobs, keys, records  # noqa: E402
 from orchestrator.local_run import LocalRun  # noqa: E402
-from orchestrator.records import NodeRecord, Plan  # noqa: E402
-from orchestrator.spec import JobSpec, StragglerAction  # noqa: E402
+from orchestrator.spec.job import JobSpec, StragglerAction  # noqa: E402
+from orchestrator.state import events, jobs, keys, records  # noqa: E402
+from orchestrator.state.records import NodeRecord, Plan  # noqa: E402
 from tests.faults.duty_cycle import DutyCycle, stopped_share  # noqa: E402
 
 HEADLINE = ["ddp-1.5x", "ddp-3x", "fsdp-1.5x", "fsdp-3x", "noise", "noise-beside"]

@@ -1,14 +1,13 @@
 """Contracts of the control plane: its errors and the job phases.
 
-The job spec tree is in :mod:`orchestrator.spec`, the records stored in etcd
-in :mod:`orchestrator.records`.  Retryable errors (:class:`EtcdUnavailableError`:
+The job spec tree is in :mod:`orchestrator.spec.job`, the records stored in etcd
+in :mod:`orchestrator.state.records`.  Retryable errors (:class:`EtcdUnavailableError`:
 the cluster may come back) are apart from permanent ones
-(:class:`EtcdAuthError`, :class:`SpecError`).
+(:class:`EtcdAuthError`, :class:`~orchestrator.spec.api.SpecError`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 
@@ -17,39 +16,6 @@ from enum import Enum
 
 class OrchestratorError(Exception):
     """Base of every error raised by the ``orchestrator`` package."""
-
-
-@dataclass(frozen=True)
-class SpecProblem:
-    """One thing wrong with a job spec.
-
-    Attributes:
-        path: dotted path of the field in the job file (``nodes.min``).
-        message: what is wrong and what would be valid.
-        line: 1-based line in the job file, when known.
-        source: name of the job file, when known.
-    """
-
-    path: str
-    message: str
-    line: int | None = None
-    source: str | None = None
-
-    def __str__(self) -> str:
-        where = self.source or "<spec>"
-        if self.line is not None:
-            where = f"{where}:{self.line}"
-        return f"{where}: {self.path or '<root>'}: {self.message}"
-
-
-class SpecError(OrchestratorError):
-    """A job spec is invalid; ``problems`` lists everything found, not just the first."""
-
-    def __init__(self, problems: list[SpecProblem]) -> None:
-        self.problems = list(problems)
-        count = len(self.problems)
-        head = f"{count} problem{'s' if count != 1 else ''} in job spec"
-        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
 
 
 class PackageClashError(OrchestratorError):

@@ -6,7 +6,7 @@ process group of its own, dying with the run: :mod:`orchestrator.process_lifetim
 streams their output with a prefix, follows the job's events and status, and
 stops everything when the job ends (the stop sequence: SIGTERM, a grace,
 SIGKILL).  The controller holds the job's checkpoint root while the job runs
-(:mod:`orchestrator.writer_hold`); once every process is stopped, whatever the
+(:mod:`orchestrator.checkpoint_root.writer_hold`); once every process is stopped, whatever the
 ending, the run removes its lineage's writer marker if it is still there.
 
 ``kill_node_at_step`` SIGKILLs one active node once the job reaches that step,
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
 
-from orchestrator import events, jobs, keys, runs
 from orchestrator.api import JobPhase
-from orchestrator.checkpoint_reach import record_event, script_checkpoint
+from orchestrator.checkpoint_root.reach import record_event, script_checkpoint
+from orchestrator.checkpoint_root.writer_hold import release_root, root_url
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.grpc_env import grpc_environment
@@ -53,9 +53,9 @@ from orchestrator.observe.consequences import ConsequenceFolder
 from orchestrator.observe.endings import agents_gone_message
 from orchestrator.observe.live_view import LiveView
 from orchestrator.process_lifetime import kill_tree, start_group, stop_groups
-from orchestrator.records import TrainingTime
-from orchestrator.spec import JobSpec, RecoveryMode
-from orchestrator.writer_hold import release_root, root_url
+from orchestrator.spec.job import JobSpec, RecoveryMode
+from orchestrator.state import events, jobs, keys, runs
+from orchestrator.state.records import TrainingTime
 
 Printer = Callable[[str], None]
 

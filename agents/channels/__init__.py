@@ -15,7 +15,7 @@ The node's local wire formats, and why there is more than one:
   socket serves every worker, and a lost beat is replaced by the next one.
 * a restart-tier standby's one request (:mod:`agents.node.warm_standby`): one JSON
   line on its stdin pipe, which then closes; no socket at all.
-* the agent's liveness port (:mod:`orchestrator.liveness`) is not local: it is the
+* the agent's liveness port (:mod:`orchestrator.ports.liveness`) is not local: it is the
   controller's TCP connection to the agent, with a status line sent on connect (a
   probe needs no request) and JSON lines after it.
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from orchestrator.api import EtcdError
-from orchestrator.records import BreakReport, ProgressRecord
+from orchestrator.state.records import BreakReport, ProgressRecord
 
 #: The environment variable that names the agent's progress socket (``@`` + an
 #: abstract socket name); without it a worker writes its own progress to etcd.

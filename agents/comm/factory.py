@@ -18,7 +18,7 @@ from agents.comm.hierarchical import HierarchyGroups, build_groups
 from agents.comm.qsgd import QSGDCompressor
 from agents.comm.safety import SafetyPolicy
 from agents.comm.topk import TopKCompressor
-from orchestrator.spec import CommSpec, CompressionKind
+from orchestrator.spec.job import CommSpec, CompressionKind
 
 
 def build_comm_hook(

@@ -69,20 +69,20 @@ from agents.node.job_wait import wait_for_run
 from agents.node.progress_relay import NodeProgress, ProgressRelay
 from agents.node.restart_tier import RestartTier
 from agents.node.watches import NodeWatches
-from orchestrator import events, keys, records
 from orchestrator.api import EtcdError
-from orchestrator.checkpoint_reach import script_storage
-from orchestrator.entrypoint import resolve_recovery
+from orchestrator.checkpoint_root.reach import script_storage
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.etcd.kv import Lease
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.jobs import send_command
-from orchestrator.liveness import LivenessServer
-from orchestrator.records import NodeRecord
+from orchestrator.ports.liveness import LivenessServer
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec, RecoveryMode, restart_tier_refusal
+from orchestrator.spec.entrypoint import resolve_recovery
+from orchestrator.spec.job import JobSpec, RecoveryMode, restart_tier_refusal
+from orchestrator.state import events, keys, records
+from orchestrator.state.jobs import send_command
+from orchestrator.state.records import NodeRecord
 
 __all__ = [
     "DEFAULT_JOB_WAIT",

@@ -1,11 +1,11 @@
 """The node agent's port: its liveness status and watch, and the requests only its job may ask.
 
-Runs in the node agent.  The port (:class:`~orchestrator.liveness.LivenessServer`)
+Runs in the node agent.  The port (:class:`~orchestrator.ports.liveness.LivenessServer`)
 listens on the node's address.  Anyone who reaches it gets the status line
 and may watch it (alive or dead, nothing more).  Every other request (the
 workers' output, :mod:`agents.node.log_files`; the link sink and link probes,
-:mod:`orchestrator.link_probe`) must carry the job's port token, read from
-etcd (:mod:`orchestrator.port_credential`), which the agent creates if its
+:mod:`orchestrator.ports.link_probe`) must carry the job's port token, read from
+etcd (:mod:`orchestrator.state.port_credential`), which the agent creates if its
 job has none yet.  Link probes go only to the job's registered nodes, at their
 registered ports, and carry the token to their sinks.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 from agents.node import log_files
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.link_probe import PROBE_OP, SINK_OP, probe_peers, registered_ports, sink
-from orchestrator.liveness import LivenessServer
-from orchestrator.port_credential import PortGuard, ensure_token
+from orchestrator.ports.link_probe import PROBE_OP, SINK_OP, probe_peers, registered_ports, sink
+from orchestrator.ports.liveness import LivenessServer
+from orchestrator.state.port_credential import PortGuard, ensure_token
 
 __all__ = ["open_port"]
 

@@ -27,9 +27,9 @@ from agents.node.log_shipper import LogShipper
 from agents.node.worker_process import WorkerProcess
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import read_status
-from orchestrator.records import Plan
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state.jobs import read_status
+from orchestrator.state.records import Plan
 
 __all__ = ["JobNotSubmittedError", "NodeRefusedError", "Outcome", "PlanSource", "Tier", "TierSetup"]
 

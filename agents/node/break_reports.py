@@ -4,10 +4,10 @@ When a member dies, every worker of every surviving node reports that its
 generation broke (:meth:`agents.runtime.generation.Generations.report`): 7,992 puts
 in the same second at 1,000 nodes x 8 workers, each a key the controller
 then reads and decodes.  Relayed, a worker sends its
-:class:`~orchestrator.records.BreakReport` to its node agent over the
+:class:`~orchestrator.state.records.BreakReport` to its node agent over the
 progress socket (:class:`agents.channels.progress.RelayLink`), and the agent
-writes one :class:`~orchestrator.records.NodeBreakReports` per node and
-generation at :func:`orchestrator.keys.node_reports`: as soon as every one
+writes one :class:`~orchestrator.state.records.NodeBreakReports` per node and
+generation at :func:`orchestrator.state.keys.node_reports`: as soon as every one
 of its workers reported, or :data:`GATHER_S` after the first (a worker that
 reports later is added by another write).  The worker's report is answered
 once it is in etcd; a worker whose agent does not answer writes its own.
@@ -20,9 +20,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import BreakReport, NodeBreakReports
+from orchestrator.state import keys, records
+from orchestrator.state.records import BreakReport, NodeBreakReports
 
 #: After a worker's report, how long the agent waits for its other workers' before writing.
 GATHER_S = 0.05

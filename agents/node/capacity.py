@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.spec import Backend, JobSpec
+from orchestrator.spec.job import Backend, JobSpec
 
 __all__ = ["capacity_problem", "usable_cpus", "uses_cuda", "visible_gpus"]
 

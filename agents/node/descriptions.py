@@ -12,8 +12,8 @@ import signal
 from pathlib import Path
 
 from agents.messages import one_line
-from orchestrator import keys
-from orchestrator.records import Plan
+from orchestrator.state import keys
+from orchestrator.state.records import Plan
 
 
 def parse_labels(text: str | None) -> dict[str, str]:
@@ -21,7 +21,7 @@ def parse_labels(text: str | None) -> dict[str, str]:
 
     Raises:
         ValueError: an item is not ``key=value``, or a name or value is not safe
-            (see :func:`orchestrator.keys.labels`).
+            (see :func:`orchestrator.state.keys.labels`).
     """
     out: dict[str, str] = {}
     for item in (text or "").split(","):

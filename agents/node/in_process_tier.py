@@ -28,9 +28,10 @@ import time
 from agents.node.api import Outcome, TierSetup
 from agents.node.worker_exits import emit_worker_exited
 from agents.node.worker_process import WorkerProcess, stop_workers
-from orchestrator import keys, records
 from orchestrator.api import EtcdError
-from orchestrator.records import CheckpointRecord, RecordError
+from orchestrator.state import keys, records
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import CheckpointRecord
 
 __all__ = ["InProcessTier"]
 

@@ -2,7 +2,7 @@
 
 Runs in the node agent, before it registers.  A job name has runs (a submit
 starts one, a ``resume`` or a new submit of an ended job starts the next;
-:func:`orchestrator.jobs.submit`).  An agent may start before its job is
+:func:`orchestrator.state.jobs.submit`).  An agent may start before its job is
 submitted (a pod scheduled before ``ringmaster submit``), or after the job's
 last run ended (between ``stop`` and ``resume``, after a failed run, as a pod
 restart or a person would start it): either way it waits, and joins the first
@@ -27,8 +27,8 @@ from agents.node.api import JobNotSubmittedError
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.jobs import load_spec, read_run
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state.jobs import load_spec, read_run
 
 __all__ = ["SPEC_POLL", "JoinableRun", "wait_for_run"]
 

@@ -16,7 +16,7 @@ on disk.  A worker restarted under the same local rank appends to the same
 stream.
 
 :func:`requests` answers the reads (an index, a page after a position, the
-last lines) on the agent's liveness port (:mod:`orchestrator.liveness`),
+last lines) on the agent's liveness port (:mod:`orchestrator.ports.liveness`),
 each answer bounded in size.
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator import keys
-from orchestrator.liveness import RequestError
+from orchestrator.ports.api import RequestError
 from orchestrator.settings import SETTINGS
+from orchestrator.state import keys
 
 log = logging.getLogger("ringmaster.agent")
 

@@ -8,8 +8,8 @@ reads through the agent's liveness port while the agent lives.
 
 etcd carries no stream of output: when the worker's output ends (it exited),
 its last :data:`TAIL_LINES` lines, at most :data:`TAIL_BYTES`, go to one key
-(:func:`orchestrator.keys.worker_log_tail`, a
-:class:`~orchestrator.records.LogChunk`), overwritten at the next exit.  That
+(:func:`orchestrator.state.keys.worker_log_tail`, a
+:class:`~orchestrator.state.records.LogChunk`), overwritten at the next exit.  That
 is what ``ringmaster logs`` shows of a node whose agent is gone, and what
 tells the failure's cause.  The write is tried once (the client retries what
 is transient); a refused or failed one is logged and dropped, never queued.
@@ -30,9 +30,9 @@ from typing import IO
 
 from agents.messages import one_line
 from agents.node import log_files
-from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import LogChunk
+from orchestrator.state import keys
+from orchestrator.state.records import LogChunk
 
 log = logging.getLogger("ringmaster.agent")
 

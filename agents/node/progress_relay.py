@@ -1,12 +1,12 @@
 """A node's progress in one record: the agent relays its workers' heartbeats to etcd.
 
 Each worker's heartbeat (:mod:`agents.runtime.heartbeat`) used to put its own
-:class:`~orchestrator.records.ProgressRecord` up to five times a second:
+:class:`~orchestrator.state.records.ProgressRecord` up to five times a second:
 16,000 puts/s at 1,000 nodes x 8 workers.  Now a worker sends its record to
 its node agent over a local datagram socket (the agent starts the workers and
 names the socket in :data:`~agents.channels.progress.ENV_PROGRESS_SOCKET`), and the agent writes one
-:class:`~orchestrator.records.NodeProgressRecord` at
-:func:`orchestrator.keys.node_progress` holding all of them:
+:class:`~orchestrator.state.records.NodeProgressRecord` at
+:func:`orchestrator.state.keys.node_progress` holding all of them:
 
 * at once (no closer than :data:`MIN_WRITE_GAP_S` to the last write) when
   something the controller acts on changed (:func:`_acted_on`: a new worker
@@ -49,10 +49,11 @@ from typing import Any
 
 from agents.channels.progress import MAX_MESSAGE
 from agents.node.break_reports import NodeReports
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import BreakReport, NodeProgressRecord, ProgressRecord, RecordError
+from orchestrator.state import keys
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import BreakReport, NodeProgressRecord, ProgressRecord
 
 log = logging.getLogger("ringmaster.agent")
 

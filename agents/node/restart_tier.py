@@ -51,11 +51,11 @@ from agents.node.store_address import AwaitedStore, PendingStore
 from agents.node.warm_standby import WarmWorker
 from agents.node.worker_exits import emit_worker_exited
 from agents.node.worker_process import WorkerProcess, stop_workers
-from orchestrator import events, keys, records
 from orchestrator.api import EtcdError
-from orchestrator.checkpoint_reach import script_checkpoint_dir
+from orchestrator.checkpoint_root.reach import script_checkpoint_dir
 from orchestrator.process_lifetime import free_port
-from orchestrator.records import BreakReport, DoneRecord, Member, Plan
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import BreakReport, DoneRecord, Member, Plan
 
 __all__ = [
     "ENV_CHECKPOINT_DIR",
@@ -70,7 +70,7 @@ __all__ = [
 log = logging.getLogger("ringmaster.agent")
 
 #: Where the script keeps its own checkpoints
-#: (:func:`orchestrator.checkpoint_reach.script_checkpoint_dir`).
+#: (:func:`orchestrator.checkpoint_root.reach.script_checkpoint_dir`).
 ENV_CHECKPOINT_DIR = "RINGMASTER_CHECKPOINT_DIR"
 #: torchrun's default role name.
 ROLE_NAME = "default"

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import Member, Plan
+from orchestrator.state import keys
+from orchestrator.state.records import Member, Plan
 
 __all__ = ["AwaitedStore", "PendingStore", "listening", "store_key"]
 

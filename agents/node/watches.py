@@ -22,10 +22,11 @@ from typing import Protocol
 
 from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed
 from agents.node.descriptions import describe_role
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.watch import KeyFollower
-from orchestrator.records import AgentCommand, Plan, RecordError
+from orchestrator.state import keys, records
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import AgentCommand, Plan
 
 __all__ = ["NodeCommands", "NodeWatches"]
 

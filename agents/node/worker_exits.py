@@ -14,8 +14,8 @@ from typing import Any
 
 from agents.node.descriptions import describe_exit, read_error_file
 from agents.node.log_shipper import LogShipper
-from orchestrator import events
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.state import events
 
 
 def describe_failure(code: int, error_file: Path, shipper: LogShipper | None) -> str:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from agents.runtime.sharding import Layout, Slice, SliceKey, chunk_rows
-from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS
+from orchestrator.spec.job import DEFAULT_REDUNDANCY_EVERY_STEPS
 
 __all__ = ["DEFAULT_EVERY_STEPS", "STOP_WAIT_S", "BuddyCopies"]
 

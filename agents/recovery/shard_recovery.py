@@ -43,7 +43,7 @@ from agents.runtime.sharding import (
 )
 from agents.runtime.telemetry import WorkerTelemetry
 from agents.runtime.tracked_optimizers import optimizers_of, others_of
-from orchestrator.records import Telemetry
+from orchestrator.state.records import Telemetry
 
 if TYPE_CHECKING:
     from agents.recovery.buddy_copies import BuddyCopies

@@ -83,7 +83,7 @@ from agents.sync.outer_sync import OuterSync
 from agents.sync.site_groups import SiteGroups, form_site_groups
 from agents.sync.site_join import reconcile_fragments
 from agents.sync.sites import Sites
-from orchestrator.records import Plan
+from orchestrator.state.records import Plan
 
 __all__ = ["Placed", "join_site_shards"]
 

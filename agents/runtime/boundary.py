@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from checkpoint.triggers import SaveTrigger
-    from orchestrator.records import ControlRecord
+    from orchestrator.state.records import ControlRecord
 
 __all__ = [
     "MAX_STEPS_BETWEEN_VOTES",

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from agents.runtime.process_group import Groups, abort_groups, set_op_timeout
 
 if TYPE_CHECKING:
-    from orchestrator.spec import JobSpec
+    from orchestrator.spec.job import JobSpec
 
 __all__ = [
     "WARMUP_ABORT_GRACE",

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator import keys, records
 from orchestrator.api import EtcdError
-from orchestrator.etcd.fencing import GenerationFence
-from orchestrator.records import CheckpointRecord, RecordError
+from orchestrator.state import keys, records
+from orchestrator.state.api import RecordError
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import CheckpointRecord
 
 __all__ = ["record_commit"]
 
@@ -23,7 +24,7 @@ def record_commit(fence: GenerationFence, job: str, record: CheckpointRecord) ->
     """Write ``record`` as the job's newest commit (fenced), keeping the commits before it.
 
     The record is one key each commit replaces; it carries the earlier commits
-    (:meth:`~orchestrator.records.CheckpointRecord.after`), so a controller that
+    (:meth:`~orchestrator.state.records.CheckpointRecord.after`), so a controller that
     was away when they were made writes their events when it is back.
 
     Raises:

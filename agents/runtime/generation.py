@@ -54,12 +54,12 @@ from agents.runtime.process_group import (
 )
 from agents.runtime.storage_faults import StorageFaultError
 from agents.sync.site_join import join_sites
-from orchestrator import keys, records
 from orchestrator.api import EtcdError, EtcdUnavailableError
-from orchestrator.etcd.fencing import FencedError
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.records import BreakReport, DoneRecord, JobStatus, Plan, RecordError
 from orchestrator.settings import SETTINGS
+from orchestrator.state import keys, records
+from orchestrator.state.api import FencedError, RecordError
+from orchestrator.state.records import BreakReport, DoneRecord, JobStatus, Plan
 
 if TYPE_CHECKING:
     from agents.recovery.shard_recovery import RecoveryTelemetry
@@ -67,8 +67,8 @@ if TYPE_CHECKING:
     from agents.runtime.plan_watch import PlanWatcher
     from agents.runtime.wrapping import WrappedModels
     from orchestrator.etcd.client import EtcdClient
-    from orchestrator.etcd.fencing import GenerationFence
-    from orchestrator.spec import JobSpec
+    from orchestrator.spec.job import JobSpec
+    from orchestrator.state.fencing import GenerationFence
 
 __all__ = ["MAX_FAILURES_PER_STEP", "Generations", "Joined"]
 

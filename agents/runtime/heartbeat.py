@@ -1,6 +1,6 @@
 """The worker's heartbeat: its progress, published to etcd from a thread.
 
-The controller reads a worker's :class:`~orchestrator.records.ProgressRecord`
+The controller reads a worker's :class:`~orchestrator.state.records.ProgressRecord`
 to follow the job (step, rate, loss), to time recoveries (the telemetry in
 it) and to detect hangs: a worker whose beats stop while its step does not
 move is frozen.  Beating from a thread keeps the training loop off etcd;
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from agents.channels.progress import AWAY_CHECK_S, ENV_PROGRESS_SOCKET, RelayLink
-from orchestrator import records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import BreakReport, ProgressRecord
+from orchestrator.state import records
+from orchestrator.state.records import BreakReport, ProgressRecord
 
 __all__ = ["MIN_BEAT_GAP", "Heartbeat", "ProgressSource"]
 

@@ -1,8 +1,8 @@
 """Follow the job's plan and control keys, so the training loop never waits on etcd.
 
-The controller publishes who trains (:class:`~orchestrator.records.Plan`,
+The controller publishes who trains (:class:`~orchestrator.state.records.Plan`,
 one generation after another) and what the workers should do at the next
-step boundary (:class:`~orchestrator.records.ControlRecord`).  A
+step boundary (:class:`~orchestrator.state.records.ControlRecord`).  A
 :class:`PlanWatcher` keeps the newest of each in memory, from background
 threads that follow both keys (:class:`~orchestrator.etcd.watch.KeyFollower`:
 a watch broken by etcd going away resumes from the revision after the last
@@ -20,12 +20,13 @@ import threading
 import time
 
 from agents.channels.plan_feed import PLAN, follow_feed
-from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import WatchEvent
 from orchestrator.etcd.watch import KeyFollower
-from orchestrator.records import ControlRecord, Plan, RecordError
+from orchestrator.state import keys, records
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import ControlRecord, Plan
 
 log = logging.getLogger("ringmaster.worker")
 

@@ -42,11 +42,12 @@ import torch.distributed as dist
 
 from agents.api import RecoveryError
 from agents.runtime.group_store import wait_for_store
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.etcd.fencing import FencedError, GenerationFence
-from orchestrator.records import Plan
+from orchestrator.state import keys
+from orchestrator.state.api import FencedError
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import Plan
 
 __all__ = [
     "DEFAULT_FORM_TIMEOUT",

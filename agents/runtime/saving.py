@@ -9,7 +9,7 @@ steps or ``checkpoint.every_seconds`` seconds (the rule is
 :meth:`checkpoint.SaveTrigger.decide`; :attr:`Saving.trigger` keeps this
 worker's clock of it, which starts with the job's first generation and
 restarts at every save).  Rank 0 records each commit in
-etcd as a :class:`~orchestrator.records.CheckpointRecord`, through the
+etcd as a :class:`~orchestrator.state.records.CheckpointRecord`, through the
 generation fence, so a fenced-out process never claims a checkpoint; the
 commit itself is fenced too (:meth:`Saving.check_commit`).  A save may take
 ``RINGMASTER_CHECKPOINT_SAVE_TIMEOUT`` (``SETTINGS.checkpoint_save_timeout``);
@@ -40,17 +40,18 @@ from agents.runtime.outer_checkpoint import first_site, outer_rank_state, replic
 from agents.runtime.sharding import ShardedModel
 from agents.runtime.storage_faults import StorageFaultError, StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
-from orchestrator import keys
 from orchestrator.api import EtcdError
-from orchestrator.etcd.fencing import FencedError, GenerationFence
-from orchestrator.records import CheckpointRecord
 from orchestrator.settings import SETTINGS
+from orchestrator.state import keys
+from orchestrator.state.api import FencedError
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import CheckpointRecord
 
 if TYPE_CHECKING:
     from checkpoint import TrainState
     from checkpoint.triggers import SaveTrigger
     from orchestrator.etcd.client import EtcdClient
-    from orchestrator.spec import JobSpec
+    from orchestrator.spec.job import JobSpec
 
 __all__ = ["HOOK_STATE", "Saving"]
 
@@ -135,7 +136,7 @@ class Saving:
         one's retention never touches.
         """
         if self._lineage_id is None:
-            from orchestrator.runs import lineage_id
+            from orchestrator.state.runs import lineage_id
 
             self._lineage_id = lineage_id(self._client, self._env.job)
         return self._lineage_id
@@ -146,7 +147,7 @@ class Saving:
         """A checkpointer on this generation's group (creating it is collective)."""
         from checkpoint import Checkpointer, SaveTrigger
         from checkpoint.api import CheckpointStorageError
-        from orchestrator.jobs import checkpoint_hash
+        from orchestrator.state.jobs import checkpoint_hash
 
         previous = self._ckpt
         self._ckpt = None
@@ -237,7 +238,7 @@ class Saving:
             The checkpoint loaded, or None (there is none: a fresh start).
         """
         from checkpoint.api import CheckpointCorruptError, CheckpointNotFoundError
-        from orchestrator.jobs import read_resume
+        from orchestrator.state.jobs import read_resume
 
         client, job = self._client, self._env.job
         # A resubmitted job (`ringmaster resume`, `run --from`) starts from the checkpoint

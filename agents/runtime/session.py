@@ -47,13 +47,13 @@ from agents.runtime.saving import Saving
 from agents.runtime.storage_faults import StorageFaultError
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.etcd.fencing import GenerationFence
-from orchestrator.records import ProgressRecord
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec, StragglerAction
+from orchestrator.spec.job import JobSpec, StragglerAction
+from orchestrator.state import keys
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import ProgressRecord
 
 __all__ = ["SaveFn", "Session"]
 

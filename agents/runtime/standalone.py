@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from agents.api import Stateful
 from agents.runtime.process_group import quiesce
-from orchestrator.spec import EntrypointSpec, JobSpec
+from orchestrator.spec.job import EntrypointSpec, JobSpec
 
 __all__ = ["StandaloneSession"]
 

@@ -68,7 +68,7 @@ def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
         "connecting to etcd",
         max_wait=SETTINGS.plan_timeout,
     )
-    from orchestrator.jobs import read_spec
+    from orchestrator.state.jobs import read_spec
 
     spec, _ = retry_unavailable(
         lambda: read_spec(client, env.job), "reading the job spec", max_wait=SETTINGS.plan_timeout

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable
 
 from agents.messages import one_line
-from orchestrator import events
 from orchestrator.api import EtcdError
-from orchestrator.checkpoint_spec import CheckpointSpec
 from orchestrator.etcd.client import EtcdClient
+from orchestrator.spec.checkpoint import CheckpointSpec
+from orchestrator.state import events
 
 __all__ = ["StorageFaultError", "StorageFaults"]
 

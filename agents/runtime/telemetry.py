@@ -37,7 +37,7 @@ from torch import nn
 from agents.runtime.device_timing import step_timing_for
 from agents.runtime.step_timing import StepTiming
 from agents.sync.outer_sync import OuterSync
-from orchestrator.records import Telemetry
+from orchestrator.state.records import Telemetry
 
 __all__ = ["WorkerTelemetry"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.api import Stateful
-from orchestrator.records import Plan, ProgressRecord, Telemetry
+from orchestrator.state.records import Plan, ProgressRecord, Telemetry
 
 __all__ = ["WorkerState"]
 

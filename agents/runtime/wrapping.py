@@ -33,8 +33,8 @@ from agents.runtime.sharding import (
 )
 from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
-from orchestrator.records import Plan
-from orchestrator.spec import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
+from orchestrator.spec.job import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
+from orchestrator.state.records import Plan
 
 __all__ = [
     "WrappedModels",

@@ -1,6 +1,6 @@
 """Delayed synchronisation between sites: DiLoCo and Streaming DiLoCo (training process).
 
-The job file's ``sync`` section (:mod:`orchestrator.spec_sync`) chooses it.
+The job file's ``sync`` section (:mod:`orchestrator.spec.sync`) chooses it.
 :mod:`agents.sync.sites` says which ranks form each site,
 :mod:`agents.sync.site_groups` forms their process groups,
 :mod:`agents.sync.schedule` when each fragment syncs,

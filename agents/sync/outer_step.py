@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.spec_sync import OuterOptimizerName, OuterOptimizerSpec
+from orchestrator.spec.sync import OuterOptimizerName, OuterOptimizerSpec
 
 __all__ = ["OuterOptimizer", "average", "flatten", "pseudo_gradient", "write_back"]
 

@@ -47,7 +47,7 @@ from agents.sync.outer_step import OuterOptimizer, average, flatten, pseudo_grad
 from agents.sync.quantize import decode, empty_like_payload, encode, payload_bytes
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
-from orchestrator.spec_sync import SyncSpec
+from orchestrator.spec.sync import SyncSpec
 
 __all__ = ["NOT_PENDING", "OuterSync", "SyncTotals", "per_slice"]
 

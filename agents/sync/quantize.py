@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from orchestrator.spec_sync import OuterQuantization
+from orchestrator.spec.sync import OuterQuantization
 
 __all__ = ["BLOCK", "Payload", "decode", "empty_like_payload", "encode", "payload_bytes"]
 

@@ -50,7 +50,7 @@ from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import NOT_PENDING, OuterSync
 from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
-from orchestrator.records import Plan
+from orchestrator.state.records import Plan
 
 __all__ = ["LeftOut", "join_sites", "put_back", "reconcile_fragments", "without_parameters"]
 

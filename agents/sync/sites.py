@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.records import Plan
+from orchestrator.state.records import Plan
 from orchestrator.topology import site_of
 
 __all__ = ["Sites"]

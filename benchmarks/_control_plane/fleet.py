@@ -4,18 +4,18 @@ Run as ``python -m benchmarks._control_plane.fleet`` by ``benchmarks/control_pla
 one process per slice.  Every simulated node does against etcd what a node
 agent and its workers do, through the project's own code:
 
-* the agent registers a :class:`~orchestrator.records.NodeRecord` at
-  :func:`~orchestrator.keys.job_node` under a lease of ``RINGMASTER_NODE_TTL``
+* the agent registers a :class:`~orchestrator.state.records.NodeRecord` at
+  :func:`~orchestrator.state.keys.job_node` under a lease of ``RINGMASTER_NODE_TTL``
   (:meth:`EtcdClient.lease <orchestrator.etcd.client.EtcdClient.lease>`),
   refreshed every third of it with :meth:`Lease.refresh
   <orchestrator.etcd.kv.Lease.refresh>` (what ``Lease.keep_alive`` does), and
-  serves a :class:`~orchestrator.liveness.LivenessServer`;
+  serves a :class:`~orchestrator.ports.liveness.LivenessServer`;
 * each worker beats at the heartbeat's rate (:mod:`agents.runtime.heartbeat`): at
   every step boundary but no closer together than ``MIN_BEAT_GAP``, and at
   least every ``heartbeat_interval`` (a spare beats every interval); its
-  :class:`~orchestrator.records.ProgressRecord` goes to its agent's
+  :class:`~orchestrator.state.records.ProgressRecord` goes to its agent's
   :class:`agents.node.progress_relay.NodeProgress`, which the agent writes as one
-  :class:`~orchestrator.records.NodeProgressRecord` when it is due (a change
+  :class:`~orchestrator.state.records.NodeProgressRecord` when it is due (a change
   the controller acts on: at once, no closer than ``MIN_WRITE_GAP_S``;
   otherwise every steady period), as :class:`agents.node.progress_relay.ProgressRelay`
   does (the local socket between a worker and its agent is not simulated);
@@ -27,9 +27,9 @@ agent and its workers do, through the project's own code:
   node, 1 by default: the agent's, which passes the plan on to its workers
   (:mod:`agents.channels.plan_feed`; the local socket is not simulated);
 * when a peer crashes, every worker of the surviving members reports its
-  :class:`~orchestrator.records.BreakReport` to its agent's
+  :class:`~orchestrator.state.records.BreakReport` to its agent's
   :class:`agents.node.break_reports.NodeReports`, which the agent writes as one
-  :class:`~orchestrator.records.NodeBreakReports` (all its workers reported
+  :class:`~orchestrator.state.records.NodeBreakReports` (all its workers reported
   at once, so at once), and stops stepping until a newer plan arrives.
 
 What is not real: the step clock (a step every ``step_time``), the re-forming
@@ -74,14 +74,14 @@ from agents.node.progress_relay import NodeProgress  # noqa: E402
 from agents.runtime.heartbeat import MIN_BEAT_GAP  # noqa: E402
 from agents.runtime.plan_watch import PlanWatcher  # noqa: E402
 from benchmarks._control_plane.lanes import Lanes  # noqa: E402
-from orchestrator import keys, records  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
 from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError  # noqa: E402
 from orchestrator.etcd.kv import Lease  # noqa: E402
 from orchestrator.etcd.options import EtcdOptions  # noqa: E402
-from orchestrator.liveness import LivenessServer  # noqa: E402
-from orchestrator.records import (  # noqa: E402
+from orchestrator.ports.liveness import LivenessServer  # noqa: E402
+from orchestrator.state import keys, records  # noqa: E402
+from orchestrator.state.records import (  # noqa: E402
     BreakReport,
     NodeRecord,
     Plan,

@@ -19,9 +19,9 @@ from typing import Any
 
 from etcd3 import utils as etcd_utils
 
-from orchestrator import events, jobs, keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.logs import check_target, read_logs
+from orchestrator.state import events, jobs, keys
 
 #: Lines ``ringmaster logs --tail`` asks for in the probe.
 TAIL = 100

@@ -27,11 +27,11 @@ from typing import Any
 from benchmarks._control_plane import etcd_metrics
 from benchmarks._control_plane.etcd_server import Etcd, process_cpu_s
 from benchmarks._control_plane.fleet import FleetConfig, node_name
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.grpc_env import grpc_environment
 from orchestrator.process_lifetime import die_with_parent
-from orchestrator.records import Plan
+from orchestrator.state import keys, records
+from orchestrator.state.records import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 #: How long one command to a fleet process may take, and its stop.

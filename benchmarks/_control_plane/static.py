@@ -32,11 +32,12 @@ from typing import Any
 from agents.node.break_reports import write_node_reports
 from agents.node.log_shipper import TAIL_BYTES, TAIL_LINES
 from benchmarks._control_plane.fleet import LOG_LINE, node_labels, node_name
-from orchestrator import events, keys, records
 from orchestrator.api import EtcdError, JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.recoveries import build_record
-from orchestrator.records import (
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import (
     BreakReport,
     JobStatus,
     LogChunk,
@@ -47,7 +48,6 @@ from orchestrator.records import (
     ProgressRecord,
     Telemetry,
 )
-from orchestrator.spec import JobSpec
 
 #: Log lines stored per worker in the snapshot: the tail its agent stores when it exits
 #: (as if every worker had exited once).

@@ -215,7 +215,7 @@ def gc_cmd(url: str, keep: int, include_newer: bool, run_id: str | None) -> None
     verification (those are not counted).
     """
     from checkpoint.catalog import gc, open_root, redact
-    from orchestrator.writer_hold import live_marker
+    from orchestrator.checkpoint_root.writer_hold import live_marker
 
     _, name = open_root(_local_url(url))
     writer = live_marker(_local_url(url)) if include_newer and name is None else None
@@ -253,7 +253,7 @@ def resume(job: str, from_url: str | None, force: bool, **kw: Any) -> None:
     The checkpoint is checked before anything starts; the job may run on
     another number of nodes (its state is resharded).
     """
-    from orchestrator import jobs
+    from orchestrator.state import jobs
 
     with connect_client(kw) as client:
         request = jobs.resume(client, job, _local_url(from_url) if from_url else None, force=force)

@@ -12,7 +12,6 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import jobs
 from orchestrator.cli.options import (
     column,
     connect_client,
@@ -28,6 +27,7 @@ from orchestrator.cli.options import (
 from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.recoveries import ordered_phases, phase_label, restart_phases
 from orchestrator.observe.training_time import seconds_text, time_rows
+from orchestrator.state import jobs
 
 
 @click.command()
@@ -52,10 +52,10 @@ def submit(job_file: str, skip_entrypoint_check: bool, **kw: Any) -> None:
     """
     import os
 
-    from orchestrator.checkpoint_reach import record_event, script_checkpoint
-    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
-    from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.checkpoint_root.reach import record_event, script_checkpoint
+    from orchestrator.spec.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
+    from orchestrator.spec.loader import load_job_file
 
     spec = load_job_file(job_file)
     found = None
@@ -345,7 +345,7 @@ def logs(
     """
     from orchestrator.observe.log_follow import follow_logs
     from orchestrator.observe.logs import LogLine, check_target, iter_logs
-    from orchestrator.runs import list_runs, run_window
+    from orchestrator.state.runs import list_runs, run_window
 
     def show(line: LogLine) -> None:
         stamp = (

@@ -13,7 +13,6 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.api import SpecError
 from orchestrator.cli.options import (
     build_etcd_options,
     column,
@@ -25,10 +24,11 @@ from orchestrator.cli.options import (
     table,
 )
 from orchestrator.observe.training_time import PART_LABELS, PARTS, seconds_text, time_parts
+from orchestrator.spec.api import SpecError
 
 if TYPE_CHECKING:
     from orchestrator.local_run import RunResult
-    from orchestrator.records import TrainingTime
+    from orchestrator.state.records import TrainingTime
 
 #: What the restart tier shows where the script would have to report (steps, progress).
 NOT_REPORTED = "not reported by the script"
@@ -44,10 +44,10 @@ def validate(job_file: str) -> None:
     keeps its own checkpoint (or that it cannot tell) with a warning when a node
     whose agent starts elsewhere would not find it.
     """
-    from orchestrator.checkpoint_reach import script_checkpoint
-    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
-    from orchestrator.spec import RecoveryMode
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.checkpoint_root.reach import script_checkpoint
+    from orchestrator.spec.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
+    from orchestrator.spec.loader import load_job_file
 
     try:
         spec = load_job_file(job_file)
@@ -160,13 +160,13 @@ def run(
     warning), and starts fresh otherwise; --from URL starts it from another
     run's checkpoint.
     """
-    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
-    from orchestrator.jobs import plan_resume
+    from orchestrator.checkpoint_root.writer_hold import refuse_if_held, root_url
     from orchestrator.local_run import LocalRun, local_node_names, node_labels_from
     from orchestrator.observe.live_view import LiveView
     from orchestrator.observe.report import write_report
-    from orchestrator.spec_loader import load_job_file
-    from orchestrator.writer_hold import refuse_if_held, root_url
+    from orchestrator.spec.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec.loader import load_job_file
+    from orchestrator.state.jobs import plan_resume
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)

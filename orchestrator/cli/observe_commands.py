@@ -10,7 +10,6 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from orchestrator import events, jobs, keys
 from orchestrator.cli.options import (
     column,
     connect_client,
@@ -24,6 +23,7 @@ from orchestrator.cli.options import (
     wide_option,
 )
 from orchestrator.observe.training_time import effective_summary
+from orchestrator.state import events, jobs, keys
 
 
 def effective_line(status: jobs.JobStatus) -> str:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Column, Table
 
-from orchestrator.api import EtcdError, OrchestratorError, SpecError
+from orchestrator.api import EtcdError, OrchestratorError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import (
     PASSWORD_ENV_VARIABLE,
@@ -34,9 +34,10 @@ from orchestrator.etcd.options import (
     host_port,
     parse_endpoints,
 )
-from orchestrator.keys import InvalidKeySegmentError
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import RendezvousSpec
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.job import RendezvousSpec
+from orchestrator.state.keys import InvalidKeySegmentError
 
 console = Console()
 err_console = Console(stderr=True)

@@ -104,7 +104,7 @@ def plan(
     from orchestrator.planning.plan import job_shape, make_plan, tier_of
     from orchestrator.planning.presets import failure_model as named_model
     from orchestrator.planning.report import plan_lines, write_report
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.spec.loader import load_job_file
 
     if not Path(job_file).is_file():
         fail(f"{job_file}: no such job file (give the YAML file the job runs from)", 2)

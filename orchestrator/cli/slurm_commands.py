@@ -88,9 +88,9 @@ def _script_options(fn: Any) -> Any:
 
 def _render(job_file: str, kw: dict[str, Any]) -> tuple[str, str]:
     """The batch script of ``job_file`` with the command line's overrides; and its job name."""
-    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
     from orchestrator.slurm.script import DEFAULT_OUTPUT, batch_script, with_overrides
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.spec.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec.loader import load_job_file
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)
@@ -164,10 +164,10 @@ def run_cmd(job_file: str, **kw: Any) -> None:
     requeue (slurm.requeue); SIGTERM: final checkpoint, end.
     """
     from orchestrator.cli.local_commands import run_table
-    from orchestrator.entrypoint import check_entrypoint, resolve_recovery
     from orchestrator.slurm.allocation import run_in_allocation
     from orchestrator.slurm.api import Allocation
-    from orchestrator.spec_loader import load_job_file
+    from orchestrator.spec.entrypoint import check_entrypoint, resolve_recovery
+    from orchestrator.spec.loader import load_job_file
 
     spec = load_job_file(job_file)
     check_entrypoint(spec, os.getcwd(), job_file)

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.api import JobPhase
-from orchestrator.records import AgentCommand, BreakReport, CheckpointRecord, ControlRecord, Plan
+from orchestrator.state.records import (
+    AgentCommand,
+    BreakReport,
+    CheckpointRecord,
+    ControlRecord,
+    Plan,
+)
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class WriteControl:
 @dataclass(frozen=True)
 class ProbeLinks:
     """Ask the nodes' agents to measure their links to each other, in the background
-    (:mod:`orchestrator.link_probe`); the result reaches the next ticks' world."""
+    (:mod:`orchestrator.ports.link_probe`); the result reaches the next ticks' world."""
 
     #: node → its agent's port (``host:port``)
     ports: dict[str, str]

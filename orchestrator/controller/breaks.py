@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from orchestrator.controller.world import World, silent_members
-from orchestrator.records import BreakReport, Plan
+from orchestrator.state.records import BreakReport, Plan
 
 __all__ = [
     "REPORT_GRACE",

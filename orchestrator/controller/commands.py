@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from orchestrator.controller.actions import Action, DeleteCommand, Emit, ReleaseNode, WriteControl
-from orchestrator.records import CommandRecord, ControlRecord
+from orchestrator.state.records import CommandRecord, ControlRecord
 
 
 def take_commands(

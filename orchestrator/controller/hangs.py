@@ -29,11 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from orchestrator import keys
 from orchestrator.controller.actions import KillWorker
 from orchestrator.controller.world import QUIET_BEATS, World, workers_of
-from orchestrator.records import AgentCommand, Plan
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import keys
+from orchestrator.state.records import AgentCommand, Plan
 
 #: A worker whose heartbeat is older than this many intervals is frozen or gone (the
 #: world's reader probes its agent from then on).

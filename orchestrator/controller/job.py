@@ -7,7 +7,8 @@ applies the actions it returns to etcd, the event log and the observer
 (:mod:`orchestrator.observe.job_observer`).  Everything it knows lives in
 etcd, so a standby that takes over simply reads it back.
 
-It also holds the job's checkpoint root for the run (:mod:`orchestrator.writer_hold`):
+It also holds the job's checkpoint root for the run
+(:mod:`orchestrator.checkpoint_root.writer_hold`):
 the policy decides nothing, so no plan is published and no worker trains,
 until the root is taken; a root that a live run of another lineage writes
 (or that cannot be written) fails the job with the reason in one line, and
@@ -25,8 +26,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_root.writer_hold import (
+    FIRST_WAIT_S,
+    HOLD_WAIT_S,
+    HeldRoot,
+    HoldState,
+    hold_for,
+    root_url,
+)
 from orchestrator.controller import policy
 from orchestrator.controller.actions import (
     Action,
@@ -51,19 +59,12 @@ from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import StragglerWatch
 from orchestrator.controller.world import World, WorldReader, read_reports
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.metrics import JobMetrics
-from orchestrator.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
-from orchestrator.runs import lineage_id
-from orchestrator.writer_hold import (
-    FIRST_WAIT_S,
-    HOLD_WAIT_S,
-    HeldRoot,
-    HoldState,
-    hold_for,
-    root_url,
-)
+from orchestrator.state import events, keys, records
+from orchestrator.state.jobs import read_spec, read_status
+from orchestrator.state.records import JobStatus, NodeRecord, Plan, ProgressRecord, Telemetry
+from orchestrator.state.runs import lineage_id
 
 log = logging.getLogger("ringmaster.controller")
 

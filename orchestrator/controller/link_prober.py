@@ -8,7 +8,7 @@ of ``n`` nodes takes about ``n x 2 x 2 x 0.2`` seconds.  The tick that follows
 the last answer finds the result in its world (:attr:`World.link_probe`), and
 the pure :mod:`orchestrator.controller.slow_links` reads it.  Each request
 carries the job's port credential, read from etcd
-(:mod:`orchestrator.port_credential`): an agent answers link probes to no one
+(:mod:`orchestrator.state.port_credential`): an agent answers link probes to no one
 else, and probes only its job's registered nodes, at their registered ports.
 """
 
@@ -20,9 +20,11 @@ import threading
 from orchestrator.api import EtcdError
 from orchestrator.controller.slow_links import LinkProbeResult, probe_pairs
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.link_probe import PROBE_OP
-from orchestrator.liveness import AgentUnreachableError, RequestError, ask
-from orchestrator.port_credential import PortCredentialError, read_token
+from orchestrator.ports.api import AgentUnreachableError, RequestError
+from orchestrator.ports.link_probe import PROBE_OP
+from orchestrator.ports.liveness import ask
+from orchestrator.state.api import PortCredentialError
+from orchestrator.state.port_credential import read_token
 
 __all__ = ["PROBE_ROUNDS", "PROBE_SECONDS", "LinkProber"]
 

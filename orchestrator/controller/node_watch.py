@@ -6,7 +6,7 @@ a long step reports only when its next collective fails: at a gigabyte of
 state that is a second or more after the kill.  A killed agent's kernel closes
 its connections at once, though.  So the controller keeps one *watch*
 connection to each registered node's liveness port (the ``watch`` request of
-:mod:`orchestrator.liveness`):
+:mod:`orchestrator.ports.liveness`):
 
 * the agent closes it with ``{"bye": true}`` first: a planned close (the
   agent left; its registration goes with it), not a death;
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from orchestrator.liveness import BYE, MAX_ANSWER, MAX_REQUEST, WATCH_OP, WATCHING, read_line
+from orchestrator.ports.liveness import BYE, MAX_ANSWER, MAX_REQUEST, WATCH_OP, WATCHING, read_line
 
 __all__ = ["CONNECT_THREADS", "HANDSHAKE_TIMEOUT", "NodeWatch"]
 

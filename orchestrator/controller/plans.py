@@ -21,7 +21,6 @@ Runs in the controller.
 
 from __future__ import annotations
 
-from orchestrator import keys
 from orchestrator.controller.hangs import STALE_BEATS
 from orchestrator.controller.memory import Memory
 from orchestrator.controller.placement import (
@@ -31,8 +30,9 @@ from orchestrator.controller.placement import (
     spread_spares,
 )
 from orchestrator.controller.world import World, workers_of
-from orchestrator.records import Member, NodeRecord, Plan
-from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.spec.job import JobSpec, RecoveryMode
+from orchestrator.state import keys
+from orchestrator.state.records import Member, NodeRecord, Plan
 from orchestrator.topology import NodeInfo, topology_order
 
 __all__ = [

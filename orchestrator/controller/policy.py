@@ -82,9 +82,9 @@ from orchestrator.controller.plans import (
 from orchestrator.controller.site_balance import balanced_order
 from orchestrator.controller.world import World, silent_members, workers_of
 from orchestrator.observe.endings import unsaved
-from orchestrator.records import JobStatus, Plan
 from orchestrator.settings import SETTINGS
-from orchestrator.spec import JobSpec, RecoveryMode
+from orchestrator.spec.job import JobSpec, RecoveryMode
+from orchestrator.state.records import JobStatus, Plan
 
 #: After an outage, how long lease expiry and stale heartbeats are not taken as failures
 #: (agents re-register and workers beat again within a lease TTL or two).

@@ -1,10 +1,10 @@
 """The controller service: per job one leader, elected through an etcd lease, decides it.
 
-:class:`Controller` campaigns for leadership (:mod:`orchestrator.etcd.leader`).
+:class:`Controller` campaigns for leadership (:mod:`orchestrator.controller.leader`).
 Each job has one election key, whatever mix of controllers runs: a
 controller started for one job (``--job``, as ``ringmaster run`` and the
 operator start them) campaigns on it, and so does a controller of every job,
-for each job it sees (:class:`~orchestrator.etcd.leader.JobLeadership`), once
+for each job it sees (:class:`~orchestrator.controller.leader.JobLeadership`), once
 it leads the controllers of every job (one of them at a time compacts and
 serves metrics; it lets go of its jobs when it loses that).  So one process
 at a time decides a job, and a controller that lost a job and won it again
@@ -27,17 +27,17 @@ import threading
 import time
 from datetime import timedelta
 
-from orchestrator import keys, records
 from orchestrator.api import EtcdError
 from orchestrator.controller.job import JobController
+from orchestrator.controller.leader import JobLeadership, LeaderElection
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.compactor import HistoryCompactor
 from orchestrator.etcd.kv import WatchEvent
-from orchestrator.etcd.leader import JobLeadership, LeaderElection
 from orchestrator.etcd.watch import KeyFollower
-from orchestrator.jobs import read_status
 from orchestrator.observe.metrics import JobMetrics, MetricsServer
-from orchestrator.records import SpecRecord
+from orchestrator.state import keys, records
+from orchestrator.state.jobs import read_status
+from orchestrator.state.records import SpecRecord
 
 log = logging.getLogger("ringmaster.controller")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from orchestrator.controller.plans import node_info
 from orchestrator.controller.world import World
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 from orchestrator.topology import NodeInfo
 
 __all__ = ["balance_sites", "balanced_order"]

@@ -17,7 +17,7 @@ a link is slow, not *which* node's:
    called a compute straggler first; the probe's verdict then names the
    cause.)
 2. **Measure**: the controller asks every node's agent to stream bytes to the
-   next two nodes' agents (:func:`probe_pairs`, :mod:`orchestrator.link_probe`)
+   next two nodes' agents (:func:`probe_pairs`, :mod:`orchestrator.ports.link_probe`)
    and gets each pair's rate: the members' and the spares' (a third node tells
    which end of a slow pair is slow).
 3. **Call** the node whose best link (the fastest pair it is in, sending or
@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from orchestrator.spec import StragglerSpec
+from orchestrator.spec.job import StragglerSpec
 
 __all__ = [
     "LINK_GAP",

@@ -43,8 +43,8 @@ from orchestrator.controller.plans import (
 from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.controller.stragglers import Straggler, StragglerWatch
 from orchestrator.controller.world import World
-from orchestrator.records import JobStatus, Plan
-from orchestrator.spec import JobSpec, StragglerAction
+from orchestrator.spec.job import JobSpec, StragglerAction
+from orchestrator.state.records import JobStatus, Plan
 
 __all__ = ["DEFAULT_SWAP_COST_S", "decide_stragglers", "swap_gain"]
 

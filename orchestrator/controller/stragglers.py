@@ -26,10 +26,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from orchestrator import keys
 from orchestrator.controller.slow_links import LinkProbeResult, LinkWatch
-from orchestrator.records import Plan, ProgressRecord, Telemetry
-from orchestrator.spec import StragglerSpec
+from orchestrator.spec.job import StragglerSpec
+from orchestrator.state import keys
+from orchestrator.state.records import Plan, ProgressRecord, Telemetry
 
 __all__ = ["MIN_STEPS", "NodeTiming", "Straggler", "StragglerWatch", "node_timings"]
 

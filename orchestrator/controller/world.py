@@ -3,12 +3,12 @@
 :meth:`WorldReader.read` does every read a controller tick needs and returns a
 :class:`World`, which the pure policy (:mod:`orchestrator.controller.policy`)
 turns into actions.  Every value is a typed record from
-:mod:`orchestrator.records`; a malformed record is a
-:class:`~orchestrator.records.RecordError` naming its key.
+:mod:`orchestrator.state.records`; a malformed record is a
+:class:`~orchestrator.state.records.RecordError` naming its key.
 
 Liveness probes are facts too: when workers reported a broken generation,
 each member node none of whose workers reported is probed once on its
-agent's liveness port (:mod:`orchestrator.liveness`), and the verdict is part
+agent's liveness port (:mod:`orchestrator.ports.liveness`), and the verdict is part
 of the snapshot.  A refused connection means the agent is gone.  So does a
 watch connection that closed unannounced (:mod:`orchestrator.controller.node_watch`),
 which needs no report first.
@@ -23,12 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from orchestrator import events, keys, records
 from orchestrator.controller.node_watch import NodeWatch
 from orchestrator.controller.slow_links import LinkProbeResult
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.liveness import Liveness, probe
-from orchestrator.records import (
+from orchestrator.ports.liveness import Liveness, probe
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import (
     BreakReport,
     CheckpointRecord,
     CommandRecord,

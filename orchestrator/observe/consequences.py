@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.records import Event
+from orchestrator.state.records import Event
 
 __all__ = ["HOLD_S", "ConsequenceFolder"]
 

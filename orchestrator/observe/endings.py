@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from orchestrator.records import Event, JobStatus
+from orchestrator.state.records import Event, JobStatus
 
 __all__ = ["STORAGE_EVENTS", "agents_gone_message", "first_cause", "unsaved"]
 

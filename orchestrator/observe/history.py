@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.records import HistorySample
-from orchestrator.runs import list_runs, run_window
 from orchestrator.settings import SETTINGS
+from orchestrator.state import keys, records
+from orchestrator.state.runs import list_runs, run_window
 
 #: How often the controller samples a running job.
 SAMPLE_EVERY = SETTINGS.history_every

@@ -19,7 +19,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.history import HistoryWriter
@@ -33,7 +32,8 @@ from orchestrator.observe.recoveries import (
 )
 from orchestrator.observe.training_time import training_time
 from orchestrator.observe.units import size_text
-from orchestrator.records import (
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import (
     BreakReport,
     JobStatus,
     NodeRecord,

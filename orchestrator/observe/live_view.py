@@ -16,8 +16,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Column
 
-from orchestrator.events import Event
-from orchestrator.records import JobStatus
+from orchestrator.state.events import Event
+from orchestrator.state.records import JobStatus
 
 #: Event types shown as failures (red) and as recoveries (green).
 FAILURE_EVENTS = frozenset(

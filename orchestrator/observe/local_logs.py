@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from agents.node.log_files import default_root, read_after, read_tail
-from orchestrator import keys
 from orchestrator.api import JobNotFoundError
 from orchestrator.observe.logs import LogLine, UnknownNodeError
+from orchestrator.state import keys
 
 __all__ = ["iter_local_logs", "local_job_dir", "local_nodes"]
 

@@ -31,7 +31,6 @@ from orchestrator.etcd.diagnosis import (
 )
 from orchestrator.etcd.kv import KeyValue, WatchEvent
 from orchestrator.etcd.watch import KeyFollower
-from orchestrator.liveness import AgentUnreachableError, RequestError
 from orchestrator.observe.logs import (
     PAGE_BYTES,
     LogLine,
@@ -46,6 +45,7 @@ from orchestrator.observe.logs import (
     _prefix,
     _tails,
 )
+from orchestrator.ports.api import AgentUnreachableError, RequestError
 
 __all__ = ["FOLLOW_POLL", "FOLLOW_RESCAN", "LogFollowError", "follow_logs"]
 

@@ -3,16 +3,16 @@
 A worker's output stays on its node: the agent tees it to its own stdout (the
 kubelet's log) and writes it to rotated files (:mod:`agents.node.log_files`).  While
 the agent lives, its liveness port (the ``liveness`` address of its
-registration, :mod:`orchestrator.liveness`) answers reads of those files, each
+registration, :mod:`orchestrator.ports.liveness`) answers reads of those files, each
 answer bounded: an index of its workers, a page after a position, the last
 lines.  This module asks every agent of the job and merges the lines by time,
 each request with the job's port credential, read from etcd
-(:mod:`orchestrator.port_credential`): an agent answers its workers' output
+(:mod:`orchestrator.state.port_credential`): an agent answers its workers' output
 only to whoever may read the job's keys.
 
 etcd keeps only what a node that is gone can still show: when a worker exits,
 its agent stores its last lines (at most ``agents.node.log_shipper.TAIL_LINES`` and
-``TAIL_BYTES``) as one :class:`~orchestrator.records.LogChunk`::
+``TAIL_BYTES``) as one :class:`~orchestrator.state.records.LogChunk`::
 
     /ringmaster/jobs/<job>/logs/<node>/<local_rank>/tail
 
@@ -30,13 +30,15 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from orchestrator import jobs, keys, records
 from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import KeyValue
-from orchestrator.liveness import AgentUnreachableError, RequestError, ask
-from orchestrator.port_credential import PortCredentialError, read_token
-from orchestrator.runs import list_runs, run_window
+from orchestrator.ports.api import AgentUnreachableError, RequestError
+from orchestrator.ports.liveness import ask
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.api import PortCredentialError
+from orchestrator.state.port_credential import read_token
+from orchestrator.state.runs import list_runs, run_window
 
 log = logging.getLogger(__name__)
 

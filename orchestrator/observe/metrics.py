@@ -38,7 +38,7 @@ rates are ``rate(..._total[5m])`` of them, never of a gauge.
   that over its peers' median (:mod:`orchestrator.controller.stragglers`)
 * ``ringmaster_link_bytes_per_second`` (gauge; ringmaster_job, sender, receiver): the
   rate the last link probe measured from one node's agent to another's
-  (:mod:`orchestrator.link_probe`, run when step timings point at a slow link)
+  (:mod:`orchestrator.ports.link_probe`, run when step timings point at a slow link)
 * ``ringmaster_job_effective_training_ratio`` (gauge): productive time over the wall
   time since the first completed step; ``ringmaster_job_whole_run_effective_ratio``
   (gauge): productive time over the run's whole wall time; and
@@ -70,7 +70,7 @@ from prometheus_client.registry import Collector
 from orchestrator.api import EtcdError, JobPhase, OrchestratorError
 from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.training_time import time_parts
-from orchestrator.records import Telemetry, TrainingTime
+from orchestrator.state.records import Telemetry, TrainingTime
 
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient

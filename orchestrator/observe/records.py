@@ -4,7 +4,7 @@ The controller's observer (:mod:`orchestrator.observe.job_observer`) appends a
 :class:`HistorySample` under ``history/<ns>`` now and then, and writes one
 :class:`RecoveryRecord` under ``recoveries/<run>-<gen>`` for each recovery, with
 the phase boundaries :mod:`orchestrator.observe.recoveries` works out.  Like
-every stored value they are :class:`~orchestrator.record_codec.Record` s
+every stored value they are :class:`~orchestrator.state.codec.Record` s
 (JSON with a format version, checked on read).  Written in the controller,
 read by the CLI (``status``, ``report``) and the metrics endpoint.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.record_codec import Record
+from orchestrator.state.codec import Record
 
 __all__ = ["PHASES", "HistorySample", "RecoveryRecord"]
 

@@ -40,7 +40,7 @@ from enum import Enum
 from typing import Any
 
 from orchestrator.observe.records import PHASES, RecoveryRecord
-from orchestrator.records import Event
+from orchestrator.state.records import Event
 
 #: Workers kept in a recovery's record per phase boundary: the last ones to reach
 #: it (they set the phase).  Every other worker is only counted, so the record

@@ -20,10 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import events, keys, records
 from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import read_status
 from orchestrator.observe.history import read_history
 from orchestrator.observe.job_observer import outer_loop_text
 from orchestrator.observe.records import PHASES, HistorySample, RecoveryRecord
@@ -35,8 +33,10 @@ from orchestrator.observe.training_time import (
     time_parts,
     time_rows,
 )
-from orchestrator.records import JobStatus
-from orchestrator.runs import list_runs
+from orchestrator.state import events, keys, records
+from orchestrator.state.jobs import read_status
+from orchestrator.state.records import JobStatus
+from orchestrator.state.runs import list_runs
 
 FAILURE, RECOVERY, CHECKPOINT, RUN = "failure", "recovery", "checkpoint", "run"
 _COLORS = {FAILURE: "#d62728", RECOVERY: "#2ca02c", CHECKPOINT: "#1f77b4", RUN: "#7f7f7f"}

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from orchestrator.observe.records import RecoveryRecord
-from orchestrator.records import TrainingTime
+from orchestrator.state.records import TrainingTime
 
 __all__ = [
     "PARTS",

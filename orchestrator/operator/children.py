@@ -47,7 +47,7 @@ from orchestrator.operator.meta import (
     service_name,
 )
 from orchestrator.operator.pods import container_security, pod_security
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 
 
 def controller_command(spec: JobSpec, endpoints: tuple[str, ...]) -> list[str]:

@@ -1,13 +1,13 @@
 """The openAPI schema of ``TrainingJob.spec``, derived from the job spec dataclasses.
 
-The schema is derived from :class:`orchestrator.spec.JobSpec` and
+The schema is derived from :class:`orchestrator.spec.job.JobSpec` and
 :class:`orchestrator.operator.trainingjob.TrainingJobFields` field by field,
-through :mod:`orchestrator.dataclass_tree`: the YAML key names (``async``,
+through :mod:`orchestrator.spec.dataclass_tree`: the YAML key names (``async``,
 not ``async_``, in camelCase), the types and the defaults all come from the
 dataclasses, so a job file and a TrainingJob ``spec`` are the same format and
 cannot drift apart.  The tables below add what the dataclasses do not say:
 descriptions, lower and upper bounds (the upper ones from
-:mod:`orchestrator.spec_bounds`), and CEL rules (``x-kubernetes-validations``,
+:mod:`orchestrator.spec.bounds`), and CEL rules (``x-kubernetes-validations``,
 checked by the API server) for what openAPI cannot say: ``nodes.min <=
 nodes.max``, ``nodes.max + nodes.spares`` within bounds, exactly one of
 ``entrypoint.script`` / ``entrypoint.module``, ``tls.cert`` with ``tls.key``.
@@ -20,11 +20,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from orchestrator.dataclass_tree import FieldInfo, Shape, fields_of, plain
 from orchestrator.operator.trainingjob import FREE_FORM, TrainingJobFields
-from orchestrator.spec import JobSpec
-from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, REASONS
-from orchestrator.spec_sync import MAX_FRAGMENTS, MAX_INNER_STEPS
+from orchestrator.spec.bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE, REASONS
+from orchestrator.spec.dataclass_tree import FieldInfo, Shape, fields_of, plain
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.sync import MAX_FRAGMENTS, MAX_INNER_STEPS
 
 __all__ = ["DESCRIPTIONS", "MAXIMUMS", "MINIMUMS", "RULES", "spec_schema"]
 
@@ -185,7 +185,7 @@ MINIMUMS: dict[str, int] = {
 }
 
 #: Upper bounds, by dotted YAML path: those the job spec checks
-#: (:mod:`orchestrator.spec_bounds`, their one source), so the API server refuses
+#: (:mod:`orchestrator.spec.bounds`, their one source), so the API server refuses
 #: what ``ringmaster validate`` refuses.
 MAXIMUMS: dict[str, int] = {
     "nproc_per_node": MAX_NPROC_PER_NODE,

@@ -25,7 +25,7 @@ from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE
 from orchestrator.operator.api import OperatorSettings
 from orchestrator.operator.template import AGENT_CONTAINER, env_var
 from orchestrator.operator.trainingjob import PodTemplate
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 
 #: Where the etcd TLS Secret is mounted in agent and controller pods.
 TLS_DIR = "/etc/ringmaster/etcd-tls"

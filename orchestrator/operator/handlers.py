@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 import kopf
 
-from orchestrator.api import SpecError
 from orchestrator.operator.api import (
     GROUP,
     KIND,
@@ -65,6 +64,7 @@ from orchestrator.operator.topology import (
     topology_annotations,
     topology_labels,
 )
+from orchestrator.spec.api import SpecError
 
 log = logging.getLogger(__name__)
 

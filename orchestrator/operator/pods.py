@@ -52,7 +52,7 @@ from orchestrator.operator.etcd_access import etcd_env, etcd_mounts, etcd_volume
 from orchestrator.operator.meta import agent_selector, child_meta, passed_labels, service_name
 from orchestrator.operator.template import apply_template, gpu_toleration, template_metadata
 from orchestrator.operator.trainingjob import PodTemplate
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 
 #: Non-root user of the image (k8s/Dockerfile creates it).
 RUN_AS_USER = 1000

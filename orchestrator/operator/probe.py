@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import PASSWORD_ENV_VARIABLE, EtcdOptions, parse_endpoints
 from orchestrator.settings import Settings
+from orchestrator.state import keys
 
 #: A probe's etcd calls must end well inside the probe's own timeout.
 PROBE_ETCD_TIMEOUT = timedelta(seconds=2)

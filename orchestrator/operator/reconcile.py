@@ -43,7 +43,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from orchestrator.api import SpecError, SpecProblem
 from orchestrator.operator.api import (
     ANN_INDEX,
     ANN_TEMPLATE_HASH,
@@ -69,8 +68,9 @@ from orchestrator.operator.trainingjob import (
     load_trainingjob_fields,
     split_spec,
 )
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 
 _LIVE_PHASES = ("Pending", "Running", "Unknown")
 _INDEX_RE = re.compile(r"-agent-(\d+)$")

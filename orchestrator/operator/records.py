@@ -14,13 +14,14 @@ import dataclasses
 import threading
 from typing import Any
 
-from orchestrator import jobs, keys, records
 from orchestrator.api import EtcdAuthError, EtcdError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import PermanentOperatorError, RetryableOperatorError
-from orchestrator.records import SpecRecord
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.api import JobExistsError
+from orchestrator.state.records import SpecRecord
 
 
 class EtcdJobRecords:
@@ -77,7 +78,7 @@ class EtcdJobRecords:
         if record is None or (status is not None and status.phase.terminal):
             try:
                 _guard(lambda: jobs.submit(client, spec))
-            except jobs.JobExistsError:
+            except JobExistsError:
                 return False  # another sync submitted it a moment ago
             return True
         # the same run, resumed from where it was asked to: only the spec changes

@@ -1,7 +1,7 @@
 """The TrainingJob ``status``: the controller's record in etcd, mapped for Kubernetes.
 
 The controller writes ``/ringmaster/jobs/<job>/status`` as JSON (the fields of
-:class:`orchestrator.jobs.JobStatus`: ``phase``, ``step``, ``world_size``,
+:class:`orchestrator.state.jobs.JobStatus`: ``phase``, ``step``, ``world_size``,
 ``generation``, ``active_nodes``, ``spare_nodes``, ``failed_nodes``,
 ``recoveries``, ``last_checkpoint``, ``message``, ``updated_at``).  Node ids
 are pod names (agents register under ``RINGMASTER_NODE`` = the pod name),
@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from orchestrator.api import JobPhase
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 
 INVALID_PHASE = "Invalid"
 SUSPENDED_PHASE = "Suspended"

@@ -2,7 +2,7 @@
 
 The operator renders the agent pod (:mod:`.pods`) and then adds the
 template's parts to it.  What the operator must own wins, and a template
-that tries to set it is a :class:`~orchestrator.api.SpecError` naming the
+that tries to set it is a :class:`~orchestrator.spec.api.SpecError` naming the
 template field, which the handlers show as phase ``Invalid`` in the
 TrainingJob's status: nothing is silently dropped.
 
@@ -50,8 +50,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.api import (
     GPU_RESOURCE,
     GROUP,
@@ -68,6 +66,8 @@ from orchestrator.operator.trainingjob import (
     SecurityContext,
     VolumeMount,
 )
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.dataclass_tree import camel_key
 
 AGENT_CONTAINER = "agent"
 #: Mount paths whose operator default a template volume may replace, and the default's volume.

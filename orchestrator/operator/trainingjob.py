@@ -1,6 +1,6 @@
 """The fields a ``TrainingJob`` has beside the job spec: lifecycle and the pod template.
 
-A TrainingJob's ``spec`` is a job spec (:class:`orchestrator.spec.JobSpec`, in
+A TrainingJob's ``spec`` is a job spec (:class:`orchestrator.spec.job.JobSpec`, in
 camelCase) plus the fields below, which only mean something on Kubernetes and
 so are not part of the job file:
 
@@ -22,7 +22,7 @@ derives the CRD's schema from them (keys in camelCase, a description on every
 field: its ``doc``, else the first line of its class's docstring; ``kubectl
 explain`` shows these as written, so they are plain text, no reStructuredText)
 and :func:`load_trainingjob_fields` reads a TrainingJob's ``spec`` with them
-(:mod:`orchestrator.dict_loader`), naming the field path of every problem.
+(:mod:`orchestrator.spec.dict_loader`), naming the field path of every problem.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.dataclass_tree import fields_of
-from orchestrator.dict_loader import load_dataclass
+from orchestrator.spec.dataclass_tree import fields_of
+from orchestrator.spec.dict_loader import load_dataclass
 
 #: Kubernetes quantities (the API's own pattern): ``500m``, ``2``, ``4Gi``, ``1e3``.
 K8S_QUANTITY_PATTERN = (

@@ -17,9 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
-from orchestrator import events, keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.jobs import read_spec, read_status
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.planning.api import (
     FailureModel,
@@ -32,6 +30,8 @@ from orchestrator.planning.api import (
 )
 from orchestrator.planning.costs import Measured
 from orchestrator.planning.peers_records import waited_s
+from orchestrator.state import events, keys, records
+from orchestrator.state.jobs import read_spec, read_status
 
 __all__ = [
     "RunFigures",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from orchestrator.planning.api import FailureModel, JobShape, RecoveryModel, SimResult, Tier
 from orchestrator.planning.recommend import Recommendation, mtbf_s, recommend, young_daly_s
 from orchestrator.planning.simulator import simulate
-from orchestrator.spec import JobSpec, RecoveryMode, StragglerAction
+from orchestrator.spec.job import JobSpec, RecoveryMode, StragglerAction
 
 __all__ = ["Plan", "job_shape", "make_plan", "tier_of"]
 

@@ -5,7 +5,7 @@ and its ``c10d`` backend keeps the rendezvous in a ``TCPStore`` on one agent,
 so losing that node ends the job.  This module keeps everything in etcd v3:
 
 * :class:`EtcdRendezvousBackend` holds the rendezvous state of a run in one
-  key (:func:`orchestrator.keys.rdzv_state`); writes are compare-and-set on
+  key (:func:`orchestrator.state.keys.rdzv_state`); writes are compare-and-set on
   the key's ``mod_revision`` in one etcd transaction, the ``mod_revision``
   being the fencing token torch's ``DynamicRendezvousHandler`` passes back.
 * :class:`~orchestrator.rendezvous.store.EtcdStore` is the store the agents get for
@@ -79,7 +79,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     Token,
 )
 
-from orchestrator import keys  # noqa: E402
 from orchestrator.api import EtcdError  # noqa: E402
 from orchestrator.etcd.client import EtcdClient, connect  # noqa: E402
 from orchestrator.etcd.kv import KeyValue  # noqa: E402
@@ -90,6 +89,7 @@ from orchestrator.etcd.options import (  # noqa: E402
     parse_endpoints,
 )
 from orchestrator.rendezvous.store import DEFAULT_RUN_TTL, EtcdStore, RunLease  # noqa: E402
+from orchestrator.state import keys  # noqa: E402
 
 #: The name torchrun knows this backend by (``--rdzv-backend=etcd-v3``).
 BACKEND_NAME = "etcd-v3"
@@ -121,7 +121,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     Args:
         client: a connected etcd client.
         run_id: the rendezvous id (``--rdzv-id``); it names the key.
-        key: the etcd key of the state; :func:`orchestrator.keys.rdzv_state`
+        key: the etcd key of the state; :func:`orchestrator.state.keys.rdzv_state`
             of ``run_id`` when None.
         lease: attached to every write so an abandoned run's state expires;
             None for a permanent key.

@@ -150,7 +150,7 @@ class EtcdStore(dist.Store):
 
     Args:
         client: a connected etcd client (shared; the store does not close it).
-        prefix: key prefix, e.g. :func:`orchestrator.keys.rdzv_store`; a
+        prefix: key prefix, e.g. :func:`orchestrator.state.keys.rdzv_store`; a
             trailing ``/`` is added when missing.
         timeout: default deadline of blocking reads (``get``, ``wait``,
             ``multi_get``); ``set_timeout`` changes it as on any store.

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
@@ -48,7 +47,8 @@ from orchestrator.process_lifetime import free_port, start_group
 from orchestrator.slurm import commands
 from orchestrator.slurm.api import Allocation, SlurmError
 from orchestrator.slurm.script import agent_command, agent_step
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import jobs
 
 __all__ = ["AllocationResult", "AllocationRun", "run_in_allocation"]
 

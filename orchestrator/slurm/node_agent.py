@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 from agents.node.agent import NodeAgent
-from orchestrator import events
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.slurm import commands
 from orchestrator.slurm.api import NodeState, SlurmError
+from orchestrator.state import events
 
 __all__ = ["DrainWatch", "slurm_node_agent"]
 

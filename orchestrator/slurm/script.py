@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.slurm.api import REQUEUE_SIGNAL
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
 
 __all__ = [
     "AGENT_STEP_NAME",

@@ -7,11 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun, RunResult
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from orchestrator import jobs
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import jobs
 from tests.chaos.jobs import REPO
 from tests.faults.slurm_cluster import SlurmCluster
 

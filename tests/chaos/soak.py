@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.controller.world import read_progress
 from orchestrator.local_run import LocalRun
+from orchestrator.state import jobs, keys
 from tests.faults.etcd_cluster import EtcdCluster
 
 KINDS = (

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import JobStatus
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys
+from orchestrator.state.records import JobStatus
 from tests.chaos.jobs import tiny_job
 from tests.faults.processes import Services
 

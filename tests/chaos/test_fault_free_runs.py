@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.api import JobPhase
-from orchestrator.entrypoint import resolve_recovery
 from orchestrator.local_run import LocalRun
-from orchestrator.spec import RecoveryMode
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.entrypoint import resolve_recovery
+from orchestrator.spec.job import RecoveryMode
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import REPO
 
 RUNS = int(os.environ.get("RINGMASTER_FAULT_FREE_RUNS", "2"))

@@ -17,10 +17,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary, tiny_job
 from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.partitioned_job import wait_for
@@ -178,8 +178,8 @@ def test_sigkill_leader_controller_standby_takes_over(
 
 def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # type: ignore[no-untyped-def]
     """Wait until the job reaches ``step``; return the pid of an active worker."""
-    from orchestrator import jobs, keys
     from orchestrator.controller.world import read_progress
+    from orchestrator.state import jobs, keys
 
     deadline = time.monotonic() + timeout
     client = run._client
@@ -202,7 +202,7 @@ def test_sigterm_node_saves_within_grace_then_spare_takes_over(
     spec = tiny_job("preempt", tmp_path, steps=STEPS)
     with quiet_run(spec, lines) as run:
         _wait_for_worker_at_step(run, 30)
-        from orchestrator import jobs
+        from orchestrator.state import jobs
 
         victim = jobs.read_status(run._client, spec.name).active_nodes[0]
         sent = time.time()

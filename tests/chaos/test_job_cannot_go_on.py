@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.api import JobPhase
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import REPO, quiet_run
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]

@@ -15,7 +15,7 @@ controller.  The story:
    ``Succeeded`` at ``max_steps`` with the parameters of an uninterrupted run;
 3. both runs' events stay readable, each in its own run;
 4. the finished name submitted once more starts run 3, as documented
-   (:func:`orchestrator.jobs.submit`), and a stop ends it.
+   (:func:`orchestrator.state.jobs.submit`), and a stop ends it.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import pytest
 import torch
 
 from checkpoint.catalog import checkpoints
-from orchestrator import events, jobs
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import JobStatus
-from orchestrator.runs import list_runs
+from orchestrator.state import events, jobs
+from orchestrator.state.records import JobStatus
+from orchestrator.state.runs import list_runs
 from tests.chaos.jobs import assert_exactly_once, tiny_job
 from tests.chaos.test_hot_swap import assert_same_params
 from tests.chaos.tiny_by_hand import tiny_final

@@ -23,7 +23,6 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.cli.local_commands import time_table
@@ -31,6 +30,7 @@ from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.report import CHECKPOINT, FAILURE, RECOVERY, build_report
 from orchestrator.observe.training_time import PARTS, seconds_text, time_parts
+from orchestrator.state import jobs, keys
 from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -26,12 +26,12 @@ import torch
 
 from checkpoint.commit import committed_checkpoints
 from checkpoint.fsspec_storage import Location
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.controller.world import read_progress
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import CheckpointRecord, Plan
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import CheckpointRecord, Plan
 from tests.chaos.jobs import assert_exactly_once, step_log, tiny_job
 from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.netns import IsolatedNode, isolated_or_skip

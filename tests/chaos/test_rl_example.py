@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from orchestrator.api import JobPhase
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]

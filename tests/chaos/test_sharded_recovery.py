@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import events, keys
 from orchestrator.api import JobPhase
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.observe.report import build_report, render_html
+from orchestrator.state import events, keys
 from tests.chaos.jobs import assert_exactly_once, quiet_run, step_log, summary
 from tests.chaos.sharded_jobs import assembled, assert_same_params, fault_free, sharded_job
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
-from orchestrator.records import Plan
-from orchestrator.spec import JobSpec, StragglerAction
+from orchestrator.spec.job import JobSpec, StragglerAction
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import Plan
 from tests.chaos.jobs import assert_exactly_once, tiny_job
 from tests.faults.netns import IsolatedNode, isolated_or_skip
 from tests.faults.partitioned_job import partitioned_job, wait_for

@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from checkpoint import catalog
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
 from tests.chaos.jobs import REPO, assert_exactly_once, quiet_run, summary
 from tests.chaos.soak import KINDS, Injector, plan_faults
 from tests.chaos.tiny_by_hand import tiny_final

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun, RunResult
-from orchestrator.records import NodeRecord, Plan
-from orchestrator.spec import JobSpec, StragglerAction
+from orchestrator.spec.job import JobSpec, StragglerAction
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import NodeRecord, Plan
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
 from tests.chaos.sharded_jobs import assembled, assert_same_params, fault_free, sharded_job
 from tests.chaos.tiny_by_hand import tiny_final

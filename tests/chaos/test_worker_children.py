@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
 from tests.chaos.jobs import REPO, quiet_run, summary, tiny_job
 from tests.faults.processes import still_running
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from orchestrator.api import JobPhase
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary
 from tests.chaos.sharded_jobs import assembled, sharded_job
 from tests.cuda.conftest import record

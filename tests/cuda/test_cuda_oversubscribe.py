@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from orchestrator.api import JobPhase
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job
 from tests.cuda.conftest import gpus, record
 

@@ -82,8 +82,8 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
 
 def test_a_rank_whose_gpu_is_kept_busy_is_called_and_its_peer_is_not() -> None:
     from orchestrator.controller.stragglers import StragglerWatch, node_timings
-    from orchestrator.records import Member, Plan, ProgressRecord, Telemetry
-    from orchestrator.spec import StragglerSpec
+    from orchestrator.spec.job import StragglerSpec
+    from orchestrator.state.records import Member, Plan, ProgressRecord, Telemetry
 
     results = run_gloo(_rank, 2, timeout=240)
     assert all(r["steps"] == STEPS for r in results), results

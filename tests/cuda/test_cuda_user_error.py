@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.api import JobPhase
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

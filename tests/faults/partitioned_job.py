@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import jobs, keys, records
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import Plan
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.records import Plan
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.faults.netns import IsolatedNode
 from tests.faults.processes import Services

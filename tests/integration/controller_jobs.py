@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 
-from orchestrator import jobs, keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import NodeRecord, ProgressRecord
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.records import NodeRecord, ProgressRecord
 
 
 def two_node_job(job: str) -> JobSpec:

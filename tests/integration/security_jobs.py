@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser, ServerTLS
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 from tests.certs import TLSFiles
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from agents.node.capacity import usable_cpus
-from orchestrator import events, jobs, keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import events, jobs, keys
 from tests.faults.processes import Services
 
 pytestmark = pytest.mark.integration

@@ -25,13 +25,13 @@ from click.testing import CliRunner
 
 from agents.node import log_files
 from agents.node.agent_port import open_port
-from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.controller.link_prober import LinkProber
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.link_probe import (
+from orchestrator.ports.api import RequestError
+from orchestrator.ports.link_probe import (
     MAX_PROBE_BYTES,
     MAX_PROBE_PEERS,
     MAX_PROBE_ROUNDS,
@@ -40,21 +40,21 @@ from orchestrator.link_probe import (
     SINK_OP,
     send_probe,
 )
-from orchestrator.liveness import (
+from orchestrator.ports.liveness import (
     MAX_REQUEST,
     WATCH_OP,
     WATCHING,
     Liveness,
     LivenessServer,
-    RequestError,
     ask,
     probe,
     read_line,
 )
-from orchestrator.port_credential import TOKEN_BYTES, read_token
-from orchestrator.records import JobStatus
-from orchestrator.spec import EntrypointSpec, JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import EntrypointSpec, JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.port_credential import TOKEN_BYTES, read_token
+from orchestrator.state.records import JobStatus
 from tests.faults.processes import REPO, Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from agents.node.descriptions import describe_role
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.records import Member, Plan
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys
+from orchestrator.state.records import Member, Plan
 from tests.faults.processes import REPO, Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

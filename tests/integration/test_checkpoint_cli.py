@@ -20,12 +20,12 @@ from click.testing import CliRunner, Result
 from checkpoint import Checkpointer, TrainState
 from checkpoint.commit import list_checkpoints, step_dir_name
 from checkpoint.fsspec_storage import Location
-from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_root.writer_hold import MarkerStore
+from orchestrator.checkpoint_root.writer_marker import WriterMarker
 from orchestrator.cli import main
-from orchestrator.spec_loader import load_job_data
-from orchestrator.writer_hold import MarkerStore
-from orchestrator.writer_marker import WriterMarker
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs, keys, records
 
 pytestmark = pytest.mark.integration
 

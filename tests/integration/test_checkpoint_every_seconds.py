@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from checkpoint.catalog import checkpoints
-from orchestrator import keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import CheckpointRecord
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import keys, records
+from orchestrator.state.records import CheckpointRecord
 from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from checkpoint.catalog import checkpoints
-from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
+from orchestrator.checkpoint_root.writer_hold import MarkerStore
+from orchestrator.checkpoint_root.writer_marker import MARKER_NAME, STALE_AFTER_S, WriterMarker
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.events import list_events
-from orchestrator.records import Plan
-from orchestrator.writer_hold import MarkerStore
-from orchestrator.writer_marker import MARKER_NAME, STALE_AFTER_S, WriterMarker
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.events import list_events
+from orchestrator.state.records import Plan
 from tests.faults.processes import REPO
 from tests.integration.controller_jobs import register_nodes, two_node_job
 

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from orchestrator.writer_hold import (
+from orchestrator.checkpoint_root.api import RootHeldError
+from orchestrator.checkpoint_root.writer_hold import (
     HeldRoot,
     HoldState,
     MarkerStore,
-    RootHeldError,
     WriterHold,
     refuse_if_held,
     release_store,
 )
-from orchestrator.writer_marker import STALE_AFTER_S, WriterMarker
+from orchestrator.checkpoint_root.writer_marker import STALE_AFTER_S, WriterMarker
 
 pytestmark = pytest.mark.integration
 

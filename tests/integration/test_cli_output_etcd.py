@@ -9,13 +9,13 @@ import uuid
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.observe.records import PHASES
-from orchestrator.records import JobStatus, LogChunk
+from orchestrator.state import keys, records
+from orchestrator.state.records import JobStatus, LogChunk
 
 pytestmark = pytest.mark.integration
 

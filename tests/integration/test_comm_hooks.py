@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.spec import CommSpec, CompressionKind, CompressionSpec
+from orchestrator.spec.job import CommSpec, CompressionKind, CompressionSpec
 from tests.gloo import run_gloo
 
 # One spawn serves several tests, so its fixture may take longer than the default timeout.

@@ -19,15 +19,15 @@ import pytest
 from click.testing import CliRunner
 
 from agents.runtime.commit_record import record_commit
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.controller.job import JobController
 from orchestrator.controller.service import Controller
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.etcd.fencing import GenerationFence
-from orchestrator.records import CheckpointRecord, NodeRecord, Plan, ProgressRecord
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import CheckpointRecord, NodeRecord, Plan, ProgressRecord
 from tests.integration.controller_jobs import register_nodes, submit_two_node_job
 
 pytestmark = pytest.mark.integration

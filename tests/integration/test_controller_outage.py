@@ -17,14 +17,14 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.controller import policy
 from orchestrator.controller.job import JobController
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.records import Plan
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import Plan
 from tests.faults.etcd_cluster import EtcdCluster
 from tests.integration.controller_jobs import register_nodes, submit_two_node_job
 

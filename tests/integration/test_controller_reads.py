@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator import keys, records
 from orchestrator.controller.hangs import STALE_BEATS, HangWatch, confirm_after, hung_workers
 from orchestrator.controller.job import JobController
 from orchestrator.controller.service import wakes
@@ -24,8 +23,10 @@ from orchestrator.controller.world import (
     probe_all,
 )
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.liveness import Liveness, LivenessServer
-from orchestrator.records import (
+from orchestrator.ports.liveness import Liveness, LivenessServer
+from orchestrator.state import keys, records
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import (
     BreakReport,
     DoneRecord,
     Member,
@@ -34,7 +35,6 @@ from orchestrator.records import (
     NodeRecord,
     Plan,
     ProgressRecord,
-    RecordError,
 )
 from tests.integration.controller_jobs import register_nodes, submit_two_node_job, two_node_job
 

@@ -34,13 +34,13 @@ from agents.sync.outer_step import (
 from agents.sync.quantize import decode, encode
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from examples.train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
-from orchestrator import jobs
 from orchestrator.api import JobPhase
-from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
-from orchestrator.spec_sync import SyncSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.spec.sync import SyncSpec
+from orchestrator.state import jobs
+from orchestrator.state.jobs import plan_resume
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, tiny_job, wait_for_step
 from tests.chaos.sharded_jobs import assert_same_params
 from tests.faults.partitioned_job import wait_for

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 from agents.sync.schedule import FragmentSchedule
-from orchestrator import jobs
 from orchestrator.api import JobPhase
-from orchestrator.jobs import plan_resume
 from orchestrator.local_run import LocalRun
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
+from orchestrator.state.jobs import plan_resume
 from tests.chaos.jobs import assert_exactly_once, quiet_run, summary, wait_for_step
 from tests.chaos.sharded_jobs import assembled, assert_same_params, sharded_job
 from tests.faults.partitioned_job import wait_for

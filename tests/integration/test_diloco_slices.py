@@ -22,7 +22,7 @@ import torch
 from agents.sync.outer_step import OuterOptimizer, average, flatten, pseudo_gradient, write_back
 from agents.sync.quantize import decode, encode
 from agents.sync.schedule import FragmentSchedule, cut_fragments
-from orchestrator.spec_sync import SyncSpec
+from orchestrator.spec.sync import SyncSpec
 from tests.gloo import run_gloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -40,7 +40,7 @@ SYNC = {
 
 
 def _spec() -> SyncSpec:
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
 
     job = load_job_data(
         {

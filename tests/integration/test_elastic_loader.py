@@ -172,7 +172,7 @@ def test_persistent_workers_do_not_serve_stale_batches() -> None:
 
 
 def _job(name: str, tmp: Path, nodes: int, steps: int, every: int) -> Any:
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
     from tests.chaos.jobs import REPO
 
     return load_job_data(
@@ -205,7 +205,7 @@ def test_durable_resume_at_another_world_size_continues_at_the_exact_sample(
     tmp_path: Path,
 ) -> None:
     from orchestrator.api import JobPhase
-    from orchestrator.jobs import plan_resume
+    from orchestrator.state.jobs import plan_resume
     from tests.chaos.jobs import quiet_run, summary
 
     (tmp_path / "log").mkdir()

@@ -8,13 +8,13 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.diagnosis import EtcdLeaseNotFoundError
 from orchestrator.etcd.kv import WatchEvent
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.process_lifetime import free_port
+from orchestrator.state import records
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import pytest
 
+from orchestrator.controller.leader import LeaderElection
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.etcd.leader import LeaderElection
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import generate_latest
 
-from orchestrator import events, jobs, keys
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.cli import main
 from orchestrator.etcd import health
@@ -25,6 +24,7 @@ from orchestrator.etcd.health import QUOTA_ENV, read_health
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.settings import Settings
+from orchestrator.state import events, jobs, keys
 
 pytestmark = pytest.mark.integration
 

@@ -172,7 +172,7 @@ def test_keep_newest_trims_the_oldest(etcd_client: EtcdClient, key_prefix: str) 
 def test_events_keep_the_newest(
     etcd_client: EtcdClient, monkeypatch: pytest.MonkeyPatch, key_prefix: str
 ) -> None:
-    from orchestrator import events, keys
+    from orchestrator.state import events, keys
 
     monkeypatch.setattr(keys, "EVENTS_KEPT", 20)
     monkeypatch.setattr(events, "TRIM_SLACK", 5)

@@ -23,14 +23,15 @@ import torch
 
 from checkpoint import Checkpointer, TrainState
 from checkpoint.api import CheckpointError, CommitFencedError
-from orchestrator import keys, records
 from orchestrator.api import EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient, connect
-from orchestrator.etcd.fencing import FencedError, GenerationFence
 from orchestrator.etcd.kv import KeyValue
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.etcd.retry import retry_unavailable
-from orchestrator.records import Plan
+from orchestrator.state import keys, records
+from orchestrator.state.api import FencedError
+from orchestrator.state.fencing import GenerationFence
+from orchestrator.state.records import Plan
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from orchestrator.api import JobPhase
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.history import HistoryWriter, read_history
 from orchestrator.observe.records import HistorySample
+from orchestrator.state import keys
 
 pytestmark = pytest.mark.integration
 

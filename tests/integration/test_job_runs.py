@@ -13,16 +13,17 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobNotFoundError, JobPhase
 from orchestrator.controller.service import Controller
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.operator.records import EtcdJobRecords
-from orchestrator.records import Plan, ResumeRequest
-from orchestrator.runs import list_runs
-from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
+from orchestrator.spec.job import CheckpointSpec, EntrypointSpec, JobSpec
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.api import JobExistsError
+from orchestrator.state.records import Plan, ResumeRequest
+from orchestrator.state.runs import list_runs
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +56,7 @@ def test_a_finished_job_runs_again_on_the_same_controller(etcd_client: EtcdClien
     old = RecoveryRecord(3, "agent_gone", ["n1"], "why", 1.0, 2.0, 3.0, 4.0, 5.0, run=1)
     records.write(etcd_client, keys.job_recovery(name, 1, 3), old)
     records.write(etcd_client, keys.job_plan(name), Plan(3, []))
-    with pytest.raises(jobs.JobExistsError):
+    with pytest.raises(JobExistsError):
         jobs.submit(etcd_client, _spec(name), replace_finished=False)
 
     time.sleep(0.01)  # the runs' windows must not touch

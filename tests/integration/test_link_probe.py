@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from agents.node.agent_port import open_port
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.link_probe import PROBE_OP, SINK_OP, send_probe, sink
-from orchestrator.liveness import AgentUnreachableError, LivenessServer, ask
-from orchestrator.port_credential import read_token
+from orchestrator.ports.api import AgentUnreachableError
+from orchestrator.ports.link_probe import PROBE_OP, SINK_OP, send_probe, sink
+from orchestrator.ports.liveness import LivenessServer, ask
+from orchestrator.state import keys, records
+from orchestrator.state.port_credential import read_token
 from tests.faults.netns import IsolatedNode, unavailable_reason
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -75,8 +76,8 @@ def _through(rate: str, **limit: str) -> float:
         node.limit(rate, **limit)
         code = (
             "import sys, time\n"
-            "from orchestrator.liveness import LivenessServer\n"
-            "from orchestrator.link_probe import SINK_OP, sink\n"
+            "from orchestrator.ports.liveness import LivenessServer\n"
+            "from orchestrator.ports.link_probe import SINK_OP, sink\n"
             f"s = LivenessServer({node.node_ip!r}, dict, streams={{SINK_OP: sink}})\n"
             "print(s.address, flush=True)\n"
             "sys.stdin.read()\n"

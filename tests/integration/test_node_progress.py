@@ -18,11 +18,11 @@ import pytest
 from agents.node import progress_relay
 from agents.node.progress_relay import MIN_WRITE_GAP_S, NodeProgress, ProgressRelay
 from agents.runtime.heartbeat import Heartbeat
-from orchestrator import keys
 from orchestrator.controller.world import read_progress
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import ProgressRecord
+from orchestrator.state import keys
+from orchestrator.state.records import ProgressRecord
 from tests.faults.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration

@@ -19,10 +19,10 @@ import pytest
 from agents.node.break_reports import GATHER_S, NodeReports
 from agents.node.progress_relay import NodeProgress, ProgressRelay
 from agents.runtime.heartbeat import Heartbeat
-from orchestrator import keys, records
 from orchestrator.controller.world import read_reports
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import BreakReport, NodeBreakReports, ProgressRecord
+from orchestrator.state import keys, records
+from orchestrator.state.records import BreakReport, NodeBreakReports, ProgressRecord
 
 pytestmark = pytest.mark.integration
 

@@ -17,11 +17,11 @@ import uuid
 
 import pytest
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
-from orchestrator.records import DoneRecord, Plan
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import DoneRecord, Plan
 from tests.faults.partitioned_job import wait_for
 from tests.faults.processes import Services
 from tests.integration.controller_jobs import register_nodes, submit_two_node_job

@@ -38,7 +38,6 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator import jobs, keys, records
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
@@ -46,7 +45,8 @@ from orchestrator.operator.api import JobEvent, Observed, OperatorSettings
 from orchestrator.operator.handlers import Runtime, sync_job
 from orchestrator.operator.records import EtcdJobRecords
 from orchestrator.operator.status import rfc3339
-from orchestrator.records import CheckpointRecord
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.records import CheckpointRecord
 from tests.chaos.jobs import REPO, assert_exactly_once, step_log
 from tests.chaos.tiny_by_hand import tiny_final
 from tests.faults.processes import Services

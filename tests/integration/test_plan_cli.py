@@ -9,12 +9,12 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from orchestrator import events, keys, records
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.observe.records import RecoveryRecord
-from orchestrator.records import JobPhase, JobStatus
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import JobPhase, JobStatus
 
 JOB = "name: planned\nentrypoint: train.py\nnodes: {min: 4, max: 4, spares: 1}\n"
 

@@ -19,9 +19,9 @@ from agents.channels.plan_feed import CONTROL, PLAN, PlanFeed, frame
 from agents.node.watches import NodeWatches
 from agents.runtime import plan_watch
 from agents.runtime.plan_watch import PlanWatcher
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import ControlRecord, Member, Plan
+from orchestrator.state import keys, records
+from orchestrator.state.records import ControlRecord, Member, Plan
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
@@ -32,6 +31,7 @@ from orchestrator.planning.api import Tier
 from orchestrator.planning.costs import Measured
 from orchestrator.planning.from_run import recorded_run
 from orchestrator.planning.replay import effective, model, replay, warm_stop_from
+from orchestrator.state import jobs, keys, records
 from tests.chaos.jobs import REPO, quiet_run, summary, tiny_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from agents.runtime import group_store
-from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.state import keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

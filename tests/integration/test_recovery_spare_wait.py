@@ -8,12 +8,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.observe.job_observer import JobObserver
 from orchestrator.observe.records import RecoveryRecord
-from orchestrator.records import JobStatus, Member, Plan, ProgressRecord, SpecRecord, Telemetry
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import (
+    JobStatus,
+    Member,
+    Plan,
+    ProgressRecord,
+    SpecRecord,
+    Telemetry,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -17,12 +17,12 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from orchestrator import keys
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.rendezvous.backend import EtcdRendezvousBackend
 from orchestrator.rendezvous.store import RunLease
+from orchestrator.state import keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

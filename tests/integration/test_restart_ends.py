@@ -32,12 +32,12 @@ import pytest
 
 from agents.node.api import Outcome, TierSetup
 from agents.node.restart_tier import RestartTier
-from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import DoneRecord, JobStatus, Member, Plan
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import DoneRecord, JobStatus, Member, Plan
 from tests.chaos.jobs import quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]

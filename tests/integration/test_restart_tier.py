@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
-from orchestrator.entrypoint import resolve_recovery
 from orchestrator.local_run import LocalRun
-from orchestrator.spec import JobSpec, RecoveryMode
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.entrypoint import resolve_recovery
+from orchestrator.spec.job import JobSpec, RecoveryMode
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
 from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]

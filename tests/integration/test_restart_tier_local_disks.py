@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.records import Plan
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import Plan
 from tests.faults.processes import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]

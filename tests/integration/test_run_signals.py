@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint.catalog import checkpoints
-from orchestrator.writer_marker import MARKER_NAME
+from orchestrator.checkpoint_root.writer_marker import MARKER_NAME
 from tests.faults.processes import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]

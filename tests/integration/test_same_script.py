@@ -18,7 +18,7 @@ import torch
 
 from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
 from agents.runtime.process_group import publish_environment
-from orchestrator.records import Member, Plan
+from orchestrator.state.records import Member, Plan
 
 pytestmark = pytest.mark.integration
 

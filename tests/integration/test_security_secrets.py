@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import events, jobs
 from orchestrator.api import EtcdAuthError, JobPhase
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.embedded import EmbeddedEtcd, EtcdUser
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.process_lifetime import free_port
+from orchestrator.state import events, jobs
 from tests.conftest import S3Endpoint
 from tests.integration.security_jobs import REPO, auth_etcd, one_node_job, ringmaster
 

@@ -31,14 +31,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import jobs
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.cli.job_commands import checkpoint_cell
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.process_lifetime import free_port
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import jobs
 from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

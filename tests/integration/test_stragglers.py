@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import events, jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.local_run import LocalRun
-from orchestrator.records import NodeRecord
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import events, jobs, keys, records
+from orchestrator.state.records import NodeRecord
 from tests.faults.duty_cycle import DutyCycle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import keys
 from tests.chaos.jobs import quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -24,17 +24,17 @@ from click.testing import CliRunner
 from agents.node import log_files
 from agents.node.agent_port import open_port
 from agents.node.log_shipper import CUT, MAX_LINE, TAIL_BYTES, TAIL_LINES, LogShipper
-from orchestrator import jobs, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import main
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
-from orchestrator.liveness import LivenessServer
 from orchestrator.observe.log_follow import follow_logs
 from orchestrator.observe.logs import LogLine, read_logs
-from orchestrator.records import JobStatus
-from orchestrator.spec import EntrypointSpec, JobSpec
+from orchestrator.ports.liveness import LivenessServer
+from orchestrator.spec.job import EntrypointSpec, JobSpec
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.records import JobStatus
 from tests.etcd_relay import Relay
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from checkpoint.api import CHECKPOINT_PROTOCOLS
-from orchestrator.checkpoint_spec import CHECKPOINT_SCHEMES
 from orchestrator.cli import main
+from orchestrator.spec.checkpoint import CHECKPOINT_SCHEMES
 
 pytestmark = pytest.mark.unit
 

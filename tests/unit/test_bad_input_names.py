@@ -16,9 +16,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agents.node.descriptions import parse_labels
-from orchestrator import keys
-from orchestrator.api import SpecError
-from orchestrator.spec_loader import load_job_text
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.loader import load_job_text
+from orchestrator.state import keys
 
 pytestmark = pytest.mark.unit
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator.api import SpecError
 from orchestrator.cli import main
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
-from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE
-from orchestrator.spec_loader import load_job_text
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.spec.loader import load_job_text
 
 pytestmark = pytest.mark.unit
 

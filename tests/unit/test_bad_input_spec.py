@@ -2,7 +2,7 @@
 
 Random YAML documents, random text, and random mutations of a complete valid
 spec (wrong types, unknown keys, deep nesting, huge and non-finite numbers,
-unicode, removed fields) go through :mod:`orchestrator.spec_loader`.  The only
+unicode, removed fields) go through :mod:`orchestrator.spec.loader`.  The only
 outcomes allowed: a :class:`SpecError` whose every problem names the file, a
 line and a field, or a spec that is valid and round-trips.
 """
@@ -18,9 +18,9 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from orchestrator.api import SpecError
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data, load_job_text
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data, load_job_text
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,6 @@ from rich.console import Console
 from agents.messages import one_line
 from checkpoint import Checkpointer, TrainState
 from checkpoint.commit import step_dir_name
-from orchestrator import events, keys, records
 from orchestrator.api import JobPhase
 from orchestrator.cli import job_commands, main, observe_commands, options
 from orchestrator.cli.options import plural
@@ -34,8 +33,9 @@ from orchestrator.etcd.kv import KeyValue
 from orchestrator.local_run import LocalRun
 from orchestrator.observe.records import PHASES
 from orchestrator.observe.recoveries import ordered_phases
-from orchestrator.records import JobStatus, LogChunk, TrainingTime
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state import events, keys, records
+from orchestrator.state.records import JobStatus, LogChunk, TrainingTime
 
 pytestmark = pytest.mark.unit
 

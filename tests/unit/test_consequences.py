@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.observe.consequences import HOLD_S, ConsequenceFolder
-from orchestrator.records import Event
+from orchestrator.state.records import Event
 
 pytestmark = pytest.mark.unit
 

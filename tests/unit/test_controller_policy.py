@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.controller import hangs, policy
 from orchestrator.controller.actions import (
@@ -29,7 +28,9 @@ from orchestrator.controller.actions import (
     WriteControl,
 )
 from orchestrator.controller.world import World
-from orchestrator.records import (
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode, SyncMode
+from orchestrator.state import keys
+from orchestrator.state.records import (
     BreakReport,
     CommandRecord,
     DoneRecord,
@@ -40,7 +41,6 @@ from orchestrator.records import (
     ProgressRecord,
     Telemetry,
 )
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, RecoveryMode, SyncMode
 from orchestrator.topology import min_ring_crossings, ring_crossings
 
 pytestmark = pytest.mark.unit

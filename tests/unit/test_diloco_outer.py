@@ -11,12 +11,12 @@ from agents.sync.outer_sync import NOT_PENDING, OuterSync
 from agents.sync.quantize import decode, empty_like_payload, encode, payload_bytes
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.sites import Sites
-from orchestrator.api import SpecError
 from orchestrator.controller.placement import spares_by_site, spread_spares
 from orchestrator.local_run import node_labels_from
-from orchestrator.records import Member, Plan
-from orchestrator.spec_loader import load_job_data
-from orchestrator.spec_sync import OuterQuantization, SyncMode, SyncSpec
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.loader import load_job_data
+from orchestrator.spec.sync import OuterQuantization, SyncMode, SyncSpec
+from orchestrator.state.records import Member, Plan
 from orchestrator.topology import NodeInfo
 
 pytestmark = pytest.mark.unit

@@ -21,8 +21,8 @@ from agents.runtime.tracked_optimizers import others_of
 from agents.runtime.wrapping import WrappedModels, check_delayed_sharded
 from agents.sync.outer_sync import OuterSync, per_slice
 from agents.sync.sites import Sites
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 
 pytestmark = pytest.mark.unit
 

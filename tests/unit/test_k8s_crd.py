@@ -12,13 +12,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.crd import crd_manifest, render_crd_yaml
 from orchestrator.operator.crd_schema import MAXIMUMS, spec_schema
 from orchestrator.operator.trainingjob import FIELD_KEYS
-from orchestrator.spec import JobSpec, SpecError
-from orchestrator.spec_bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.bounds import INT64_MAX, MAX_NODES, MAX_NPROC_PER_NODE
+from orchestrator.spec.dataclass_tree import camel_key
+from orchestrator.spec.job import JobSpec, SpecError
+from orchestrator.spec.loader import load_job_data
 
 pytestmark = pytest.mark.unit
 

@@ -28,12 +28,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.api import SpecError
-from orchestrator.dataclass_tree import camel_key
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.crd import crd_manifest
 from orchestrator.operator.reconcile import job_spec_from_body, reconcile
-from orchestrator.spec import JobSpec
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.dataclass_tree import camel_key
+from orchestrator.spec.job import JobSpec
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,7 @@ from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.records import RecoveryRecord
 from orchestrator.operator.api import Observed, OperatorSettings
 from orchestrator.operator.reconcile import reconcile
-from orchestrator.records import Telemetry, TrainingTime
+from orchestrator.state.records import Telemetry, TrainingTime
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.api import JobPhase
 from orchestrator.controller.placement import spread_spares
-from orchestrator.jobs import JobStatus
+from orchestrator.state.jobs import JobStatus
 from orchestrator.topology import NodeInfo, topology_order
 from tests.unit.test_controller_policy import RACKS, Run, _order, _spec, _world
 

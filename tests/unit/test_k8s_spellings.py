@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.api import SpecError
-from orchestrator.spec_loader import load_job_text
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.loader import load_job_text
 
 pytestmark = pytest.mark.unit
 

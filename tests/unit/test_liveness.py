@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from orchestrator.liveness import Liveness, LivenessServer, probe
+from orchestrator.ports.liveness import Liveness, LivenessServer, probe
 
 pytestmark = pytest.mark.unit
 

@@ -9,14 +9,8 @@ import pytest
 
 from agents.node import log_files
 from agents.node.log_files import FILES, WorkerLog, extent, read_after, read_tail
-from orchestrator.liveness import (
-    AgentUnreachableError,
-    Liveness,
-    LivenessServer,
-    RequestError,
-    ask,
-    probe,
-)
+from orchestrator.ports.api import AgentUnreachableError, RequestError
+from orchestrator.ports.liveness import Liveness, LivenessServer, ask, probe
 
 pytestmark = pytest.mark.unit
 

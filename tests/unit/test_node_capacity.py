@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from agents.node.capacity import capacity_problem, uses_cuda, visible_gpus
-from orchestrator.spec import JobSpec
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.job import JobSpec
+from orchestrator.spec.loader import load_job_data
 
 pytestmark = pytest.mark.unit
 

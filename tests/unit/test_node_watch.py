@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from orchestrator.controller.node_watch import NodeWatch
-from orchestrator.liveness import LivenessServer
+from orchestrator.ports.liveness import LivenessServer
 
 pytestmark = pytest.mark.unit
 
 AGENT = """
 import sys, threading
-from orchestrator.liveness import LivenessServer
+from orchestrator.ports.liveness import LivenessServer
 server = LivenessServer("127.0.0.1", lambda: {"node": "n1"})
 print(server.address, flush=True)
 threading.Event().wait()

@@ -9,7 +9,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from orchestrator.api import SpecError
 from orchestrator.operator.api import (
     ANN_TEMPLATE_HASH,
     GPU_RESOURCE,
@@ -19,6 +18,7 @@ from orchestrator.operator.api import (
     ReconcilePlan,
 )
 from orchestrator.operator.reconcile import contains, reconcile
+from orchestrator.spec.api import SpecError
 
 pytestmark = pytest.mark.unit
 

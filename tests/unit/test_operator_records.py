@@ -11,7 +11,6 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import jobs, keys
 from orchestrator.api import JobPhase
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.embedded import EmbeddedEtcd
@@ -19,8 +18,9 @@ from orchestrator.etcd.options import EtcdOptions
 from orchestrator.operator.api import RetryableOperatorError
 from orchestrator.operator.records import EtcdJobRecords
 from orchestrator.process_lifetime import free_port
-from orchestrator.records import JobStatus, write
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.state import jobs, keys
+from orchestrator.state.records import JobStatus, write
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import pytest
 
 from orchestrator.api import JobPhase
 from orchestrator.operator.status import build_status, invalid_status, rfc3339
-from orchestrator.records import JobStatus
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec
+from orchestrator.state.records import JobStatus
 
 pytestmark = pytest.mark.unit
 

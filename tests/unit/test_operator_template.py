@@ -15,11 +15,11 @@ import kopf
 import kubernetes_validate
 import pytest
 
-from orchestrator.api import SpecError
 from orchestrator.operator import handlers
 from orchestrator.operator.api import ANN_TEMPLATE_HASH, Observed, OperatorSettings
 from orchestrator.operator.handlers import Runtime
 from orchestrator.operator.reconcile import fields_from_body, load_training_job, reconcile
+from orchestrator.spec.api import SpecError
 from tests.unit.test_operator_handlers import FakeKube, FakeRecords
 
 pytestmark = pytest.mark.unit

@@ -8,17 +8,17 @@ import typing
 
 import pytest
 
-from orchestrator import records
 from orchestrator.api import JobPhase
 from orchestrator.observe.records import RecoveryRecord
-from orchestrator.records import (
+from orchestrator.state import records
+from orchestrator.state.api import RecordError
+from orchestrator.state.records import (
     BreakReport,
     JobStatus,
     Member,
     NodeRecord,
     Plan,
     ProgressRecord,
-    RecordError,
     ResumeRequest,
     SpecRecord,
     Telemetry,

@@ -8,7 +8,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from orchestrator.api import JobPhase
-from orchestrator.events import Event
 from orchestrator.observe.metrics import JobMetrics
 from orchestrator.observe.records import PHASES, RecoveryRecord
 from orchestrator.observe.recoveries import (
@@ -20,7 +19,8 @@ from orchestrator.observe.recoveries import (
     restart_phases,
 )
 from orchestrator.observe.training_time import training_time
-from orchestrator.records import Telemetry
+from orchestrator.state.events import Event
+from orchestrator.state.records import Telemetry
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from agents.node.restart_tier import (
     torchrun_env,
 )
 from agents.node.store_address import listening
-from orchestrator.checkpoint_reach import script_checkpoint_dir
+from orchestrator.checkpoint_root.reach import script_checkpoint_dir
 from orchestrator.controller.job import launched
-from orchestrator.records import Member, NodeRecord, Plan
-from orchestrator.spec import CheckpointSpec, EntrypointSpec, JobSpec
+from orchestrator.spec.job import CheckpointSpec, EntrypointSpec, JobSpec
+from orchestrator.state.records import Member, NodeRecord, Plan
 
 pytestmark = pytest.mark.unit
 

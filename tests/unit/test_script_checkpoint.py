@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import checkpoint_reach
-from orchestrator.checkpoint_reach import Reach, script_checkpoint, script_storage
+from orchestrator.checkpoint_root import reach as checkpoint_reach
+from orchestrator.checkpoint_root.reach import Reach, script_checkpoint, script_storage
+from orchestrator.checkpoint_root.script_checkpoint import find_saves
 from orchestrator.cli import main
-from orchestrator.script_checkpoint import find_saves
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
 
 pytestmark = pytest.mark.unit
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.controller.actions import DeclareFailed, Emit
 from orchestrator.controller.site_balance import balance_sites
 from orchestrator.controller.world import World
-from orchestrator.records import BreakReport, Member, NodeRecord, Plan
+from orchestrator.state import keys
+from orchestrator.state.records import BreakReport, Member, NodeRecord, Plan
 from orchestrator.topology import NodeInfo
 from tests.unit.test_controller_policy import NOW, Run, _beat, _order, _spec, _world
 

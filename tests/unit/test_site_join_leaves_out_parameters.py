@@ -71,7 +71,7 @@ def test_a_receiver_of_another_structure_is_told_so() -> None:
 
 
 def _streaming(momentum: float = 0.0) -> object:
-    from orchestrator.spec_sync import OuterOptimizerName, OuterOptimizerSpec, SyncMode, SyncSpec
+    from orchestrator.spec.sync import OuterOptimizerName, OuterOptimizerSpec, SyncMode, SyncSpec
 
     name = OuterOptimizerName.NESTEROV if momentum else OuterOptimizerName.SGD
     return SyncSpec(
@@ -149,7 +149,7 @@ def test_an_outer_state_not_restored_with_the_model_takes_its_anchors_from_it() 
     initial weights as one pseudo-gradient; they are taken from the restored model."""
     from agents.sync.outer_step import flatten
     from agents.sync.outer_sync import OuterSync
-    from orchestrator.spec_sync import SyncMode, SyncSpec
+    from orchestrator.spec.sync import SyncMode, SyncSpec
 
     model = torch.nn.Linear(3, 2)
     outer = OuterSync(SyncSpec(mode=SyncMode.DILOCO, inner_steps=100), list(model.parameters()))

@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.controller.actions import Emit, ProbeLinks, PublishPlan
 from orchestrator.controller.slow_links import (
@@ -25,8 +24,16 @@ from orchestrator.controller.slow_links import (
 from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import Straggler, StragglerWatch
 from orchestrator.controller.world import World
-from orchestrator.records import JobStatus, Member, NodeRecord, Plan, ProgressRecord, Telemetry
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, StragglerAction, StragglerSpec
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec, StragglerAction, StragglerSpec
+from orchestrator.state import keys
+from orchestrator.state.records import (
+    JobStatus,
+    Member,
+    NodeRecord,
+    Plan,
+    ProgressRecord,
+    Telemetry,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator.api import SpecError
 from orchestrator.cli import main
 from orchestrator.slurm.allocation import AllocationResult
 from orchestrator.slurm.api import Allocation, NodeState, NotInAllocationError, SlurmCommandError
@@ -28,8 +27,9 @@ from orchestrator.slurm.script import (
     directives,
     with_overrides,
 )
-from orchestrator.spec_loader import load_job_text
-from orchestrator.spec_slurm import slurm_time_seconds
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.loader import load_job_text
+from orchestrator.spec.slurm import slurm_time_seconds
 
 pytestmark = pytest.mark.unit
 

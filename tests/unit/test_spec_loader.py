@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.spec import CompressionKind, JobSpec
-from orchestrator.spec_loader import load_job_data, load_job_text
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.job import CompressionKind, JobSpec
+from orchestrator.spec.loader import load_job_data, load_job_text
 
 pytestmark = pytest.mark.unit
 
@@ -196,7 +196,7 @@ def test_inter_node_only_needs_hierarchical() -> None:
 
 
 def test_programmatic_spec_validate_lists_all() -> None:
-    from orchestrator.spec import EntrypointSpec, NodesSpec
+    from orchestrator.spec.job import EntrypointSpec, NodesSpec
 
     spec = JobSpec(name="UP", entrypoint=EntrypointSpec(), nodes=NodesSpec(min=3, max=1))
     with pytest.raises(SpecError) as info:
@@ -229,20 +229,20 @@ PLAIN_SCRIPTS = [
 
 @pytest.mark.parametrize("source", RUNTIME_SCRIPTS)
 def test_uses_runtime_finds_the_import(source: str) -> None:
-    from orchestrator.entrypoint import uses_runtime
+    from orchestrator.spec.entrypoint import uses_runtime
 
     assert uses_runtime(source)
 
 
 @pytest.mark.parametrize("source", PLAIN_SCRIPTS)
 def test_uses_runtime_ignores_comments_strings_and_other_modules(source: str) -> None:
-    from orchestrator.entrypoint import uses_runtime
+    from orchestrator.spec.entrypoint import uses_runtime
 
     assert not uses_runtime(source)
 
 
 def test_uses_runtime_reads_a_file_that_does_not_parse_as_text() -> None:
-    from orchestrator.entrypoint import uses_runtime
+    from orchestrator.spec.entrypoint import uses_runtime
 
     assert uses_runtime("from agents import runtime\nsession = runtime.init(\n")
     assert not uses_runtime("import torch\nx = (\n")
@@ -255,8 +255,8 @@ def _job(tmp_path, script: str, recovery: str | None = None):  # type: ignore[no
 
 
 def test_auto_is_restart_for_a_plain_torchrun_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.entrypoint import resolve_recovery
-    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec.entrypoint import resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
 
     spec = _job(tmp_path, PLAIN_SCRIPTS[0])
     assert spec.fault_tolerance.recovery is RecoveryMode.AUTO  # the default
@@ -271,8 +271,8 @@ def test_auto_is_restart_for_a_plain_torchrun_script(tmp_path) -> None:  # type:
 
 
 def test_auto_is_in_process_for_a_runtime_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.entrypoint import resolve_recovery
-    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec.entrypoint import resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
 
     resolved, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0]), tmp_path)
     assert resolved.fault_tolerance.recovery is RecoveryMode.IN_PROCESS
@@ -280,8 +280,8 @@ def test_auto_is_in_process_for_a_runtime_script(tmp_path) -> None:  # type: ign
 
 
 def test_auto_reads_a_module_entrypoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.entrypoint import resolve_recovery
-    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec.entrypoint import resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
 
     pkg = tmp_path / "rm_restart_pkg_x"
     pkg.mkdir()
@@ -294,7 +294,7 @@ def test_auto_reads_a_module_entrypoint(tmp_path) -> None:  # type: ignore[no-un
 
 
 def test_in_process_for_a_plain_script_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.entrypoint import resolve_recovery
+    from orchestrator.spec.entrypoint import resolve_recovery
 
     with pytest.raises(SpecError) as info:
         resolve_recovery(_job(tmp_path, PLAIN_SCRIPTS[0], "in_process"), tmp_path, "job.yaml")
@@ -305,8 +305,8 @@ def test_in_process_for_a_plain_script_is_one_clear_error(tmp_path) -> None:  # 
 
 
 def test_explicit_choices_are_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.entrypoint import resolve_recovery
-    from orchestrator.spec import RecoveryMode
+    from orchestrator.spec.entrypoint import resolve_recovery
+    from orchestrator.spec.job import RecoveryMode
 
     spec, why = resolve_recovery(_job(tmp_path, RUNTIME_SCRIPTS[0], "in_process"), tmp_path)
     assert spec.fault_tolerance.recovery is RecoveryMode.IN_PROCESS

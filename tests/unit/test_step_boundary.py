@@ -6,7 +6,7 @@ import pytest
 
 from agents.runtime.boundary import Agreement, StepBoundary
 from checkpoint.triggers import SaveTrigger
-from orchestrator.records import ControlRecord
+from orchestrator.state.records import ControlRecord
 
 pytestmark = pytest.mark.unit
 

@@ -7,12 +7,13 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator.api import JobPhase, SpecError
-from orchestrator.checkpoint_spec import DEFAULT_FINAL_WAIT, CheckpointSpec
+from orchestrator.api import JobPhase
 from orchestrator.cli.job_commands import checkpoint_cell
 from orchestrator.observe.endings import agents_gone_message, unsaved
-from orchestrator.records import Event, JobStatus
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.api import SpecError
+from orchestrator.spec.checkpoint import DEFAULT_FINAL_WAIT, CheckpointSpec
+from orchestrator.spec.loader import load_job_data
+from orchestrator.state.records import Event, JobStatus
 
 pytestmark = pytest.mark.unit
 

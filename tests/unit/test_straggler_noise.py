@@ -33,8 +33,8 @@ from collections.abc import Callable
 import pytest
 
 from orchestrator.controller.stragglers import StragglerWatch
-from orchestrator.records import Member, Plan, ProgressRecord, Telemetry
-from orchestrator.spec import StragglerSpec
+from orchestrator.spec.job import StragglerSpec
+from orchestrator.state.records import Member, Plan, ProgressRecord, Telemetry
 
 pytestmark = pytest.mark.unit
 

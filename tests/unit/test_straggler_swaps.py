@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import keys
 from orchestrator.api import JobPhase
 from orchestrator.controller.actions import Action, Emit, PublishPlan, ReleaseNode
 from orchestrator.controller.commands import take_commands
@@ -22,7 +21,9 @@ from orchestrator.controller.plans import is_warm
 from orchestrator.controller.straggler_swaps import decide_stragglers
 from orchestrator.controller.stragglers import Straggler, StragglerWatch
 from orchestrator.controller.world import World
-from orchestrator.records import (
+from orchestrator.spec.job import EntrypointSpec, JobSpec, NodesSpec, StragglerAction
+from orchestrator.state import keys
+from orchestrator.state.records import (
     CommandRecord,
     ControlRecord,
     JobStatus,
@@ -31,7 +32,6 @@ from orchestrator.records import (
     Plan,
     ProgressRecord,
 )
-from orchestrator.spec import EntrypointSpec, JobSpec, NodesSpec, StragglerAction
 
 pytestmark = pytest.mark.unit
 

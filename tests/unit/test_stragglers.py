@@ -16,8 +16,8 @@ import pytest
 from agents.runtime.step_timing import StepTiming
 from agents.runtime.telemetry import WorkerTelemetry
 from orchestrator.controller.stragglers import NodeTiming, StragglerWatch, node_timings
-from orchestrator.records import Member, Plan, ProgressRecord, Telemetry
-from orchestrator.spec import StragglerSpec
+from orchestrator.spec.job import StragglerSpec
+from orchestrator.state.records import Member, Plan, ProgressRecord, Telemetry
 
 pytestmark = pytest.mark.unit
 

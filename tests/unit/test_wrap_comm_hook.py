@@ -7,7 +7,7 @@ import torch
 
 from agents.runtime.failures import CollectiveFailures
 from agents.runtime.wrapping import WrappedModels
-from orchestrator.spec_loader import load_job_data
+from orchestrator.spec.loader import load_job_data
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.writer_hold import root_url, shown
-from orchestrator.writer_marker import STALE_AFTER_S, Holding, WriterMarker, judge, refusal
+from orchestrator.checkpoint_root.writer_hold import root_url, shown
+from orchestrator.checkpoint_root.writer_marker import (
+    STALE_AFTER_S,
+    Holding,
+    WriterMarker,
+    judge,
+    refusal,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """The job spec's ``comm`` section: how gradients travel between the ranks.
 
-Part of the job spec's dataclass tree (:mod:`orchestrator.spec`, which
+Part of the job spec's dataclass tree (:mod:`orchestrator.spec.job`, which
 re-exports these names): the collective backend, hierarchical all-reduce, the
 topology labels ranks follow, bucket sizes, collective timeouts and gradient
 compression with the parameters of each kind.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 
-from orchestrator.spec_bounds import Problems, positive_duration
+from orchestrator.spec.bounds import Problems, positive_duration
 
 __all__ = [
     "COMPRESSION_PARAMS",

@@ -1,8 +1,8 @@
-"""Load a YAML job file into a validated :class:`~orchestrator.spec.JobSpec`.
+"""Load a YAML job file into a validated :class:`~orchestrator.spec.job.JobSpec`.
 
 The loader walks YAML *nodes* (not plain data) so that every problem can name
 the line it comes from.  It is driven by the dataclass tree in
-:mod:`orchestrator.spec`, read through :mod:`orchestrator.dataclass_tree`:
+:mod:`orchestrator.spec.job`, read through :mod:`orchestrator.spec.dataclass_tree`:
 field names, types and defaults come from there, so a new field needs no
 loader change.  It collects every problem before raising,
 so a person fixes a file in one pass, and unknown keys get a did-you-mean.
@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.dataclass_tree import (
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.bounds import INT64_MAX, out_of_int64
+from orchestrator.spec.dataclass_tree import (
     Shape,
     camel_key,
     describe,
@@ -34,7 +35,7 @@ from orchestrator.dataclass_tree import (
     snake_key,
     unknown_key_message,
 )
-from orchestrator.spec import (
+from orchestrator.spec.job import (
     COMPRESSION_PARAMS,
     CompressionKind,
     CompressionSpec,
@@ -42,7 +43,6 @@ from orchestrator.spec import (
     JobSpec,
     RendezvousSpec,
 )
-from orchestrator.spec_bounds import INT64_MAX, out_of_int64
 
 __all__ = [
     "load_job_data",

@@ -6,7 +6,7 @@ crawl, and no rank's own timings say which it is.  The controller then asks
 the nodes' agents to measure (:mod:`orchestrator.controller.slow_links` decides
 when, and what the figures say):
 
-* each agent's port (:mod:`orchestrator.liveness`) has a **sink**
+* each agent's port (:mod:`orchestrator.ports.liveness`) has a **sink**
   (:data:`SINK_OP`): after the request line the client streams bytes for a
   while, closes its side, and the sink answers how many it received;
 * an agent asked to **probe** (:data:`PROBE_OP`, with the peers' ports) streams
@@ -15,7 +15,7 @@ when, and what the figures say):
   slowed by the host's scheduler says nothing of the link; one faster than the
   link is impossible).
 
-Both are asked with the job's port credential (:mod:`orchestrator.port_credential`),
+Both are asked with the job's port credential (:mod:`orchestrator.state.port_credential`),
 and both are bounded: a try streams at most :data:`MAX_PROBE_SECONDS` and
 :data:`MAX_PROBE_BYTES`, a probe makes at most :data:`MAX_PROBE_ROUNDS` tries to
 each of at most :data:`MAX_PROBE_PEERS` peers, and a request beyond a bound is
@@ -44,9 +44,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.liveness import TOKEN_FIELD, AgentUnreachableError, RequestError, read_line
+from orchestrator.ports.api import AgentUnreachableError, RequestError
+from orchestrator.ports.liveness import read_line
+from orchestrator.state import keys, records
+from orchestrator.state.port_credential import TOKEN_FIELD
 
 __all__ = [
     "MAX_PROBE_BYTES",
@@ -202,7 +204,7 @@ def _bounded(request: dict[str, Any], name: str, default: float, bound: float, o
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= bound:
         raise RequestError(
             f"{op}: {name} {value!r} is not allowed: ask for more than 0 and at most {bound:g} "
-            f"(the bound of orchestrator.link_probe)"
+            f"(the bound of orchestrator.ports.link_probe)"
         )
     return float(value)
 
@@ -245,7 +247,7 @@ def probe_peers(
     if len(peers) > MAX_PROBE_PEERS:
         raise RequestError(
             f"{PROBE_OP}: {len(peers)} peers asked; at most {MAX_PROBE_PEERS} per request "
-            "(orchestrator.link_probe.MAX_PROBE_PEERS): split the probe"
+            "(orchestrator.ports.link_probe.MAX_PROBE_PEERS): split the probe"
         )
     seconds = _bounded(request, "seconds", DEFAULT_SECONDS, MAX_PROBE_SECONDS, PROBE_OP)
     max_bytes = int(_bounded(request, "max_bytes", DEFAULT_BYTES, MAX_PROBE_BYTES, PROBE_OP))
@@ -257,7 +259,7 @@ def probe_peers(
     ):
         raise RequestError(
             f"{PROBE_OP}: rounds {rounds!r} is not allowed: ask for 1 to {MAX_PROBE_ROUNDS} "
-            "(orchestrator.link_probe.MAX_PROBE_ROUNDS)"
+            "(orchestrator.ports.link_probe.MAX_PROBE_ROUNDS)"
         )
     known = registered()
     whose = f"job '{job}'" if job else "this agent's job"

@@ -1,11 +1,11 @@
 """Build a dataclass tree from plain data (a Kubernetes object), naming every problem's path.
 
-The job file has its own loader (:mod:`orchestrator.spec_loader`: YAML
+The job file has its own loader (:mod:`orchestrator.spec.loader`: YAML
 nodes, line numbers, either key spelling).  This one reads data that has no
 lines, a TrainingJob's own fields (:mod:`orchestrator.operator.trainingjob`):
 keys in camelCase, every problem collected with its field path
 (``template.spec.tolerations[0].effect``).  Fields and types come from
-:mod:`orchestrator.dataclass_tree`; a field's metadata adds the checks the
+:mod:`orchestrator.spec.dataclass_tree`; a field's metadata adds the checks the
 CRD schema states too (``minimum``, ``enum``, ``quantity``, a free-form
 ``schema`` whose items need a ``name``).  Pure; runs in the operator.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.dataclass_tree import FieldInfo, Shape, describe, fields_of, join
-from orchestrator.dataclass_tree import unknown_key_message as unknown
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.dataclass_tree import FieldInfo, Shape, describe, fields_of, join
+from orchestrator.spec.dataclass_tree import unknown_key_message as unknown
 
 __all__ = ["load_dataclass"]
 

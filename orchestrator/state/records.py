@@ -1,4 +1,4 @@
-"""One typed record for every value stored under :mod:`orchestrator.keys`.
+"""One typed record for every value stored under :mod:`orchestrator.state.keys`.
 
 Agents, workers, the controller and the CLI talk through etcd; what they
 write there is one of the dataclasses below, never a hand-built dict.  Each
@@ -9,7 +9,7 @@ record written by a newer format is a :class:`RecordError` that names the
 key, never a silent default.  Fields with a default in the dataclass are
 optional in the stored form (they were added later or are often empty).
 
-The records, by key (see :mod:`orchestrator.keys` for the layout):
+The records, by key (see :mod:`orchestrator.state.keys` for the layout):
 
 ==============================  =========================================
 ``spec``                        :class:`SpecRecord`
@@ -18,7 +18,7 @@ The records, by key (see :mod:`orchestrator.keys` for the layout):
 ``nodes/<node>``                :class:`NodeRecord` (leased)
 ``commands/<seq>``              :class:`CommandRecord`
 ``plan``                        :class:`Plan` (of :class:`Member`)
-``checkpoint``                  :class:`CheckpointRecord` (:mod:`orchestrator.checkpoint_record`)
+``checkpoint``                  :class:`CheckpointRecord` (its own module)
 ``control``                     :class:`ControlRecord`
 ``reports/<gen>/<w>``           :class:`BreakReport`
 ``node-reports/<gen>/<node>``   :class:`NodeBreakReports` (its workers' BreakReports)
@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.api import JobPhase
-from orchestrator.checkpoint_record import (
+from orchestrator.state.api import RecordError
+from orchestrator.state.checkpoint_record import (
     CHECKPOINT_RECORD_KEEPS,
     CheckpointRecord,
     CommittedCheckpoint,
 )
-from orchestrator.record_codec import FORMAT, Record, RecordError, decode, read, read_all, write
+from orchestrator.state.codec import FORMAT, Record, decode, read, read_all, write
 
 __all__ = [
     "CHECKPOINT_RECORD_KEEPS",
@@ -147,7 +148,7 @@ class NodeRecord(Record):
     #: yet; None from agents that do not report it (the launch then ends a recovery)
     progress_at: float | None = None
     #: restart tier: where the script's own checkpoint is as this agent sees it
-    #: (``host:path``, :func:`orchestrator.checkpoint_reach.script_storage`); None
+    #: (``host:path``, :func:`orchestrator.checkpoint_root.reach.script_storage`); None
     #: when every node reads it (object storage, a shared filesystem) or it cannot
     #: be told
     script_storage: str | None = None

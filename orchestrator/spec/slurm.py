@@ -1,6 +1,6 @@
 """The job file's ``slurm`` section: what the batch script asks Slurm for.
 
-Part of the job spec tree (:mod:`orchestrator.spec` holds the rest and
+Part of the job spec tree (:mod:`orchestrator.spec.job` holds the rest and
 re-exports these names).  Only ``ringmaster slurm script`` / ``submit`` and
 the driver inside the allocation read it (:mod:`orchestrator.slurm`); every
 other way of running a job ignores it.  Each field has a flag of the same name

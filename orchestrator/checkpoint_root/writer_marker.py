@@ -4,7 +4,7 @@ One live run writes a checkpoint root (``checkpoint.url``) at a time: two
 runs of one job with etcds of their own would otherwise resume from each
 other's checkpoints while both train.  The run that writes a root keeps a
 small marker object in it, :data:`MARKER_NAME`, naming the run's lineage
-(:func:`orchestrator.runs.lineage_id`), who holds it (the leading
+(:func:`orchestrator.state.runs.lineage_id`), who holds it (the leading
 controller's host, process id and etcd endpoints) and a heartbeat time that
 the holder renews every :data:`REFRESH_S`.  :func:`judge` decides what
 another run makes of a marker it finds:
@@ -20,7 +20,7 @@ another run makes of a marker it finds:
 
 Ages are the reader's wall clock minus the holder's: clocks that disagree by
 more than a few seconds shift them (a heartbeat from the future counts as
-fresh).  This module does no I/O; :mod:`orchestrator.writer_hold` reads and
+fresh).  This module does no I/O; :mod:`orchestrator.checkpoint_root.writer_hold` reads and
 writes the marker.  It runs in the controller and in the CLI.
 """
 

@@ -3,7 +3,7 @@
 A restart-tier job resumes from whatever checkpoint its script wrote: after a
 failure every worker starts again and loads it, a spare included.  Where that
 file goes decides whether recovery resumes or starts from zero, so ``ringmaster
-validate``, ``submit`` and ``run`` say it (:mod:`orchestrator.checkpoint_reach`
+validate``, ``submit`` and ``run`` say it (:mod:`orchestrator.checkpoint_root.reach`
 says who can see it).
 
 :func:`find_saves` reads the entrypoint (and the modules beside it that it

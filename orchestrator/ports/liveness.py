@@ -21,7 +21,7 @@ agent serves its workers' output this way (``ringmaster logs``, see
 :mod:`agents.node.log_files`).  A probe that just reads the status and closes is
 answered as before, and a slow or silent client holds only its own thread.
 An agent's port asks every request but the watch for the job's credential
-(a *guard*, :class:`~orchestrator.port_credential.PortGuard`): the status and
+(a *guard*, :class:`~orchestrator.state.port_credential.PortGuard`): the status and
 the watch say only alive or dead; the rest is for whoever may read the job's
 keys in etcd.  A request refused is answered with one error line, nothing else.
 
@@ -46,7 +46,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.api import OrchestratorError
+from orchestrator.ports.api import AgentUnreachableError, RequestError
+from orchestrator.state.port_credential import TOKEN_FIELD
 
 log = logging.getLogger("ringmaster.liveness")
 
@@ -66,25 +67,15 @@ WATCH_OP = "watch"
 #: What a watch is answered at once, and what the server sends it when it closes.
 WATCHING = b'{"watching": true}\n'
 BYE = b'{"bye": true}\n'
-#: The request field that carries the job's port credential (:func:`ask`'s ``token``).
-TOKEN_FIELD = "token"
-
 #: A request's handler: the request (a JSON object) in, the answer (a JSON object) out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 #: A streamed request's handler: it also reads what the client sends after the
-#: request line from the connection (:mod:`orchestrator.link_probe`'s sink).
+#: request line from the connection (:mod:`orchestrator.ports.link_probe`'s sink).
 StreamHandler = Callable[[dict[str, Any], socket.socket], dict[str, Any]]
 #: What a port asks of a request before it answers: ``(op, request)`` in, the
-#: refusal's text out, or None to answer it (:class:`~orchestrator.port_credential.PortGuard`).
+#: refusal's text out, or None to answer it
+#: (:class:`~orchestrator.state.port_credential.PortGuard`).
 Guard = Callable[[str, dict[str, Any]], str | None]
-
-
-class RequestError(OrchestratorError):
-    """A request to an agent's port that cannot be answered (the message says why)."""
-
-
-class AgentUnreachableError(OrchestratorError):
-    """No answer from an agent's port: it is gone, cut off, or serves no requests."""
 
 
 class Liveness(str, enum.Enum):
@@ -324,7 +315,7 @@ def ask(
 ) -> dict[str, Any]:
     """Send ``request`` to the port at ``host:port`` and return its answer.
 
-    ``token``: the job's port credential (:mod:`orchestrator.port_credential`),
+    ``token``: the job's port credential (:mod:`orchestrator.state.port_credential`),
     sent with the request; an agent's port refuses every request but the
     watch without it.
 

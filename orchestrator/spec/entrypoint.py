@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.spec import JobSpec, RecoveryMode, restart_tier_refusal
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.job import JobSpec, RecoveryMode, restart_tier_refusal
 
 __all__ = ["check_entrypoint", "entrypoint_file", "resolve_recovery", "uses_runtime"]
 

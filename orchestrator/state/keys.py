@@ -101,7 +101,7 @@ def job_status(job: str) -> str:
     return job_prefix(job) + "status"
 
 
-#: Events kept per job (the oldest go as new ones come: ``orchestrator.events``).
+#: Events kept per job (the oldest go as new ones come: ``orchestrator.state.events``).
 EVENTS_KEPT = 1000
 #: Recovery records kept per job (the oldest go as new ones come).
 RECOVERIES_KEPT = 100
@@ -196,7 +196,7 @@ def job_recovery(job: str, run: int, generation: int) -> str:
 
 def job_port_token(job: str) -> str:
     """The secret an agent of the job asks of every request on its port but the liveness
-    status and the watch (:mod:`orchestrator.port_credential`).  Created once per job
+    status and the watch (:mod:`orchestrator.state.port_credential`).  Created once per job
     and kept across its runs: whoever may read the job's keys may read its agents."""
     return job_prefix(job) + "port-token"
 

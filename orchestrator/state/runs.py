@@ -1,6 +1,6 @@
 """A job's runs: the record of each submit, and the span of time each one covers.
 
-A job name has runs (see :func:`orchestrator.jobs.submit`): every submit of a
+A job name has runs (see :func:`orchestrator.state.jobs.submit`): every submit of a
 finished job starts the next one and writes a :class:`RunRecord` under
 ``/ringmaster/jobs/<job>/runs/<run>``.  Readers that show one run (events,
 logs, history) keep what falls inside its window.  Runs in whichever process
@@ -8,15 +8,15 @@ reads them: the CLI, the controller, the observers, the workers.
 
 A job's runs in one etcd make one *lineage* (:func:`lineage_id`): the
 checkpoints they save carry it, and the run that writes a checkpoint root
-holds it under that name (:mod:`orchestrator.writer_hold`).
+holds it under that name (:mod:`orchestrator.checkpoint_root.writer_hold`).
 """
 
 from __future__ import annotations
 
-from orchestrator import keys, records
 from orchestrator.api import JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import RunRecord, SpecRecord
+from orchestrator.state import keys, records
+from orchestrator.state.records import RunRecord, SpecRecord
 
 __all__ = ["lineage_id", "list_runs", "run_window"]
 

@@ -1,9 +1,9 @@
 """The per-job event log in etcd: what happened, when, and why.
 
-Events are :class:`~orchestrator.records.Event` records under
+Events are :class:`~orchestrator.state.records.Event` records under
 ``/ringmaster/jobs/<job>/events/<ns>-<source>`` (the key sorts by time).
 The controller and agents append; ``ringmaster events`` and the status view
-read.  A job keeps its newest :data:`~orchestrator.keys.EVENTS_KEPT` events:
+read.  A job keeps its newest :data:`~orchestrator.state.keys.EVENTS_KEPT` events:
 an append deletes the oldest beyond that (in batches of :data:`TRIM_SLACK`,
 and without reading the log: etcd counts the keys).
 """
@@ -14,16 +14,16 @@ import logging
 import time
 from typing import Any
 
-from orchestrator import keys, records
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import Event
-from orchestrator.runs import list_runs, run_window
+from orchestrator.state import keys, records
+from orchestrator.state.records import Event
+from orchestrator.state.runs import list_runs, run_window
 
 __all__ = ["Event", "emit", "list_events", "record"]
 
 log = logging.getLogger(__name__)
 
-#: Events beyond :data:`~orchestrator.keys.EVENTS_KEPT` before the oldest are
+#: Events beyond :data:`~orchestrator.state.keys.EVENTS_KEPT` before the oldest are
 #: deleted, so deletions come a batch at a time rather than one per append.
 TRIM_SLACK = keys.EVENTS_KEPT // 10
 

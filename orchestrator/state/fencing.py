@@ -20,16 +20,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from orchestrator import keys
-from orchestrator.api import EtcdError, OrchestratorError
+from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.records import Plan, RecordError, decode
+from orchestrator.state import keys
+from orchestrator.state.api import FencedError, RecordError
+from orchestrator.state.records import Plan, decode
 
 log = logging.getLogger(__name__)
-
-
-class FencedError(OrchestratorError):
-    """This process no longer belongs to the job's current generation."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The job spec: one dataclass tree, loaded from YAML by :mod:`orchestrator.spec_loader`.
+"""The job spec: one dataclass tree, loaded from YAML by :mod:`orchestrator.spec.loader`.
 
 The tree is the single description of a job: the CLI, the controller, the
 agents and the Kubernetes operator all read it, and the CRD schema is
@@ -7,7 +7,7 @@ generated from its field names and defaults (:mod:`orchestrator.operator.crd`).
 Every dataclass has a ``problems()`` method returning the cross-field problems it sees on
 its own (``nodes.min`` larger than ``nodes.max``...) as ``(relative path, message)`` pairs,
 so a loader reports all of them at once with their YAML lines.  ``JobSpec.validate()``
-raises :class:`~orchestrator.api.SpecError` with every problem for specs built in code.
+raises :class:`~orchestrator.spec.api.SpecError` with every problem for specs built in code.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
-from orchestrator.api import SpecError, SpecProblem
-from orchestrator.checkpoint_spec import CheckpointSpec
-from orchestrator.dataclass_tree import nested_problems, plain
-from orchestrator.spec_bounds import (
+from orchestrator.spec.api import SpecError, SpecProblem
+from orchestrator.spec.bounds import (
     INT64_MAX,
     MAX_NODES,
     MAX_NPROC_PER_NODE,
@@ -30,7 +28,8 @@ from orchestrator.spec_bounds import (
     positive_duration,
     too_large,
 )
-from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
+from orchestrator.spec.checkpoint import CheckpointSpec
+from orchestrator.spec.comm import (  # noqa: F401  (part of the spec's names)
     COMPRESSION_PARAMS,
     FLAT_ONLY_COMPRESSION,
     Backend,
@@ -38,8 +37,9 @@ from orchestrator.spec_comm import (  # noqa: F401  (part of the spec's names)
     CompressionKind,
     CompressionSpec,
 )
-from orchestrator.spec_slurm import SlurmSpec
-from orchestrator.spec_sync import (  # noqa: F401  (part of the spec's names)
+from orchestrator.spec.dataclass_tree import nested_problems, plain
+from orchestrator.spec.slurm import SlurmSpec
+from orchestrator.spec.sync import (  # noqa: F401  (part of the spec's names)
     OuterOptimizerName,
     OuterOptimizerSpec,
     OuterQuantization,
@@ -156,7 +156,7 @@ class RecoveryMode(str, Enum):
     new generation is started again (from a pre-imported standby) with
     torchrun's environment, and the script resumes from its own checkpoint.
     ``auto`` is resolved when the job is validated or submitted by reading the
-    entrypoint (:func:`orchestrator.entrypoint.resolve_recovery`).
+    entrypoint (:func:`orchestrator.spec.entrypoint.resolve_recovery`).
     """
 
     AUTO = "auto"
@@ -401,7 +401,7 @@ class JobSpec:
         """The settings given here that only the ringmaster runtime acts on (``(path,
         why)``): a script of the restart tier, which does not use it, would never see
         them.  Refused where a job file is read to run it
-        (:func:`orchestrator.entrypoint.resolve_recovery`), not by :meth:`problems`:
+        (:func:`orchestrator.spec.entrypoint.resolve_recovery`), not by :meth:`problems`:
         a spec stored before that rule still loads (``sync`` is refused on its own)."""
         given, default = (
             _flat(self.to_dict()),

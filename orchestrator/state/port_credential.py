@@ -3,13 +3,13 @@
 Runs wherever an agent's port is served or asked: the node agent, the
 controller's link prober, ``ringmaster logs``.
 
-An agent's port (:mod:`orchestrator.liveness`) listens on the node's address.
+An agent's port (:mod:`orchestrator.ports.liveness`) listens on the node's address.
 Its status line and its watch say only whether the agent is alive, and stay
 open to anyone who reaches the port.  Everything else it answers (the workers'
 output, the link sink, link probes to other agents) is asked with the job's
 port token: a random secret created once per job (by ``ringmaster submit``,
 or by the first agent of a job submitted without one) and kept at
-:func:`orchestrator.keys.job_port_token`.  So whoever may read the job's keys
+:func:`orchestrator.state.keys.job_port_token`.  So whoever may read the job's keys
 in etcd (its TLS client certificate, its user and role) may ask its agents,
 and nobody else: the ports are held to etcd's own standard.
 
@@ -26,15 +26,17 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import keys
-from orchestrator.api import OrchestratorError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.liveness import TOKEN_FIELD
+from orchestrator.state import keys
+from orchestrator.state.api import PortCredentialError
+
+#: The request field that carries the job's port credential
+#: (:func:`orchestrator.ports.liveness.ask`'s ``token``).
+TOKEN_FIELD = "token"
 
 __all__ = [
     "TOKEN_BYTES",
     "TOKEN_FIELD",
-    "PortCredentialError",
     "PortGuard",
     "ensure_token",
     "read_token",
@@ -42,10 +44,6 @@ __all__ = [
 
 #: Random bytes of a job's token (written as hex: twice as many characters).
 TOKEN_BYTES = 32
-
-
-class PortCredentialError(OrchestratorError):
-    """The job's port credential cannot be read from etcd (the message says why)."""
 
 
 def read_token(client: EtcdClient, job: str) -> str:

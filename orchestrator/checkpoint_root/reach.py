@@ -5,7 +5,7 @@ included, and resumes from what its script finds where it saved.  A path
 relative to where each agent starts, or a directory on one machine's own
 disk, is not there for a node whose agent starts elsewhere: that node trains
 from zero.  :func:`script_checkpoint` puts together where the script saves
-(:func:`orchestrator.script_checkpoint.find_saves`), what ringmaster gives it
+(:func:`orchestrator.checkpoint_root.script_checkpoint.find_saves`), what ringmaster gives it
 (``RINGMASTER_CHECKPOINT_DIR``: :func:`script_checkpoint_dir`) and what the
 path is (a URL, relative, or on a filesystem of this machine:
 :func:`filesystem_type`), and words it for ``ringmaster validate`` and for the
@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
-from orchestrator import events
-from orchestrator.entrypoint import entrypoint_file
+from orchestrator.checkpoint_root.script_checkpoint import Part, Save, find_saves
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.script_checkpoint import Part, Save, find_saves
-from orchestrator.spec import JobSpec
+from orchestrator.spec.entrypoint import entrypoint_file
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import events
 
 __all__ = [
     "ENV_CHECKPOINT_DIR",

@@ -1,14 +1,14 @@
 """The record of a job's newest committed durable checkpoint (key ``checkpoint``).
 
 Written by rank 0 at each commit, read by the controller (its events) and the
-CLI; re-exported by :mod:`orchestrator.records` with the other records.
+CLI; re-exported by :mod:`orchestrator.state.records` with the other records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.record_codec import Record
+from orchestrator.state.codec import Record
 
 __all__ = ["CHECKPOINT_RECORD_KEEPS", "CheckpointRecord", "CommittedCheckpoint"]
 

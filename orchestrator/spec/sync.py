@@ -1,6 +1,6 @@
 """The job spec's ``sync`` section: every step (DDP) or delayed (DiLoCo, Streaming DiLoCo).
 
-Part of the job spec's dataclass tree (:mod:`orchestrator.spec`, which
+Part of the job spec's dataclass tree (:mod:`orchestrator.spec.job`, which
 re-exports these names).  With ``mode: ddp`` every step's gradients are
 averaged over every rank.  With ``diloco`` the ranks are cut into *sites*
 (the nodes that share the value of ``site_label``, ``zone`` by default): a
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from orchestrator.spec_bounds import Problems
+from orchestrator.spec.bounds import Problems
 
 __all__ = ["OuterOptimizerName", "OuterOptimizerSpec", "OuterQuantization", "SyncMode", "SyncSpec"]
 

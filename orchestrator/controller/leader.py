@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from orchestrator import keys
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.kv import Lease
 from orchestrator.settings import SETTINGS
+from orchestrator.state import keys
 
 __all__ = ["DEFAULT_LEADER_TTL", "JobLeadership", "LeaderElection"]
 
@@ -143,7 +143,7 @@ class JobLeadership:
     """A controller of every job campaigns for each job on the job's own election key.
 
     The key is the one a controller started for that job campaigns on
-    (:func:`~orchestrator.keys.controller_leader`), so whatever mix of
+    (:func:`~orchestrator.state.keys.controller_leader`), so whatever mix of
     per-job controllers and controllers of every job runs, one process at a
     time decides a job.  A job led by another is tried again at most every
     ``retry_every`` (one failed create of a key), not at every tick; each job

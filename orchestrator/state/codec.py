@@ -1,13 +1,13 @@
 """How a stored record is written and read back: JSON, a format version, checked types.
 
-The records themselves are in :mod:`orchestrator.records`, beside the
+The records themselves are in :mod:`orchestrator.state.records`, beside the
 keyspace; this module is their machinery.  :class:`Record` is their base:
 ``to_dict``/``encode`` add the format version ``"v"``; ``from_dict`` and
 :func:`decode` check every field against the dataclass's types and raise
 :class:`RecordError`, naming the key, for a missing field, a wrong type or a
 record of a newer format.  :func:`read`, :func:`read_all` and :func:`write`
 are the etcd side of it.  The fields and their types come from
-:mod:`orchestrator.dataclass_tree`; this module keeps a record's own rules
+:mod:`orchestrator.spec.dataclass_tree`; this module keeps a record's own rules
 (checks stop at the first problem, unknown keys are left for newer writers).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from orchestrator.api import OrchestratorError
-from orchestrator.dataclass_tree import Shape, fields_of, plain
+from orchestrator.spec.dataclass_tree import Shape, fields_of, plain
+from orchestrator.state.api import RecordError
 
 if TYPE_CHECKING:
     from orchestrator.etcd.client import EtcdClient
@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 FORMAT = 1
 
 R = TypeVar("R", bound="Record")
-
-
-class RecordError(OrchestratorError):
-    """A stored value is missing, is not JSON, or does not match its record type."""
 
 
 class Record:

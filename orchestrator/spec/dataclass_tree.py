@@ -1,11 +1,11 @@
 """One walker over dataclass trees: a dataclass's fields, and each field's type, as data.
 
-The job spec (:mod:`orchestrator.spec`), the TrainingJob's own fields
+The job spec (:mod:`orchestrator.spec.job`), the TrainingJob's own fields
 (:mod:`orchestrator.operator.trainingjob`) and the records stored in etcd
-(:mod:`orchestrator.records`) are trees of dataclasses.  Four things walk
-them: the job-file loader (YAML with line numbers, :mod:`orchestrator.spec_loader`),
-the reader of plain data with field paths (:mod:`orchestrator.dict_loader`),
-the record codec (:mod:`orchestrator.record_codec`) and the CRD schema
+(:mod:`orchestrator.state.records`) are trees of dataclasses.  Four things walk
+them: the job-file loader (YAML with line numbers, :mod:`orchestrator.spec.loader`),
+the reader of plain data with field paths (:mod:`orchestrator.spec.dict_loader`),
+the record codec (:mod:`orchestrator.state.codec`) and the CRD schema
 (:mod:`orchestrator.operator.crd_schema`).  They ask a type the same questions
 (which fields, under which key, of which type, required or with which default)
 and this module answers them once per class: :func:`fields_of` and

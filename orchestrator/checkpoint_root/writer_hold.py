@@ -1,14 +1,14 @@
 """Holding a checkpoint root: the writer marker's reads and writes, and the heartbeat.
 
-:class:`MarkerStore` reads and writes :data:`~orchestrator.writer_marker.MARKER_NAME`
-in a root through fsspec, as atomically as the store allows: on a local (or
-NFS) disk a new marker is linked into place (``link`` fails when the name
-exists, and the content is whole before it has a name) and a renewed one is
-renamed over the old; on S3 a new marker is uploaded with ``If-None-Match: *``
-(s3fs's exclusive create, which AWS S3 and its API-compatible servers honour)
-and a renewed one is a plain upload.  :class:`WriterHold` takes the root for a
-run (what :func:`~orchestrator.writer_marker.judge` decides, acted upon),
-renews its heartbeat and releases it.
+:class:`MarkerStore` reads and writes
+:data:`~orchestrator.checkpoint_root.writer_marker.MARKER_NAME` in a root through
+fsspec, as atomically as the store allows: on a local (or NFS) disk a new marker is
+linked into place (``link`` fails when the name exists, and the content is whole before
+it has a name) and a renewed one is renamed over the old; on S3 a new marker is uploaded
+with ``If-None-Match: *`` (s3fs's exclusive create, which AWS S3 and its API-compatible
+servers honour) and a renewed one is a plain upload. :class:`WriterHold` takes the root
+for a run (what :func:`~orchestrator.checkpoint_root.writer_marker.judge` decides, acted
+upon), renews its heartbeat and releases it.
 
 The leading controller holds its job's root (:class:`HeldRoot`, in
 :class:`~orchestrator.controller.job.JobController`) from before the job's
@@ -34,8 +34,8 @@ from dataclasses import replace
 from enum import Enum
 from typing import Any
 
-from orchestrator.api import OrchestratorError
-from orchestrator.writer_marker import (
+from orchestrator.checkpoint_root.api import RootHeldError
+from orchestrator.checkpoint_root.writer_marker import (
     MARKER_NAME,
     REFRESH_S,
     Holding,
@@ -52,7 +52,6 @@ __all__ = [
     "HeldRoot",
     "HoldState",
     "MarkerStore",
-    "RootHeldError",
     "WriterHold",
     "hold_for",
     "refuse_if_held",
@@ -74,10 +73,6 @@ FIRST_WAIT_S = 5.0
 _ATTEMPTS = 3
 
 _USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
-
-
-class RootHeldError(OrchestratorError):
-    """The checkpoint root cannot be taken: a live run writes it, or the store refused."""
 
 
 def shown(url: str) -> str:
@@ -209,7 +204,7 @@ class WriterHold:
 
         Raises:
             RootHeldError: a live run of another lineage holds the root (the
-                message is :func:`~orchestrator.writer_marker.refusal`'s line).
+                message is :func:`~orchestrator.checkpoint_root.writer_marker.refusal`'s line).
         """
         found: WriterMarker | None = None
         for _ in range(_ATTEMPTS):
@@ -296,7 +291,7 @@ def refuse_if_held(url: str, storage_options: dict[str, Any] | None = None) -> N
     the job's first plan and ends the job with the reason).
 
     Raises:
-        RootHeldError: with :func:`~orchestrator.writer_marker.refusal`'s line.
+        RootHeldError: with :func:`~orchestrator.checkpoint_root.writer_marker.refusal`'s line.
     """
     if (found := live_marker(url, storage_options)) is not None:
         raise RootHeldError(refusal(found, shown(url), time.time()))
@@ -341,7 +336,7 @@ def hold_for(url: str, run_id: str, job: str, run: int, etcd: str) -> HeldRoot:
 
     Args:
         url: the job's checkpoint root (absolute: see :func:`root_url`).
-        run_id: the job's lineage (:func:`orchestrator.runs.lineage_id`).
+        run_id: the job's lineage (:func:`orchestrator.state.runs.lineage_id`).
         job: the job's name.
         run: the run of the job this process leads.
         etcd: the job's etcd endpoints, comma-separated.

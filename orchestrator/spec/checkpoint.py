@@ -1,6 +1,6 @@
 """The job file's ``checkpoint`` section: where durable checkpoints go, and storage faults.
 
-Part of the job spec tree (:mod:`orchestrator.spec` holds the rest and
+Part of the job spec tree (:mod:`orchestrator.spec.job` holds the rest and
 re-exports these names); the loader, the CRD schema and every process read it
 from there.  A save that fails or hangs is a storage fault, not the script's
 error (:mod:`agents.runtime.storage_faults`): the fields at the end say when

@@ -4,7 +4,7 @@ A job spec is read by the CLI, the controller, every node agent and the
 Kubernetes operator; a size past what the system can hold (a typo's extra
 zeros, ``nproc_per_node: 100000000``) must be refused where it is written,
 with its reason, not found out by an agent starting processes until the
-machine gives out or by etcd refusing a record.  :mod:`orchestrator.spec`
+machine gives out or by etcd refusing a record.  :mod:`orchestrator.spec.job`
 checks these in ``problems()``; the spec loader checks that every integer
 fits :data:`INT64_MAX`.  Pure data; imported by whatever validates a spec,
 with the problem list type and the duration check every section of the spec uses.

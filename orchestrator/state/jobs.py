@@ -20,17 +20,22 @@ import os
 import time
 from typing import Any
 
-from orchestrator import events, keys, records
-from orchestrator.api import EtcdError, JobNotFoundError, OrchestratorError
+from orchestrator.api import EtcdError, JobNotFoundError
 from orchestrator.etcd.client import EtcdClient
-from orchestrator.port_credential import ensure_token
-from orchestrator.records import CommandRecord, JobStatus, ResumeRequest, RunRecord, SpecRecord
-from orchestrator.spec import JobSpec
+from orchestrator.spec.job import JobSpec
+from orchestrator.state import events, keys, records
+from orchestrator.state.api import CheckpointStorageRefusedError, JobExistsError, ResumeRefusedError
+from orchestrator.state.port_credential import ensure_token
+from orchestrator.state.records import (
+    CommandRecord,
+    JobStatus,
+    ResumeRequest,
+    RunRecord,
+    SpecRecord,
+)
 
 __all__ = [
-    "JobExistsError",
     "JobNotFoundError",
-    "ResumeRefusedError",
     "checkpoint_hash",
     "etcd_warning",
     "job_names",
@@ -52,18 +57,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class JobExistsError(OrchestratorError):
-    """A job of that name is already submitted (and not finished)."""
-
-
-class ResumeRefusedError(OrchestratorError):
-    """A resume cannot start: the job is still active, or the checkpoint is unusable."""
-
-
-class CheckpointStorageRefusedError(OrchestratorError):
-    """``checkpoint.url`` cannot be written: a run would train with nothing durable."""
 
 
 def check_checkpoint_url(spec: JobSpec, storage_options: dict[str, Any] | None = None) -> None:
@@ -176,7 +169,7 @@ def submit(
     run: what belonged to the last run (its plan, status, nodes, progress,
     commands) is cleared, while the job's events, logs, history, recoveries
     and run records stay readable.  The job's port credential (what its agents
-    ask of every request but the liveness status, :mod:`orchestrator.port_credential`)
+    ask of every request but the liveness status, :mod:`orchestrator.state.port_credential`)
     is created at its first submit and kept.
 
     Args:
@@ -243,7 +236,7 @@ def read_spec(client: EtcdClient, job: str) -> tuple[JobSpec, str]:
 
 def load_spec(record: SpecRecord, job: str) -> JobSpec:
     """The spec of a submitted record (validated as a job file is)."""
-    from orchestrator.spec_loader import load_job_data
+    from orchestrator.spec.loader import load_job_data
 
     return load_job_data(record.spec, source=f"etcd:{keys.job_spec(job)}")
 

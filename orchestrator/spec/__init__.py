@@ -1,0 +1,1 @@
+"""The job spec: the job file's dataclass tree, its sections, and the loaders that build it."""

@@ -118,8 +118,17 @@ def tensor_in_record(record: memoryview) -> torch.Tensor | None:
     try:
         with zipfile.ZipFile(BufferStream(record)) as archive:
             return _tensor(record, archive)
-    except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, EOFError,
-            KeyError, ValueError, TypeError, AttributeError):  # fmt: skip
+    except (
+        _NotPlain,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        struct.error,
+        EOFError,
+        KeyError,
+        ValueError,
+        TypeError,
+        AttributeError,
+    ):
         return None  # not the plain form (or not a record at all)
 
 

@@ -42,14 +42,46 @@ ENV_CHECKPOINT_DIR = "RINGMASTER_CHECKPOINT_DIR"
 
 #: Filesystems that other machines mount too (``fuse.*``: s3fs, gcsfuse, juicefs...).
 SHARED_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
-     "9p", "afs", "panfs", "wekafs", "cvfs", "ocfs2", "gfs2", "orangefs"}
-)  # fmt: skip
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "9p",
+        "afs",
+        "panfs",
+        "wekafs",
+        "cvfs",
+        "ocfs2",
+        "gfs2",
+        "orangefs",
+    }
+)
 #: Filesystems on this machine only.
 LOCAL_FILESYSTEMS = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "overlay", "f2fs", "vfat", "exfat",
-     "ramfs", "squashfs", "devtmpfs"}
-)  # fmt: skip
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "zfs",
+        "tmpfs",
+        "overlay",
+        "f2fs",
+        "vfat",
+        "exfat",
+        "ramfs",
+        "squashfs",
+        "devtmpfs",
+    }
+)
 
 
 class Reach(str, Enum):

@@ -32,8 +32,20 @@ __all__ = ["Part", "Save", "find_saves"]
 MAX_DEPTH = 12
 MAX_ALTERNATIVES = 8
 #: Calls that return their (first) argument's path, or join their arguments as one.
-_PASS_THROUGH = {"str", "fspath", "expanduser", "abspath", "realpath", "normpath", "resolve",
-                 "expandvars", "absolute", "with_suffix", "with_name", "open"}  # fmt: skip
+_PASS_THROUGH = {
+    "str",
+    "fspath",
+    "expanduser",
+    "abspath",
+    "realpath",
+    "normpath",
+    "resolve",
+    "expandvars",
+    "absolute",
+    "with_suffix",
+    "with_name",
+    "open",
+}
 _JOINS = {"join", "Path", "PurePath", "PosixPath", "joinpath"}
 
 

@@ -220,9 +220,11 @@ def gc_cmd(url: str, keep: int, include_newer: bool, run_id: str | None) -> None
     _, name = open_root(_local_url(url))
     writer = live_marker(_local_url(url)) if include_newer and name is None else None
     if writer is not None:  # a save in progress is one of the directories it would remove
-        fail(f"{redact(_local_url(url))} is being written by a live run ({writer.run_id}, run "
-             f"{writer.run} of job '{writer.job}'): --include-newer would remove the save it "
-             "is writing; run gc without it, or once that run has ended")  # fmt: skip
+        fail(
+            f"{redact(_local_url(url))} is being written by a live run ({writer.run_id}, run "
+            f"{writer.run} of job '{writer.job}'): --include-newer would remove the save it "
+            "is writing; run gc without it, or once that run has ended"
+        )
     result = gc(_local_url(url), keep, all_uncommitted=include_newer, run_id=run_id)
     for name in result.failed:
         console.print(f"failed verification (marked, kept): {name}", highlight=False)

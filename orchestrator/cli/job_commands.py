@@ -379,8 +379,10 @@ def logs(
             current = jobs.read_spec_record(client, job).run
             status = jobs.read_status(client, job)
             if run != current or (status is not None and status.phase.terminal):
-                fail(f"--follow shows a run going on; run {run} has ended: drop --follow to "
-                     "read it", 2)  # fmt: skip
+                fail(
+                    f"--follow shows a run going on; run {run} has ended: drop --follow to read it",
+                    2,
+                )
         if not follow:
             for line in iter_logs(client, job, node=node, tail=tail, run=run, notes=note):
                 show(line)

@@ -243,8 +243,9 @@ class JobController:
                 seen_at=action.seen_at,
                 spare_wait_s=action.spare_wait_s,
             )
-            log.warning("[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)),
-                        action.why, cause)  # fmt: skip
+            log.warning(
+                "[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)), action.why, cause
+            )
             for node in sorted(action.nodes):
                 events.emit(
                     client,
@@ -366,11 +367,18 @@ def launched(plan: Plan, nodes: dict[str, NodeRecord]) -> dict[str, ProgressReco
             continue
         at = info.launched_at
         first = max(at, min(told)) if told else at
-        tel = Telemetry(generation=plan.generation, group_formed_at=at, restored_at=first,
-                        first_step_at=first)  # fmt: skip
+        tel = Telemetry(
+            generation=plan.generation, group_formed_at=at, restored_at=first, first_step_at=first
+        )
         for i in range(m.nproc):
             out[keys.worker_id(m.node, i)] = ProgressRecord(
-                step=0, generation=plan.generation, rank=m.rank_base + i,
-                world_size=plan.world_size, pid=info.pid, beat=at, step_time=at, telemetry=tel,
-            )  # fmt: skip
+                step=0,
+                generation=plan.generation,
+                rank=m.rank_base + i,
+                world_size=plan.world_size,
+                pid=info.pid,
+                beat=at,
+                step_time=at,
+                telemetry=tel,
+            )
     return out

@@ -82,8 +82,13 @@ class LinkProber:
         for node, port in ports.items():
             peers = {n: ports[n] for n in pairs[node]}
             budget = len(peers) * PROBE_ROUNDS * (PROBE_SECONDS + 5.0) + 10.0
-            request = {"op": PROBE_OP, "peers": peers, "seconds": PROBE_SECONDS,
-                       "max_bytes": PROBE_MAX_BYTES, "rounds": PROBE_ROUNDS}  # fmt: skip
+            request = {
+                "op": PROBE_OP,
+                "peers": peers,
+                "seconds": PROBE_SECONDS,
+                "max_bytes": PROBE_MAX_BYTES,
+                "rounds": PROBE_ROUNDS,
+            }
             try:
                 answer = ask(port, request, timeout=budget, token=token)
             except (AgentUnreachableError, RequestError) as e:

@@ -153,8 +153,9 @@ class LinkWatch:
     #: the node called for its link now, if any
     called: LinkCall | None = None
 
-    def window(self, generation: int, timings: dict[str, tuple[float, float, int]],
-               mono: float) -> tuple[bool, float, bool]:  # fmt: skip
+    def window(
+        self, generation: int, timings: dict[str, tuple[float, float, int]], mono: float
+    ) -> tuple[bool, float, bool]:
         """Take one window: per node ``(compute_s, wait_s, steps)`` per step.
 
         Returns:
@@ -201,8 +202,9 @@ class LinkWatch:
         if found is None or self.base_wait_s is None:
             return None
         node, mine, others = found
-        self.called = LinkCall(node, mine, others, self.wait_s, self.base_wait_s,
-                               self.slowdown, self.streak)  # fmt: skip
+        self.called = LinkCall(
+            node, mine, others, self.wait_s, self.base_wait_s, self.slowdown, self.streak
+        )
         self.streak = 0
         return self.called
 

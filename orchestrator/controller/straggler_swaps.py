@@ -54,9 +54,13 @@ DEFAULT_SWAP_COST_S = 2.0
 
 
 def decide_stragglers(
-    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, actions: list[Action],
+    spec: JobSpec,
+    watch: StragglerWatch,
+    status: JobStatus,
+    world: World,
+    actions: list[Action],
     equal_sites: bool = False,
-) -> list[Action]:  # fmt: skip
+) -> list[Action]:
     """This tick's actions about slow nodes (``actions``: what the policy decided;
     ``equal_sites``: the sites must stay of one size, so a swap takes a spare of the
     straggler's own site: :mod:`orchestrator.controller.site_balance`)."""
@@ -79,20 +83,31 @@ def decide_stragglers(
         called += watch.take_probe(probed, members)
         if not called:
             rates = _rates_mb_s(probed)
-            out.append(Emit("LinkProbe", f"links measured, none slower than the others: "
-                            f"{_rates(probed)}", {"rates_mb_s": rates}))  # fmt: skip
+            out.append(
+                Emit(
+                    "LinkProbe",
+                    f"links measured, none slower than the others: {_rates(probed)}",
+                    {"rates_mb_s": rates},
+                )
+            )
     if watch.probe_wanted:
         out += _probe(watch, world, plan)
     for s in called:
         tail = "; reported only (fault_tolerance.stragglers.action: report)"
         if config.action is StragglerAction.SWAP:
-            tail = (f"; it has cost the job {watch.lost.get(s.node, 0.0):.1f}s so far, and a "
-                    f"spare takes its slot at {config.confirm.total_seconds():g}s")  # fmt: skip
-        out.append(Emit("Straggler", s.describe() + tail,
-                        {"node": s.node, "slowdown": round(s.slowdown, 3)}))  # fmt: skip
+            tail = (
+                f"; it has cost the job {watch.lost.get(s.node, 0.0):.1f}s so far, and a "
+                f"spare takes its slot at {config.confirm.total_seconds():g}s"
+            )
+        out.append(
+            Emit(
+                "Straggler", s.describe() + tail, {"node": s.node, "slowdown": round(s.slowdown, 3)}
+            )
+        )
     for node in cleared:
-        out.append(Emit("StragglerCleared", f"{node} steps at its peers' pace again",
-                        {"node": node}))  # fmt: skip
+        out.append(
+            Emit("StragglerCleared", f"{node} steps at its peers' pace again", {"node": node})
+        )
     status.stragglers = {n: round(s.slowdown, 2) for n, s in sorted(watch.flagged.items())}
     status.quarantined = sorted(watch.quarantined)
     if config.action is StragglerAction.SWAP:
@@ -105,8 +120,9 @@ def _probe(watch: StragglerWatch, world: World, plan: Plan) -> list[Action]:
     watch.probe_wanted = False
     members = [m.node for m in plan.members]
     nodes = members + sorted(n for n in world.nodes if n not in members)  # spares too
-    ports = {n: world.nodes[n].liveness for n in nodes
-             if n in world.nodes and n not in world.quarantined}  # fmt: skip
+    ports = {
+        n: world.nodes[n].liveness for n in nodes if n in world.nodes and n not in world.quarantined
+    }
     usable = {n: p for n, p in ports.items() if p}
     if len(usable) < 3:  # two ends of one slow pair cannot say which end is slow
         watch.links.verdict(LinkProbeResult({}))
@@ -114,22 +130,29 @@ def _probe(watch: StragglerWatch, world: World, plan: Plan) -> list[Action]:
     links = watch.links
     return [
         ProbeLinks(usable),
-        Emit("LinkProbe", f"the ranks wait {links.wait_s * 1000:.1f} ms per step for the "
-             f"gradient exchange (at least {(links.base_wait_s or 0) * 1000:.1f} ms before) "
-             f"and no node computes slower than the others: measuring the links between "
-             f"{', '.join(sorted(usable))}", {"nodes": sorted(usable)}),
-    ]  # fmt: skip
+        Emit(
+            "LinkProbe",
+            f"the ranks wait {links.wait_s * 1000:.1f} ms per step for the "
+            f"gradient exchange (at least {(links.base_wait_s or 0) * 1000:.1f} ms before) "
+            f"and no node computes slower than the others: measuring the links between "
+            f"{', '.join(sorted(usable))}",
+            {"nodes": sorted(usable)},
+        ),
+    ]
 
 
 def _rates_mb_s(probed: LinkProbeResult) -> dict[str, dict[str, float]]:
     """The probe's rates in MB/s (10^6 bytes per second), by sender and receiver."""
-    return {a: {b: round(bps / 1e6, 3) for b, bps in sorted(row.items())}
-            for a, row in sorted(probed.rates.items())}  # fmt: skip
+    return {
+        a: {b: round(bps / 1e6, 3) for b, bps in sorted(row.items())}
+        for a, row in sorted(probed.rates.items())
+    }
 
 
 def _rates(probed: LinkProbeResult) -> str:
-    pairs = [f"{a}->{b} {mb:.1f} MB/s" for a, row in _rates_mb_s(probed).items()
-             for b, mb in row.items()]  # fmt: skip
+    pairs = [
+        f"{a}->{b} {mb:.1f} MB/s" for a, row in _rates_mb_s(probed).items() for b, mb in row.items()
+    ]
     return ", ".join(pairs) or "no answer"
 
 
@@ -155,27 +178,40 @@ def _releases(watch: StragglerWatch, world: World, actions: list[Action]) -> lis
             if watch.quarantined.pop(a.node, None) is None:
                 out.append(Emit("BadCommand", f"release: {a.node} is not quarantined"))
                 continue
-            out.append(Emit("NodeReleased", f"{a.node} released by an operator: it may be a "
-                            "spare again", {"node": a.node}))  # fmt: skip
+            out.append(
+                Emit(
+                    "NodeReleased",
+                    f"{a.node} released by an operator: it may be a spare again",
+                    {"node": a.node},
+                )
+            )
     for node, started in list(watch.quarantined.items()):
         info = world.nodes.get(node)
         if info is not None and started is None:  # quarantined under another leader
             watch.quarantined[node] = info.started
         elif info is not None and info.started != started:
             del watch.quarantined[node]
-            out.append(Emit("NodeReleased", f"{node}'s agent started again: it may be a spare "
-                            "again", {"node": node}))  # fmt: skip
+            out.append(
+                Emit(
+                    "NodeReleased",
+                    f"{node}'s agent started again: it may be a spare again",
+                    {"node": node},
+                )
+            )
     return out
 
 
 def _swap(
-    spec: JobSpec, watch: StragglerWatch, status: JobStatus, world: World, plan: Plan,
+    spec: JobSpec,
+    watch: StragglerWatch,
+    status: JobStatus,
+    world: World,
+    plan: Plan,
     equal_sites: bool,
-) -> list[Action]:  # fmt: skip
+) -> list[Action]:
     """A warm spare in the slowest straggler's slot, when that pays (else why not, once)."""
     members = [m.node for m in plan.members]
-    slow = sorted((s for n, s in watch.flagged.items() if n in members),
-                  key=lambda s: -s.slowdown)  # fmt: skip
+    slow = sorted((s for n, s in watch.flagged.items() if n in members), key=lambda s: -s.slowdown)
     if not slow:
         return []
     straggler = slow[0]

@@ -195,8 +195,17 @@ class StragglerWatch:
         if call.node in self.flagged:  # called for its compute: its link is the cause
             self.kept.discard(call.node)
         # no compute figures: a link straggler computes about as long as its peers
-        straggler = Straggler(call.node, call.slowdown, 0.0, 0.0, call.wait_s, call.wait_s,
-                              call.windows, cause="link", evidence=call.describe())  # fmt: skip
+        straggler = Straggler(
+            call.node,
+            call.slowdown,
+            0.0,
+            0.0,
+            call.wait_s,
+            call.wait_s,
+            call.windows,
+            cause="link",
+            evidence=call.describe(),
+        )
         self.flagged[call.node] = straggler
         self.lost[call.node] = max(self.links.lost_s, self.lost.get(call.node, 0.0))
         return [straggler]
@@ -233,8 +242,15 @@ class StragglerWatch:
             self._streak[node] = 0
             if slow:
                 peers_wait = statistics.median(t.wait_s for t in peers)
-                straggler = Straggler(node, slowdown, mine.compute_s, median, mine.wait_s,
-                                      peers_wait, self.spec.windows)  # fmt: skip
+                straggler = Straggler(
+                    node,
+                    slowdown,
+                    mine.compute_s,
+                    median,
+                    mine.wait_s,
+                    peers_wait,
+                    self.spec.windows,
+                )
                 self.flagged[node] = straggler
                 called.append(straggler)
             else:

@@ -104,17 +104,23 @@ class JobMetrics:
         )
         self.step = Gauge("ringmaster_job_step", "Highest completed step", [JOB_LABEL], registry=r)
         self.run = Gauge(
-            "ringmaster_job_run", "The job's current run (1, then one more per resubmit)",
-            [JOB_LABEL], registry=r,
-        )  # fmt: skip
-        self.steps_total = Counter(
-            "ringmaster_job_steps", "Steps completed while this controller led", [JOB_LABEL],
+            "ringmaster_job_run",
+            "The job's current run (1, then one more per resubmit)",
+            [JOB_LABEL],
             registry=r,
-        )  # fmt: skip
+        )
+        self.steps_total = Counter(
+            "ringmaster_job_steps",
+            "Steps completed while this controller led",
+            [JOB_LABEL],
+            registry=r,
+        )
         self.productive_total = Counter(
             "ringmaster_job_productive_wall_seconds",
-            "Wall time spent making progress (counter)", [JOB_LABEL], registry=r,
-        )  # fmt: skip
+            "Wall time spent making progress (counter)",
+            [JOB_LABEL],
+            registry=r,
+        )
         self.steps_per_second = Gauge(
             "ringmaster_job_steps_per_second", "Recent training rate", [JOB_LABEL], registry=r
         )

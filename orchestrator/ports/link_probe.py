@@ -279,8 +279,9 @@ def probe_peers(
     errors: dict[str, str] = {}
     for node, address in sorted(peers.items()):
         try:
-            rates[node] = max(send_probe(address, seconds, max_bytes, token=token)
-                              for _ in range(rounds))  # fmt: skip
+            rates[node] = max(
+                send_probe(address, seconds, max_bytes, token=token) for _ in range(rounds)
+            )
         except (AgentUnreachableError, RequestError) as e:
             errors[node] = str(e)
     return {"rates": rates, "errors": errors}

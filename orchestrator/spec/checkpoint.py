@@ -49,9 +49,12 @@ class CheckpointSpec:
         scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
         if not self.url.strip():
             out.append(
-                ("url", "is empty: give a directory (a path or file://...) or an object-store "
-                 "URL (s3://bucket/path)")
-            )  # fmt: skip
+                (
+                    "url",
+                    "is empty: give a directory (a path or file://...) or an object-store "
+                    "URL (s3://bucket/path)",
+                )
+            )
         elif scheme not in CHECKPOINT_SCHEMES:
             out.append(
                 (

@@ -383,18 +383,24 @@ class JobSpec:
             out.append(("max_steps", too_large(self.max_steps, INT64_MAX, "steps")))
         if self.sync.delayed and self.fault_tolerance.recovery is RecoveryMode.RESTART:
             out.append(
-                ("sync.mode", f"{self.sync.mode.value} runs in the ringmaster runtime; "
-                 "fault_tolerance.recovery: restart runs scripts that do not use it (use "
-                 "in_process or auto with a script that calls runtime.init())")
-            )  # fmt: skip
+                (
+                    "sync.mode",
+                    f"{self.sync.mode.value} runs in the ringmaster runtime; "
+                    "fault_tolerance.recovery: restart runs scripts that do not use it (use "
+                    "in_process or auto with a script that calls runtime.init())",
+                )
+            )
         if self.sync.delayed and (
             self.comm.hierarchical or self.comm.compression.type is CompressionKind.LOCALSGD
         ):
             out.append(
-                ("sync.mode", f"{self.sync.mode.value} averages inside each site with DDP; "
-                 "comm.hierarchical and comm.compression.type: localsgd build groups over every "
-                 "rank: turn them off (fp16, bf16, powersgd, topk and qsgd work inside a site)")
-            )  # fmt: skip
+                (
+                    "sync.mode",
+                    f"{self.sync.mode.value} averages inside each site with DDP; "
+                    "comm.hierarchical and comm.compression.type: localsgd build groups over every "
+                    "rank: turn them off (fp16, bf16, powersgd, topk and qsgd work inside a site)",
+                )
+            )
         return out
 
     def runtime_settings(self) -> Problems:

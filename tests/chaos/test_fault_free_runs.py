@@ -63,8 +63,9 @@ def test_every_fault_free_run_ends(tmp_path: Path) -> None:
         assert spec.fault_tolerance.recovery is RecoveryMode.RESTART
         lines: list[str] = []
         started = time.monotonic()
-        with LocalRun(spec, printer=lines.append, workdir=str(REPO),
-                      timeout=timedelta(seconds=RUN_TIMEOUT)) as run:  # fmt: skip
+        with LocalRun(
+            spec, printer=lines.append, workdir=str(REPO), timeout=timedelta(seconds=RUN_TIMEOUT)
+        ) as run:
             result = run.wait()
             agents = [p.popen for n, p in run.procs.items() if n.startswith("node-")]
             deadline = time.monotonic() + 10

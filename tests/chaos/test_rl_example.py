@@ -38,10 +38,16 @@ def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
             "entrypoint": {
                 "script": str(REPO / "examples" / "train_cartpole.py"),
                 "args": [
-                    "--episodes", "2", "--max-len", "60",
-                    "--out", str(tmp / "policy.pt"),
-                    "--step-log", str(tmp / "steps"),
-                    "--step-time", str(STEP_TIME),
+                    "--episodes",
+                    "2",
+                    "--max-len",
+                    "60",
+                    "--out",
+                    str(tmp / "policy.pt"),
+                    "--step-log",
+                    str(tmp / "steps"),
+                    "--step-time",
+                    str(STEP_TIME),
                 ],
                 "env": {"RINGMASTER_LOG_EVERY": "1000"},
             },
@@ -50,7 +56,7 @@ def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
             "checkpoint": {"url": f"file://{tmp}/ckpt", "every_steps": 0},
             "fault_tolerance": {"heartbeat_interval": "500ms"},
         }
-    )  # fmt: skip
+    )
 
 
 def test_cartpole_policy_survives_a_node_kill_unchanged(tmp_path: Path) -> None:

@@ -149,9 +149,16 @@ def test_tensor_parallel_replicas_shrink_in_memory_when_no_spare_is_left(tmp_pat
     """replicate 2 x tensor 2, no spare: the survivors go on as one replica, from memory."""
     lines: list[str] = []
     spec = sharded_job(
-        "tp-shrink", tmp_path, "mesh", nodes=2, min_nodes=1, spares=0, nproc=2, steps=STEPS,
+        "tp-shrink",
+        tmp_path,
+        "mesh",
+        nodes=2,
+        min_nodes=1,
+        spares=0,
+        nproc=2,
+        steps=STEPS,
         mesh="tensor=2",
-    )  # fmt: skip
+    )
     with quiet_run(spec, lines, kill_node_at_step=25) as run:
         result = run.wait()
         record = _recovery(run)
@@ -170,9 +177,15 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     the spare goes on from the newest checkpoint and the record says how many steps were lost."""
     lines: list[str] = []
     spec = sharded_job(
-        "tp-durable", tmp_path, "mesh", nodes=1, nproc=2, steps=STEPS, mesh="tensor=2",
+        "tp-durable",
+        tmp_path,
+        "mesh",
+        nodes=1,
+        nproc=2,
+        steps=STEPS,
+        mesh="tensor=2",
         every_steps=20,
-    )  # fmt: skip
+    )
     with quiet_run(spec, lines, kill_node_at_step=25) as run:
         result = run.wait()
         record = _recovery(run)
@@ -198,9 +211,15 @@ def test_slices_come_from_twins(
     that hold the same ones."""
     lines: list[str] = []
     spec = sharded_job(
-        "twin-kill", tmp_path, sharding, nodes=2, nproc=2, steps=STEPS, mesh=mesh,
+        "twin-kill",
+        tmp_path,
+        sharding,
+        nodes=2,
+        nproc=2,
+        steps=STEPS,
+        mesh=mesh,
         optimizer=optimizer,
-    )  # fmt: skip
+    )
     with quiet_run(spec, lines, kill_node_at_step=25) as run:
         result = run.wait()
         record = _recovery(run)
@@ -212,7 +231,9 @@ def test_slices_come_from_twins(
     if mesh == "pipeline=2":  # each rank held its stage only: the first layer or the last
         held = {f.name: sorted(torch.load(f)) for f in (tmp_path / "out").glob("rank-*.pt")}
         assert held == {
-            "rank-0.pt": ["0.bias", "0.weight"], "rank-1.pt": ["2.bias", "2.weight"],
-            "rank-2.pt": ["0.bias", "0.weight"], "rank-3.pt": ["2.bias", "2.weight"],
-        }, held  # fmt: skip
+            "rank-0.pt": ["0.bias", "0.weight"],
+            "rank-1.pt": ["2.bias", "2.weight"],
+            "rank-2.pt": ["0.bias", "0.weight"],
+            "rank-3.pt": ["2.bias", "2.weight"],
+        }, held
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS, optimizer))

@@ -66,9 +66,12 @@ def test_a_slow_link_is_measured_called_and_swapped(tmp_path: Path, isolated: Is
         deadline = time.monotonic() + 90
         while not any(e.type == "StragglerSwapped" for e in events.list_events(client, job)):
             assert time.monotonic() < deadline, "\n".join(
-                [*lines[-30:], *(f"{e.type}: {e.message}" for e in events.list_events(client, job)),
-                 str(jobs.read_status(client, job))]
-            )  # fmt: skip
+                [
+                    *lines[-30:],
+                    *(f"{e.type}: {e.message}" for e in events.list_events(client, job)),
+                    str(jobs.read_status(client, job)),
+                ]
+            )
             time.sleep(0.2)
         status = wait_for(
             "the end of the job",

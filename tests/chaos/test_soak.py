@@ -53,9 +53,12 @@ def soak_job(name: str, tmp: Path) -> JobSpec:
             "entrypoint": {
                 "script": str(script),
                 "args": [
-                    "--step-time", "0.05",
-                    "--out", str(tmp / "final.pt"),
-                    "--step-log", str(tmp / "steps"),
+                    "--step-time",
+                    "0.05",
+                    "--out",
+                    str(tmp / "final.pt"),
+                    "--step-log",
+                    str(tmp / "steps"),
                 ],
                 "env": {"RINGMASTER_LOG_EVERY": "1000", "RINGMASTER_TEST_SLOW_WRITE_S": "0.4"},
             },
@@ -74,7 +77,7 @@ def soak_job(name: str, tmp: Path) -> JobSpec:
                 "stragglers": {"action": "swap"},
             },
         }
-    )  # fmt: skip
+    )
 
 
 def test_soak_every_fault_kind_nothing_lost(tmp_path: Path) -> None:

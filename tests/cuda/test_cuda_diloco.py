@@ -118,9 +118,16 @@ def test_fsdp2_site_of_one_on_nccl_resumes_its_outer_slices_from_a_checkpoint(
         tmp = tmp_path / name
         tmp.mkdir()
         base = sharded_job(
-            name, tmp, "fsdp", nodes=1, nproc=1, steps=STEPS, every_steps=10,
-            step_time=0.05, spares=1 if kill_at else 0,
-        ).to_dict()  # fmt: skip
+            name,
+            tmp,
+            "fsdp",
+            nodes=1,
+            nproc=1,
+            steps=STEPS,
+            every_steps=10,
+            step_time=0.05,
+            spares=1 if kill_at else 0,
+        ).to_dict()
         base["sync"] = {"mode": "diloco", "inner_steps": 10}
         base["comm"] = {"backend": "nccl"}
         with quiet_run(load_job_data(base), lines, kill_node_at_step=kill_at) as run:

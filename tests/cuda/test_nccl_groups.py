@@ -72,9 +72,15 @@ def test_boundary_on_the_control_group_costs_per_step(etcd_client: EtcdClient) -
     and that it never waits for queued GPU work."""
     backend, device = choose_device("auto", 0)
     groups = form_group(
-        etcd_client, f"ctl-{uuid.uuid4().hex[:8]}", 1, 0, 1, "127.0.0.1",
-        backend=backend, device=device,
-    )  # fmt: skip
+        etcd_client,
+        f"ctl-{uuid.uuid4().hex[:8]}",
+        1,
+        0,
+        1,
+        "127.0.0.1",
+        backend=backend,
+        device=device,
+    )
     try:
         proposal = boundary.Proposal(1, 0, 0, False, False, False)
         for _ in range(20):

@@ -113,8 +113,9 @@ class IsolatedNode:
         as a slow NIC or a congested port would."""
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
         subprocess.run(["tc", "qdisc", "replace", "dev", self.host_if, *tbf], check=True)
-        subprocess.run(self.command(["tc", "qdisc", "replace", "dev", self.node_if, *tbf]),
-                       check=True)  # fmt: skip
+        subprocess.run(
+            self.command(["tc", "qdisc", "replace", "dev", self.node_if, *tbf]), check=True
+        )
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace."""

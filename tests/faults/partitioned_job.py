@@ -51,8 +51,18 @@ def partitioned_job(
 
         def agent(node: str, etcd_args: list[str], address: str) -> list[str]:
             labels = f"zone=z,rack=r,host={node}"
-            return ["agent", "--job", job, "--node", node, "--labels", labels,
-                    "--address", address, *etcd_args]  # fmt: skip
+            return [
+                "agent",
+                "--job",
+                job,
+                "--node",
+                node,
+                "--labels",
+                labels,
+                "--address",
+                address,
+                *etcd_args,
+            ]
 
         services.start(
             "node-a",

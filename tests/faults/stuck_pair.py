@@ -32,9 +32,19 @@ def run_stuck_pair(
     between_sites: bool = False,
 ) -> dict[str, Any]:
     moved, out = tmp / "moved", tmp / "rank0.json"
-    args = [etcd_endpoint, f"stuck-{uuid.uuid4().hex[:8]}", "--moved", str(moved),
-            "--out", str(out), "--backend", backend, "--op-timeout", str(op_timeout),
-            *(["--between-sites"] if between_sites else [])]  # fmt: skip
+    args = [
+        etcd_endpoint,
+        f"stuck-{uuid.uuid4().hex[:8]}",
+        "--moved",
+        str(moved),
+        "--out",
+        str(out),
+        "--backend",
+        backend,
+        "--op-timeout",
+        str(op_timeout),
+        *(["--between-sites"] if between_sites else []),
+    ]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     procs = [

@@ -82,10 +82,13 @@ def main() -> None:
     except Exception as e:  # the stuck collective's error is the result
         a.out.write_text(
             json.dumps(
-                {"ended_by": guard.ended_by(e), "seconds": time.monotonic() - started,
-                 "error": str(e)[:300]}
+                {
+                    "ended_by": guard.ended_by(e),
+                    "seconds": time.monotonic() - started,
+                    "error": str(e)[:300],
+                }
             )
-        )  # fmt: skip
+        )
     finally:
         guard.close()
         teardown_group()

@@ -153,8 +153,11 @@ def test_run_resume_over_a_corrupt_newest_checkpoint_names_it(etcd: Any, tmp_pat
     root = Location.from_url(f"file://{tmp_path}/{name}")
     newest = latest_committed(root)
     assert newest is not None and newest.step == 20
-    data = [p for p in (tmp_path / name / newest.name).rglob("*")
-            if p.is_file() and p.suffix != ".json" and p.stat().st_size > 64]  # fmt: skip
+    data = [
+        p
+        for p in (tmp_path / name / newest.name).rglob("*")
+        if p.is_file() and p.suffix != ".json" and p.stat().st_size > 64
+    ]
     assert data, list((tmp_path / name / newest.name).rglob("*"))
     damaged = bytearray(data[0].read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF

@@ -29,9 +29,25 @@ def test_a_streaming_diloco_row_crosses_the_limited_link() -> None:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"two sites need network namespaces: {reason}")
-    args = ["--rates", "100mbit", "--only", "streaming_100mbit", "--no-kill", "--steps", "30",
-            "--width", "32", "--layers", "1", "--inner-steps", "10", "--fragments", "2",
-            "--delay-steps", "1"]  # fmt: skip
+    args = [
+        "--rates",
+        "100mbit",
+        "--only",
+        "streaming_100mbit",
+        "--no-kill",
+        "--steps",
+        "30",
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--inner-steps",
+        "10",
+        "--fragments",
+        "2",
+        "--delay-steps",
+        "1",
+    ]
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "cross_site.py"), *args],
         cwd=REPO,

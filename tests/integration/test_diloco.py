@@ -49,8 +49,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 STEPS = 60
 # node-2 alone in zone a; node-0 and node-1 in zone b, and node-3, the spare
-ZONES = {"node-0": {"zone": "b"}, "node-1": {"zone": "b"}, "node-2": {"zone": "a"},
-         "node-3": {"zone": "b"}}  # fmt: skip
+ZONES = {
+    "node-0": {"zone": "b"},
+    "node-1": {"zone": "b"},
+    "node-2": {"zone": "a"},
+    "node-3": {"zone": "b"},
+}
 
 
 DILOCO = {"mode": "diloco", "inner_steps": 10}
@@ -139,8 +143,9 @@ class HandRun:
         if opt is not None:
             for o in self.opts:
                 o.load_state_dict(copy.deepcopy(opt.state_dict()))
-        self.frags = [[[list(m.parameters())[i] for i in run] for run in self.runs]
-                      for m in self.models]  # fmt: skip
+        self.frags = [
+            [[list(m.parameters())[i] for i in run] for run in self.runs] for m in self.models
+        ]
 
     def train(self, start: int, end: int, lost_at: int | None = None) -> HandRun:
         """Steps ``start .. end - 1``.  ``lost_at``: the first site's only node is lost with

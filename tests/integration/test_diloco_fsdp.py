@@ -45,9 +45,15 @@ def fsdp_sites_job(
 ) -> JobSpec:
     """Two nodes of two workers; with a spare, held at :data:`HOLD_AT` until ``tmp/go``."""
     base = sharded_job(
-        name, tmp, "fsdp", nodes=2, nproc=2, steps=steps, step_time=0.1 if spares else 0.0,
+        name,
+        tmp,
+        "fsdp",
+        nodes=2,
+        nproc=2,
+        steps=steps,
+        step_time=0.1 if spares else 0.0,
         spares=spares,
-    ).to_dict()  # fmt: skip
+    ).to_dict()
     base["sync"] = sync
     if spares:
         base["entrypoint"]["args"] += ["--hold-at", str(HOLD_AT), "--go-file", str(tmp / "go")]
@@ -105,8 +111,9 @@ def test_sites_of_different_sizes_fail_the_job_naming_each_site(tmp_path: Path) 
     would hold slice i of a different cut, so the first generation's join refuses the
     layout as the script's error: the job fails at once, with each site's size."""
     lines: list[str] = []
-    base = sharded_job("diloco-fsdp-uneven", tmp_path, "fsdp", nodes=3, nproc=1, steps=20,
-                       spares=0).to_dict()  # fmt: skip
+    base = sharded_job(
+        "diloco-fsdp-uneven", tmp_path, "fsdp", nodes=3, nproc=1, steps=20, spares=0
+    ).to_dict()
     base["sync"] = {"mode": "diloco", "inner_steps": 10}
     base["fault_tolerance"]["max_restarts"] = 0
     zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"}}
@@ -130,12 +137,25 @@ def test_a_site_that_loses_a_node_with_no_spare_waits_and_the_other_site_trains_
     lost or applied twice."""
     lines: list[str] = []
     sync = {"mode": "diloco", "inner_steps": 10}
-    base = sharded_job("diloco-fsdp-short", tmp_path, "fsdp", nodes=4, nproc=1, steps=STEPS,
-                       step_time=0.02, spares=0, min_nodes=1).to_dict()  # fmt: skip
+    base = sharded_job(
+        "diloco-fsdp-short",
+        tmp_path,
+        "fsdp",
+        nodes=4,
+        nproc=1,
+        steps=STEPS,
+        step_time=0.02,
+        spares=0,
+        min_nodes=1,
+    ).to_dict()
     base["sync"] = sync
     base["entrypoint"]["args"] += ["--hold-at", "15", "--go-file", str(tmp_path / "go")]
-    zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"},
-             "node-3": {"zone": "b"}}  # fmt: skip
+    zones = {
+        "node-0": {"zone": "a"},
+        "node-1": {"zone": "a"},
+        "node-2": {"zone": "b"},
+        "node-3": {"zone": "b"},
+    }
     with quiet_run(load_job_data(base), lines, node_labels=zones) as run:
         wait_for("a step past the first outer one", lambda: _step(run) >= 12)
         run.kill_node("node-3")
@@ -180,12 +200,26 @@ def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(
     the outer state of slice 1 from node-3 (site b): site a keeps its inner steps, and
     the run ends as the algorithm by hand without any loss."""
     lines: list[str] = []
-    base = sharded_job("diloco-fsdp-buddy", tmp_path, "fsdp", nodes=4, nproc=1, steps=STEPS,
-                       step_time=0.02, spares=1, redundancy=1).to_dict()  # fmt: skip
+    base = sharded_job(
+        "diloco-fsdp-buddy",
+        tmp_path,
+        "fsdp",
+        nodes=4,
+        nproc=1,
+        steps=STEPS,
+        step_time=0.02,
+        spares=1,
+        redundancy=1,
+    ).to_dict()
     base["sync"] = sync
     base["entrypoint"]["args"] += ["--hold-at", str(hold), "--go-file", str(tmp_path / "go")]
-    zones = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"},
-             "node-3": {"zone": "b"}, "node-4": {"zone": "a"}}  # fmt: skip
+    zones = {
+        "node-0": {"zone": "a"},
+        "node-1": {"zone": "a"},
+        "node-2": {"zone": "b"},
+        "node-3": {"zone": "b"},
+        "node-4": {"zone": "a"},
+    }
     run = quiet_run(load_job_data(base), lines, node_labels=zones)
     run.node_names = lambda: ["node-0", "node-1", "node-2", "node-3"]  # type: ignore[method-assign]
     with run:
@@ -214,8 +248,9 @@ def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path
     one worker each takes every slice's outer state cut anew (the outer momentum
     matters: Nesterov 0.7/0.9) and ends as the algorithm by hand too."""
     lines: list[str] = []
-    first = fsdp_sites_job("diloco-fsdp-save", tmp_path, {"mode": "diloco", "inner_steps": 10},
-                           20).to_dict()  # fmt: skip
+    first = fsdp_sites_job(
+        "diloco-fsdp-save", tmp_path, {"mode": "diloco", "inner_steps": 10}, 20
+    ).to_dict()
     # saved before the next step: a save still uploading at step 20 would skip it
     first["checkpoint"].update({"every_steps": 10, "async": False})
     with quiet_run(load_job_data(first), lines, node_labels=ZONES) as run:
@@ -244,8 +279,10 @@ def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path
     with quiet_run(spec, lines, node_labels=ZONES, resume=resume) as run:
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
-    assert any("the outer state was saved on sites of 2 rank(s) each and is resharded to 1"
-               in line for line in lines), summary(result, lines)  # fmt: skip
+    assert any(
+        "the outer state was saved on sites of 2 rank(s) each and is resharded to 1" in line
+        for line in lines
+    ), summary(result, lines)
     hand = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, 20).resume_as([[0, 1], [2, 3]])
     hand.train(20, resume.step).resume_as([[0], [1]]).train(resume.step, STEPS + 20)
     assert_same_params(assembled(tmp_path / "out"), hand.final())

@@ -55,9 +55,17 @@ def test_an_agent_measures_its_peers_and_says_which_it_could_not_reach(
         gone = _closed_port()  # a node still registered whose agent is gone
         for node, port in (("a", a.address), ("b", b.address), ("x", gone)):
             _register(etcd_client, job, node, port)
-        answer = ask(a.address, {"op": PROBE_OP, "peers": {"b": b.address, "x": gone},
-                                 "seconds": 0.1, "max_bytes": 4 << 20}, timeout=30,
-                     token=read_token(etcd_client, job))  # fmt: skip
+        answer = ask(
+            a.address,
+            {
+                "op": PROBE_OP,
+                "peers": {"b": b.address, "x": gone},
+                "seconds": 0.1,
+                "max_bytes": 4 << 20,
+            },
+            timeout=30,
+            token=read_token(etcd_client, job),
+        )
     assert set(answer["rates"]) == {"b"} and answer["rates"]["b"] > 10e6, answer
     assert gone in answer["errors"]["x"], answer
 
@@ -83,9 +91,13 @@ def _through(rate: str, **limit: str) -> float:
             "sys.stdin.read()\n"
         )
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        with subprocess.Popen(node.command([sys.executable, "-c", code]), env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True) as server:  # fmt: skip
+        with subprocess.Popen(
+            node.command([sys.executable, "-c", code]),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as server:
             assert server.stdin is not None and server.stdout is not None
             try:
                 remote = server.stdout.readline().strip()

@@ -85,9 +85,11 @@ def _accumulate(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     # A new generation: a new group formed while inside no_sync, the DDP rebuilt on it.
     dist.destroy_process_group()
     dist.init_process_group(
-        "gloo", store=dist.FileStore(str(Path(store_dir) / "gen2"), world_size),
-        rank=rank, world_size=world_size,
-    )  # fmt: skip
+        "gloo",
+        store=dist.FileStore(str(Path(store_dir) / "gen2"), world_size),
+        rank=rank,
+        world_size=world_size,
+    )
     with model.no_sync():
         model.drop()
         model.rebuild()

@@ -38,9 +38,11 @@ HELPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); ti
 def _script(then: str, pid_file: Path | None = None) -> list[str]:
     """A Python child that starts :data:`HELPER`, prints its pid (or writes it to
     ``pid_file``), then runs ``then``."""
-    tell = f"open({str(pid_file)!r}, 'w').write(str(helper.pid))" if pid_file else (
-        "print(helper.pid, flush=True)"
-    )  # fmt: skip
+    tell = (
+        f"open({str(pid_file)!r}, 'w').write(str(helper.pid))"
+        if pid_file
+        else ("print(helper.pid, flush=True)")
+    )
     code = textwrap.dedent(
         f"""
         import os, subprocess, sys, time

@@ -67,8 +67,9 @@ def _agent_lines(lines: list[str], node: str) -> list[str]:
 def test_a_script_that_ends_in_the_bad_order_finishes(
     tmp_path: Path, first: int, repeat: int
 ) -> None:
-    spec = _job(f"order-{first}-{repeat}", tmp_path, HERE / "exit_order_worker.py",
-                ["--first", str(first)])  # fmt: skip
+    spec = _job(
+        f"order-{first}-{repeat}", tmp_path, HERE / "exit_order_worker.py", ["--first", str(first)]
+    )
     lines: list[str] = []
     with quiet_run(spec, lines, timeout=timedelta(seconds=60)) as run:
         result = run.wait()
@@ -236,10 +237,12 @@ def test_a_preempted_nodes_script_gets_preemption_grace_to_save(tmp_path: Path) 
             "checkpoint": {"url": f"file://{tmp_path}/ckpt"},
             "rendezvous": {"join_timeout": "1s"},
             "fault_tolerance": {
-                "recovery": "restart", "max_restarts": 0, "preemption_grace": "9s",
+                "recovery": "restart",
+                "max_restarts": 0,
+                "preemption_grace": "9s",
             },
         }
-    )  # fmt: skip
+    )
     lines: list[str] = []
     with quiet_run(spec, lines, timeout=timedelta(seconds=60)) as run:
         deadline = time.monotonic() + 45

@@ -53,8 +53,9 @@ def _args(tmp: Path, out: Path) -> list[str]:
     ]
 
 
-def _job(name: str, tmp: Path, script: Path = SCRIPT, args: list[str] | None = None,
-         **ft: object) -> JobSpec:  # fmt: skip
+def _job(
+    name: str, tmp: Path, script: Path = SCRIPT, args: list[str] | None = None, **ft: object
+) -> JobSpec:
     (tmp / "steps").mkdir(exist_ok=True)
     spec = load_job_data(
         {
@@ -164,8 +165,10 @@ def test_sigkill_node_spare_restarts_script_from_its_checkpoint(
     assert "made progress again (its first line of output)" in recovered, recovered
     assert "first step" not in recovered, recovered
     # rank 0 stayed on the survivor (a spare may have no checkpoint to broadcast)
-    first, second = ([n.strip() for n in g.message.split(": ", 1)[1].split(" (")[0].split(",")]
-                     for g in generations)  # fmt: skip
+    first, second = (
+        [n.strip() for n in g.message.split(": ", 1)[1].split(" (")[0].split(",")]
+        for g in generations
+    )
     assert second[0] in first and second[0] != victim, generations
     steps = _steps(tmp_path)
     rank0 = steps["rank-0"]

@@ -37,9 +37,14 @@ def _run(argv: list[str], cwd: Path, timeout: float = 90) -> subprocess.Complete
     """Run ``argv`` in a session of its own; on a timeout kill all of it (torchrun's
     workers too) and fail with what it printed."""
     proc = subprocess.Popen(
-        argv, env=_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        env=_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -53,16 +58,26 @@ def test_runtime_script_trains_under_stock_torchrun(tmp_path: Path) -> None:
     """The same file `ringmaster run` hot-swaps trains under `torchrun --standalone`,
     with DDP over two ranks, to the parameters of a single-rank run."""
     two = _run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(SCRIPT), "--steps", "30",
-         "--out", str(tmp_path / "two.pt")], tmp_path,
-    )  # fmt: skip
+        [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            "--steps",
+            "30",
+            "--out",
+            str(tmp_path / "two.pt"),
+        ],
+        tmp_path,
+    )
     assert two.returncode == 0, two.stdout[-3000:]
     said = two.stdout + two.stderr
     # each rank says once that there is no hot-swap here
     assert said.count("without hot-swap") == 2, said[-3000:]
     assert "finished at step 30" in said
-    one = _run([sys.executable, str(SCRIPT), "--steps", "30", "--out", str(tmp_path / "one.pt")],
-               tmp_path)  # fmt: skip
+    one = _run(
+        [sys.executable, str(SCRIPT), "--steps", "30", "--out", str(tmp_path / "one.pt")], tmp_path
+    )
     assert one.returncode == 0, one.stdout[-3000:]
     a = torch.load(tmp_path / "two.pt")
     b = torch.load(tmp_path / "one.pt")
@@ -75,12 +90,31 @@ def test_the_flagship_lm_and_a_sharded_script_outside_an_agent(tmp_path: Path) -
     """Plain ``python``: the LM example (which reads ``session.spec`` and
     ``session.outer_steps``) trains and ends; an FSDP2 script is refused in one line
     that says what it needs."""
-    lm = _run([sys.executable, str(REPO / "examples" / "train_lm.py"), "--short", "--steps", "2",
-               "--log-every", "1"], tmp_path)  # fmt: skip
+    lm = _run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_lm.py"),
+            "--short",
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+        ],
+        tmp_path,
+    )
     assert lm.returncode == 0, lm.stdout[-3000:]
     assert "step 1 loss" in lm.stdout and "finished at step 2" in lm.stdout, lm.stdout[-3000:]
-    fsdp = _run([sys.executable, str(REPO / "examples" / "train_sharded.py"), "--sharding", "fsdp",
-                 "--steps", "2"], tmp_path)  # fmt: skip
+    fsdp = _run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_sharded.py"),
+            "--sharding",
+            "fsdp",
+            "--steps",
+            "2",
+        ],
+        tmp_path,
+    )
     assert fsdp.returncode != 0, fsdp.stdout[-3000:]
     assert "ValueError: wrap(sharding='fsdp') needs a ringmaster agent" in fsdp.stdout, fsdp.stdout[
         -3000:
@@ -91,9 +125,13 @@ def test_runtime_refuses_the_restart_tier_in_one_line() -> None:
     from agents import runtime
 
     env = WorkerEnv(
-        job="j", node="n0", local_rank=0, local_world_size=1,
-        etcd_endpoints="127.0.0.1:1", recovery=RECOVERY_RESTART,
-    )  # fmt: skip
+        job="j",
+        node="n0",
+        local_rank=0,
+        local_world_size=1,
+        etcd_endpoints="127.0.0.1:1",
+        recovery=RECOVERY_RESTART,
+    )
     with pytest.raises(RecoveryError) as e:
         runtime.init(env)
     message = str(e.value)
@@ -103,8 +141,15 @@ def test_runtime_refuses_the_restart_tier_in_one_line() -> None:
 
 def test_torchrun_variables_follow_the_generation(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a hot-swap, RANK, WORLD_SIZE and MASTER_* name the new generation."""
-    for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         monkeypatch.setenv(name, "stale")
     plan = Plan(
         generation=3,
@@ -133,8 +178,12 @@ def test_a_shadowing_package_is_named_in_one_line(tmp_path: Path, name: str) -> 
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
     cli = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "--help"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode == 2
     lines = cli.stderr.strip().splitlines()
     assert len(lines) == 1, cli.stderr

@@ -232,9 +232,12 @@ def moto_process() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     endpoint = f"http://127.0.0.1:{port}"
     try:
         client = boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id="testing",
-            aws_secret_access_key="testing", region_name="us-east-1",
-        )  # fmt: skip
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -266,8 +269,9 @@ def test_a_hung_s3_endpoint_is_reported_and_the_job_still_ends(
             "AWS_DEFAULT_REGION": "us-east-1",
         }.items():
             monkeypatch.setenv(name, value)
-        spec = _job("s3-hang", "s3://hang/ckpt", REPO / "examples" / "train_tiny.py",
-                    final_wait="3s")  # fmt: skip
+        spec = _job(
+            "s3-hang", "s3://hang/ckpt", REPO / "examples" / "train_tiny.py", final_wait="3s"
+        )
         spec.max_steps = 400
         lines: list[str] = []
         options = EtcdOptions((etcd.endpoint,))

@@ -214,10 +214,19 @@ def test_status_of_one_job_shows_start_up_failures_and_checkpoint_stalls_apart(
 ) -> None:
     status = _recovering()
     status.training_time = TrainingTime(
-        wall_s=130.0, startup_s=15.2, since_first_step_s=114.8, productive_s=110.0,
-        failures_s=2.8, recovering_s=2.31, rerun_s=0.49, checkpoint_s=1.5, other_s=0.5,
-        effective=0.9582, whole_run=0.8462, step_s=0.1,
-    )  # fmt: skip
+        wall_s=130.0,
+        startup_s=15.2,
+        since_first_step_s=114.8,
+        productive_s=110.0,
+        failures_s=2.8,
+        recovering_s=2.31,
+        rerun_s=0.49,
+        checkpoint_s=1.5,
+        other_s=0.5,
+        effective=0.9582,
+        whole_run=0.8462,
+        step_s=0.1,
+    )
     _store(etcd, status)
     out = _cli("status", status.name).output
     _fits(out)

@@ -38,10 +38,19 @@ def _survivor_output(folder: ConsequenceFolder) -> None:
     folder.output("node-0", "step 20 loss 0.6000")
     for line in TRACEBACK:
         folder.output("node-1", line)
-    folder.output("node-1", "2026-11-25 22:12:35,325 worker node-1-0 failed in generation 1 "
-                            "(exit code 1: [rank1]: RuntimeError: ... reset by peer)")  # fmt: skip
-    folder.event(Event("WorkerExited", "node-1-0 exit code 1: RuntimeError: reset",
-                       source="node-1", data={"worker": "node-1-0"}))  # fmt: skip
+    folder.output(
+        "node-1",
+        "2026-11-25 22:12:35,325 worker node-1-0 failed in generation 1 "
+        "(exit code 1: [rank1]: RuntimeError: ... reset by peer)",
+    )
+    folder.event(
+        Event(
+            "WorkerExited",
+            "node-1-0 exit code 1: RuntimeError: reset",
+            source="node-1",
+            data={"worker": "node-1-0"},
+        )
+    )
 
 
 def test_the_failed_nodes_event_comes_first_and_the_survivors_traceback_is_folded() -> None:
@@ -50,8 +59,13 @@ def test_the_failed_nodes_event_comes_first_and_the_survivors_traceback_is_folde
     _survivor_output(folder)
     assert p.out == ["[node-0] step 20 loss 0.6000"]  # the rest waits for its cause
     folder.event(Event("Generation", "generation 2: node-2, node-1 (node-2 replaces node-0)"))
-    folder.event(Event("NodeFailed", "node-0: agent of node-0 gone (liveness port refused)",
-                       data={"node": "node-0"}))  # fmt: skip
+    folder.event(
+        Event(
+            "NodeFailed",
+            "node-0: agent of node-0 gone (liveness port refused)",
+            data={"node": "node-0"},
+        )
+    )
     folder.event(Event("Phase", "Recovering: generation 2: node-2 replaces node-0"))
     assert p.out[1:] == [
         "[event] NodeFailed: node-0: agent of node-0 gone (liveness port refused)",

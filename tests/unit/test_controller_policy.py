@@ -73,12 +73,24 @@ def _node(name: str, pid: int = 100) -> NodeRecord:
     )
 
 
-def _beat(generation: int, step: int = 10, *, beat: float = NOW, step_time: float = NOW,
-          pid: int = 100, rank: int = 0) -> ProgressRecord:  # fmt: skip
+def _beat(
+    generation: int,
+    step: int = 10,
+    *,
+    beat: float = NOW,
+    step_time: float = NOW,
+    pid: int = 100,
+    rank: int = 0,
+) -> ProgressRecord:
     return ProgressRecord(
-        step=step, generation=generation, rank=rank, world_size=2, pid=pid, beat=beat,
+        step=step,
+        generation=generation,
+        rank=rank,
+        world_size=2,
+        pid=pid,
+        beat=beat,
         step_time=step_time,
-    )  # fmt: skip
+    )
 
 
 def _plan(generation: int, *nodes: str) -> Plan:
@@ -100,8 +112,9 @@ def _world(
     return world
 
 
-def _report(step: int = 10, *, planned: bool = False, user_error: bool = False,
-            reason: str = "peer gone") -> BreakReport:  # fmt: skip
+def _report(
+    step: int = 10, *, planned: bool = False, user_error: bool = False, reason: str = "peer gone"
+) -> BreakReport:
     return BreakReport(step=step, reason=reason, planned=planned, at=NOW, user_error=user_error)
 
 
@@ -219,11 +232,27 @@ def a_silent_member_that_did_not_answer_waits_for_the_grace() -> None:
     plan = _plan(1, "a", "b", "c", "d")
     reports = {"a-0": _report()}
     # b refused, c answered, d's probe got no answer (a partition, or an overloaded host)
-    run.tick(_world(["a", "b", "c", "d", "e", "f"], plan, mono=50.0, reports=reports,
-                    dead={"b"}, alive={"c"}))  # fmt: skip
+    run.tick(
+        _world(
+            ["a", "b", "c", "d", "e", "f"],
+            plan,
+            mono=50.0,
+            reports=reports,
+            dead={"b"},
+            alive={"c"},
+        )
+    )
     assert run.plans() == []
-    run.tick(_world(["a", "b", "c", "d", "e", "f"], plan, mono=51.1, reports=reports,
-                    dead={"b"}, alive={"c"}))  # fmt: skip
+    run.tick(
+        _world(
+            ["a", "b", "c", "d", "e", "f"],
+            plan,
+            mono=51.1,
+            reports=reports,
+            dead={"b"},
+            alive={"c"},
+        )
+    )
     (declared,) = run.of(DeclareFailed)
     assert declared.nodes == {"b", "d"}  # c, late but alive, keeps its place
     assert set(_order(run.plans()[0])) == {"a", "c", "e", "f"}
@@ -651,15 +680,17 @@ def inputs_are_not_modified() -> None:
 # -- the restart tier: plain torchrun scripts, no heartbeats, agents speak for workers
 
 
-def _restart_world(nodes: list[str], plan: Plan | None = None, *, launched: int = 0,
-                   **kw: object) -> World:  # fmt: skip
+def _restart_world(
+    nodes: list[str], plan: Plan | None = None, *, launched: int = 0, **kw: object
+) -> World:
     """A restart-tier snapshot: registrations (with the generation each agent
     launched), no heartbeats."""
     world = _world(nodes, plan, **kw)
     world.progress = {}
     for n in nodes:
-        world.nodes[n] = dataclasses.replace(world.nodes[n], recovery="restart",
-                                             generation=launched, launched_at=NOW)  # fmt: skip
+        world.nodes[n] = dataclasses.replace(
+            world.nodes[n], recovery="restart", generation=launched, launched_at=NOW
+        )
     return world
 
 
@@ -709,8 +740,7 @@ def restart_tier_dead_node_is_replaced_not_counted_as_a_script_error() -> None:
     plan = _plan(1, "a", "b")
     # b's agent is gone; a's worker died in the collective b left (exit code 1)
     broken = _report(step=0, user_error=True, reason="a-0 exit code 1: RuntimeError: reset")
-    run.tick(_restart_world(["a", "b", "c"], plan, launched=1, reports={"a-0": broken},
-                            dead={"b"}))  # fmt: skip
+    run.tick(_restart_world(["a", "b", "c"], plan, launched=1, reports={"a-0": broken}, dead={"b"}))
     (new,) = run.plans()
     assert _order(new) == ["a", "c"] and "c replaces b" in new.reason
     assert run.of(Emit) == [] and run.status.phase is JobPhase.RECOVERING
@@ -721,8 +751,9 @@ def restart_tier_a_spare_never_takes_rank_0_from_a_survivor() -> None:
     # a (rank 0) dies; c, from a's rack, takes its slot, but a script's DDP broadcasts
     # rank 0's weights and c may have no checkpoint: b, the survivor, becomes rank 0
     broken = _report(step=0, user_error=True, reason="b-0 exit code 1: RuntimeError: reset")
-    world = _restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1,
-                           reports={"b-0": broken}, dead={"a"})  # fmt: skip
+    world = _restart_world(
+        ["a", "b", "c"], _plan(1, "a", "b"), launched=1, reports={"b-0": broken}, dead={"a"}
+    )
     run = Run(_restart_spec())
     run.tick(world)
     (new,) = run.plans()
@@ -730,8 +761,7 @@ def restart_tier_a_spare_never_takes_rank_0_from_a_survivor() -> None:
     assert new.member("b") == Member("b", 0, 1, {"zone": "z", "rack": "r2", "host": "b"})
     # the in-process tier keeps the slot: a live peer sends the replacement its state
     in_process = Run(_spec())
-    in_process.tick(_world(["b", "c"], _plan(1, "a", "b"), reports={"b-0": _report()},
-                           dead={"a"}))  # fmt: skip
+    in_process.tick(_world(["b", "c"], _plan(1, "a", "b"), reports={"b-0": _report()}, dead={"a"}))
     (kept,) = in_process.plans()
     assert _order(kept) == ["c", "b"]
 
@@ -740,12 +770,23 @@ def restart_tier_names_the_dead_node_before_the_survivors_error() -> None:
     run = Run(_restart_spec())
     broken = _report(step=0, user_error=True, reason="exit code 1: RuntimeError: reset by peer")
     # a reported; b, silent, not known dead yet: nothing is said about the break yet
-    run.tick(_restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1, mono=50.0,
-                            reports={"a-0": broken}))  # fmt: skip
+    run.tick(
+        _restart_world(
+            ["a", "b", "c"], _plan(1, "a", "b"), launched=1, mono=50.0, reports={"a-0": broken}
+        )
+    )
     assert run.of(PhaseChanged) == [] and run.status.phase is JobPhase.RUNNING
     # b's agent refused its probe: b's failure first, a's error after it as its consequence
-    run.tick(_restart_world(["a", "b", "c"], _plan(1, "a", "b"), launched=1, mono=50.1,
-                            reports={"a-0": broken}, dead={"b"}))  # fmt: skip
+    run.tick(
+        _restart_world(
+            ["a", "b", "c"],
+            _plan(1, "a", "b"),
+            launched=1,
+            mono=50.1,
+            reports={"a-0": broken},
+            dead={"b"},
+        )
+    )
     kinds = [type(a).__name__ for a in run.actions]
     assert kinds[-3:] == ["PublishPlan", "DeclareFailed", "PhaseChanged"], kinds
     (phase,) = run.of(PhaseChanged)
@@ -784,10 +825,16 @@ def restart_tier_recovery_ends_at_the_scripts_first_output() -> None:
 def restart_tier_script_error_names_the_first_report_and_restarts() -> None:
     run = Run(_restart_spec(max_restarts=1))
     plan = _plan(1, "a", "b")
-    own = BreakReport(step=0, reason="exit code 1: ValueError: bad batch", planned=False,
-                      at=NOW, user_error=True)  # fmt: skip
-    peer = BreakReport(step=0, reason="exit code 1: RuntimeError: reset by peer",
-                       planned=False, at=NOW + 0.05, user_error=True)  # fmt: skip
+    own = BreakReport(
+        step=0, reason="exit code 1: ValueError: bad batch", planned=False, at=NOW, user_error=True
+    )
+    peer = BreakReport(
+        step=0,
+        reason="exit code 1: RuntimeError: reset by peer",
+        planned=False,
+        at=NOW + 0.05,
+        user_error=True,
+    )
     # a reported first; b, not known dead, gets the grace to report
     run.tick(_restart_world(["a", "b"], plan, launched=1, mono=50.0, reports={"a-0": peer}))
     assert run.plans() == [] and run.of(Emit) == []
@@ -820,8 +867,9 @@ def restart_tier_finishes_when_every_worker_exited_0() -> None:
     done = DoneRecord(step=0, generation=2, at=NOW)
     run.tick(_restart_world(["a", "c"], _plan(2, "a", "c"), launched=2, done={"a-0": done}))
     assert run.status.phase is JobPhase.RUNNING
-    world = _restart_world(["a", "c"], _plan(2, "a", "c"), launched=2,
-                           done={"a-0": done, "c-0": done})  # fmt: skip
+    world = _restart_world(
+        ["a", "c"], _plan(2, "a", "c"), launched=2, done={"a-0": done, "c-0": done}
+    )
     run.tick(world)
     assert run.status.phase is JobPhase.SUCCEEDED
     assert run.status.message == "finished: every worker of generation 2 exited 0"

@@ -141,8 +141,9 @@ def _plan(*nodes: tuple[str, int, dict[str, str]]) -> Plan:
 
 
 def test_sites_are_the_nodes_that_share_the_label() -> None:
-    plan = _plan(("n0", 2, {"zone": "a"}), ("n1", 1, {"zone": "a"}), ("n2", 2, {"zone": "b"}),
-                 ("n3", 1, {}))  # fmt: skip
+    plan = _plan(
+        ("n0", 2, {"zone": "a"}), ("n1", 1, {"zone": "a"}), ("n2", 2, {"zone": "b"}), ("n3", 1, {})
+    )
     sites = Sites.of_plan(plan, "zone")
     assert sites.names == ("a", "b", "node:n3")
     assert sites.ranks == ((0, 1, 2), (3, 4), (5,))
@@ -223,26 +224,38 @@ def test_sync_defaults_come_from_the_papers() -> None:
     ("sync", "field", "words"),
     [
         ({"mode": "streaming_diloco", "fragments": 1}, "sync.fragments", "2 or more"),
-        ({"mode": "streaming_diloco", "inner_steps": 10, "fragments": 3}, "sync.fragments",
-         "must divide inner_steps"),
+        (
+            {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 3},
+            "sync.fragments",
+            "must divide inner_steps",
+        ),
         ({"mode": "diloco", "fragments": 2}, "sync.fragments", "only streaming_diloco"),
-        ({"mode": "diloco", "inner_steps": 10, "delay_steps": 10}, "sync.delay_steps",
-         "below the steps between two syncs"),
+        (
+            {"mode": "diloco", "inner_steps": 10, "delay_steps": 10},
+            "sync.delay_steps",
+            "below the steps between two syncs",
+        ),
         ({"mode": "ddp", "delay_steps": 1}, "sync.delay_steps", "diloco"),
         # under ddp a delayed sync's settings would be ignored: each is named
         ({"inner_steps": 50}, "sync.inner_steps", "diloco and streaming_diloco only"),
         ({"mode": "ddp", "inner_steps": 0}, "sync.inner_steps", "got 0: remove it"),
-        ({"outer_optimizer": {"name": "sgd", "lr": 1, "momentum": 0}}, "sync.outer_optimizer",
-         "got {name: sgd, lr: 1, momentum: 0}"),
+        (
+            {"outer_optimizer": {"name": "sgd", "lr": 1, "momentum": 0}},
+            "sync.outer_optimizer",
+            "got {name: sgd, lr: 1, momentum: 0}",
+        ),
         ({"outer_quantization": "4bit"}, "sync.outer_quantization", "got 4bit"),
         ({"mode": "ddp", "site_label": "rack"}, "sync.site_label", "set sync.mode"),
         ({"mode": "diloco", "outer_optimizer": {"lr": 0}}, "sync.outer_optimizer.lr", "above 0"),
-        ({"mode": "diloco", "outer_optimizer": {"momentum": 1}},
-         "sync.outer_optimizer.momentum", "below 1"),
+        (
+            {"mode": "diloco", "outer_optimizer": {"momentum": 1}},
+            "sync.outer_optimizer.momentum",
+            "below 1",
+        ),
         ({"mode": "diloco", "outer_quantization": "2bit"}, "sync.outer_quantization", "4bit"),
         ({"mode": "diloco", "site_label": " "}, "sync.site_label", "node label"),
     ],
-)  # fmt: skip
+)
 def test_bad_sync_settings_name_the_field(sync: dict[str, object], field: str, words: str) -> None:
     with pytest.raises(SpecError) as err:
         _job(sync)
@@ -266,9 +279,11 @@ def test_run_labels_name_nodes_of_the_run() -> None:
 
 
 def test_spares_come_from_the_largest_sites() -> None:
-    order = [NodeInfo("n0", 1, {"zone": "a", "rack": "r0"}),
-             NodeInfo("n2", 1, {"zone": "a", "rack": "r1"}),
-             NodeInfo("n1", 1, {"zone": "b", "rack": "r0"})]  # fmt: skip
+    order = [
+        NodeInfo("n0", 1, {"zone": "a", "rack": "r0"}),
+        NodeInfo("n2", 1, {"zone": "a", "rack": "r1"}),
+        NodeInfo("n1", 1, {"zone": "b", "rack": "r0"}),
+    ]
     # the rack rule alone would leave site b without a member
     assert spread_spares(order, 1, ["zone", "rack", "host"]) == ["n1"]
     assert spares_by_site(order, 1, "zone") == ["n2"]

@@ -93,9 +93,16 @@ def test_record_says_what_ended_the_failed_step() -> None:
     a, b, c = _worker(11.2, 11.5, 11.6), _worker(11.3, 11.4, 11.7), _worker(11.3, 11.4, 11.7)
     a["left_by"], b["left_by"] = "timeout", "abort"  # c is the replacement: it left nothing
     r = build_record(
-        generation=2, cause="lease_expired", nodes=["n1"], reason="", failure_at=10.0,
-        declared_at=11.0, workers={"a": a, "b": b, "c": c}, step=7, observed_s=1.9,
-    )  # fmt: skip
+        generation=2,
+        cause="lease_expired",
+        nodes=["n1"],
+        reason="",
+        failure_at=10.0,
+        declared_at=11.0,
+        workers={"a": a, "b": b, "c": c},
+        step=7,
+        observed_s=1.9,
+    )
     assert r.ended_by == "abort+timeout"
 
 
@@ -167,16 +174,27 @@ def test_a_recovery_of_1000_nodes_x_8_workers_stays_small() -> None:
     for i in range(8000):
         t = _worker(11.0 + i * 1e-4, 12.0 + i * 1e-4, 13.0 + i * 1e-4, step=7)
         t.update(
-            wire_bytes=4_000_000_000, dense_bytes=4_000_000_000, left_by="abort",
-            restored_from="twin", steps_lost=0, checkpoint_blocking_s=0.1,
-        )  # fmt: skip
+            wire_bytes=4_000_000_000,
+            dense_bytes=4_000_000_000,
+            left_by="abort",
+            restored_from="twin",
+            steps_lost=0,
+            checkpoint_blocking_s=0.1,
+        )
         workers[f"n{i // 8:05d}-{i % 8}"] = t
     workers["n00003-5"].update(restored_from="durable", steps_lost=4)  # not among the slowest
     workers["n00007-1"]["first_step_at"] = 20.0  # the one straggler
     r = build_record(
-        generation=2, cause="agent_gone", nodes=["n09999"], reason="n00000 replaces n09999",
-        failure_at=10.0, declared_at=10.5, workers=workers, step=7, observed_s=10.0,
-    )  # fmt: skip
+        generation=2,
+        cause="agent_gone",
+        nodes=["n09999"],
+        reason="n00000 replaces n09999",
+        failure_at=10.0,
+        declared_at=10.5,
+        workers=workers,
+        step=7,
+        observed_s=10.0,
+    )
     assert len(r.encode().encode()) < 64 * 1024
     assert len(r.workers) <= 3 * SLOWEST_KEPT
     assert "n00007-1" in r.workers and "n00999-7" in r.workers  # they set the phases
@@ -194,25 +212,46 @@ def test_a_durable_restore_with_no_survivor_counts_from_the_step_that_broke() ->
     for t in workers.values():
         t.update(restored_from="durable", steps_lost=0)
     r = build_record(
-        generation=2, cause="lease_expiry", nodes=["n0"], reason="lease expired: n0",
-        failure_at=10.0, declared_at=10.5, workers=workers, step=27, observed_s=3.0,
-    )  # fmt: skip
+        generation=2,
+        cause="lease_expiry",
+        nodes=["n0"],
+        reason="lease expired: n0",
+        failure_at=10.0,
+        declared_at=10.5,
+        workers=workers,
+        step=27,
+        observed_s=3.0,
+    )
     assert (r.source, r.restored_step, r.steps_lost) == ("durable", 20, 7)
     workers = {f"n1-{i}": _worker(11.0, 12.0, 13.0, step=20) for i in range(2)}
     r = build_record(
-        generation=2, cause="agent_gone", nodes=["n0"], reason="", failure_at=10.0,
-        declared_at=10.5, workers=workers, step=27, observed_s=3.0,
-    )  # fmt: skip
+        generation=2,
+        cause="agent_gone",
+        nodes=["n0"],
+        reason="",
+        failure_at=10.0,
+        declared_at=10.5,
+        workers=workers,
+        step=27,
+        observed_s=3.0,
+    )
     assert r.steps_lost == 0  # not a sharded model's restore: steps_rerun says it
 
 
 def test_a_record_stored_before_the_summary_fields_still_reads() -> None:
     old = {
-        "v": 1, "generation": 2, "cause": "hang", "nodes": ["n1"], "reason": "",
-        "failure_at": 1.0, "declared_at": 2.0, "group_formed_at": 3.0, "restored_at": 4.0,
+        "v": 1,
+        "generation": 2,
+        "cause": "hang",
+        "nodes": ["n1"],
+        "reason": "",
+        "failure_at": 1.0,
+        "declared_at": 2.0,
+        "group_formed_at": 3.0,
+        "restored_at": 4.0,
         "first_step_at": 5.0,
         "workers": {"a": {"restored_from": "buddy", "steps_lost": 1}, "b": {"steps_lost": 2}},
-    }  # fmt: skip
+    }
     r = RecoveryRecord.from_dict(old)
     assert (r.source, r.steps_lost, r.total_s) == ("buddy", 2, 4.0)
 
@@ -224,9 +263,17 @@ def test_a_restart_tier_recovery_says_what_it_measured() -> None:
     def record(first_output: float | None) -> RecoveryRecord:
         at = first_output or 10.5
         workers = {"b-0": {"group_formed_at": 10.5, "restored_at": at, "first_step_at": at}}
-        return build_record(generation=2, cause="agent_gone", nodes=["a"], reason="r",
-                            failure_at=10.0, declared_at=10.1, workers=workers, step=0,
-                            observed_s=0.6)  # fmt: skip
+        return build_record(
+            generation=2,
+            cause="agent_gone",
+            nodes=["a"],
+            reason="r",
+            failure_at=10.0,
+            declared_at=10.1,
+            workers=workers,
+            step=0,
+            observed_s=0.6,
+        )
 
     relaunched = recovered_message(record(None), restart_tier=True)
     assert relaunched == (

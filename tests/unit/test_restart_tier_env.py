@@ -32,9 +32,15 @@ def _plan() -> Plan:
 
 def test_ranks_follow_the_plan_and_the_restart_count_is_the_generations() -> None:
     plan = _plan()
-    env = torchrun_env(job="j", plan=plan, member=plan.members[1], local_rank=1,
-                       master=("10.0.0.5", 29400), max_restarts=4,
-                       error_file="/tmp/e.json")  # fmt: skip
+    env = torchrun_env(
+        job="j",
+        plan=plan,
+        member=plan.members[1],
+        local_rank=1,
+        master=("10.0.0.5", 29400),
+        max_restarts=4,
+        error_file="/tmp/e.json",
+    )
     assert env == {
         "RANK": "3",
         "LOCAL_RANK": "1",
@@ -54,8 +60,15 @@ def test_ranks_follow_the_plan_and_the_restart_count_is_the_generations() -> Non
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "RINGMASTER_RECOVERY": "restart",
     }
-    first = torchrun_env(job="j", plan=plan, member=plan.members[0], local_rank=0,
-                         master=("h", 1), max_restarts=0, error_file="e")  # fmt: skip
+    first = torchrun_env(
+        job="j",
+        plan=plan,
+        member=plan.members[0],
+        local_rank=0,
+        master=("h", 1),
+        max_restarts=0,
+        error_file="e",
+    )
     assert (first["RANK"], first["GROUP_RANK"]) == ("0", "0")
 
 
@@ -99,9 +112,17 @@ def test_silent_workers_are_reported_as_not_telling() -> None:
 
 
 def _node(generation: int, launched_at: float, progress_at: float | None) -> NodeRecord:
-    return NodeRecord(host="h", address="a", slots=2, pid=7, worker_pids=[], started=1.0,
-                      generation=generation, launched_at=launched_at,
-                      progress_at=progress_at)  # fmt: skip
+    return NodeRecord(
+        host="h",
+        address="a",
+        slots=2,
+        pid=7,
+        worker_pids=[],
+        started=1.0,
+        generation=generation,
+        launched_at=launched_at,
+        progress_at=progress_at,
+    )
 
 
 def test_a_recovery_ends_at_the_first_output_any_agent_saw() -> None:

@@ -27,8 +27,14 @@ def _cells(text: str) -> str:
 
 
 def test_a_restart_tier_run_says_what_its_script_did_not_report() -> None:
-    result = RunResult(JobPhase.SUCCEEDED, step=0, recoveries=1, wall_s=42.0,
-                       recovery="restart", failed_nodes=["node-0"])  # fmt: skip
+    result = RunResult(
+        JobPhase.SUCCEEDED,
+        step=0,
+        recoveries=1,
+        wall_s=42.0,
+        recovery="restart",
+        failed_nodes=["node-0"],
+    )
     text = _render(result, width=60)
     assert "…" not in text
     squeezed = "".join(_cells(text).split())  # a narrow column folds words: nothing is lost
@@ -38,9 +44,17 @@ def test_a_restart_tier_run_says_what_its_script_did_not_report() -> None:
 
 
 def test_an_in_process_run_shows_its_steps_and_the_node_it_killed() -> None:
-    result = RunResult(JobPhase.SUCCEEDED, step=300, recoveries=1, wall_s=42.0,
-                       killed_node="node-0", killed_at_step=120, effective_fraction=0.93,
-                       recovery="in_process", failed_nodes=["node-0"])  # fmt: skip
+    result = RunResult(
+        JobPhase.SUCCEEDED,
+        step=300,
+        recoveries=1,
+        wall_s=42.0,
+        killed_node="node-0",
+        killed_at_step=120,
+        effective_fraction=0.93,
+        recovery="in_process",
+        failed_nodes=["node-0"],
+    )
     cells = " ".join(_cells(_render(result)).split())
     assert "steps 300" in cells and "effective 93%" in cells
     assert "node-0 (killed at step 120)" in cells

@@ -136,8 +136,10 @@ def test_validate_says_when_it_cannot_tell(tmp_path: Path, monkeypatch: pytest.M
     assert lines[2].startswith("checkpoint: cannot tell: no torch.save")
     # the in-process tier keeps ringmaster's own checkpoints: nothing to say
     (tmp_path / "main.py").write_text("from agents import runtime\n")
-    assert not any(x.startswith("checkpoint:") for x in _validate(
-        tmp_path, "name: demo\nentrypoint: main.py\n", monkeypatch))  # fmt: skip
+    assert not any(
+        x.startswith("checkpoint:")
+        for x in _validate(tmp_path, "name: demo\nentrypoint: main.py\n", monkeypatch)
+    )
 
 
 def test_an_argparse_default_is_overridden_by_the_jobs_args(tmp_path: Path) -> None:

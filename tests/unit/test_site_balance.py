@@ -72,9 +72,14 @@ def _zoned(names: list[str], plan: Plan | None = None, **kw: object) -> World:
     generation = plan.generation if plan else 0
     for name in names:
         world.nodes[name] = NodeRecord(
-            host=name, address="127.0.0.1", slots=1, pid=1, worker_pids=[100],
-            started=NOW - 100, labels={"zone": ZONES[name], "host": name},
-        )  # fmt: skip
+            host=name,
+            address="127.0.0.1",
+            slots=1,
+            pid=1,
+            worker_pids=[100],
+            started=NOW - 100,
+            labels={"zone": ZONES[name], "host": name},
+        )
         world.progress[keys.worker_id(name, 0)] = _beat(generation)
     return world
 
@@ -85,9 +90,12 @@ def _plan(generation: int, *nodes: str) -> Plan:
 
 def _uneven(step: int = 0) -> BreakReport:
     return BreakReport(
-        step=step, reason="the sites must have as many ranks each", planned=False, at=NOW,
+        step=step,
+        reason="the sites must have as many ranks each",
+        planned=False,
+        at=NOW,
         unequal_sites=True,
-    )  # fmt: skip
+    )
 
 
 def test_a_report_of_uneven_sites_leaves_the_short_site_out_and_keeps_sites_even_after() -> None:
@@ -100,8 +108,12 @@ def test_a_report_of_uneven_sites_leaves_the_short_site_out_and_keeps_sites_even
     assert run.of(DeclareFailed) == [] and run.status.failed_nodes == []
     assert run.memory.equal_sites and run.status.phase is JobPhase.RECOVERING
     # a2 dies later: b1 (zone b, a warm spare) takes its slot, and sites a and b have 1 each
-    world = _zoned(["a1", "a2", "b1"], even, reports={"a1-0": BreakReport(
-        step=7, reason="peer gone", planned=False, at=NOW)}, dead={"a2"})  # fmt: skip
+    world = _zoned(
+        ["a1", "a2", "b1"],
+        even,
+        reports={"a1-0": BreakReport(step=7, reason="peer gone", planned=False, at=NOW)},
+        dead={"a2"},
+    )
     run.tick(world)
     (swapped,) = run.plans()
     assert sorted(_order(swapped)) == ["a1", "b1"], swapped

@@ -44,10 +44,20 @@ SLOW_LINK = {"a": (0.05, 0.065, 20), "b": (0.05, 0.064, 20), "c": (0.05, 0.066, 
 SLOW_C = {"a": (0.05, 0.055, 20), "b": (0.05, 0.054, 20), "c": (0.1, 0.005, 20)}
 MB = 1e6
 #: c's links carry 1 MB/s, the others' 1000
-C_SLOW = LinkProbeResult({"a": {"b": 1000 * MB, "c": 1 * MB}, "b": {"a": 900 * MB, "c": MB},
-                          "c": {"a": 1.1 * MB, "b": 0.9 * MB}})  # fmt: skip
-ALIKE = LinkProbeResult({"a": {"b": 10 * MB, "c": 9 * MB}, "b": {"a": 11 * MB, "c": 10 * MB},
-                         "c": {"a": 9 * MB, "b": 10 * MB}})  # fmt: skip
+C_SLOW = LinkProbeResult(
+    {
+        "a": {"b": 1000 * MB, "c": 1 * MB},
+        "b": {"a": 900 * MB, "c": MB},
+        "c": {"a": 1.1 * MB, "b": 0.9 * MB},
+    }
+)
+ALIKE = LinkProbeResult(
+    {
+        "a": {"b": 10 * MB, "c": 9 * MB},
+        "b": {"a": 11 * MB, "c": 10 * MB},
+        "c": {"a": 9 * MB, "b": 10 * MB},
+    }
+)
 
 
 def _spec(windows: int = 2) -> StragglerSpec:
@@ -117,9 +127,12 @@ def a_called_link_is_cleared_when_the_wait_is_back() -> None:
 def _timed(beats: dict[str, Telemetry], per_step: dict[str, tuple[float, float, int]]) -> None:
     for node, (compute, wait, steps) in per_step.items():
         t = beats[node]
-        beats[node] = replace(t, compute_s=t.compute_s + compute * steps,
-                              wait_s=t.wait_s + wait * steps,
-                              timed_steps=t.timed_steps + steps)  # fmt: skip
+        beats[node] = replace(
+            t,
+            compute_s=t.compute_s + compute * steps,
+            wait_s=t.wait_s + wait * steps,
+            timed_steps=t.timed_steps + steps,
+        )
 
 
 PLAN = Plan(1, [Member("a", 0, 1), Member("b", 1, 1), Member("c", 2, 1)])  # d: a spare since
@@ -128,20 +141,35 @@ PLAN = Plan(1, [Member("a", 0, 1), Member("b", 1, 1), Member("c", 2, 1)])  # d: 
 def _world(beats: dict[str, Telemetry], mono: float) -> World:
     world = World(now=1000.0 + mono, mono=mono, plan=PLAN)
     for n in "abcd":
-        world.nodes[n] = NodeRecord(host=n, address="127.0.0.1", slots=1, pid=1,
-                                    worker_pids=[1], started=1.0,
-                                    liveness=f"127.0.0.1:{9000 + ord(n)}")  # fmt: skip
+        world.nodes[n] = NodeRecord(
+            host=n,
+            address="127.0.0.1",
+            slots=1,
+            pid=1,
+            worker_pids=[1],
+            started=1.0,
+            liveness=f"127.0.0.1:{9000 + ord(n)}",
+        )
     for i, (n, t) in enumerate({**beats, "d": Telemetry(generation=1)}.items()):  # d: warm
         world.progress[keys.worker_id(n, 0)] = ProgressRecord(
-            step=100, generation=1, rank=i, world_size=3, pid=1, beat=world.now, step_time=0.0,
+            step=100,
+            generation=1,
+            rank=i,
+            world_size=3,
+            pid=1,
+            beat=world.now,
+            step_time=0.0,
             telemetry=t,
-        )  # fmt: skip
+        )
     return world
 
 
 def the_controller_measures_calls_and_swaps_a_slow_link() -> None:
-    spec = JobSpec(name="job", entrypoint=EntrypointSpec(script="t.py"),
-                   nodes=NodesSpec(min=3, max=3, spares=1)).validate()  # fmt: skip
+    spec = JobSpec(
+        name="job",
+        entrypoint=EntrypointSpec(script="t.py"),
+        nodes=NodesSpec(min=3, max=3, spares=1),
+    ).validate()
     spec.fault_tolerance.stragglers = StragglerSpec(action=StragglerAction.SWAP, windows=2)
     watch = StragglerWatch(spec.fault_tolerance.stragglers, window_s=1.0)
     status = JobStatus("job", JobPhase.RUNNING, step=100, steps_per_s=10.0)
@@ -170,15 +198,17 @@ def the_controller_measures_calls_and_swaps_a_slow_link() -> None:
 
 
 def a_probe_that_calls_nobody_says_the_rates() -> None:
-    spec = JobSpec(name="job", entrypoint=EntrypointSpec(script="t.py"),
-                   nodes=NodesSpec(min=3, max=3, spares=1)).validate()  # fmt: skip
+    spec = JobSpec(
+        name="job",
+        entrypoint=EntrypointSpec(script="t.py"),
+        nodes=NodesSpec(min=3, max=3, spares=1),
+    ).validate()
     watch = StragglerWatch(spec.fault_tolerance.stragglers, window_s=1.0)
     watch.links.probing = True
     world = _world({n: Telemetry(generation=1) for n in "abc"}, 1.0)
     world.link_probe = ALIKE
     status = JobStatus("job", JobPhase.RUNNING, step=100, steps_per_s=10.0)
-    (said,) = [a for a in decide_stragglers(spec, watch, status, world, [])
-               if isinstance(a, Emit)]  # fmt: skip
+    (said,) = [a for a in decide_stragglers(spec, watch, status, world, []) if isinstance(a, Emit)]
     assert said.type == "LinkProbe" and "none slower than the others: a->b 10.0 MB/s" in (
         said.message
     )

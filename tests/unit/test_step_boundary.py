@@ -91,7 +91,11 @@ def test_a_saves_outcome_is_taken_only_where_every_ranks_save_has_ended() -> Non
     assert b.decide(4, 1, all_ended, never).settle
     assert not b.decide(5, 1, None, never).settle, "no vote: no rank knows of the others"
     mine = b.propose(
-        generation=1, control=ControlRecord(), etcd_lost=False, time_due=False,
-        step_seconds=1.0, save_unsettled=True,
-    )  # fmt: skip
+        generation=1,
+        control=ControlRecord(),
+        etcd_lost=False,
+        time_due=False,
+        step_seconds=1.0,
+        save_unsettled=True,
+    )
     assert mine.save_unsettled

@@ -36,13 +36,16 @@ from orchestrator.state.records import (
 pytestmark = pytest.mark.unit
 
 NOW = 1_000.0
-PLAN = Plan(3, [Member("a", 0, 1, {"rack": "r1"}), Member("b", 1, 1, {"rack": "r2"})],
-            spares=["c"])  # fmt: skip
+PLAN = Plan(3, [Member("a", 0, 1, {"rack": "r1"}), Member("b", 1, 1, {"rack": "r2"})], spares=["c"])
 
 
 def _spec(action: StragglerAction = StragglerAction.SWAP, max_steps: int = 10_000) -> JobSpec:
-    spec = JobSpec(name="job", entrypoint=EntrypointSpec(script="t.py"),
-                   nodes=NodesSpec(min=2, max=2, spares=1), max_steps=max_steps)  # fmt: skip
+    spec = JobSpec(
+        name="job",
+        entrypoint=EntrypointSpec(script="t.py"),
+        nodes=NodesSpec(min=2, max=2, spares=1),
+        max_steps=max_steps,
+    )
     spec.fault_tolerance.stragglers.action = action
     return spec.validate()
 
@@ -50,9 +53,15 @@ def _spec(action: StragglerAction = StragglerAction.SWAP, max_steps: int = 10_00
 def _world(*nodes: str, started: float = 1.0) -> World:
     world = World(now=NOW, mono=50.0, plan=PLAN)
     for n in nodes:
-        world.nodes[n] = NodeRecord(host=n, address="127.0.0.1", slots=1, pid=1,
-                                    worker_pids=[100], started=started,
-                                    labels={"rack": "r1" if n in "ac" else "r2"})  # fmt: skip
+        world.nodes[n] = NodeRecord(
+            host=n,
+            address="127.0.0.1",
+            slots=1,
+            pid=1,
+            worker_pids=[100],
+            started=started,
+            labels={"rack": "r1" if n in "ac" else "r2"},
+        )
         world.progress[keys.worker_id(n, 0)] = ProgressRecord(
             step=500, generation=3, rank=0, world_size=2, pid=100, beat=NOW, step_time=NOW
         )
@@ -69,8 +78,14 @@ def _slow_b(lost: float = 6.0) -> StragglerWatch:
 
 
 def _status(rate: float = 10.0, step: int = 500) -> JobStatus:
-    return JobStatus("job", JobPhase.RUNNING, step=step, steps_per_s=rate,
-                     active_nodes=["a", "b"], spare_nodes=["c"])  # fmt: skip
+    return JobStatus(
+        "job",
+        JobPhase.RUNNING,
+        step=step,
+        steps_per_s=rate,
+        active_nodes=["a", "b"],
+        spare_nodes=["c"],
+    )
 
 
 def _emitted(actions: list[Action], kind: str) -> list[Emit]:
@@ -101,8 +116,9 @@ def a_swap_waits_until_the_straggler_has_cost_the_job_confirm() -> None:
     assert "it had cost the job 5.0s" in swapped.message
     spec = _spec()
     spec.fault_tolerance.stragglers.confirm = timedelta(0)  # 0: swapped at the call
-    assert _emitted(decide_stragglers(spec, _slow_b(lost=0.0), _status(), world, []),
-                    "StragglerSwapped")  # fmt: skip
+    assert _emitted(
+        decide_stragglers(spec, _slow_b(lost=0.0), _status(), world, []), "StragglerSwapped"
+    )
 
 
 def without_a_spare_the_straggler_keeps_its_slot_said_once() -> None:
@@ -141,11 +157,17 @@ def a_swap_that_does_not_pay_is_not_made() -> None:
     spec = _spec(max_steps=1_000)  # 500 steps left: 25 s saved
     spec.fault_tolerance.stragglers.min_gain = timedelta(seconds=20)
     status = dataclasses.replace(_status(), last_recovery={"total_s": 6.0})
-    assert not [a for a in decide_stragglers(spec, _slow_b(), status, world, [])
-                if isinstance(a, PublishPlan)]  # fmt: skip
+    assert not [
+        a
+        for a in decide_stragglers(spec, _slow_b(), status, world, [])
+        if isinstance(a, PublishPlan)
+    ]
     status.last_recovery = {"total_s": 4.0}
-    assert [a for a in decide_stragglers(spec, _slow_b(), status, world, [])
-            if isinstance(a, PublishPlan)]  # fmt: skip
+    assert [
+        a
+        for a in decide_stragglers(spec, _slow_b(), status, world, [])
+        if isinstance(a, PublishPlan)
+    ]
 
 
 def report_only_never_swaps() -> None:

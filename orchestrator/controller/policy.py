@@ -1,5 +1,9 @@
 """The controller's decisions, as a pure function of a snapshot of the world.
 
+Over 450 lines, kept whole: :func:`decide` is one ordered pass over the rules
+below, and the order is the policy; the rules that stand apart (plans, breaks,
+placement, hangs, commands, stragglers, site balance) are in their own modules.
+
 :func:`decide` takes the job spec, the policy's own memory (timers kept
 across ticks), the job status and a :class:`~orchestrator.controller.world.World`
 and returns the new memory, the new status and a list of actions

@@ -1,5 +1,9 @@
 """Prometheus metrics of the jobs a controller leads.
 
+Over 450 lines, kept whole: one series list (below) and the one renderer that
+writes each of them, in the same order; split, a series' meaning and its
+value would be in different files.
+
 The controller already reads everything worth exporting (job status, worker
 progress and telemetry, recoveries), so it is the one exporter: workers do
 not open ports.  Every series carries a ``ringmaster_job`` label (the job's

@@ -45,6 +45,7 @@ __all__ = [
     "StateLostError",
     "StateMismatchError",
     "Stateful",
+    "StorageFaultError",
     "UnequalSitesError",
     "WorkerEnv",
     "WorkerView",
@@ -103,6 +104,23 @@ class StateMismatchError(AgentError, ValueError):
 class UnequalSitesError(StateMismatchError):
     """The generation's sites differ in size while the model is sharded in each site:
     reported, and the controller plans sites of one size (not the script's error)."""
+
+
+class StorageFaultError(AgentError):
+    """The job's checkpoints cannot be used, by its own rule: the job fails with this.
+
+    Raised in the training process (:mod:`agents.runtime.storage_faults`, and by a
+    join that resumes from a checkpoint it cannot use).
+
+    Attributes:
+        fault: ``storage`` (``checkpoint.url`` cannot be written or read, or too
+            many saves failed in a row) or ``checkpoint`` (the checkpoint to
+            resume from cannot be used).
+    """
+
+    def __init__(self, message: str, fault: str = "storage") -> None:
+        super().__init__(message)
+        self.fault = fault
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ apply_grpc_environment()
 import _restart_runs  # noqa: E402
 import _stuck_peers  # noqa: E402
 
-from agents.recovery.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
+from agents.state.buddy_copies import DEFAULT_EVERY_STEPS  # noqa: E402
 from benchmarks._smoke import announce, result_line  # noqa: E402
 from orchestrator.process_lifetime import free_port  # noqa: E402
 

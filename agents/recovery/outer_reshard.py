@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agents.runtime.mesh_layout import Layout, chunk_rows
-from agents.runtime.sharding import ShardedModel
-from agents.runtime.storage_faults import StorageFaultError
+from agents.api import StorageFaultError
+from agents.state.mesh_layout import Layout, chunk_rows
+from agents.state.sharding import ShardedModel
 from agents.sync.outer_sync import OuterSync
 from agents.sync.site_groups import SiteGroups
 
@@ -124,5 +124,8 @@ def reshard_from_checkpoint(
     if rank == 0:
         log.warning(
             "the outer state was saved on sites of %d rank(s) each and is resharded to %d "
-            "(slice %d of them here)", len(sites[0]), layout.shards, layout.index,
-        )  # fmt: skip
+            "(slice %d of them here)",
+            len(sites[0]),
+            layout.shards,
+            layout.index,
+        )

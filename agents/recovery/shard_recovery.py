@@ -1,22 +1,22 @@
 """Joining a generation with a sharded model: every rank gets its slice, best source first.
 
-Called by :mod:`agents.runtime.generation` once the generation's process group has
-formed.  Each rank lists the slices it holds (its live one; with redundancy,
-its own snapshots and its ward's copy, :mod:`agents.recovery.buddy_copies`), the ranks
-agree on the newest step at which some layout is complete
-(:func:`agents.recovery.shard_transfer.plan`), the new sharded module is built on the
-generation's mesh and the rows move rank to rank.  Where no complete set is
-held in memory, the newest durable checkpoint is loaded and resharded by DCP
-(each rank reads its own slice); a fresh job takes the script's initial
-values.  :func:`join` returns what served and how many completed steps were
-lost (:class:`ShardsRestored`); the caller puts it into the worker's telemetry
-(:class:`RecoveryTelemetry`) and from there it reaches the recovery record.
-Runs in the training process.
+Runs in the training process: the recovery of the ``slices`` kind of state
+(:class:`SliceRecovery`), which the runtime (:mod:`agents.runtime.generation`)
+calls once the generation's process group has formed.  Each rank lists the
+slices it holds (its live one; with redundancy, its own snapshots and its
+ward's copy, :mod:`agents.state.buddy_copies`), the ranks agree on the newest
+step at which some layout is complete (:func:`agents.recovery.shard_transfer.plan`),
+the new sharded module is built on the generation's mesh and the rows move
+rank to rank.  Where no complete set is held in memory, the newest durable
+checkpoint is loaded and resharded by DCP (each rank reads its own slice); a
+fresh job takes the script's initial values.  :func:`join` returns what served
+and how many completed steps were lost (:class:`ShardsRestored`); the runtime
+puts them into the worker's telemetry (:class:`~agents.state.api.Restored`'s
+``source`` and ``lost``), and from there they reach the recovery record.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,8 @@ from agents.recovery.slice_state import (
     targets_for,
 )
 from agents.recovery.state_sync import NO_STATE
-from agents.runtime.sharding import (
+from agents.state.api import Holdings, Joining, Restored
+from agents.state.sharding import (
     PARAM,
     Layout,
     ShardedModel,
@@ -41,12 +42,10 @@ from agents.runtime.sharding import (
     SliceKey,
     layout_of,
 )
-from agents.runtime.telemetry import WorkerTelemetry
-from agents.runtime.tracked_optimizers import optimizers_of, others_of
-from orchestrator.state.records import Telemetry
+from agents.state.tracked_optimizers import optimizers_of, others_of
 
 if TYPE_CHECKING:
-    from agents.recovery.buddy_copies import BuddyCopies
+    from agents.state.buddy_copies import BuddyCopies
 
 __all__ = [
     "SOURCE_BUDDY",
@@ -57,8 +56,8 @@ __all__ = [
     "SOURCE_SNAPSHOT",
     "SOURCE_TWIN",
     "Placement",
-    "RecoveryTelemetry",
     "ShardsRestored",
+    "SliceRecovery",
     "join",
     "layouts",
     "start_initial",
@@ -74,6 +73,38 @@ SOURCE_SNAPSHOT = "snapshot"  # a rank's own last snapshot (rolled back to the c
 SOURCE_LIVE = "live"  # every rank kept its own slice
 SOURCE_DURABLE = "durable"
 SOURCE_INITIAL = "initial"
+
+
+class SliceRecovery:
+    """The ``slices`` kind: each rank's slice from its best source (:func:`join`), then
+    the buddy copies start again on the new generation."""
+
+    def join(self, joining: Joining, holdings: Holdings) -> Restored:
+        model, buddies = holdings.sharded, holdings.buddies
+        assert model is not None, "the slices' kind of state has a sharded model"
+        world = joining.world_size
+        placement = Placement(joining.rank, world, joining.plan.members[0].nproc, joining.device)
+        got = join(
+            joining.held,
+            joining.holds_state,
+            model,
+            buddies,
+            placement,
+            joining.durable,
+            joining.control,
+        )
+        if buddies is not None:
+            buddies.forget_after(got.step)
+            buddies.start(
+                joining.rank,
+                world,
+                joining.nproc,
+                layouts(model, placement),
+                model.rows,
+                joining.copies_timeout,
+            )
+        has_state = joining.holds_state or got.source != SOURCE_INITIAL
+        return Restored(got.step, has_state, got.restored_from, got.source, got.lost)
 
 
 @dataclass(frozen=True)
@@ -322,27 +353,3 @@ def _from_storage(
             "checkpoint.every_steps, use sharding='hsdp', or turn on redundancy"
         )
     return ShardsRestored(0, SOURCE_INITIAL, 0)
-
-
-class RecoveryTelemetry(WorkerTelemetry):
-    """Worker telemetry that also says where a sharded model's state came from."""
-
-    def __init__(self, timed: bool = True, device: torch.device | None = None) -> None:
-        super().__init__(timed, device)
-        self.restored_from: str | None = None
-        self.steps_lost = 0
-
-    def group_formed(self, generation: int) -> None:
-        super().group_formed(generation)
-        self.restored_from = None
-        self.steps_lost = 0
-
-    def state_source(self, source: str, lost: int) -> None:
-        """The sharded model's slices came from ``source``; ``lost`` completed steps were lost."""
-        self.restored_from = source
-        self.steps_lost = lost
-
-    def record(self) -> Telemetry:
-        return dataclasses.replace(
-            super().record(), restored_from=self.restored_from, steps_lost=self.steps_lost
-        )

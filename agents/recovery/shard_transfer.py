@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from agents.recovery.tensor_stream import DIRECT_BYTES
-from agents.runtime.sharding import Layout, SliceKey, chunk_rows
+from agents.state.sharding import Layout, SliceKey, chunk_rows
 
 __all__ = [
     "Extent",

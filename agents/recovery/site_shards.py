@@ -1,8 +1,9 @@
 """Joining a generation with an FSDP2 model in each site under a delayed sync.
 
 Runs in the training process, on every rank of a new generation, after its
-default group formed (:mod:`agents.runtime.generation` calls :func:`join_site_shards`
-for ``sharding="fsdp"`` under ``sync.mode`` diloco or streaming_diloco).  Each
+default group formed: the recovery of the ``site_slices`` kind of state
+(:class:`SiteSliceRecovery`, for ``sharding="fsdp"`` under ``sync.mode``
+diloco or streaming_diloco).  Each
 site is an FSDP2 group of its own: its model is sharded over the site's ranks
 only (a 1-D mesh of the site's group), so no per-step collective crosses
 sites.  The sites must be equal-sized
@@ -12,7 +13,7 @@ the syncs under way) is synced with the same-index ranks of the other sites
 (:class:`~agents.sync.outer_sync.OuterSync` with a ``local`` view; its groups
 are :func:`~agents.sync.site_groups.form_site_groups`'s ``per_slice`` ones).
 With redundancy on, each rank's slice is copied to the same local rank on
-the next node of its site (:class:`~agents.recovery.buddy_copies.BuddyCopies`
+the next node of its site (:class:`~agents.state.buddy_copies.BuddyCopies`
 with the site as its ring).
 
 Where each site's slices come from is decided by
@@ -29,7 +30,7 @@ Where each site's slices come from is decided by
 2. **A site keeps none** (no buddy copy of a lost slice at the site's step,
    the site's size changed, or the site comes back whole): its ranks start
    from the global model, as a whole site coming back does under DDP
-   (:mod:`agents.sync.site_join`): rank ``i`` takes the slice of rank ``i``
+   (:mod:`agents.recovery.site_join`): rank ``i`` takes the slice of rank ``i``
    of the most advanced site that kept its state (its optimizer state, its
    replicated state) and that rank's outer state, and its parameters become
    the anchors.  The syncs under way count the site with weight 0.  Its
@@ -45,7 +46,7 @@ Where each site's slices come from is decided by
 
 No outer step is lost or applied twice: a slice that missed an outer step
 another site applied takes its result
-(:func:`~agents.sync.site_join.reconcile_fragments`, per slice index).
+(:func:`~agents.recovery.site_join.reconcile_fragments`, per slice index).
 """
 
 from __future__ import annotations
@@ -53,16 +54,13 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from agents.api import DurableState, StateLostError, WorkerView
-from agents.recovery.buddy_copies import BuddyCopies
+from agents.api import StateLostError
 from agents.recovery.outer_reshard import reshard_from_checkpoint
 from agents.recovery.shard_recovery import (
     SOURCE_BUDDY,
@@ -73,72 +71,57 @@ from agents.recovery.shard_recovery import (
     ShardsRestored,
     start_initial,
 )
+from agents.recovery.site_join import reconcile_fragments
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.slice_state import apply_replicated, targets_for
 from agents.recovery.state_sync import NO_STATE, broadcast_state
-from agents.runtime.sharding import Layout, ShardedModel, Slice
-from agents.runtime.tracked_optimizers import optimizers_of, others_of
+from agents.state.api import Holdings, Joining, Restored
+from agents.state.buddy_copies import BuddyCopies
+from agents.state.sharding import Layout, ShardedModel, Slice
+from agents.state.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import OuterSync
 from agents.sync.site_groups import SiteGroups, form_site_groups
-from agents.sync.site_join import reconcile_fragments
 from agents.sync.sites import Sites
-from orchestrator.state.records import Plan
 
-__all__ = ["Placed", "join_site_shards"]
+__all__ = ["SiteSliceRecovery", "join_site_shards"]
 
 log = logging.getLogger("ringmaster.worker")
 
 
-@dataclass(frozen=True)
-class Placed:
-    """Where this worker trains in the generation being joined, and what it resumes from."""
+class SiteSliceRecovery:
+    """The ``site_slices`` kind: an FSDP2 model in each site (:func:`join_site_shards`)."""
 
-    plan: Plan
-    #: its global rank
-    rank: int
-    #: workers of its node (a buddy is the same local rank on the site's next node)
-    nproc: int
-    device: torch.device
-    #: what an exchange of the buddy copies may take (``fault_tolerance.hang_timeout``)
-    copies_timeout: timedelta
-    #: the durable checkpoints, resumed from where no site kept its state
-    durable: DurableState
+    def join(self, joining: Joining, holdings: Holdings) -> Restored:
+        outer, model = holdings.outer, holdings.sharded
+        assert outer is not None and model is not None, "sites of a sharded model"
+        got = join_site_shards(joining, outer, model, holdings.buddies)
+        has_state = joining.holds_state or got.source != SOURCE_INITIAL
+        return Restored(got.step, has_state, got.restored_from, got.source, got.lost)
 
 
 def join_site_shards(
-    outer: OuterSync,
-    model: ShardedModel,
-    buddies: BuddyCopies | None,
-    held: WorkerView,
-    holds_state: bool,
-    at: Placed,
-    control: dist.ProcessGroup | None,
-    timeout: timedelta,
+    at: Joining, outer: OuterSync, model: ShardedModel, buddies: BuddyCopies | None
 ) -> ShardsRestored:
     """Form the sites' groups, shard the model over this rank's site and bring its slice
     and outer state to the site's state, or to the global model (module docstring).
 
     Args:
+        at: the join (the sites' groups start with its collective timeout).
         outer: the worker's outer loop (it keeps the groups).
         model: the sharded model.
         buddies: its buddy copies in the site, if redundancy is on (started here on
             the new generation).
-        held: the worker as it stands (its step and tracked objects).
-        holds_state: the tracked objects hold the state of ``held.step``.
-        at: where this worker trains in the generation joined.
-        control: the generation's gloo control group (None: the default group).
-        timeout: the generation's collective timeout (the sites' groups start with it).
 
     Raises:
         StateMismatchError: the sites differ in size (:func:`check_sites`).
         StateLostError: state was held, but no site kept all of its slices.
     """
-    rank = at.rank
+    rank, held, holds_state, control = at.rank, at.held, at.holds_state, at.control
     sites = Sites.of_plan(at.plan, outer.spec.site_label)
     check_sites(sites, outer.spec.site_label)
     outer.drop()
-    outer.groups = groups = form_site_groups(sites, rank, at.device, timeout, per_slice=True)
+    outer.groups = groups = form_site_groups(sites, rank, at.device, at.timeout, per_slice=True)
     mine = sites.ranks[groups.index]
     layout = Layout(len(mine), mine.index(rank))
     kept = holds_state and model.layout == layout
@@ -195,9 +178,12 @@ def join_site_shards(
             sent = {"tensors": own.tensors, "replicated": own.replicated}
             sent["outer"] = outer.state_dict()
         state = broadcast_state(
-            _given(sent) if rank == src else None, src, groups.outer,
-            receivers=receivers, data_group=groups.outer,
-        )  # fmt: skip
+            _given(sent) if rank == src else None,
+            src,
+            groups.outer,
+            receivers=receivers,
+            data_group=groups.outer,
+        )
     if site.step == NO_STATE:
         assert state is not None, "a site that kept no state receives one"
         taken = Slice(best, layout, state["tensors"], state["replicated"])
@@ -212,8 +198,9 @@ def join_site_shards(
         step, source = best, SOURCE_PEER
         log.warning(
             "site %s had no state: it starts from the sites' common parameters at step %d",
-            sites.names[groups.index], step,
-        )  # fmt: skip
+            sites.names[groups.index],
+            step,
+        )
     _outer_for_copies(outer, groups, states, layout.index, step)
     _reconcile(outer, groups)
     _start_copies(buddies, at, sites, model, step if site.step != NO_STATE else NO_STATE)
@@ -243,15 +230,20 @@ def _from_copies(
             assert own is not None and ward is not None
             sent = {"tensors": ward.tensors, "replicated": own.replicated}
         got = broadcast_state(
-            _given(sent) if rank == holder else None, holder, groups.inner_host,
-            receivers=[mine[index]], data_group=groups.inner,
-        )  # fmt: skip
+            _given(sent) if rank == holder else None,
+            holder,
+            groups.inner_host,
+            receivers=[mine[index]],
+            data_group=groups.inner,
+        )
         if rank == mine[index]:
             taken = Slice(site.step, layout, got["tensors"], got["replicated"])
             log.warning(
                 "slice %d of site %s of step %d restored from its buddy's copy in the site",
-                index, groups.sites.names[groups.index], site.step,
-            )  # fmt: skip
+                index,
+                groups.sites.names[groups.index],
+                site.step,
+            )
     return taken
 
 
@@ -284,9 +276,12 @@ def _outer_from_checkpoint(
     src = current[0][at]
     receivers = [ranks[at] for ranks in current[1:]]
     got = broadcast_state(
-        _given(outer.state_dict()) if dist.get_rank() == src else None, src, groups.outer,
-        receivers=receivers, data_group=groups.outer,
-    )  # fmt: skip
+        _given(outer.state_dict()) if dist.get_rank() == src else None,
+        src,
+        groups.outer,
+        receivers=receivers,
+        data_group=groups.outer,
+    )
     if dist.get_rank() in receivers:
         outer.load_state_dict(got)
 
@@ -309,16 +304,19 @@ def _outer_for_copies(
     )
     rank = dist.get_rank()
     got = broadcast_state(
-        _given(outer.state_dict()) if rank == src else None, src, groups.outer,
-        receivers=receivers, data_group=groups.outer,
-    )  # fmt: skip
+        _given(outer.state_dict()) if rank == src else None,
+        src,
+        groups.outer,
+        receivers=receivers,
+        data_group=groups.outer,
+    )
     if rank in receivers:
         outer.take_from_another_site(got, step)
 
 
 def _start_copies(
     buddies: BuddyCopies | None,
-    at: Placed,
+    at: Joining,
     sites: Sites,
     model: ShardedModel,
     step: int,
@@ -358,7 +356,7 @@ def _restore_slice(
 def _start_common(outer: OuterSync, groups: SiteGroups) -> None:
     """Every site takes the first site's slices (a script that does not seed alike starts
     its sites apart), and the anchors from them: as
-    :mod:`agents.sync.site_join` does for a DDP model, per slice index."""
+    :mod:`agents.recovery.site_join` does for a DDP model, per slice index."""
     assert groups.outer is not None
     at = groups.sites.ranks[groups.index].index(dist.get_rank())
     first = groups.sites.ranks[0][at]  # the first site's rank of this slice index

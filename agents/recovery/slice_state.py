@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from agents.recovery import shard_transfer
 from agents.recovery.state_sync import broadcast_state
-from agents.runtime.sharding import PARAM, Layout, ShardedModel, Slice, SliceKey
+from agents.state.sharding import PARAM, Layout, ShardedModel, Slice, SliceKey
 
 __all__ = ["apply_replicated", "replicated_for", "structure_of", "targets_for"]
 

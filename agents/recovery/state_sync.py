@@ -378,7 +378,7 @@ def _owners(
         and mine[0][i].dtype == slots[i].dtype
         and mine[0][i].device.type == slots[i].device_type
         for i, path in common.items()
-    )  # fmt: skip
+    )
     told: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(told, (rank, fits), group=group)
     senders = [src, *sorted(r for r, ok in told if ok and r != src)]

@@ -24,8 +24,9 @@ step boundary, :meth:`Session.steps` decides whether a peer is gone
 plane published a newer generation).  If so it tears the group down, reports
 to etcd, waits for the controller's next generation (a warm spare in the dead
 node's place), forms a new group in-process and brings every rank to the
-freshest live state (:mod:`agents.runtime.generation`, :mod:`agents.recovery.state_sync`).  The
-failed step runs again; no completed step is lost or applied twice.
+freshest live state (:mod:`agents.runtime.generation`, through the recovery of
+the kind of state the session holds, :mod:`agents.recovery`).  The failed step
+runs again; no completed step is lost or applied twice.
 Survivors never restart and never read object storage.  An error of the
 script's own is reported as such and raised out of :meth:`Session.steps`: the
 worker exits with it, and the controller restarts or fails the job.
@@ -44,8 +45,16 @@ decides), :mod:`agents.runtime.saving` (durable checkpoints),
 :mod:`agents.runtime.wrapping` (what ``wrap`` builds),
 :mod:`agents.runtime.plan_watch` (plan and control keys),
 :mod:`agents.runtime.heartbeat` (progress), :mod:`agents.runtime.failures`
-(a peer's failure or the script's own error), and the live-state tiers of
-:mod:`agents.recovery`.  :mod:`agents.runtime.data` reads a step's batch.
+(a peer's failure or the script's own error), and
+:mod:`agents.runtime.participants` (what takes part in the step loop beside the
+script's step: a delayed sync, the buddy copies).  :mod:`agents.runtime.data`
+reads a step's batch.
+
+The runtime's parts never import :mod:`agents.recovery`, nor recovery the
+runtime: both speak through the contract and the sharded model's vocabulary
+one floor below them (:mod:`agents.state`).  :func:`init`
+(:mod:`agents.runtime.startup`, the session's composition root and the one
+module that imports both) hands the session recovery's table.
 
 A spare's workers wait inside :meth:`Session.steps` until a generation
 includes their node; when the job ends first, the loop simply ends
@@ -54,31 +63,9 @@ includes their node; when the job ends first, the loop simply ends
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from agents.runtime.pipeline import Pipeline
-    from agents.runtime.session import Session
-    from agents.runtime.standalone import StandaloneSession
-    from agents.runtime.startup import init
+from agents.runtime.session import Session
+from agents.runtime.standalone import StandaloneSession
+from agents.runtime.startup import init
+from agents.state.pipeline import Pipeline
 
 __all__ = ["Pipeline", "Session", "StandaloneSession", "init"]
-
-#: Where each public name lives.  They are imported on first use, not with the
-#: package: the runtime's own modules and the live-state tiers (:mod:`agents.recovery`)
-#: import the package's modules, and an eager import of the session here would import
-#: them back half-initialised.
-_HOMES = {
-    "Pipeline": "agents.runtime.pipeline",
-    "Session": "agents.runtime.session",
-    "StandaloneSession": "agents.runtime.standalone",
-    "init": "agents.runtime.startup",
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'agents.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)

@@ -39,7 +39,7 @@ so that a sample read again (a step that runs again) looks the same.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from typing import Any, Protocol
 
 import torch
@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from checkpoint.data_position import GlobalOrder, rank_positions, share_size
 
-__all__ = ["DataLoaderError", "DataShare", "ElasticLoader", "Placement"]
+__all__ = ["DataLoaderError", "ElasticLoader", "Placement"]
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -60,24 +60,6 @@ class Placement(Protocol):
 
     @property
     def world_size(self) -> int: ...
-
-
-class DataShare:
-    """A :class:`Placement` read at each step from two callables: the share of the
-    data a rank reads where it is not its rank (tensor-parallel ranks and pipeline
-    stages of one replica read the same share)."""
-
-    def __init__(self, rank: Callable[[], int], world_size: Callable[[], int]) -> None:
-        self._rank = rank
-        self._world_size = world_size
-
-    @property
-    def rank(self) -> int:
-        return self._rank()
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size()
 
 
 class DataLoaderError(ValueError):

@@ -18,7 +18,7 @@ events recorded on the streams the work runs on:
   current stream waits for the collective's own end (CUDA futures run their
   callbacks on streams synchronised with the work), so it fires when the
   all-reduce finished on the device, the wait for a slow peer included;
-* a sharded model's collective (:mod:`agents.runtime.sharded_timing`): an
+* a sharded model's collective (:mod:`agents.state.sharded_timing`): an
   event before and one after the call on the stream FSDP2 issues it on; the
   stream waits for the collective to end before the second, so the pair spans
   the collective's own duration on the device (what NCCL's timing

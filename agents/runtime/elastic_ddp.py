@@ -144,5 +144,11 @@ class _RecordingDDP(DDP):
         super().register_comm_hook(state, self._failures.wrap_hook(hook))
 
     def _sync_buffers(self) -> None:
+        # the forward's buffer broadcast blocks until every rank got there: a wait for
+        # the slowest, to be timed as one (untimed, it counts as compute on every rank)
+        timing = self._failures.timing
+        started = timing.collective_started() if timing is not None else None
         with self._failures.collective():
             super()._sync_buffers()
+        if timing is not None:
+            timing.collective_ended(started)

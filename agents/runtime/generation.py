@@ -3,30 +3,32 @@
 A generation is the controller's plan of who trains (:class:`Plan`).  To join
 one, a worker waits until a plan of at least the generation it needs
 includes its node, forms that generation's process group
-(:mod:`agents.runtime.process_group`), opens its checkpointer and brings every rank
-to the freshest live state (:mod:`agents.recovery.state_sync`), or to the newest
-durable checkpoint when no rank holds live state (a fresh or resumed job).
-A sharded model gets its slices instead (:mod:`agents.recovery.shard_recovery`).
+(:mod:`agents.runtime.process_group`) and opens its checkpointer: what every
+join does, whatever the worker holds.  The rest, bringing every rank to the
+freshest live state or to the newest durable checkpoint, depends on the kind
+of state the session holds (DDP replicas, a sharded model's slices, sites
+under a delayed sync): :class:`Generations` hands it to that kind's
+:class:`~agents.state.api.Recovery`, found in the table it was given (keyed
+by :attr:`~agents.state.api.Holdings.kind`; the implementations are
+:mod:`agents.recovery`'s, which the runtime never imports).
 :meth:`Generations.join_next` returns what was joined (:class:`Joined`: the
 plan, this worker's rank, the groups, the step and where the state came
 from); the session applies it and rebuilds its DDP on the new group.
 
 When a generation breaks (a peer is gone, or the controller switched to a
-new plan), the session drops its DDP and group, :class:`Generations` reports
-the break (a :class:`BreakReport`, keyed by generation, so a late report can
-never affect a newer one: through its node agent, which writes one record
-for its workers, or under the generation's ``reports/`` prefix itself) and
-joins the next.  A group that does not form is reported like a broken
-generation.
+new plan), the session drops its DDP and group, reports the break
+(:mod:`agents.runtime.breaks`) and :class:`Generations` joins the next.  A
+group that does not form is reported like a broken generation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,14 +38,11 @@ from agents.api import (
     JobEndedError,
     RecoveryError,
     StateMismatchError,
+    StorageFaultError,
     UnequalSitesError,
     WorkerEnv,
     WorkerView,
 )
-from agents.recovery import shard_recovery
-from agents.recovery.site_shards import Placed, join_site_shards
-from agents.recovery.state_sync import NO_STATE, sync_state
-from agents.runtime import live_state
 from agents.runtime.process_group import (
     Groups,
     form_group,
@@ -52,30 +51,24 @@ from agents.runtime.process_group import (
     sockets_opened_since,
     teardown_group,
 )
-from agents.runtime.storage_faults import StorageFaultError
-from agents.sync.site_join import join_sites
+from agents.state.api import Holdings, Joining, Recovery
 from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.settings import SETTINGS
 from orchestrator.state import keys, records
 from orchestrator.state.api import FencedError, RecordError
-from orchestrator.state.records import BreakReport, DoneRecord, JobStatus, Plan
+from orchestrator.state.records import DoneRecord, JobStatus, Plan
 
 if TYPE_CHECKING:
-    from agents.recovery.shard_recovery import RecoveryTelemetry
-    from agents.runtime.heartbeat import Heartbeat
+    from agents.runtime.breaks import Breaks
     from agents.runtime.plan_watch import PlanWatcher
-    from agents.runtime.wrapping import WrappedModels
+    from agents.runtime.telemetry import WorkerTelemetry
     from orchestrator.etcd.client import EtcdClient
-    from orchestrator.spec.job import JobSpec
     from orchestrator.state.fencing import GenerationFence
 
-__all__ = ["MAX_FAILURES_PER_STEP", "Generations", "Joined"]
+__all__ = ["DataPlane", "Generations", "Joined"]
 
 log = logging.getLogger("ringmaster.worker")
-
-#: A step that fails this many times in a row is not a peer failure: give up.
-MAX_FAILURES_PER_STEP = 5
 
 
 @dataclass(frozen=True)
@@ -104,46 +97,57 @@ class Joined:
         return self.plan.world_size
 
 
+@dataclass(frozen=True)
+class DataPlane:
+    """How this worker's generations move data: what forming a group needs."""
+
+    #: the data plane's backend (``gloo``, ``nccl``)
+    backend: str
+    #: this worker's device
+    device: torch.device
+    #: ``fault_tolerance.hang_timeout``: what an exchange of buddy copies may take
+    hang_timeout: timedelta
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        """A new group's collective timeout: twice the hang timeout (the collective
+        guard learns a shorter one from the steps)."""
+        return self.hang_timeout * 2
+
+
 class Generations:
     """Moves one worker from generation to generation (see the module docstring).
 
     Args:
         env: the worker's environment (job, node, local rank, address).
         client: the worker's etcd client.
-        spec: the job's spec.
         fence: the worker's generation fence (joined here, left when fenced out).
         watch: the plan watcher.
-        heartbeat: relays break reports through the node agent.
-        telemetry: records when groups formed and where sharded state came from.
-        durable: the durable checkpoints (opened per generation, resumed from).
-        backend: the data plane's backend (``gloo``, ``nccl``).
-        device: this worker's device.
+        breaks: reports a generation whose group did not form, or whose join failed.
+        telemetry: records when groups formed and where the state came from.
+        recoveries: the recovery of each kind of state (:attr:`Holdings.kind`).
+        plane: the data plane's backend, device and hang timeout.
     """
 
     def __init__(
         self,
         env: WorkerEnv,
         client: EtcdClient,
-        spec: JobSpec,
         fence: GenerationFence,
         watch: PlanWatcher,
-        heartbeat: Heartbeat,
-        telemetry: RecoveryTelemetry,
-        durable: DurableState,
-        backend: str,
-        device: torch.device,
+        breaks: Breaks,
+        telemetry: WorkerTelemetry,
+        recoveries: Mapping[str, Recovery],
+        plane: DataPlane,
     ) -> None:
         self._env = env
         self._client = client
-        self._spec = spec
         self._fence = fence
         self._watch = watch
-        self._heartbeat = heartbeat
+        self._breaks = breaks
         self._telemetry = telemetry
-        self._durable = durable
-        self._backend = backend
-        self._device = device
-        self._failures_at_step = 0
+        self._recoveries = recoveries
+        self._plane = plane
         #: ``(generation, rank, world size)`` of the generation being joined, from the
         #: start of a join until it :meth:`settled` (the worker's progress names it)
         self.joining: tuple[int, int, int] | None = None
@@ -152,42 +156,11 @@ class Generations:
     def _worker(self) -> str:
         return keys.worker_id(self._env.node, self._env.local_rank)
 
-    # -- leaving -----------------------------------------------------------------------
-
-    def count_break(self, step: int, reason: str, planned: bool) -> None:
-        """Count a generation left at ``step`` (a planned change counts nothing).
-
-        Raises:
-            RecoveryError: the same step failed too often.
-        """
-        self._failures_at_step += 0 if planned else 1
-        if self._failures_at_step > MAX_FAILURES_PER_STEP:
-            raise RecoveryError(
-                f"step {step} failed {self._failures_at_step} times in a row; last: {reason}"
-            )
-
-    def step_completed(self) -> None:
-        """A step completed: the count of failures of one step starts again."""
-        self._failures_at_step = 0
-
-    def report(
-        self, generation: int, step: int, reason: str, planned: bool, user_error: bool = False,
-        fault: str = "", unequal_sites: bool = False,
-    ) -> None:  # fmt: skip
-        """Tell the controller that ``generation`` broke here at ``step`` (best effort)."""
-        report = BreakReport(step, reason, planned, time.time(), user_error, fault, unequal_sites)
-        if self._heartbeat.relay_report(generation, report):
-            return  # the node agent wrote it, with its other workers' (agents.node.break_reports)
-        try:
-            records.write(
-                self._client, keys.job_reports(self._env.job, generation) + self._worker, report
-            )
-        except EtcdError as e:
-            log.warning("could not report the end of generation %d: %s", generation, e)
-
     # -- joining -----------------------------------------------------------------------
 
-    def join_next(self, min_generation: int, held: WorkerView, models: WrappedModels) -> Joined:
+    def join_next(
+        self, min_generation: int, held: WorkerView, holdings: Holdings, durable: DurableState
+    ) -> Joined:
         """Join the first generation from ``min_generation`` on whose group forms.
 
         A group that does not form is reported like a broken generation, and
@@ -197,36 +170,39 @@ class Generations:
         Args:
             min_generation: the first generation to join.
             held: the worker as it stands (its step, whether it holds state).
-            models: what the script wrapped (a sharded model gets its slices here,
-                and its buddy copies start on the new group).
+            holdings: what the script wrapped: its kind picks the recovery that
+                brings the state to the generation's.
+            durable: the durable checkpoints (opened on each generation's group).
 
         Raises:
-            RecoveryError: no generation including this worker came in time.
+            RecoveryError: no generation including this worker came in time, or no
+                recovery is known for the kind of state held.
             JobEndedError: the job ended while this worker waited.
             StorageFaultError: ``checkpoint.url`` cannot be written, or the checkpoint
                 asked for cannot be used (reported: the controller fails the job).
             StateMismatchError: the state a peer sent does not fit this worker's
                 (reported as the script's error).
         """
+        recovery = self._recovery_of(holdings.kind)
         holds_state = held.has_state
         while True:
             plan, holds_state = self._await_plan(min_generation, held.step, holds_state)
             try:
-                return self._join(plan, held, holds_state, models)
+                return self._join(plan, held, holds_state, recovery, holdings, durable)
             except (RecoveryError, UnequalSitesError) as e:
                 log.warning("%s", e)
                 uneven = isinstance(e, UnequalSitesError)  # the controller evens the sites
                 if uneven:
                     teardown_group()  # nothing was exchanged: the state held is whole
-                self.report(plan.generation, held.step, str(e), False, unequal_sites=uneven)
+                self._breaks.report(plan.generation, held.step, str(e), False, unequal_sites=uneven)
                 min_generation = plan.generation + 1
             except StorageFaultError as e:  # the job's checkpoints, not a peer: the job fails
                 log.error("%s", e)
-                self.report(plan.generation, held.step, str(e), False, True, e.fault)
+                self._breaks.report(plan.generation, held.step, str(e), False, True, e.fault)
                 raise
             except StateMismatchError as e:  # the script's models differ: no peer to wait for
                 log.error("%s", e)
-                self.report(plan.generation, held.step, str(e), False, True)
+                self._breaks.report(plan.generation, held.step, str(e), False, True)
                 raise
 
     def settled(self, joined: Joined) -> Groups:
@@ -288,17 +264,52 @@ class Generations:
         plan: Plan,
         held: WorkerView,
         holds_state: bool,
-        models: WrappedModels,
+        recovery: Recovery,
+        holdings: Holdings,
+        durable: DurableState,
     ) -> Joined:
-        sharded, buddies = models.sharded, models.buddies
         member = plan.member(self._env.node)
         assert member is not None
         rank = member.rank_base + self._env.local_rank
+        groups, sockets_before = self._form_group(plan, rank)
+        joining = Joining(
+            plan=plan,
+            rank=rank,
+            nproc=member.nproc,
+            device=self._plane.device,
+            control=groups.control,
+            timeout=self._plane.collective_timeout,
+            copies_timeout=self._plane.hang_timeout,
+            held=held,
+            holds_state=holds_state,
+            durable=durable,
+        )
+        try:
+            durable.open(first=plan.generation == 1)
+            restored = recovery.join(joining, holdings)
+        except RuntimeError as e:  # the new group broke already: a member is gone again
+            teardown_group()
+            raise RecoveryError(
+                f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
+            ) from e
+        self._telemetry.state_source(restored.source, restored.lost)
+        return Joined(
+            plan=plan,
+            rank=rank,
+            groups=groups,
+            step=restored.step,
+            has_state=restored.has_state,
+            restored_from=restored.restored_from,
+            sockets_before=sockets_before,
+        )
+
+    def _form_group(self, plan: Plan, rank: int) -> tuple[Groups, frozenset[int]]:
+        """Join ``plan``'s fence and form its process groups as ``rank``; returns them
+        and the sockets open before they formed (see :meth:`settled`)."""
         self.joining = (plan.generation, rank, plan.world_size)
         self._fence.join(plan.generation, self._watch.revision_of(plan.generation))
         sockets_before = frozenset(socket_inodes())
-        hang = self._spec.fault_tolerance.hang_timeout
-        ceiling = hang * 2  # the guard learns a shorter one
+        plane = self._plane
         groups = form_group(
             self._client,
             self._env.job,
@@ -306,63 +317,29 @@ class Generations:
             rank,
             plan.world_size,
             self._env.address,
-            collective_timeout=ceiling,
+            collective_timeout=plane.collective_timeout,
             fence=self._fence,
-            backend=self._backend,
-            device=self._device,
+            backend=plane.backend,
+            device=plane.device,
         )
         self._telemetry.group_formed(plan.generation)
         publish_environment(plan, self._env.node, rank, *groups.store)
-        step, has_state, restored_from = held.step, holds_state, None
-        try:
-            self._durable.open(first=plan.generation == 1)
-            if sharded is not None and models.outer is not None:  # fsdp in each site
-                at = Placed(plan, rank, member.nproc, self._device, hang, self._durable)
-                got = join_site_shards(
-                    models.outer, sharded, buddies, held, holds_state, at, groups.control, ceiling
-                )
-                initial = got.source == shard_recovery.SOURCE_INITIAL
-                step, has_state = got.step, holds_state or not initial
-                self._telemetry.state_source(got.source, got.lost)
-            elif sharded is not None:
-                placement = shard_recovery.Placement(
-                    rank, plan.world_size, plan.members[0].nproc, self._device
-                )
-                got = shard_recovery.join(
-                    held, holds_state, sharded, buddies, placement, self._durable, groups.control
-                )
-                step, restored_from = got.step, got.restored_from
-                has_state = holds_state or got.source != shard_recovery.SOURCE_INITIAL
-                self._telemetry.state_source(got.source, got.lost)
-                if buddies is not None:
-                    buddies.forget_after(got.step)
-                    layouts = shard_recovery.layouts(sharded, placement)
-                    buddies.start(rank, plan.world_size, member.nproc, layouts, sharded.rows, hang)
-            else:
-                mine = held.step if holds_state else NO_STATE
-                capture = functools.partial(live_state.capture, held.step, held.tracked)
-                restore = functools.partial(live_state.restore, held.tracked)
-                one = models.ddps[0].module if models.replicas_identical() else None
-                shared = live_state.replicated(held.tracked, one) if one is not None else None
-                if models.outer is not None:  # a delayed sync: each site its own state
-                    outer, control = models.outer, groups.control
-                    synced = join_sites(
-                        outer, plan, rank, mine, capture, restore, control, ceiling, shared
-                    )
-                else:
-                    synced = sync_state(mine, capture, restore, groups.control, shared=shared).step
-                if synced != NO_STATE:
-                    step, has_state = synced, True
-                elif self._durable.can_resume():
-                    resumed = self._durable.resume(plan.world_size)
-                    if resumed is not None:
-                        step, has_state, restored_from = resumed.step, True, resumed.url
-        except RuntimeError as e:  # the new group broke already: a member is gone again
-            teardown_group()
+        return groups, sockets_before
+
+    def _recovery_of(self, kind: str) -> Recovery:
+        """The recovery of the ``kind`` of state held.
+
+        Raises:
+            RecoveryError: the table holds none (the session was built without it).
+        """
+        recovery = self._recoveries.get(kind)
+        if recovery is None:
+            known = ", ".join(sorted(self._recoveries)) or "none"
             raise RecoveryError(
-                f"generation {plan.generation}: state sync failed ({e}); a member may be gone"
-            ) from e
-        return Joined(plan, rank, groups, step, has_state, restored_from, sockets_before)
+                f"no recovery for state of kind {kind!r} (known: {known}); build the "
+                "session with agents.runtime.init(), which gives it agents.recovery's table"
+            )
+        return recovery
 
     def record_done(self, step: int, generation: int) -> None:
         """Record that this worker finished training (through the fence: a fenced-out

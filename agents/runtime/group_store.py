@@ -51,13 +51,17 @@ def wait_for_store(client: EtcdClient, key: str, deadline: float) -> tuple[str, 
             if answers(address, deadline):
                 return address
             if stale is None:
-                log.info("the store at %s:%s refuses connections; waiting for rank 0 "
-                         "to publish another", host, port)  # fmt: skip
+                log.info(
+                    "the store at %s:%s refuses connections; waiting for rank 0 to publish another",
+                    host,
+                    port,
+                )
             stale = address
         if time.monotonic() >= deadline:
             what = f"a store that answers (last: {stale[0]}:{stale[1]})" if stale else "it"
-            raise RuntimeError(f"rank 0 did not publish the store address at {key} in time "
-                               f"({what})")  # fmt: skip
+            raise RuntimeError(
+                f"rank 0 did not publish the store address at {key} in time ({what})"
+            )
         time.sleep(MASTER_POLL_S if stale is None else STALE_POLL_S)
 
 

@@ -206,8 +206,12 @@ def form_group(
         if backend == "nccl":
             name, value = NCCL_ERROR_HANDLING
             if os.environ.get(name, value) != value:
-                log.warning("%s=%s replaced by %s: a peer's failure must not end this process",
-                            name, os.environ[name], value)  # fmt: skip
+                log.warning(
+                    "%s=%s replaced by %s: a peer's failure must not end this process",
+                    name,
+                    os.environ[name],
+                    value,
+                )
             os.environ[name] = value
         try:
             dist.init_process_group(

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from agents.api import Resumed, WorkerEnv, WorkerView
+from agents.api import Resumed, StorageFaultError, WorkerEnv, WorkerView
 from agents.messages import one_line
 from agents.runtime.commit_record import record_commit
 from agents.runtime.elastic_ddp import ElasticDDP
 from agents.runtime.failures import peer_failure
 from agents.runtime.outer_checkpoint import first_site, outer_rank_state, replicated, restore_outer
-from agents.runtime.sharding import ShardedModel
-from agents.runtime.storage_faults import StorageFaultError, StorageFaults
+from agents.runtime.storage_faults import StorageFaults
 from agents.runtime.telemetry import WorkerTelemetry
+from agents.state.sharding import ShardedModel
 from orchestrator.api import EtcdError
 from orchestrator.settings import SETTINGS
 from orchestrator.state import keys
@@ -96,9 +96,12 @@ class Saving:
         #: when the pending save started: ``time.monotonic()`` and wall-clock time
         self._pending_since = (0.0, 0.0)
         self.faults = StorageFaults(
-            client, env.job, keys.worker_id(env.node, env.local_rank), spec.checkpoint,
+            client,
+            env.job,
+            keys.worker_id(env.node, env.local_rank),
+            spec.checkpoint,
             lambda: held.rank,
-        )  # fmt: skip
+        )
         self._commit_refused: str | None = None
         self._before_save: Callable[[str], None] | None = None
         #: comm hook state restored from a checkpoint, for the next hook built

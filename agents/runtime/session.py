@@ -26,11 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.api import PREIMPORTS, JobEndedError, RecoveryError, Stateful, WorkerEnv
+from agents.api import (
+    PREIMPORTS,
+    JobEndedError,
+    RecoveryError,
+    Stateful,
+    StorageFaultError,
+    WorkerEnv,
+)
 from agents.channels.plan_feed import ENV_PLAN_FEED
 from agents.messages import one_line
-from agents.recovery.shard_recovery import RecoveryTelemetry
 from agents.runtime.boundary import Agreement, StepBoundary, agree
+from agents.runtime.breaks import Breaks
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.elastic_ddp import HookInstaller
 from agents.runtime.failures import (
@@ -39,14 +46,15 @@ from agents.runtime.failures import (
     peer_failure,
     raised_in_collective,
 )
-from agents.runtime.generation import Generations, Joined
+from agents.runtime.generation import DataPlane, Generations, Joined
 from agents.runtime.heartbeat import Heartbeat
 from agents.runtime.plan_watch import PlanWatcher
 from agents.runtime.process_group import Groups, choose_device, hang_up, quiesce, teardown_group
 from agents.runtime.saving import Saving
-from agents.runtime.storage_faults import StorageFaultError
+from agents.runtime.telemetry import WorkerTelemetry
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
+from agents.state.api import Recovery
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.settings import SETTINGS
@@ -70,9 +78,17 @@ class Session:
         env: what the node agent told the worker (job, node, local rank, etcd).
         client: the worker's etcd client (closed by :meth:`close`).
         spec: the job's spec.
+        recoveries: the recovery of each kind of state a worker may hold, by kind
+            (:data:`agents.recovery.kinds.RECOVERIES`, handed over by :func:`~agents.runtime.init`).
     """
 
-    def __init__(self, env: WorkerEnv, client: EtcdClient, spec: JobSpec) -> None:
+    def __init__(
+        self,
+        env: WorkerEnv,
+        client: EtcdClient,
+        spec: JobSpec,
+        recoveries: Mapping[str, Recovery],
+    ) -> None:
         self._env = env
         self._client = client
         self._spec = spec
@@ -80,7 +96,7 @@ class Session:
         self._finished = False
         self._backend, self._device = choose_device(spec.comm.backend.value, env.local_rank)
         timed = spec.fault_tolerance.stragglers.action is not StragglerAction.OFF
-        self._telemetry = RecoveryTelemetry(timed, self._device)
+        self._telemetry = WorkerTelemetry(timed, self._device)
         self._failures = CollectiveFailures(self._telemetry.timing)
         self._models = WrappedModels(spec, self._device, self._failures, self._install_spec_hook)
         self._groups: Groups | None = None
@@ -89,6 +105,7 @@ class Session:
         self._step_error: BaseException | None = None
         self._stop_requested = False
         self._votes = StepBoundary()
+        self._votes.meets = self._participants_meet
         self._saving = Saving(env, client, spec, self._fence, self._telemetry, self._state)
         self._watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
         self._guard = CollectiveGuard(OpTimeout.of_job(spec), self._watch.latest_generation)
@@ -99,10 +116,17 @@ class Session:
             self._progress,
             spec.fault_tolerance.heartbeat_interval,
         )
+        self._breaks = Breaks(env, client, self._heartbeat)
         self._generations = Generations(
-            env, client, spec, self._fence, self._watch, self._heartbeat, self._telemetry,
-            self._saving, self._backend, self._device,
-        )  # fmt: skip
+            env,
+            client,
+            self._fence,
+            self._watch,
+            self._breaks,
+            self._telemetry,
+            recoveries,
+            DataPlane(self._backend, self._device, spec.fault_tolerance.hang_timeout),
+        )
         # What the first DDP of a generation imports lazily (torch._dynamo: about a second
         # alone, several on a loaded machine) is imported before the first beat: a node
         # counts as a warm spare only once joining costs it no import.
@@ -177,7 +201,7 @@ class Session:
     def outer_steps(self) -> tuple[int, ...]:
         """Outer steps applied on this rank so far, per fragment, under a delayed sync
         (``sync.mode`` diloco or streaming_diloco); empty otherwise."""
-        outer = self._telemetry.outer
+        outer = self._models.outer
         return tuple(int(c) for c in outer.counts) if outer is not None else ()
 
     @property
@@ -224,13 +248,13 @@ class Session:
                 for DTensor's ``parallelize_module``; default: each pair of
                 ``nn.Linear`` in an ``nn.Sequential``, column- then row-wise.
             pipeline: with ``mesh`` ``pipeline`` > 1: a
-                :class:`~agents.runtime.pipeline.Pipeline` (loss, micro-batches,
+                :class:`~agents.state.pipeline.Pipeline` (loss, micro-batches,
                 schedule, split points); the model, an ``nn.Sequential``, is cut
                 into stages and trained with ``model.step(inputs, target)``.
 
         Returns:
             An :class:`~agents.runtime.elastic_ddp.ElasticDDP` for ``ddp``, a
-            :class:`~agents.runtime.sharding.ShardedModel` otherwise; build
+            :class:`~agents.state.sharding.ShardedModel` otherwise; build
             optimizers on its ``parameters()`` after this call.
 
         Raises:
@@ -246,12 +270,17 @@ class Session:
         if models.outer is None:  # a second model is refused by wrap itself
             models.check_tracked(self._state.tracked)
         wrapped = models.wrap(
-            module, hook_installer, sharding, shard_size, redundancy_every_steps, mesh,
-            tensor_plan, pipeline,
-        )  # fmt: skip
-        if models.outer is not None:  # a delayed sync's outer state: tracked like the model's
-            self._state.tracked["outer"] = self._telemetry.outer = models.outer
-            self._votes.meets = models.outer.meets  # the sites vote where they meet
+            module,
+            hook_installer,
+            sharding,
+            shard_size,
+            redundancy_every_steps,
+            mesh,
+            tensor_plan,
+            pipeline,
+        )
+        for part in models.participants:  # their own state is tracked like the model's
+            self._state.tracked.update(part.tracked())
         return wrapped
 
     def _install_spec_hook(self, ddp: Any) -> None:
@@ -305,10 +334,11 @@ class Session:
             RecoveryError: the job could not be recovered in-process.
         """
         limit = total if total is not None else (self._spec.max_steps or math.inf)
-        if self._models.outer is not None and limit != math.inf:
-            self._models.outer.end = int(limit)  # a delayed sync ends on the global model
+        if limit != math.inf:
+            for part in self._models.participants:
+                part.ends_at(int(limit))
         try:
-            self._apply(self._generations.join_next(1, self._state, self._models))
+            self._apply(self._join_next(1))
             yield from self._loop(limit)
         except JobEndedError as e:
             log.warning("%s; leaving", e)
@@ -318,7 +348,7 @@ class Session:
         self._finish()
 
     def _loop(self, limit: float) -> Iterator[int]:
-        st = self._state
+        st, parts = self._state, self._models.participants
         while st.step < limit and not self._stop_requested:
             self._step_error = None
             self._failures.clear()
@@ -334,14 +364,16 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                outer_wait = self._models.waits_between_sites(st.step)
-                with self._guard.between_sites() if outer_wait else contextlib.nullcontext():
-                    self._models.after_step(st.step, st.tracked)  # and a delayed sync's
-                for seconds in self._models.outer_syncs_taken():
-                    self._guard.outer_synced(seconds)
+                slow = any(part.waits_at(st.step) for part in parts)
+                with self._guard.between_sites() if slow else contextlib.nullcontext():
+                    for part in parts:
+                        part.after_step(st.step, st.tracked)
+                for part in parts:  # the slow group's timeout is learnt from its waits
+                    for seconds in part.took():
+                        self._guard.outer_synced(seconds)
                 self._telemetry.step_done(st.hook, self._models.ddps)
-                self._generations.step_completed()
-                if not self._models.catching_up(st.step):  # a site catching up does not vote
+                self._breaks.step_completed()
+                if not any(part.behind(st.step) for part in parts):  # no vote while behind
                     self._boundary(time.monotonic() - started)
                 self._guard.step_ended(time.monotonic() - started)
             except (RecoveryError, JobEndedError):
@@ -379,7 +411,7 @@ class Session:
         log.warning("%s; %s: leaving", reason, f"a {fault} fault" if fault else "the script's own")
         st = self._state
         reason = str(error) if fault else reason
-        self._generations.report(st.generation, st.step, reason, False, True, fault)
+        self._breaks.report(st.generation, st.step, reason, False, True, fault)
         self._stop_parts()
         raise error
 
@@ -394,7 +426,7 @@ class Session:
         """
         st = self._state
         started = time.monotonic()
-        self._generations.count_break(st.step, reason, planned)
+        self._breaks.count_break(st.step, reason, planned)
         st.recoveries += 0 if planned else 1
         log.warning("generation %d ends: %s", st.generation, reason)
         st.hook = None
@@ -404,16 +436,24 @@ class Session:
             # a local survivor may wait on this rank in a collective: end its wait now
             # (hang_up), not at its operation timeout
             hang_up(self._groups.sockets)
-        self._models.stop_copies()  # before the group goes: it may wait on the dead peer
+        self._stop_participants()  # before the group goes: they may wait on the dead peer
         teardown_group()
         self._groups = None
-        self._generations.report(st.generation, st.step, reason, planned)
-        self._apply(self._generations.join_next(st.generation + 1, st, self._models))
+        self._breaks.report(st.generation, st.step, reason, planned)
+        self._apply(self._join_next(st.generation + 1))
         st.last_recovery_s = time.monotonic() - started
         log.warning(
             "rejoined as rank %d/%d in generation %d at step %d (%.3fs)",
-            st.rank, st.world_size, st.generation, st.step, st.last_recovery_s,
-        )  # fmt: skip
+            st.rank,
+            st.world_size,
+            st.generation,
+            st.step,
+            st.last_recovery_s,
+        )
+
+    def _join_next(self, min_generation: int) -> Joined:
+        """Join the first generation from ``min_generation`` on (see :class:`Generations`)."""
+        return self._generations.join_next(min_generation, self._state, self._models, self._saving)
 
     def _apply(self, joined: Joined) -> None:
         """Take ``joined`` as this worker's generation: its place, its state, its DDP."""
@@ -425,11 +465,14 @@ class Session:
             st.restored_from = joined.restored_from
         self._telemetry.state_restored(st.step)
         self._votes.joined()
-        self._models.rebuild(st.step if st.has_state else None)
+        self._models.rebuild()
+        parts = self._models.participants
+        for part in parts:
+            part.joined(st.step if st.has_state else None)
         self._groups = dataclasses.replace(
             self._generations.settled(joined),
-            stepwise=self._models.stepwise_groups(),
-            between_sites=self._models.between_sites_groups(),
+            stepwise=tuple(g for part in parts for g in part.step_groups()),
+            between_sites=tuple(g for part in parts for g in part.slow_groups()),
         )
         self._heartbeat.start()
         self._heartbeat.poke()
@@ -442,9 +485,10 @@ class Session:
         st = self._state
         agreed = self._vote(step_seconds) if self._votes.votes_at(st.step) else None
         generation = st.generation
-        if agreed is None and self._models.outer is not None:  # between the sites' meetings
-            with self._failures.collective():
-                generation = self._models.site_generation(self._watch.latest_generation())
+        if agreed is None:  # between votes: a participant may have heard of a newer one
+            for part in self._models.participants:
+                seen = part.newest_generation(self._watch.latest_generation())
+                generation = max(generation, seen) if seen is not None else generation
         decision = self._votes.decide(st.step, generation, agreed, self._saving.trigger)
         if decision.pause:
             st.paused = f"etcd unreachable at step {st.step}"
@@ -496,7 +540,7 @@ class Session:
             last = None
         self._guard.close()
         self._models.drop(gradients=False)  # a script may still read its model
-        self._models.stop_copies()
+        self._stop_participants()
         teardown_group()
         del last
 
@@ -506,7 +550,7 @@ class Session:
             beat,
             step_time,
             metrics=self._metrics,
-            telemetry=self._telemetry.record(),
+            telemetry=self._telemetry.record(*(p.telemetry() for p in self._models.participants)),
             joining=self._generations.joining,
             uploading=self._saving.uploading(),
         )
@@ -516,8 +560,17 @@ class Session:
         self._heartbeat.stop()
         self._watch.stop()
         self._guard.close()
-        self._models.stop_copies()
+        self._stop_participants()
         teardown_group()
+
+    def _stop_participants(self) -> None:
+        for part in self._models.participants:
+            part.stop()
+
+    def _participants_meet(self, step: int) -> bool:
+        """The boundary after ``step`` may vote: where every participant lets it (a
+        delayed sync's sites vote only where they meet anyway)."""
+        return all(part.votes_at(step) for part in self._models.participants)
 
     def close(self) -> None:
         """Leave: stop the heartbeat, the watches and the group, close the etcd client.

@@ -117,9 +117,12 @@ class StandaloneSession:
                 modes (``mesh``, ``shard_size``, ...): they need an agent.
         """
         sharded = {
-            "shard_size": shard_size, "redundancy_every_steps": redundancy_every_steps,
-            "mesh": mesh, "tensor_plan": tensor_plan, "pipeline": pipeline,
-        }  # fmt: skip
+            "shard_size": shard_size,
+            "redundancy_every_steps": redundancy_every_steps,
+            "mesh": mesh,
+            "tensor_plan": tensor_plan,
+            "pipeline": pipeline,
+        }
         given = [k for k, v in sharded.items() if v is not None]
         if sharding not in (None, "ddp") or given:
             what = f"sharding={sharding!r}" if sharding not in (None, "ddp") else f"{given[0]}=..."

@@ -5,6 +5,11 @@ Runs in the training process.  Started by a ringmaster node agent
 gets a :class:`~agents.runtime.session.Session`, which hot-swaps; started by
 plain ``torchrun`` or ``python``, it gets a
 :class:`~agents.runtime.standalone.StandaloneSession`.
+
+This is the session's composition root, the one module of the runtime that
+imports :mod:`agents.recovery`: it hands the session the recoveries' table
+(:data:`agents.recovery.kinds.RECOVERIES`), through which the rest of the
+runtime reaches recovery by its contract (:mod:`agents.state.api`) alone.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import gc
 import logging
 
 from agents.api import RECOVERY_RESTART, RecoveryError, WorkerEnv
+from agents.recovery.kinds import RECOVERIES
 from agents.runtime.session import Session
 from agents.runtime.standalone import StandaloneSession
 from orchestrator.etcd.client import connect
@@ -73,7 +79,7 @@ def init(env: WorkerEnv | None = None) -> Session | StandaloneSession:
     spec, _ = retry_unavailable(
         lambda: read_spec(client, env.job), "reading the job spec", max_wait=SETTINGS.plan_timeout
     )
-    session = Session(env, client, spec)
+    session = Session(env, client, spec, RECOVERIES)
     # The objects alive now are the imports (torch's among them: hundreds of
     # thousands), kept for the process's life.  Moved out of the collector's
     # generations, they are not traversed again by each full collection during

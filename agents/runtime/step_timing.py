@@ -15,7 +15,7 @@ Two kinds of job feed it:
   *last* bucket to that bucket's reduction completing is its wait (plus the
   last bucket's time on the wire): :meth:`StepTiming.posted`,
   :meth:`StepTiming.completed`;
-* **sharded models** (FSDP2, HSDP, meshes: :mod:`agents.runtime.sharded_timing`):
+* **sharded models** (FSDP2, HSDP, meshes: :mod:`agents.state.sharded_timing`):
   their all-gathers, reduce-scatters and replica all-reduces block the step
   where they are called, so each one's duration counts as wait:
   :meth:`StepTiming.collective_started`, :meth:`StepTiming.collective_ended`.

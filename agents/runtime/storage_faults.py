@@ -26,29 +26,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from agents.api import StorageFaultError
 from agents.messages import one_line
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.spec.checkpoint import CheckpointSpec
 from orchestrator.state import events
 
-__all__ = ["StorageFaultError", "StorageFaults"]
+__all__ = ["StorageFaults"]
 
 log = logging.getLogger("ringmaster.worker")
-
-
-class StorageFaultError(Exception):
-    """The job's checkpoints cannot be used, by its own rule: the job fails with this.
-
-    Attributes:
-        fault: ``storage`` (``checkpoint.url`` cannot be written or read, or too
-            many saves failed in a row) or ``checkpoint`` (the checkpoint to
-            resume from cannot be used).
-    """
-
-    def __init__(self, message: str, fault: str = "storage") -> None:
-        super().__init__(message)
-        self.fault = fault
 
 
 class StorageFaults:
@@ -105,9 +92,13 @@ class StorageFaults:
         )
         log.warning("%s", message)
         self._emit(
-            "CheckpointFailed", message, step=step, url=self._spec.url, cause=cause,
+            "CheckpointFailed",
+            message,
+            step=step,
+            url=self._spec.url,
+            cause=cause,
             consecutive=self.consecutive,
-        )  # fmt: skip
+        )
         if limit and self.consecutive >= limit:
             raise StorageFaultError(
                 f"checkpoint storage fault: {self.consecutive} saves in a row to "
@@ -125,8 +116,14 @@ class StorageFaults:
             f"{seconds:.0f}s: the save of step {skipped} is skipped (training goes on; the next "
             f"due save tries again once it ends); {self.newest()}"
         )
-        self._emit("CheckpointStalled", message, step=uploading, url=self._spec.url,
-                   uploading_s=round(seconds, 1), skipped=skipped)  # fmt: skip
+        self._emit(
+            "CheckpointStalled",
+            message,
+            step=uploading,
+            url=self._spec.url,
+            uploading_s=round(seconds, 1),
+            skipped=skipped,
+        )
 
     def abandoned(self, step: int, seconds: float) -> None:
         """The job ended while the save of ``step`` (started ``seconds`` ago) still uploaded."""

@@ -4,9 +4,10 @@ The controller turns these figures into metrics and recovery timings, so the
 worker only records wall-clock timestamps and running totals:
 
 * per generation: when the process group was formed, when the state was
-  restored (and at which step), and when the first step of the generation
-  completed; the controller splits a recovery into detect / rendezvous /
-  restore / first step from them;
+  restored (and at which step, from what source, with how many completed
+  steps lost: what the join's recovery returned, :class:`~agents.state.api.Restored`),
+  and when the first step of the generation completed; the controller splits
+  a recovery into detect / rendezvous / restore / first step from them;
 * durable checkpoints: how long the training loop was blocked by the last
   save and how long its upload took, and the running total of the time saves
   blocked it between this process's first and latest completed steps (the
@@ -17,8 +18,10 @@ worker only records wall-clock timestamps and running totals:
 * step timing: running totals of the time its steps computed and waited for
   their peers (:mod:`agents.runtime.step_timing`), from which the controller
   tells a slow node from its peers;
-* a delayed sync (:mod:`agents.sync`): its site's outer steps, the bytes that
-  came from other sites, the time it waited for outer results.
+* what the session's step participants report of themselves
+  (:meth:`~agents.runtime.participants.StepParticipant.telemetry`): a delayed
+  sync's outer steps, the bytes that came from other sites, the time it
+  waited for outer results.
 
 Timestamps are ``time.time()``: the controller compares them with its own
 clock and other workers', which is exact on one machine and as good as the
@@ -27,8 +30,9 @@ hosts' clock synchronisation elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +40,6 @@ from torch import nn
 
 from agents.runtime.device_timing import step_timing_for
 from agents.runtime.step_timing import StepTiming
-from agents.sync.outer_sync import OuterSync
 from orchestrator.state.records import Telemetry
 
 __all__ = ["WorkerTelemetry"]
@@ -73,8 +76,10 @@ class WorkerTelemetry:
         #: this rank's compute and wait time per step (fed by the comm hooks and a
         #: sharded model's collectives), if timed
         self.timing: StepTiming | None = step_timing_for(device) if timed else None
-        #: a delayed sync's outer loop, once the script wrapped its model
-        self.outer: OuterSync | None = None
+        #: where the state of the current generation came from (a sharded model's
+        #: ``twin``, ``buddy``, ``durable``...; None: not told) and the completed steps lost
+        self.restored_from: str | None = None
+        self.steps_lost = 0
 
     # -- generation timeline -----------------------------------------------------------
 
@@ -84,8 +89,15 @@ class WorkerTelemetry:
         self.restored_at = None
         self.restored_step = None
         self.first_step_at = None
+        self.restored_from = None
+        self.steps_lost = 0
         if self.timing is not None:
             self.timing.reset()
+
+    def state_source(self, source: str | None, lost: int) -> None:
+        """The generation's state came from ``source``; ``lost`` completed steps were lost."""
+        self.restored_from = source
+        self.steps_lost = lost
 
     def state_restored(self, step: int) -> None:
         self.restored_at = time.time()
@@ -131,10 +143,15 @@ class WorkerTelemetry:
         if seconds is not None:
             self.checkpoint_upload_s = round(seconds, 6)
 
-    def record(self) -> Telemetry:
-        """The figures as the record published in the worker's progress."""
-        timing, outer = self.timing, self.outer
-        return Telemetry(
+    def record(self, *more: Mapping[str, Any]) -> Telemetry:
+        """The figures as the record published in the worker's progress.
+
+        Args:
+            more: fields of the record that others measure (the session's step
+                participants: :meth:`~agents.runtime.participants.StepParticipant.telemetry`).
+        """
+        timing = self.timing
+        record = Telemetry(
             generation=self.generation,
             group_formed_at=self.group_formed_at,
             restored_at=self.restored_at,
@@ -149,8 +166,9 @@ class WorkerTelemetry:
             compute_s=round(timing.compute_s, 6) if timing is not None else 0.0,
             wait_s=round(timing.wait_s, 6) if timing is not None else 0.0,
             timed_steps=timing.steps if timing is not None else 0,
-            outer_steps=sum(outer.counts) if outer is not None else 0,
-            site_bytes=outer.totals.bytes_between_sites if outer is not None else 0,
-            outer_wait_s=round(outer.totals.outer_wait_s, 6) if outer is not None else 0.0,
-            last_outer_sync=max(outer.totals.last_sync, default=0) if outer is not None else 0,
+            restored_from=self.restored_from,
+            steps_lost=self.steps_lost,
         )
+        for fields in more:
+            record = dataclasses.replace(record, **fields)
+        return record

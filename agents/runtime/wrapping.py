@@ -1,11 +1,15 @@
 """What ``session.wrap`` builds: a DDP that survives generations, or a sharded model.
 
 Runs in the training process.  :class:`WrappedModels` holds what a session's
-script wrapped and drops and rebuilds it with each generation.
+script wrapped (the session's :class:`~agents.state.api.Holdings`: which kind
+of state it is, for the join's recovery), drops and rebuilds it with each
+generation, and makes the step participants it needs
+(:mod:`agents.runtime.participants`: a delayed sync's outer loop, the buddy
+copies' snapshots).
 :func:`wrap_ddp` checks the options of ``sharding="ddp"`` and builds an
 :class:`~agents.runtime.elastic_ddp.ElasticDDP`; :func:`wrap_sharded` checks
 those of ``fsdp`` and ``hsdp`` and builds a
-:class:`~agents.runtime.sharding.ShardedModel` (with its buddy copies for
+:class:`~agents.state.sharding.ShardedModel` (with its buddy copies for
 ``fsdp`` with redundancy); :func:`install_spec_hook` registers the job file's
 comm hook (compression, hierarchical all-reduce) on each generation's DDP.
 """
@@ -20,18 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.recovery.buddy_copies import BuddyCopies
 from agents.runtime.elastic_ddp import ElasticDDP, HookInstaller
 from agents.runtime.failures import CollectiveFailures
-from agents.runtime.mesh_layout import MeshShape, mesh_shape
 from agents.runtime.outer_checkpoint import OUTER_STATE
-from agents.runtime.pipeline import Pipeline
-from agents.runtime.sharding import (
+from agents.runtime.participants import BuddySnapshots, DelayedSync, StepParticipant
+from agents.state.api import REPLICAS, SITE_SLICES, SITES, SLICES
+from agents.state.buddy_copies import BuddyCopies
+from agents.state.mesh_layout import MeshShape, mesh_shape
+from agents.state.pipeline import Pipeline
+from agents.state.sharding import (
     ShardedModel,
     check_mode,
     redundancy_ignored,
 )
-from agents.runtime.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
 from orchestrator.spec.job import DEFAULT_REDUNDANCY_EVERY_STEPS, CommSpec, JobSpec
 from orchestrator.state.records import Plan
@@ -82,6 +87,10 @@ class WrappedModels:
         self.buddies: BuddyCopies | None = None
         #: a delayed sync (``sync.mode`` diloco, streaming_diloco): the outer loop
         self.outer: OuterSync | None = None
+        #: the kind of state wrapped (:mod:`agents.state.api`): the key of its recovery
+        self.kind = REPLICAS
+        #: what takes part in the step loop, in the order the session calls them
+        self.participants: list[StepParticipant] = []
 
     def wrap(
         self,
@@ -116,21 +125,33 @@ class WrappedModels:
             check_delayed(self._spec, self.outer is not None)  # one model, DDP or FSDP2
         if sharding != "ddp":
             self.sharded, self.buddies = wrap_sharded(
-                module, sharding, shard_size, redundancy_every_steps, hook_installer,
-                spec=self._spec, device=self._device, has_sharded=self.sharded is not None,
-                mesh=mesh_shape(mesh) if mesh is not None else None, tensor_plan=tensor_plan,
+                module,
+                sharding,
+                shard_size,
+                redundancy_every_steps,
+                hook_installer,
+                spec=self._spec,
+                device=self._device,
+                has_sharded=self.sharded is not None,
+                mesh=mesh_shape(mesh) if mesh is not None else None,
+                tensor_plan=tensor_plan,
                 pipeline=pipeline,
-            )  # fmt: skip
-            self.sharded.timing = self._failures.timing  # its collectives time its steps
+            )
+            sharded = self.sharded
+            sharded.timing = self._failures.timing  # its collectives time its steps
+            self.kind = SLICES
             if self._spec.sync.delayed:  # FSDP2 in each site: each rank syncs its own slice
-                sharded = self.sharded
                 names = list(sharded.rows)  # buddy copies pair inside each site
                 self.outer = OuterSync(
                     self._spec.sync,
                     list(sharded.params.values()),
                     local=lambda: [sharded.local_rows(n) for n in names],
                 )
-            return self.sharded
+                self.kind = SITE_SLICES
+                self.participants.append(DelayedSync(self.outer, self._failures))
+            if self.buddies is not None:
+                self.participants.append(BuddySnapshots(self.buddies, sharded))
+            return sharded
         if uses_spec_hook(self._spec.comm):
             if hook_installer is not None:
                 raise ValueError(
@@ -142,23 +163,30 @@ class WrappedModels:
         else:
             self._script_hook = self._script_hook or hook_installer is not None
         wrapped = wrap_ddp(
-            module, hook_installer, shard_size=shard_size,
-            redundancy_every_steps=redundancy_every_steps, spec=self._spec,
-            device=self._device, failures=self._failures,
-        )  # fmt: skip
+            module,
+            hook_installer,
+            shard_size=shard_size,
+            redundancy_every_steps=redundancy_every_steps,
+            spec=self._spec,
+            device=self._device,
+            failures=self._failures,
+        )
         self.ddps.append(wrapped)
         if self._spec.sync.delayed:
             self.outer = OuterSync(self._spec.sync, list(wrapped.module.parameters()))
+            self.kind = SITES
+            self.participants.append(DelayedSync(self.outer, self._failures))
         if dist.is_initialized():
             wrapped.rebuild(self._data_group())
         return wrapped
 
-    def replicas_identical(self) -> bool:
-        """Every rank at one step holds the same model and optimizer state: one DDP
-        model, whose gradients are averaged at every step (not post-local SGD, nor a
-        comm hook of the script's own, which may let the replicas differ)."""
+    def replica(self) -> nn.Module | None:
+        """The one DDP model every rank at one step holds alike, with the same optimizer
+        state: its gradients are averaged at every step (not post-local SGD, nor a comm
+        hook of the script's own, which may let the replicas differ).  None otherwise."""
         local_sgd = self._spec.comm.compression.type.value == "localsgd"
-        return len(self.ddps) == 1 and not self._script_hook and not local_sgd
+        alike = len(self.ddps) == 1 and not self._script_hook and not local_sgd
+        return self.ddps[0].module if alike else None
 
     def check_tracked(self, names: Iterable[str]) -> None:
         """Refuse a script's object tracked under the name the delayed sync's outer
@@ -174,62 +202,10 @@ class WrappedModels:
                 "track your object under another name"
             )
 
-    def rebuild(self, step: int | None = None) -> None:
-        """Build the DDPs on the generation just joined (the sharded model is built there).
-
-        Args:
-            step: the steps complete, when this worker holds state: a delayed sync
-                starts again the syncs the broken generation left under way.
-        """
+    def rebuild(self) -> None:
+        """Build the DDPs on the generation just joined (the sharded model is built there)."""
         for w in self.ddps:
             w.rebuild(self._data_group())
-        if self.outer is not None and step is not None:
-            with self._failures.collective():
-                self.outer.resume(step)
-
-    def waits_between_sites(self, step: int) -> bool:
-        """The boundary at ``step`` waits for an outer result (longer than a step)."""
-        return self.outer is not None and self.outer.waits_at(step)
-
-    def catching_up(self, step: int) -> bool:
-        """A delayed sync's site trains steps the other sites completed (no vote then)."""
-        return self.outer is not None and step <= self.outer.catch_up_to
-
-    def stepwise_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """A delayed sync's site groups: their collectives run every step (its DDP's,
-        the check of :meth:`site_generation`), so the learnt operation timeout suits
-        them (a boundary that waits for an outer result runs with the timeout between
-        sites where it is longer: :meth:`waits_between_sites`).  The leaders' group is
-        left out: an outer sync may take many steps' time across a slow link."""
-        groups = self.outer.groups if self.outer is not None else None
-        if groups is None:
-            return ()
-        host = (groups.inner_host,) if groups.inner_host is not groups.inner else ()
-        return (groups.inner, *host)
-
-    def site_generation(self, latest: int) -> int:
-        """Under a delayed sync, at a boundary between the sites' meetings: the newest
-        generation a rank of this site has seen (``latest``: this rank's).  A site
-        leaves a generation that moved on at its next step, together (its DDP spans
-        it), instead of training on to its next outer sync: a site waiting to come
-        back would otherwise wait up to ``inner_steps`` steps, and then catch them up."""
-        groups = self.outer.groups if self.outer is not None else None
-        if groups is None or len(groups.sites.ranks[groups.index]) == 1:
-            return latest
-        newest = torch.tensor([latest], dtype=torch.int64)
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=groups.inner_host)
-        return int(newest.item())
-
-    def between_sites_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """A delayed sync's leaders' group, on a site's leader (its timeout is learnt
-        from the outer syncs)."""
-        groups = self.outer.groups if self.outer is not None else None
-        return (groups.outer,) if groups is not None and groups.outer is not None else ()
-
-    def outer_syncs_taken(self) -> list[float]:
-        """The seconds each outer sync finished since the last call took (see
-        :meth:`agents.sync.outer_sync.OuterSync.took`)."""
-        return self.outer.took() if self.outer is not None else []
 
     def _data_group(self) -> dist.ProcessGroup | None:
         """The group a DDP averages over: its site's under a delayed sync, else every rank."""
@@ -246,25 +222,6 @@ class WrappedModels:
             w.drop()
         if gradients and self.sharded is not None:
             self.sharded.drop()
-
-    def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
-        """A step completed: a delayed sync's outer steps when due, the buddy copies'
-        snapshot when one is due."""
-        if self.outer is not None:
-            with self._failures.collective():
-                self.outer.after_step(step)
-        sharded = self.sharded
-        if self.buddies is None or sharded is None:
-            return
-        self.buddies.after_step(
-            step,
-            lambda: sharded.capture(step, optimizers_of(tracked), others_of(tracked, sharded)),
-        )
-
-    def stop_copies(self) -> None:
-        """Stop the buddy copies' exchange (before the group goes: it may wait on a peer)."""
-        if self.buddies is not None:
-            self.buddies.stop()
 
 
 def mode_of(

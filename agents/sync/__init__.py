@@ -6,7 +6,9 @@ The job file's ``sync`` section (:mod:`orchestrator.spec.sync`) chooses it.
 :mod:`agents.sync.schedule` when each fragment syncs,
 :mod:`agents.sync.outer_step` the arithmetic of the outer step,
 :mod:`agents.sync.quantize` how pseudo-gradients travel,
-:mod:`agents.sync.outer_sync` the outer loop of one worker (tracked state),
-and :mod:`agents.sync.site_join` how a new generation brings each site to
-its own state.  The worker runtime (:mod:`agents.runtime`) drives them.
+:mod:`agents.sync.outer_sync` the outer loop of one worker (tracked state).
+The worker runtime (:mod:`agents.runtime`) drives them at each step
+(:mod:`agents.runtime.participants`); how a new generation brings each site to
+its own state is recovery's (:mod:`agents.recovery.site_join`,
+:mod:`agents.recovery.site_shards`).
 """

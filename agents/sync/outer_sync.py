@@ -21,7 +21,7 @@ under way, applies it, and leaves each fragment at its anchor: training ends
 on the global model, the same on every site, as DiLoCo evaluates it (a
 site's inner steps since a fragment's last sync are not kept).
 
-Joining a generation (:func:`agents.sync.site_join.join_sites`)
+Joining a generation (:func:`agents.recovery.site_join.join_sites`)
 forms the sites' groups and brings each site to its own freshest state.
 
 With an FSDP2 model in each site (``local`` given) the outer state stands for
@@ -102,7 +102,7 @@ class OuterSync:
         fixed = list(params)
         self._local = local if local is not None else (lambda: fixed)
         #: this rank's own state (a slice's), not its site's: left out of a sharded
-        #: model's replicated state (:func:`agents.runtime.tracked_optimizers.others_of`)
+        #: model's replicated state (:func:`agents.state.tracked_optimizers.others_of`)
         self.rank_local = local is not None
         self.anchors = [flatten(f) for f in self._fragments]
         self.momentum = [torch.zeros_like(a) for a in self.anchors]
@@ -168,7 +168,7 @@ class OuterSync:
 
     def not_for_a_new_site(self) -> list[torch.Tensor]:
         """The outer state's tensors a site without state is not sent
-        (:func:`agents.sync.site_join.join_sites`): every pseudo-gradient kept (such a
+        (:func:`agents.recovery.site_join.join_sites`): every pseudo-gradient kept (such a
         site starts from the anchors, so it has moved nothing since any sync under way
         started: :meth:`start_from_anchors` zeroes its own), and the momentum of an
         outer step without momentum (never read)."""

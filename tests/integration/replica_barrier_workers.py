@@ -10,7 +10,7 @@ def step_then_leave(rank: int, world: int) -> dict[str, Any]:
     (its groups go with it) and rank 0 tries to step alone."""
     import torch
 
-    from agents.runtime.replica_barrier import ReplicaBarrier
+    from agents.state.replica_barrier import ReplicaBarrier
 
     barrier = ReplicaBarrier()
     barrier.form(rank, world, replica_size=world)

@@ -54,9 +54,9 @@ def wrapped(model: Any, mode: str) -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from agents.runtime.mesh_layout import MeshShape, build_mesh
-    from agents.runtime.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
-    from agents.runtime.tensor_plan import apply_plan, default_plan
+    from agents.state.mesh_layout import MeshShape, build_mesh
+    from agents.state.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
+    from agents.state.tensor_plan import apply_plan, default_plan
 
     if mode.startswith("mesh:"):
         pipeline, shard, tensor = (int(n) for n in mode[5:].split("x"))

@@ -160,8 +160,8 @@ def _resharded_rank(rank: int, world: int) -> tuple[Any, str]:
     after the cut), then on two sites of three (the refusal's message)."""
     from types import SimpleNamespace
 
+    from agents.api import StorageFaultError
     from agents.recovery.outer_reshard import reshard_from_checkpoint
-    from agents.runtime.storage_faults import StorageFaultError
     from agents.sync.outer_sync import OuterSync
 
     full = _initial()

@@ -34,7 +34,7 @@ def _whole() -> dict[tuple[str, str], torch.Tensor]:
 def _redistribute(rank: int, world: int) -> dict[str, Any]:
     from agents.recovery import shard_transfer
     from agents.recovery.tensor_stream import DIRECT_BYTES
-    from agents.runtime.sharding import Layout, chunk_rows
+    from agents.state.sharding import Layout, chunk_rows
 
     whole = _whole()
     held = [[(5, 2, 0, True)], [(5, 2, 1, True)], []]

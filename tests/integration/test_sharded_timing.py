@@ -2,7 +2,7 @@
 
 Two or four real processes (``tests.gloo.run_gloo``) shard a small MLP with
 ``fully_shard`` (1-D: ``fsdp``; 2-D: ``hsdp``, replicas of one or two ranks) and
-time it with :func:`agents.runtime.sharded_timing.time_collectives`.  The last
+time it with :func:`agents.state.sharded_timing.time_collectives`.  The last
 rank computes longer each step (a busy loop in its step, as a slow GPU or a
 throttled host would): it must show the longer compute time per step and the
 shorter wait, its peers the reverse, as a DDP job's ranks do.  A step with no
@@ -43,8 +43,8 @@ def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> d
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from agents.runtime.sharded_timing import time_collectives
     from agents.runtime.step_timing import StepTiming
+    from agents.state.sharded_timing import time_collectives
 
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)

@@ -15,10 +15,10 @@ from agents.recovery.outer_reshard import SLICED_KEYS, reshard_slice
 from agents.recovery.site_plan import Held, SiteState, check_sites, site_states
 from agents.recovery.state_sync import NO_STATE
 from agents.runtime.failures import CollectiveFailures
-from agents.runtime.mesh_layout import Layout, chunk_rows
 from agents.runtime.outer_checkpoint import outer_rank_state, replicated
-from agents.runtime.tracked_optimizers import others_of
 from agents.runtime.wrapping import WrappedModels, check_delayed_sharded
+from agents.state.mesh_layout import Layout, chunk_rows
+from agents.state.tracked_optimizers import others_of
 from agents.sync.outer_sync import OuterSync, per_slice
 from agents.sync.sites import Sites
 from orchestrator.spec.job import JobSpec

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from agents.recovery.replicas import capture, replicated
 from agents.recovery.state_sync import _tensor_paths
-from agents.runtime.live_state import capture, replicated
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from agents.recovery.shard_transfer import pieces, plan, stacked
-from agents.runtime.mesh_layout import Layout, MeshShape, layout_of, mesh_shape
-from agents.runtime.pipeline import Pipeline, split_stages, stage_of
-from agents.runtime.tensor_plan import check_plan, default_plan
 from agents.runtime.wrapping import mode_of
+from agents.state.mesh_layout import Layout, MeshShape, layout_of, mesh_shape
+from agents.state.pipeline import Pipeline, split_stages, stage_of
+from agents.state.tensor_plan import check_plan, default_plan
 
 pytestmark = pytest.mark.unit
 

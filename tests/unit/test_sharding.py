@@ -1,5 +1,5 @@
 """Where slices come from: the pure planning of :mod:`agents.recovery.shard_transfer`, and the
-checks of :mod:`agents.runtime.sharding` (modes, layouts, a scalar parameter)."""
+checks of :mod:`agents.state.sharding` (modes, layouts, a scalar parameter)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from agents.recovery.shard_transfer import pieces, plan
-from agents.runtime.sharding import (
+from agents.state.sharding import (
     Layout,
     ShardedModel,
     check_hsdp_world,
@@ -81,8 +81,8 @@ def test_pieces_cut_new_rows_at_old_chunk_borders() -> None:
 
 
 def test_going_back_forgets_the_abandoned_timeline() -> None:
-    from agents.recovery.buddy_copies import BuddyCopies
-    from agents.runtime.sharding import Slice
+    from agents.state.buddy_copies import BuddyCopies
+    from agents.state.sharding import Slice
 
     copies = BuddyCopies(every_steps=1)
     for step in (7, 8):

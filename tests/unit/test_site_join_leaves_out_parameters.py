@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from agents.api import StateMismatchError
+from agents.recovery.site_join import LeftOut, put_back, without_parameters
 from agents.recovery.state_sync import split_tensors
-from agents.sync.site_join import LeftOut, put_back, without_parameters
 
 pytestmark = pytest.mark.unit
 

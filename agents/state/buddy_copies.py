@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agents.runtime.sharding import Layout, Slice, SliceKey, chunk_rows
+from agents.state.sharding import Layout, Slice, SliceKey, chunk_rows
 from orchestrator.spec.job import DEFAULT_REDUNDANCY_EVERY_STEPS
 
 __all__ = ["DEFAULT_EVERY_STEPS", "STOP_WAIT_S", "BuddyCopies"]

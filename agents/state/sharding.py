@@ -7,10 +7,10 @@ device) and, for each generation, shards a fresh copy of it on the new mesh;
 the parameters' local slices are then filled from wherever this generation's
 slice lives (:mod:`agents.recovery.shard_recovery`): this rank's own memory, a twin rank
 of another replica group (``hsdp``), a buddy's host-memory copy
-(:mod:`agents.recovery.buddy_copies`), or a durable checkpoint.  The optimizers the
+(:mod:`agents.state.buddy_copies`), or a durable checkpoint.  The optimizers the
 script built on :meth:`ShardedModel.parameters` keep working: their parameter
 lists are pointed at the new generation's parameters and their state is put
-back under the new ones (:func:`agents.runtime.tracked_optimizers.repoint_optimizer`).
+back under the new ones (:func:`agents.state.tracked_optimizers.repoint_optimizer`).
 
 Modes (``sharding=`` of :meth:`agents.runtime.Session.wrap`):
 
@@ -20,18 +20,23 @@ Modes (``sharding=`` of :meth:`agents.runtime.Session.wrap`):
   shard the model, and the groups of them are replicas of each other;
 * ``mesh`` (``wrap(mesh=...)``): a ``(replicate, shard, tensor)`` mesh: tensor
   parallel (DTensor's ``parallelize_module``) over neighbouring ranks, FSDP2
-  over ``shard`` and replicas over the rest (:mod:`agents.runtime.mesh_layout`).
+  over ``shard`` and replicas over the rest (:mod:`agents.state.mesh_layout`).
 
 A *slice* is what one rank of a replica of ``shards`` ranks holds: for every
 parameter (and every optimizer state tensor shaped like it) its local tensor;
 for ``fsdp`` and ``hsdp`` the rows of chunk ``index`` of dimension 0, chunked as
 ``torch.chunk`` (and FSDP2) does.
+
+Past the 450 lines a module is looked at: :class:`ShardedModel` builds each
+generation's module and captures and fills its slices, one class whose parts
+read best together; its pieces that stand alone live beside it (layout,
+tensor plan, pipeline, timing).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from agents.runtime.data import DataShare
-from agents.runtime.mesh_layout import (
+from agents.state.mesh_layout import (
     Layout,
     MeshShape,
     build_mesh,
@@ -50,16 +54,16 @@ from agents.runtime.mesh_layout import (
     chunk_rows,
     layout_of,
 )
-from agents.runtime.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
-from agents.runtime.replica_barrier import ReplicaBarrier
-from agents.runtime.sharded_timing import time_collectives
-from agents.runtime.step_timing import StepTiming
-from agents.runtime.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
-from agents.runtime.tracked_optimizers import repoint_optimizer
+from agents.state.pipeline import Pipeline, PipelineRunner, split_stages, stage_of
+from agents.state.replica_barrier import ReplicaBarrier
+from agents.state.sharded_timing import CollectiveTiming, time_collectives
+from agents.state.tensor_plan import TensorPlan, apply_plan, check_plan, default_plan
+from agents.state.tracked_optimizers import repoint_optimizer
 
 __all__ = [
     "PARAM",
     "SHARDING_MODES",
+    "DataShare",
     "Layout",
     "MeshShape",
     "ShardedModel",
@@ -138,6 +142,25 @@ class Slice:
         return Slice(self.step, self.layout, tensors, copy.deepcopy(self.replicated))
 
 
+class DataShare:
+    """A sharded model's share of the data, as an ``ElasticLoader`` placement
+    (:class:`~agents.runtime.data.Placement`) read at each step from two callables:
+    the share a rank reads where it is not its rank (tensor-parallel ranks and
+    pipeline stages of one replica read the same share)."""
+
+    def __init__(self, rank: Callable[[], int], world_size: Callable[[], int]) -> None:
+        self._rank = rank
+        self._world_size = world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size()
+
+
 def _meta_copy(module: nn.Module) -> nn.Module:
     """``module``'s structure with every parameter and buffer on the meta device."""
     memo: dict[int, Any] = {}
@@ -203,8 +226,8 @@ class ShardedModel(nn.Module):
         #: a replica's ranks apply an optimizer step together (``hsdp``, ``mesh``)
         self.barrier = ReplicaBarrier()
         #: the worker's step timing, fed by each generation's FSDP2 collectives
-        #: (:mod:`agents.runtime.sharded_timing`); None: not timed
-        self.timing: StepTiming | None = None
+        #: (:mod:`agents.state.sharded_timing`); None: not timed
+        self.timing: CollectiveTiming | None = None
         #: ``wrap(mesh=...)``'s shape, None for ``fsdp``/``hsdp``
         self.mesh_shape = mesh
         self.tensor_plan = plan
@@ -316,9 +339,11 @@ class ShardedModel(nn.Module):
             local = self.local_rows(name, module)
             if isinstance(p, DTensor):
                 piece = distribute_tensor(
-                    full[name].detach().to(local.device), p.device_mesh, p.placements,
+                    full[name].detach().to(local.device),
+                    p.device_mesh,
+                    p.placements,
                     src_data_rank=None,
-                )  # fmt: skip
+                )
                 local.copy_(piece.to_local())
             else:
                 local.copy_(full[name].detach())

@@ -1,8 +1,10 @@
 """Joining a generation under a delayed sync: each site to its own freshest state.
 
 Runs in the training process, on every rank of a new generation, after its
-default group formed.  Under DiLoCo the sites' parameters differ between
-outer steps, so the rule of the per-step tier (the most advanced rank
+default group formed: the recovery of the ``sites`` kind of state, a DDP model
+in each site (:class:`SiteRecovery`; an FSDP2 model in each site is
+:mod:`agents.recovery.site_shards`'s).  Under DiLoCo the sites' parameters
+differ between outer steps, so the rule of the per-step tier (the most advanced rank
 anywhere sends its state) would hand one site's work to another.  Instead:
 
 1. **Within each site** the most advanced rank sends its state to the ranks
@@ -45,16 +47,47 @@ import torch
 import torch.distributed as dist
 
 from agents.api import StateMismatchError
+from agents.recovery.replicas import live, live_or_durable
 from agents.recovery.state_sync import NO_STATE, broadcast_state, map_tensors, sync_state
+from agents.state.api import Holdings, Joining, Restored
 from agents.sync.outer_step import flatten, write_back
 from agents.sync.outer_sync import NOT_PENDING, OuterSync
 from agents.sync.site_groups import form_site_groups
 from agents.sync.sites import Sites
 from orchestrator.state.records import Plan
 
-__all__ = ["LeftOut", "join_sites", "put_back", "reconcile_fragments", "without_parameters"]
+__all__ = [
+    "LeftOut",
+    "SiteRecovery",
+    "join_sites",
+    "put_back",
+    "reconcile_fragments",
+    "without_parameters",
+]
 
 log = logging.getLogger("ringmaster.worker")
+
+
+class SiteRecovery:
+    """The ``sites`` kind: each site to its own freshest state (:func:`join_sites`); where
+    no rank of any site holds state, the newest durable checkpoint."""
+
+    def join(self, joining: Joining, holdings: Holdings) -> Restored:
+        outer = holdings.outer
+        assert outer is not None, "the sites' kind of state has a delayed sync"
+        state = live(joining, holdings)
+        synced = join_sites(
+            outer,
+            joining.plan,
+            joining.rank,
+            state.step,
+            state.capture,
+            state.restore,
+            joining.control,
+            joining.timeout,
+            state.shared,
+        )
+        return live_or_durable(joining, synced)
 
 
 def join_sites(
@@ -92,9 +125,12 @@ def join_sites(
             "sync.mode %s with one site: every node has %s=%s, so the site trains alone "
             "and its outer steps apply its own pseudo-gradient; give the nodes of each site "
             "their own %s label (ringmaster run: --label node-1:%s=b)",
-            outer.spec.mode.value, outer.spec.site_label, sites.names[0],
-            outer.spec.site_label, outer.spec.site_label,
-        )  # fmt: skip
+            outer.spec.mode.value,
+            outer.spec.site_label,
+            sites.names[0],
+            outer.spec.site_label,
+            outer.spec.site_label,
+        )
     outer.drop()
     outer.groups = groups = form_site_groups(sites, rank, outer.device, timeout)
     step = sync_state(
@@ -125,8 +161,9 @@ def join_sites(
             step = best
             log.warning(
                 "site %s had no state: it starts from the sites' common parameters at step %d",
-                sites.names[groups.index], step,
-            )  # fmt: skip
+                sites.names[groups.index],
+                step,
+            )
         del state
     reconcile_fragments(outer, table[:, 1:], rank, control)
     return step
@@ -184,8 +221,9 @@ def reconcile_fragments(
             continue
         log.warning(
             "fragment %d: outer step %d went through on another site; taking its result",
-            f, top,
-        )  # fmt: skip
+            f,
+            top,
+        )
         if mine + 1 == top and outer.pending_at[f] != NOT_PENDING:
             # this site's own sync: its result is used when it is due, as it would have been
             outer.resolved[f] = (anchor, momentum)

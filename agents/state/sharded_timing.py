@@ -12,8 +12,8 @@ FSDP2 lets a module swap the collectives it calls for its own
 since torch 2.8) and call a hook right after the replica all-reduce
 (``set_all_reduce_hook``).  :func:`time_collectives` installs collectives that
 do what FSDP2's defaults do (the same ``torch.distributed`` call, the same
-buffers) between :meth:`~agents.runtime.step_timing.StepTiming.collective_started`
-and :meth:`~agents.runtime.step_timing.StepTiming.collective_ended`; under HSDP
+buffers) between :meth:`CollectiveTiming.collective_started`
+and :meth:`CollectiveTiming.collective_ended`; under HSDP
 the all-reduce is timed from the end of the reduce-scatter that precedes it
 to the hook (between the two FSDP2 only divides the gradient).  Why these and
 not the alternatives:
@@ -44,17 +44,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.runtime.step_timing import StepTiming
-
-__all__ = ["TimedAllGather", "TimedReduceScatter", "time_collectives"]
+__all__ = ["CollectiveTiming", "TimedAllGather", "TimedReduceScatter", "time_collectives"]
 
 log = logging.getLogger("ringmaster.worker")
+
+
+class CollectiveTiming(Protocol):
+    """What the timed collectives feed: the worker's step timing
+    (:class:`~agents.runtime.step_timing.StepTiming` is one)."""
+
+    def collective_started(self) -> Any:
+        """A collective starts; the result goes to :meth:`collective_ended`."""
+        ...
+
+    def collective_ended(self, started: Any) -> None:
+        """The collective begun at ``started`` returned: all of it was a wait."""
+        ...
+
 
 try:  # the contracts of FSDP2's custom collectives (torch 2.8 and later)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -87,7 +99,7 @@ class _Allocating:
 class TimedAllGather(_Allocating, AllGather):
     """FSDP2's all-gather, its duration counted as this step's wait."""
 
-    def __init__(self, timing: StepTiming) -> None:
+    def __init__(self, timing: CollectiveTiming) -> None:
         self.timing = timing
 
     def __call__(
@@ -117,7 +129,9 @@ class TimedReduceScatter(_Allocating, ReduceScatter):
         replicated: HSDP: an all-reduce across the replicas follows each reduce-scatter.
     """
 
-    def __init__(self, timing: StepTiming, sharded: bool = True, replicated: bool = False) -> None:
+    def __init__(
+        self, timing: CollectiveTiming, sharded: bool = True, replicated: bool = False
+    ) -> None:
         self.timing = timing
         self.sharded = sharded
         self.replicated = replicated
@@ -155,7 +169,9 @@ class TimedReduceScatter(_Allocating, ReduceScatter):
             self.timing.collective_ended(mark)
 
 
-def time_collectives(module: nn.Module, timing: StepTiming, *, shards: int, replicas: int) -> bool:
+def time_collectives(
+    module: nn.Module, timing: CollectiveTiming, *, shards: int, replicas: int
+) -> bool:
     """Time the collectives of every ``fully_shard``-ed module in ``module``.
 
     Args:

@@ -1,7 +1,7 @@
 """The optimizers and other objects a script tracked beside a sharded model.
 
 Runs in the training process.  A sharded model's parameters are new objects
-in every generation (:class:`~agents.runtime.sharding.ShardedModel` builds
+in every generation (:class:`~agents.state.sharding.ShardedModel` builds
 them on the generation's mesh): :func:`repoint_optimizer` points the script's
 optimizers at them and puts their state back; :func:`optimizers_of` and
 :func:`others_of` tell the tracked optimizers from the rest (replicated state).

@@ -1,0 +1,192 @@
+"""What takes part in the step loop beside the script's step: the session's participants.
+
+Runs in the training process.  After each step the session (:mod:`agents.runtime.session`)
+calls every participant that the script's wrap made, in the order made, through
+one contract (:class:`StepParticipant`): at the step boundary, when a
+generation is joined, and when the group goes.  It names none of them.  Two
+kinds exist:
+
+* :class:`DelayedSync`: a delayed sync's outer loop (:class:`~agents.sync.outer_sync.OuterSync`,
+  ``sync.mode`` diloco or streaming_diloco): its outer steps when due, the
+  boundaries where the sites may vote, the steps a site catches up without a
+  vote, the groups it forms in each generation, its figures;
+* :class:`BuddySnapshots`: a sharded model's buddy copies
+  (:class:`~agents.state.buddy_copies.BuddyCopies`): a snapshot when one is
+  due, an exchange to stop before the group goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents.api import Stateful
+from agents.runtime.failures import CollectiveFailures
+from agents.runtime.outer_checkpoint import OUTER_STATE
+from agents.state.buddy_copies import BuddyCopies
+from agents.state.sharding import ShardedModel
+from agents.state.tracked_optimizers import optimizers_of, others_of
+from agents.sync.outer_sync import OuterSync
+
+__all__ = ["BuddySnapshots", "DelayedSync", "StepParticipant"]
+
+
+class StepParticipant:
+    """One part of the step loop; this base takes part in nothing (a participant
+    overrides what it does).  ``step`` is always the number of steps completed."""
+
+    def tracked(self) -> Mapping[str, Stateful]:
+        """State of its own that goes with the tracked objects (into durable
+        checkpoints, to a replacement), by the name it is tracked under."""
+        return {}
+
+    def ends_at(self, limit: int) -> None:
+        """The loop ends once ``limit`` steps are complete."""
+
+    def joined(self, step: int | None) -> None:
+        """A generation was joined and its DDPs rebuilt (``step``: the state this
+        worker holds; None: none).  A collective of the new generation."""
+
+    def step_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Groups formed in the generation whose collectives run once a step or more
+        (the learnt operation timeout applies to them)."""
+        return ()
+
+    def slow_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Groups whose collectives may take many steps' time (their timeout is learnt
+        from :meth:`took`)."""
+        return ()
+
+    def waits_at(self, step: int) -> bool:
+        """:meth:`after_step` at ``step`` waits on a slow group (longer than a step)."""
+        return False
+
+    def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
+        """Its work at the boundary after ``step`` (``tracked``: the worker's objects)."""
+
+    def took(self) -> list[float]:
+        """Seconds each slow wait that finished since the last call took."""
+        return []
+
+    def votes_at(self, step: int) -> bool:
+        """The boundary after ``step`` may cast the step boundary's vote."""
+        return True
+
+    def behind(self, step: int) -> bool:
+        """``step`` was completed elsewhere already: the boundary casts no vote."""
+        return False
+
+    def newest_generation(self, latest: int) -> int | None:
+        """At a boundary without a vote: the newest generation it knows of (``latest``:
+        this rank's; a collective where it takes one), or None: no word."""
+        return None
+
+    def telemetry(self) -> Mapping[str, Any]:
+        """Fields of the worker's telemetry record it measures."""
+        return {}
+
+    def stop(self) -> None:
+        """Stop its work on the group (the group is about to go; it may wait on a peer)."""
+
+
+class DelayedSync(StepParticipant):
+    """A delayed sync's outer loop in the step loop.
+
+    Args:
+        outer: the outer loop (its site groups are formed by each join).
+        failures: records a failure of its collectives as a peer's.
+    """
+
+    def __init__(self, outer: OuterSync, failures: CollectiveFailures) -> None:
+        self.outer = outer
+        self._failures = failures
+
+    def tracked(self) -> Mapping[str, Stateful]:
+        return {OUTER_STATE: self.outer}
+
+    def ends_at(self, limit: int) -> None:
+        self.outer.end = limit  # the last outer step lands on the global model
+
+    def joined(self, step: int | None) -> None:
+        if step is not None:  # the syncs the broken generation left under way start again
+            with self._failures.collective():
+                self.outer.resume(step)
+
+    def step_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Its site groups: their collectives run every step (the site's DDP, the check
+        of :meth:`newest_generation`).  The leaders' group is left out: an outer sync
+        may take many steps' time across a slow link."""
+        groups = self.outer.groups
+        if groups is None:
+            return ()
+        host = (groups.inner_host,) if groups.inner_host is not groups.inner else ()
+        return (groups.inner, *host)
+
+    def slow_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The leaders' group, on a site's leader."""
+        groups = self.outer.groups
+        return (groups.outer,) if groups is not None and groups.outer is not None else ()
+
+    def waits_at(self, step: int) -> bool:
+        return self.outer.waits_at(step)
+
+    def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
+        with self._failures.collective():
+            self.outer.after_step(step)
+
+    def took(self) -> list[float]:
+        return self.outer.took()
+
+    def votes_at(self, step: int) -> bool:
+        return self.outer.meets(step)  # the sites vote where they meet anyway
+
+    def behind(self, step: int) -> bool:
+        return step <= self.outer.catch_up_to  # a site catching up trains alone
+
+    def newest_generation(self, latest: int) -> int | None:
+        """The newest generation a rank of this site has seen: a site leaves a
+        generation that moved on at its next step, together (its DDP spans it),
+        instead of training on to its next outer sync (a site waiting to come back
+        would otherwise wait up to ``inner_steps`` steps, and then catch them up)."""
+        groups = self.outer.groups
+        if groups is None or len(groups.sites.ranks[groups.index]) == 1:
+            return latest
+        newest = torch.tensor([latest], dtype=torch.int64)
+        with self._failures.collective():
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=groups.inner_host)
+        return int(newest.item())
+
+    def telemetry(self) -> Mapping[str, Any]:
+        totals = self.outer.totals
+        return {
+            "outer_steps": sum(self.outer.counts),
+            "site_bytes": totals.bytes_between_sites,
+            "outer_wait_s": round(totals.outer_wait_s, 6),
+            "last_outer_sync": max(totals.last_sync, default=0),
+        }
+
+
+class BuddySnapshots(StepParticipant):
+    """A sharded model's buddy copies in the step loop (``fsdp`` with redundancy).
+
+    Args:
+        buddies: the copies (started on each generation by the join).
+        model: the sharded model whose slice they copy.
+    """
+
+    def __init__(self, buddies: BuddyCopies, model: ShardedModel) -> None:
+        self.buddies = buddies
+        self._model = model
+
+    def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
+        model = self._model
+        self.buddies.after_step(
+            step,
+            lambda: model.capture(step, optimizers_of(tracked), others_of(tracked, model)),
+        )
+
+    def stop(self) -> None:
+        self.buddies.stop()

@@ -42,15 +42,21 @@ class Settings:
         ft = FaultToleranceSpec()
         s = ft.stragglers
         given = {"action": action.value, **self.stragglers}
-        every = {"action": s.action.value, "threshold": s.threshold, "windows": s.windows,
-                 "min_gain": f"{s.min_gain.total_seconds():g}s",
-                 "confirm": f"{s.confirm.total_seconds():g}s"}  # fmt: skip
+        every = {
+            "action": s.action.value,
+            "threshold": s.threshold,
+            "windows": s.windows,
+            "min_gain": f"{s.min_gain.total_seconds():g}s",
+            "confirm": f"{s.confirm.total_seconds():g}s",
+        }
         every.update(given)
         beat = self.heartbeat or f"{ft.heartbeat_interval.total_seconds():g}s"
-        text = ", ".join(f"{k} {v}" + ("" if k in given else " (default)")
-                         for k, v in every.items())  # fmt: skip
-        return (f"{self.name}: stragglers {text}; heartbeat_interval {beat}"
-                + ("" if self.heartbeat else " (default)"))  # fmt: skip
+        text = ", ".join(
+            f"{k} {v}" + ("" if k in given else " (default)") for k, v in every.items()
+        )
+        return f"{self.name}: stragglers {text}; heartbeat_interval {beat}" + (
+            "" if self.heartbeat else " (default)"
+        )
 
 
 #: the job file's defaults; ``action: swap`` is set by the rows that swap (the
@@ -62,10 +68,20 @@ FAST = Settings("fast-settings", {"windows": 3, "min_gain": "0s"}, "1s")
 SMOKE = Settings("smoke-settings", {"windows": 2, "min_gain": "0s", "confirm": "0s"}, "500ms")
 
 
-def lm_job(name: str, tmp: Path, *, sharded: bool, settings: Settings,
-           action: StragglerAction, steps: int, short: bool = False,
-           gc_storm: Path | None = None, slow: Path | None = None, nodes: int = 0,
-           spares: int = 1) -> JobSpec:  # fmt: skip
+def lm_job(
+    name: str,
+    tmp: Path,
+    *,
+    sharded: bool,
+    settings: Settings,
+    action: StragglerAction,
+    steps: int,
+    short: bool = False,
+    gc_storm: Path | None = None,
+    slow: Path | None = None,
+    nodes: int = 0,
+    spares: int = 1,
+) -> JobSpec:
     """The LM under DDP (``nodes`` active nodes of 1 worker, 3 unless given) or sharded
     (2 of 2 workers, HSDP: FSDP2 within a node), ``spares`` warm spares, its steps
     logged in ``tmp/steps``."""
@@ -131,8 +147,17 @@ session.close()
 """
 
 
-def job(name: str, tmp: Path, args: argparse.Namespace, *, nodes: int, spares: int,
-        action: StragglerAction, steps: int, width: int = 32) -> JobSpec:  # fmt: skip
+def job(
+    name: str,
+    tmp: Path,
+    args: argparse.Namespace,
+    *,
+    nodes: int,
+    spares: int,
+    action: StragglerAction,
+    steps: int,
+    width: int = 32,
+) -> JobSpec:
     (tmp / "steps").mkdir(parents=True, exist_ok=True)
     script = tmp / "spin.py"
     script.write_text(SCRIPT)

@@ -101,9 +101,24 @@ class Cluster:
             _sh("ip", "-n", sw, "link", "set", dev, "master", f"br{rack}")
             _sh("ip", "-n", sw, "link", "set", dev, "up")
             _sh(
-                "ip", "netns", "exec", sw, "tc", "qdisc", "add", "dev", dev, "root",
-                "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms",
-            )  # fmt: skip
+                "ip",
+                "netns",
+                "exec",
+                sw,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            )
         for node, rack in enumerate(RACK_OF_NODE):
             ns = self.node_ns(node)
             self._netns(ns)
@@ -119,9 +134,18 @@ class Cluster:
             _sh("ip", "-n", ns, "link", "set", self.node_if(node), "up")
         for node in range(1, len(RACK_OF_NODE)):
             ok = _sh(
-                "ip", "netns", "exec", self.node_ns(0), "ping", "-c", "1", "-W", "2",
-                self.node_ip(node), check=False,
-            )  # fmt: skip
+                "ip",
+                "netns",
+                "exec",
+                self.node_ns(0),
+                "ping",
+                "-c",
+                "1",
+                "-W",
+                "2",
+                self.node_ip(node),
+                check=False,
+            )
             if ok.returncode != 0 and shutil.which("ping"):
                 raise RuntimeError(f"node 0 cannot reach node {node}: {ok.stdout}{ok.stderr}")
 
@@ -170,9 +194,17 @@ def _launch(
             "PYTHONPATH": str(ROOT),
         }
         cmd = [
-            "ip", "netns", "exec", cluster.node_ns(node), sys.executable, str(Path(__file__)),
-            "--worker", experiment, "--worker-args", json.dumps(args),
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            cluster.node_ns(node),
+            sys.executable,
+            str(Path(__file__)),
+            "--worker",
+            experiment,
+            "--worker-args",
+            json.dumps(args),
+        ]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -290,10 +322,12 @@ def worker_train(args: dict[str, Any]) -> dict[str, Any]:
         )
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            torch.nn.Linear(dim, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, hidden // 2), torch.nn.ReLU(),
+            torch.nn.Linear(dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden // 2),
+            torch.nn.ReLU(),
             torch.nn.Linear(hidden // 2, 10),
-        )  # fmt: skip
+        )
         ddp = DDP(model)
         hook = build_comm_hook(spec, ddp)
         hook.register(ddp)

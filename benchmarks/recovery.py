@@ -417,8 +417,16 @@ def run_torchrun(tmp: Path, scale: Scale) -> dict[str, float]:
     ckpt = tmp / "ckpt.pt"
     port = free_port()
     store = _restart_runs.store_process(port)
-    args = ["--steps", str(scale.steps), "--ckpt", str(ckpt), "--steplog-dir", str(logs),
-            "--step-time", str(STEP_TIME)]  # fmt: skip
+    args = [
+        "--steps",
+        str(scale.steps),
+        "--ckpt",
+        str(ckpt),
+        "--steplog-dir",
+        str(logs),
+        "--step-time",
+        str(STEP_TIME),
+    ]
     script = REPO / "benchmarks" / "_torchrun_job.py"  # its own script: a tiny model
     nodes = _restart_runs.torchrun_nodes(port, args, script=script)
     killed_at = 0.0

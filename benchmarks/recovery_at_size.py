@@ -309,10 +309,13 @@ def main() -> None:
         "--checksum", action="store_true", help="compare the receiver's state with the sender's"
     )
     parser.add_argument(
-        "--nodes", type=int, nargs="+", default=[2],
+        "--nodes",
+        type=int,
+        nargs="+",
+        default=[2],
         help="active nodes of each job (a row each; the survivors of 3 or more each send "
         "the spare a share of the model and optimizer)",
-    )  # fmt: skip
+    )
     parser.add_argument("--verbose", action="store_true", help="print the jobs' output")
     args = parse(parser, SMOKE)
     rows: list[dict[str, Any]] = []

@@ -101,9 +101,13 @@ PHASES = (
     ("ddp", "loaded", "ddp"),
     ("first_step", "ddp", "step"),
 )
-UNITS = {"state_gb": "10^9 bytes", "_bytes": "bytes", "_s": "seconds",
-         "ratio": "torchrun's seconds / ringmaster's",
-         "_load_average": "runnable processes, 1-minute mean, as the run started"}  # fmt: skip
+UNITS = {
+    "state_gb": "10^9 bytes",
+    "_bytes": "bytes",
+    "_s": "seconds",
+    "ratio": "torchrun's seconds / ringmaster's",
+    "_load_average": "runnable processes, 1-minute mean, as the run started",
+}
 TARGET = {"ratio_at_1_gb_at_least": 3.0}
 #: ``--smoke``: the least state, the cold path; torchrun's time to train again.
 SMOKE = {"sizes": [0.001], "cold": True}
@@ -227,9 +231,14 @@ def run_size(
             with cold_files or contextlib.nullcontext():
                 if name == "ringmaster":
                     got = _restart_runs.run_ringmaster(
-                        tmp, f"restart-{width}", args, KILL_AT, until_recovered=True,
-                        env={"OMP_NUM_THREADS": "1"}, victim_rank=VICTIM_RANK,
-                    )  # fmt: skip
+                        tmp,
+                        f"restart-{width}",
+                        args,
+                        KILL_AT,
+                        until_recovered=True,
+                        env={"OMP_NUM_THREADS": "1"},
+                        victim_rank=VICTIM_RANK,
+                    )
                 else:
                     got = _restart_runs.run_torchrun(
                         tmp, args, KILL_AT, patience=patience, victim_rank=VICTIM_RANK
@@ -292,8 +301,11 @@ def _print_row(row: dict[str, Any]) -> None:
         print(f"    torchrun did not train again: {line}", flush=True)
     counts = row.get("torchrun_restart_counts")
     if counts and len(set(counts.values())) > 1:
-        print(f"    torchrun's agents disagree on their restart count ({counts}): their new "
-              "workers wait for each other under different store prefixes", flush=True)  # fmt: skip
+        print(
+            f"    torchrun's agents disagree on their restart count ({counts}): their new "
+            "workers wait for each other under different store prefixes",
+            flush=True,
+        )
     if row.get("ringmaster_event_detect_s") is not None:
         print(
             f"    ringmaster's Recovered event, from the failure it saw first: detect "

@@ -90,8 +90,14 @@ def worker(rank: int, addr: str, out: str, steps: int, compute: float) -> None:
         ddp(x).sum().backward()
         post, done = timing.post_wall, timing.done_wall
         timing.step_done()
-        rows.append({"post": post, "done": done, "compute": timing.compute_s - compute0,
-                     "wait": timing.wait_s - wait0})  # fmt: skip
+        rows.append(
+            {
+                "post": post,
+                "done": done,
+                "compute": timing.compute_s - compute0,
+                "wait": timing.wait_s - wait0,
+            }
+        )
     dist.barrier()
     Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -103,17 +109,35 @@ def measure(rate: str, slow: int, steps: int, compute: float) -> dict[str, Any]:
 
     py = sys.executable
     env = dict(os.environ, PYTHONPATH=str(REPO), SLOW_LINK_STORE_RANK=str(1 if slow != 1 else 0))
-    with tempfile.TemporaryDirectory(prefix="ringmaster-slow-link-") as d, \
-            IsolatedNode("slowlink") as node:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="ringmaster-slow-link-") as d,
+        IsolatedNode("slowlink") as node,
+    ):
         if rate != "none":
             node.limit(rate)
         procs = []
         for r in range(WORLD):
-            argv = [py, __file__, "--worker", str(r), "--addr", node.host_ip, "--out",
-                    f"{d}/{r}.json", "--steps", str(steps), "--compute", str(compute)]  # fmt: skip
+            argv = [
+                py,
+                __file__,
+                "--worker",
+                str(r),
+                "--addr",
+                node.host_ip,
+                "--out",
+                f"{d}/{r}.json",
+                "--steps",
+                str(steps),
+                "--compute",
+                str(compute),
+            ]
             ifname = node.node_if if r == slow else node.host_if
-            procs.append(subprocess.Popen(node.command(argv) if r == slow else argv,
-                                          env=dict(env, GLOO_SOCKET_IFNAME=ifname)))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    node.command(argv) if r == slow else argv,
+                    env=dict(env, GLOO_SOCKET_IFNAME=ifname),
+                )
+            )
         for p in procs:
             if p.wait(timeout=600) != 0:
                 raise RuntimeError(f"a rank exited with {p.returncode}")
@@ -126,17 +150,20 @@ def measure(rate: str, slow: int, steps: int, compute: float) -> dict[str, Any]:
 
         def late(field: str, rank: int = r) -> float:
             first = (min(rows[q][s][field] for q in range(WORLD)) for s in range(n))
-            return round(1e3 * statistics.median(rows[rank][s][field] - f
-                                                 for s, f in enumerate(first)), 1)  # fmt: skip
+            return round(
+                1e3 * statistics.median(rows[rank][s][field] - f for s, f in enumerate(first)), 1
+            )
 
-        out["ranks"].append({
-            "rank": r,
-            "compute_ms": round(compute_ms[r], 1),
-            "wait_ms": round(1e3 * statistics.mean(x["wait"] for x in rows[r]), 1),
-            "slowdown": round(compute_ms[r] / peers, 2),
-            "posted_late_ms": late("post"),
-            "done_late_ms": late("done"),
-        })  # fmt: skip
+        out["ranks"].append(
+            {
+                "rank": r,
+                "compute_ms": round(compute_ms[r], 1),
+                "wait_ms": round(1e3 * statistics.mean(x["wait"] for x in rows[r]), 1),
+                "slowdown": round(compute_ms[r] / peers, 2),
+                "posted_late_ms": late("post"),
+                "done_late_ms": late("done"),
+            }
+        )
     return out
 
 

@@ -86,8 +86,12 @@ def wait_for_run(
             if status is None or (status.run == record.run and not status.phase.terminal):
                 if said:
                     what = f"run {record.run} of job '{job}'" if ended else f"job '{job}'"
-                    log.info("[%s] %s submitted after %.0fs of waiting",
-                             node, what, time.monotonic() - started)  # fmt: skip
+                    log.info(
+                        "[%s] %s submitted after %.0fs of waiting",
+                        node,
+                        what,
+                        time.monotonic() - started,
+                    )
                 return JoinableRun(load_spec(record, job), record.run)
             if status.run == record.run:  # the last run ended
                 ended = f"its run {record.run} is {status.phase.value}"

@@ -283,14 +283,14 @@ class RestartTier:
         pending, node = self._pending, self.setup.node
         if isinstance(pending, PendingStore) and pending.publish(self.setup.client, node):
             self._pending = None
-            self._launch_rest(pending.plan, pending.member, range(1, pending.member.nproc),
-                              pending.master)  # fmt: skip
+            self._launch_rest(
+                pending.plan, pending.member, range(1, pending.member.nproc), pending.master
+            )
         elif isinstance(pending, AwaitedStore):
             master = pending.read(self.setup.client, node)
             if master is not None:
                 self._pending = None
-                self._launch_rest(pending.plan, pending.member, range(pending.member.nproc),
-                                  master)  # fmt: skip
+                self._launch_rest(pending.plan, pending.member, range(pending.member.nproc), master)
 
     def _note_progress(self) -> None:
         """Once a launched worker printed a line (or none will say), tell the controller."""
@@ -378,8 +378,9 @@ class RestartTier:
             if self._newer_than(w.generation):
                 continue  # the generation moved on: not this worker's failure to report
             what = w.describe_exit()
-            log.warning("[%s] worker %s failed in generation %d (%s)", setup.node, name,
-                        w.generation, what)  # fmt: skip
+            log.warning(
+                "[%s] worker %s failed in generation %d (%s)", setup.node, name, w.generation, what
+            )
             emit_worker_exited(
                 setup.client, setup.job, setup.node, name, code, what, generation=w.generation
             )
@@ -400,8 +401,16 @@ class RestartTier:
         )
         log.warning("[%s] %s", setup.node, message)
         with contextlib.suppress(Exception):
-            events.emit(setup.client, setup.job, "WorkerKilled", message, source=setup.node,
-                        worker=name, generation=w.generation, exit_code=code)  # fmt: skip
+            events.emit(
+                setup.client,
+                setup.job,
+                "WorkerKilled",
+                message,
+                source=setup.node,
+                worker=name,
+                generation=w.generation,
+                exit_code=code,
+            )
 
     def _report_break(self, generation: int, reason: str, at: float) -> None:
         """Report the generation broken for every local worker (the node speaks for all)."""

@@ -95,9 +95,15 @@ def form_site_groups(
             mine = group if i == at else mine
         assert isinstance(mine, dist.ProcessGroup)
         return SiteGroups(
-            sites, index, inner, inner_host, mine, leader,
-            torch.device("cpu") if gloo_data else device, per_slice=True,
-        )  # fmt: skip
+            sites,
+            index,
+            inner,
+            inner_host,
+            mine,
+            leader,
+            torch.device("cpu") if gloo_data else device,
+            per_slice=True,
+        )
     outer = dist.new_group(ranks=list(sites.leaders), backend="gloo", timeout=timeout)
     return SiteGroups(
         sites=sites,

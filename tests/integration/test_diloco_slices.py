@@ -166,8 +166,10 @@ def _resharded_rank(rank: int, world: int) -> tuple[Any, str]:
 
     full = _initial()
     names = [f"p{i}" for i in range(len(full))]
-    model = SimpleNamespace(rows={n: p.shape[0] for n, p in zip(names, full, strict=True)},
-                            params=dict(zip(names, full, strict=True)))  # fmt: skip
+    model = SimpleNamespace(
+        rows={n: p.shape[0] for n, p in zip(names, full, strict=True)},
+        params=dict(zip(names, full, strict=True)),
+    )
     groups = SimpleNamespace(sites=SimpleNamespace(ranks=[[0], [1]]), index=rank)
     part = _chunks(full, rank)  # slice `rank` of the first saved site's
     saver = OuterSync(_spec(), full, local=lambda: part)

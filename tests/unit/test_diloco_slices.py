@@ -89,10 +89,13 @@ def _held(live: int, copy: tuple[int, int, int] | None = None) -> Held:
 def test_a_site_keeps_its_state_where_its_ranks_or_their_buddies_hold_it() -> None:
     sites = Sites(("a", "b", "c"), ((0, 1), (2, 3), (4, 5)))
     held = [
-        _held(12), _held(12, (12, 2, 0)),  # a: both ranks kept theirs
-        _held(12, (12, 2, 1)), Held(NO_STATE, False),  # b: rank 3 replaced, 2 holds its copy
-        _held(12), _held(11),  # c: its ranks disagree
-    ]  # fmt: skip
+        _held(12),
+        _held(12, (12, 2, 0)),  # a: both ranks kept theirs
+        _held(12, (12, 2, 1)),
+        Held(NO_STATE, False),  # b: rank 3 replaced, 2 holds its copy
+        _held(12),
+        _held(11),  # c: its ranks disagree
+    ]
     assert site_states(held, sites) == [
         SiteState(12),
         SiteState(12, {1: 2}),

@@ -65,9 +65,11 @@ def test_stacked_extents_move_whole_local_tensors() -> None:
 
 def test_default_plan_pairs_linears_of_each_sequential() -> None:
     net = nn.Sequential(
-        nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4),
+        nn.Linear(4, 8),
+        nn.ReLU(),
+        nn.Linear(8, 4),
         nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4), nn.Linear(4, 2)),
-    )  # fmt: skip
+    )
     got = {k: type(v) for k, v in default_plan(net).items()}
     assert got == {
         "0": ColwiseParallel,
@@ -112,7 +114,7 @@ def test_a_pipeline_replica_is_its_stages_and_twins_hold_the_same_stage() -> Non
 def _mlp() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)
-    )  # fmt: skip
+    )
 
 
 def test_stages_are_cut_by_parameters_or_where_the_script_says() -> None:

@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check orchestrator checkpoint agents tests benchmarks examples
+	$(VENV)/bin/ruff format --check orchestrator checkpoint agents tests benchmarks examples
 	$(VENV)/bin/lint-imports --no-cache  # the layering contracts in pyproject.toml
 
 typecheck: $(STAMP)

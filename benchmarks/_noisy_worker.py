@@ -13,14 +13,21 @@ from outside it, for the benchmark only:
   ``session.steps()`` ran and the step did not fail) is logged as ``STEP TIME``
   to ``DIR/<worker>-<pid>.log``: steps applied twice or never are counted from
   these, and the step rate from their times;
-* ``--slow FILE``: once ``FILE`` exists and holds ``NODE FACTOR``, every worker
-  of ``NODE`` makes each step ``FACTOR`` times the CPU work: after the step it
-  spins for ``FACTOR - 1`` times the CPU time the step's own thread took.  A
-  throttled device does the same work slower; on CPUs shared by every node
-  (this machine) the extra work is what slows a node against its peers (a
-  process stopped part of the time, as by ``--slowdown stop``, gives the CPU to
-  the others and is hardly slower when the cores are oversubscribed); the file
-  is read again whenever it changes;
+* ``--slow FILE``: once ``FILE`` exists and holds ``NODE FACTOR HOW``, every
+  worker of ``NODE`` makes each of its steps last ``FACTOR`` times as long: at
+  the start of the step, before its body, for ``FACTOR - 1`` times what its
+  steps take (a moving average over its last steps, their stretch left out),
+  it either stalls (``HOW`` is ``stall``: it sleeps that long in wall-clock
+  time, as a host waits on a slow device: the step takes longer and the CPU is
+  free for others) or works (``work``: it spins for that much of its own
+  thread's CPU time, as a slow CPU does the same work slower; on CPUs shared by
+  every node, as here, the spin also takes CPU from the peers while they
+  compute).  At the start, as a slow device's compute is: the peers wait for
+  it in the step's collectives (the forward's buffer broadcast, the gradient
+  reduction, a sharded model's all-gathers), not in the vote at the step
+  boundary.  The file is read again whenever it changes: the benchmark adjusts
+  ``FACTOR`` until the node's measured slowdown is the nominal one
+  (``benchmarks/_straggler_slowdown.py``);
 * ``--gc-storm FILE``: a thread waits until ``FILE`` exists.  It holds
   ``NODE SEED`` (written by the benchmark once the job trains); the worker of
   local rank 0 on ``NODE`` then pauses its own Python, as a garbage-collection
@@ -52,6 +59,8 @@ PAUSE_S = (0.02, 0.3)
 MEAN_GAP_S = 2.0
 #: the cyclic object graph each pause's collection walks (objects)
 GARBAGE = 20_000
+#: a slow node's step time is averaged over its steps with this weight for the newest
+AVERAGE = 0.2
 
 
 def _log_steps(session: Any, log_dir: str, slow: Path | None, node: str) -> None:
@@ -59,26 +68,38 @@ def _log_steps(session: Any, log_dir: str, slow: Path | None, node: str) -> None
     step stretched while ``slow`` names this node (see the module docstring)."""
     steps = session.steps
     path = Path(log_dir) / f"{session.worker}-{os.getpid()}.log"
-    factor, seen = [1.0], [0]  # the factor for this node, and the file's mtime read
+    factor, how, seen = [1.0], ["stall"], [0]  # this node's factor, how, the mtime read
 
-    def stretch(cpu: float) -> None:
+    def stretch(cpu: float, wall: float) -> None:
         if slow is not None and slow.exists() and slow.stat().st_mtime_ns != seen[0]:
             seen[0] = slow.stat().st_mtime_ns
-            target, value = slow.read_text().split()  # written whole (a rename)
+            target, value, how[0] = slow.read_text().split()  # written whole (a rename)
             factor[0] = float(value) if target == node else 1.0
-        if factor[0] > 1.0:
-            end = time.thread_time() + (factor[0] - 1.0) * cpu
-            while time.thread_time() < end:
-                pass
+        if factor[0] <= 1.0:
+            return
+        if how[0] == "stall":
+            time.sleep((factor[0] - 1.0) * wall)
+            return
+        end = time.thread_time() + (factor[0] - 1.0) * cpu
+        while time.thread_time() < end:
+            pass
 
     def logged(total: int | None = None) -> Iterator[int]:
         inner = steps(total)
+        took: tuple[float, float] | None = None  # a step's CPU and wall time, averaged
         try:
             with path.open("a") as log:
                 for step in inner:
-                    cpu = time.thread_time()
+                    if took is not None:
+                        stretch(*took)
+                    cpu, wall = time.thread_time(), time.monotonic()
                     yield step
-                    stretch(time.thread_time() - cpu)
+                    now = (time.thread_time() - cpu, time.monotonic() - wall)
+                    took = (
+                        now
+                        if took is None
+                        else (_average(took[0], now[0]), _average(took[1], now[1]))
+                    )
                     if not session.step_failed:
                         log.write(f"{step} {time.time()}\n")
                         log.flush()
@@ -86,6 +107,11 @@ def _log_steps(session: Any, log_dir: str, slow: Path | None, node: str) -> None
             inner.close()
 
     session.steps = logged
+
+
+def _average(average: float, value: float) -> float:
+    """A moving average's next value (weight :data:`AVERAGE` for the newest)."""
+    return AVERAGE * value + (1.0 - AVERAGE) * average
 
 
 def _hold_the_lock(seconds: float, per_second: float) -> None:
@@ -150,8 +176,9 @@ def main() -> None:
 
     runtime.init = logged_init
     if args.gc_storm and os.environ.get(ENV_LOCAL_RANK, "0") == "0":
-        threading.Thread(target=_storm, args=(Path(args.gc_storm), node), daemon=True,
-                         name="gc-storm").start()  # fmt: skip
+        threading.Thread(
+            target=_storm, args=(Path(args.gc_storm), node), daemon=True, name="gc-storm"
+        ).start()
     sys.argv = [script, *args.args]
     runpy.run_path(script, run_name="__main__")
 

@@ -16,6 +16,7 @@ netns``, ``tc``); without it the row says why it was skipped.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -42,16 +43,33 @@ def link_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"slow link: SKIPPED ({reason})", flush=True)
         return {"skipped": reason}
     tmp = root / "slow-link"
-    spec = job("slow-link", tmp, args, nodes=2, spares=1, action=StragglerAction.SWAP,
-               steps=args.steps, width=args.link_width)  # fmt: skip
+    spec = job(
+        "slow-link",
+        tmp,
+        args,
+        nodes=2,
+        spares=1,
+        action=StragglerAction.SWAP,
+        steps=args.steps,
+        width=args.link_width,
+    )
     spec.fault_tolerance.heartbeat_interval = timedelta(seconds=1)
     marks: dict[str, float] = {}
     lines: list[str] = []
     with IsolatedNode("bench") as node, partitioned_job(spec, node, lines) as running:
         client, name = running.client, spec.name
-        wait_for("the onset step with a warm spare",
-                 lambda: (s := jobs.read_status(client, name)) and s.step >= args.onset
-                 and s.spare_nodes, timeout=300)  # fmt: skip
+        try:
+            wait_for(
+                "the onset step with a warm spare",
+                lambda: (
+                    (s := jobs.read_status(client, name)) and s.step >= args.onset and s.spare_nodes
+                ),
+                timeout=300,
+            )
+        except AssertionError:
+            said = "\n".join(lines[-40:])
+            print(f"slow link: the job's last output lines:\n{said}", file=sys.stderr)
+            raise
         node.limit(args.link_rate, burst="64kb", latency="400ms")
         marks["onset"] = time.time()
         deadline = time.monotonic() + 180
@@ -66,9 +84,11 @@ def link_row(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 if key is not None and key not in marks:
                     marks[key] = e.time
             time.sleep(0.1)
-        status = wait_for("the end of the job",
-                          lambda: (s := jobs.read_status(client, name)) and s.phase.terminal
-                          and s, timeout=600)  # fmt: skip
+        status = wait_for(
+            "the end of the job",
+            lambda: (s := jobs.read_status(client, name)) and s.phase.terminal and s,
+            timeout=600,
+        )
     done, lost = step_times(tmp)
     onset, end = marks["onset"], max(done.values())
     swap = marks.get("swap", end)

@@ -14,15 +14,32 @@ Headline rows (the default ``--rows``):
   warm spare.  Once the job has trained ``--warm-steps`` steps, it trains
   healthy for ``--healthy-seconds``: its step rate then is the row's healthy
   reference (the same job, in the same run).  Then one active node is slowed
-  from outside, as a throttled machine would be: its workers are SIGSTOPped
-  for a share of every 100 ms (1 - 1/factor: at 1.5x they run two thirds of
-  the time).  Seconds from the onset to that node's ``Straggler`` event and to
-  its ``StragglerSwapped`` one; the step rate between the onset and the swap
-  and from the swap to the end, over the healthy rate; seconds from the swap
-  until a ``--rate-window`` window runs at 95 % of the healthy rate again (its
-  end); steps lost (applied twice by a worker, or never, from every worker's
-  step log); calls of any other node.  The job stops ``--after-seconds`` after
-  the swap (``max_steps`` is ``--max-steps``: a long job, so that a swap pays);
+  from outside (``--slowdown``): by default each step of its workers first
+  stalls for ``k - 1`` times what its steps take (a sleep: the host waiting on
+  a slow device; ``work``: as much CPU spun; ``stop``: its workers SIGSTOPped
+  a share of every 100 ms; ``benchmarks/_noisy_worker.py``).  What is applied
+  is not what the node gets on cores shared by every node, so ``k`` is held to
+  the measured factor (``benchmarks/_straggler_slowdown.py``): from the onset,
+  each window of the workers' heartbeats gives the slow node's compute time
+  per step over the median of its peers', measured as the controller measures
+  it, and ``k`` is adjusted until that is the nominal factor (it starts at the
+  nominal factor in a row's first run and where the last run ended in the
+  next; ``--no-calibration`` keeps it at the nominal factor and only
+  measures).  Reported per run: the nominal factor; the measured one (the slow
+  node's compute time per step over its peers' median, over every step from
+  the onset to the call) and the same over the healthy reference (about 1);
+  the slow node's and its peers' compute per step then over their healthy one;
+  the last ``k`` applied; seconds from the onset until a window first measured
+  95 % of the factor; seconds from the onset to that node's ``Straggler``
+  event (the targets are judged on this one: the clock starts before the
+  factor is reached) and from the factor reached to it (negative: called
+  before a window measured it whole); to its ``StragglerSwapped`` one; the
+  step rate between the onset and the swap and from the swap to the end, over
+  the healthy rate; seconds from the swap until a ``--rate-window`` window
+  runs at 95 % of the healthy rate again (its end); steps lost (applied twice
+  by a worker, or never, from every worker's step log); calls and swaps of any
+  other node.  The job stops ``--after-seconds`` after the swap (``max_steps``
+  is ``--max-steps``: a long job, so that a swap pays);
 * ``fsdp-1.5x``, ``fsdp-3x``: the same with the LM sharded by FSDP2
   (``examples/train_lm_mesh.py --mesh shard=2``: 2 active nodes of 2 workers,
   each node one replica sharded over its 2 workers, HSDP; 1 spare node), timed
@@ -93,6 +110,7 @@ from benchmarks._straggler_jobs import (  # noqa: E402
     step_times,
 )
 from benchmarks._straggler_jobs import SMOKE as SMOKE_SETTINGS  # noqa: E402
+from benchmarks._straggler_slowdown import HeldSlowdown  # noqa: E402
 from benchmarks.step_timing_cost import SMOKE as COST_SMOKE  # noqa: E402
 from benchmarks.step_timing_cost import call_costs, ddp_cost  # noqa: E402
 from orchestrator.local_run import LocalRun  # noqa: E402
@@ -106,13 +124,15 @@ SLOW_ROW = re.compile(r"^(ddp|fsdp|fast-settings)-([0-9.]+)x$")
 #: the targets (issue figures): seconds to the call by slowdown, to 95 % after the swap
 CALL_TARGET_S = {1.5: 30.0, 3.0: 15.0}
 BACK_TARGET_S = 30.0
+#: a run's slow node was at its nominal factor when measured within this (percent)
+FACTOR_TOLERANCE_PCT = 10.0
 
 #: ``--smoke``: short jobs, short windows, one repeat, every row's code path.
 SMOKE = {
     "warm_steps": 5,
     "healthy_seconds": 2.0,
     "after_seconds": 2.0,
-    "give_up_seconds": 60.0,
+    "give_up_seconds": 20.0,
     "rate_window": 1.0,
     "repeats": 1,
     "noise_minutes": 0.1,
@@ -136,8 +156,13 @@ def ended(local: LocalRun) -> bool:
 def run(spec: JobSpec, tmp: Path, during: Callable[[LocalRun], None] | None = None) -> Any:
     """Run ``spec`` to its end; ``during(run)`` runs once it started (in this thread)."""
     lines: list[str] = []
-    local = LocalRun(spec, printer=lines.append, workdir=str(tmp), metrics_port=None,
-                     timeout=timedelta(minutes=30))  # fmt: skip
+    local = LocalRun(
+        spec,
+        printer=lines.append,
+        workdir=str(tmp),
+        metrics_port=None,
+        timeout=timedelta(minutes=30),
+    )
     with local:
         if during is not None:
             during(local)
@@ -154,8 +179,10 @@ def wait_step(local: LocalRun, step: int, timeout: float = 300.0) -> None:
         if status is not None and status.step >= step:
             return
         if status is not None and status.phase.terminal:
-            raise RuntimeError(f"{local.spec.name} ended ({status.phase.value}: "
-                               f"{status.message}) before step {step}")  # fmt: skip
+            raise RuntimeError(
+                f"{local.spec.name} ended ({status.phase.value}: "
+                f"{status.message}) before step {step}"
+            )
         time.sleep(0.05)
     raise RuntimeError(f"{local.spec.name} did not reach step {step} in {timeout:g}s")
 
@@ -189,8 +216,11 @@ def spread(values: list[float | None]) -> dict[str, Any]:
     got = [v for v in values if v is not None]
     if not got:
         return {"median": None, "min": None, "max": None, "missing": len(values)}
-    out: dict[str, Any] = {"median": round(statistics.median(got), 3),
-                           "min": round(min(got), 3), "max": round(max(got), 3)}  # fmt: skip
+    out: dict[str, Any] = {
+        "median": round(statistics.median(got), 3),
+        "min": round(min(got), 3),
+        "max": round(max(got), 3),
+    }
     if len(got) < len(values):
         out["missing"] = len(values) - len(got)
     return out
@@ -199,27 +229,67 @@ def spread(values: list[float | None]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- slow rows
 
 
-def slowed_run(args: argparse.Namespace, tmp: Path, sharded: bool, factor: float,
-               settings: Settings) -> dict[str, Any]:  # fmt: skip
-    """One run of a slow row: healthy reference, onset, call, swap, recovery."""
+def slowed_run(
+    args: argparse.Namespace,
+    tmp: Path,
+    sharded: bool,
+    factor: float,
+    settings: Settings,
+    initial: float | None = None,
+) -> dict[str, Any]:
+    """One run of a slow row: healthy reference, onset, call, swap, recovery
+    (``initial``: the stretch applied at the onset, before it is adjusted)."""
     name = tmp.name.replace(".", "-")
     slow_file = tmp / "slow"
-    spec = lm_job(name, tmp, sharded=sharded, settings=settings, action=StragglerAction.SWAP,
-                  steps=args.max_steps, short=args.smoke, slow=slow_file)  # fmt: skip
+    spec = lm_job(
+        name,
+        tmp,
+        sharded=sharded,
+        settings=settings,
+        action=StragglerAction.SWAP,
+        steps=args.max_steps,
+        short=args.smoke,
+        slow=slow_file,
+    )
     marks: dict[str, float] = {}
     others: dict[float, str] = {}  # calls of another node, by event time
+    other_swaps: set[float] = set()  # swaps of another node, by event time
+    held: list[HeldSlowdown] = []  # the slow node, once slowed
 
     def slow_one(local: LocalRun) -> None:
         wait_step(local, args.warm_steps)
-        marks["healthy"] = time.time()
-        wait_while(local, args.healthy_seconds)
         victim, pids = last_member(local)
-        cycle = DutyCycle(pids, stopped=0.1 * stopped_share(factor))
+        plan = records.read(local.client, keys.job_plan(spec.name), Plan)
+        assert plan is not None
+        cycle = DutyCycle(pids, stopped=0.0)
+
+        def apply(k: float) -> None:
+            if args.slowdown == "stop":
+                cycle.stopped = min(cycle.period * stopped_share(k), 0.95 * cycle.period)
+            else:
+                say(slow_file, f"{victim} {k} {args.slowdown}")
+
+        slowed = HeldSlowdown(
+            local.client,
+            spec.name,
+            victim,
+            factor,
+            apply,
+            calibrate=not args.no_calibration,
+            interval=spec.fault_tolerance.heartbeat_interval.total_seconds(),
+            initial=initial,
+        )
+        held.append(slowed)
+        marks["healthy"] = time.time()
+        slowed.watch(plan)  # the healthy windows: the reference of the node's compute
+        healthy_end = time.monotonic() + args.healthy_seconds
+        while time.monotonic() < healthy_end and not ended(local):
+            slowed.poll()
+            time.sleep(0.1)
         marks["onset"] = time.time()
+        slowed.start()
         if args.slowdown == "stop":
             cycle.start()
-        else:
-            say(slow_file, f"{victim} {factor}")
         deadline = time.monotonic() + args.give_up_seconds
         try:
             while time.monotonic() < deadline and "swap" not in marks and not ended(local):
@@ -229,12 +299,16 @@ def slowed_run(args: argparse.Namespace, tmp: Path, sharded: bool, factor: float
                         marks.setdefault("call", e.time)
                     elif e.type == "Straggler":
                         others[e.time] = f"{node} at {e.time - marks['onset']:.1f}s"
-                    if e.type == "StragglerSwapped":
+                    if e.type == "StragglerSwapped" and node == victim:
                         marks["swap"] = e.time
+                    elif e.type == "StragglerSwapped":
+                        other_swaps.add(e.time)
+                if "swap" not in marks:
+                    slowed.poll()
                 time.sleep(0.1)
         finally:
+            slowed.stop()
             cycle.done.set()
-            say(slow_file, "nobody 1")  # a run without a swap: the slow node recovers
         wait_while(local, args.after_seconds)
         with contextlib.suppress(Exception):
             jobs.request_stop(local.client, spec.name)
@@ -254,22 +328,53 @@ def slowed_run(args: argparse.Namespace, tmp: Path, sharded: bool, factor: float
             back = t + args.rate_window - swap
             break
         t += 0.25
+    call = marks.get("call")
+    slowed = held[0]
+    factor_at = slowed.reached_at
+    # compute per step, the slow node's and its peers' median: healthy, and from the
+    # onset to the call (what the controller judged; to the swap or the end without one)
+    before = slowed.factor_between(marks["healthy"], onset)
+    while_slow = slowed.factor_between(onset, call or swap or end)
+    node_ratio = peers_ratio = None  # compute per step while slowed / healthy
+    if before is not None and while_slow is not None:
+        node_ratio, peers_ratio = while_slow[0] / before[0], while_slow[1] / before[1]
     out = {
         "phase": result.phase.value,
         "healthy_steps_per_s": round(healthy, 3) if healthy else None,
-        "call_s": round(marks["call"] - onset, 2) if "call" in marks else None,
-        "swap_s": round(swap - onset, 2) if swap else None,
-        "during_ratio": round(during / healthy, 3) if during and healthy else None,
-        "after_ratio": round(after / healthy, 3) if after and healthy else None,
-        "back_to_95pct_after_swap_s": round(back, 2) if back is not None else None,
+        "nominal_factor": factor,
+        "measured_factor": _round(while_slow[0] / while_slow[1] if while_slow else None, 3),
+        "healthy_factor": _round(before[0] / before[1] if before else None, 3),
+        "node_compute_ratio": _round(node_ratio, 3),
+        "peers_compute_ratio": _round(peers_ratio, 3),
+        "applied_factor": slowed.applied,
+        "factor_reached_s": _round(factor_at - onset if factor_at else None, 2),
+        "call_s": _round(call - onset if call else None, 2),
+        "call_after_factor_s": _round(call - factor_at if call and factor_at else None, 2),
+        "swap_s": _round(swap - onset if swap else None, 2),
+        "during_ratio": _round(during / healthy if during and healthy else None, 3),
+        "after_ratio": _round(after / healthy if after and healthy else None, 3),
+        "back_to_95pct_after_swap_s": _round(back, 2),
         "steps_lost": lost,
         "other_calls": len(others),
+        "other_swaps": len(other_swaps),
     }
+    trace = ", ".join(
+        f"{w.start - onset:+.1f}..{w.at - onset:+.1f}s {w.factor:.2f}x "
+        f"({w.slow.compute_s * 1e3:.0f}/"
+        f"{statistics.median(t.compute_s for t in w.peers.values()) * 1e3:.0f} ms, "
+        f"applied {w.applied:g})"
+        for w in slowed.windows
+    )
     print(
-        f"  {tmp.name}: {out}" + (f" other calls: {list(others.values())}" if others else ""),
+        f"  {tmp.name}: {out}\n    windows: {trace}"
+        + (f"\n    other calls: {list(others.values())}" if others else ""),
         flush=True,
     )
     return out
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
 
 
 def slow_row(args: argparse.Namespace, root: Path, row: str) -> dict[str, Any]:
@@ -278,21 +383,36 @@ def slow_row(args: argparse.Namespace, root: Path, row: str) -> dict[str, Any]:
     kind, factor = match.group(1), float(match.group(2))
     settings = SMOKE_SETTINGS if args.smoke else FAST if kind == "fast-settings" else DEFAULTS
     sharded = kind == "fsdp"
-    job_text = ("LM, FSDP2 (HSDP: 2 nodes x 2 workers, sharded within a node), 1 spare"
-                if sharded else "LM, DDP, 3 nodes x 1 worker, 1 spare")  # fmt: skip
+    job_text = (
+        "LM, FSDP2 (HSDP: 2 nodes x 2 workers, sharded within a node), 1 spare"
+        if sharded
+        else "LM, DDP, 3 nodes x 1 worker, 1 spare"
+    )
     said = settings.describe(StragglerAction.SWAP)
     print(f"{row}: {job_text}; {said}", flush=True)
-    runs = [slowed_run(args, root / f"{row}-{i}", sharded, factor, settings)
-            for i in range(args.repeats)]  # fmt: skip
+    runs: list[dict[str, Any]] = []
+    for i in range(args.repeats):  # each run starts with the stretch the last ended with
+        initial = runs[-1]["applied_factor"] if runs else None
+        runs.append(slowed_run(args, root / f"{row}-{i}", sharded, factor, settings, initial))
     keys_ = [k for k in runs[0] if k != "phase"]
-    out: dict[str, Any] = {"job": job_text, "settings": said, "runs": len(runs),
-                           "phases": [r["phase"] for r in runs]}  # fmt: skip
+    out: dict[str, Any] = {
+        "job": job_text,
+        "settings": said,
+        "runs": len(runs),
+        "phases": [r["phase"] for r in runs],
+    }
     for k in keys_:
         out[k] = spread([r[k] for r in runs])
     call_target = CALL_TARGET_S.get(factor)
     calls, backs = [r["call_s"] for r in runs], [r["back_to_95pct_after_swap_s"] for r in runs]
     called = [c is not None and call_target is not None and c <= call_target for c in calls]
     out["targets"] = {
+        "factor_within_pct": FACTOR_TOLERANCE_PCT,
+        "factor_met": all(
+            r["measured_factor"] is not None
+            and abs(r["measured_factor"] / factor - 1.0) * 100.0 <= FACTOR_TOLERANCE_PCT
+            for r in runs
+        ),
         "call_within_s": call_target,
         "call_met": all(called),
         "swapped_every_run": all(r["swap_s"] is not None for r in runs),
@@ -313,12 +433,23 @@ def noise_row(args: argparse.Namespace, root: Path, beside: bool) -> dict[str, A
     tmp = root / tag
     trigger = tmp / "gc-storm"
     settings = SMOKE_SETTINGS if args.smoke else DEFAULTS
-    spec = lm_job(tag, tmp, sharded=False, settings=settings, action=StragglerAction.SWAP,
-                  steps=args.max_steps, short=args.smoke, gc_storm=trigger)  # fmt: skip
+    spec = lm_job(
+        tag,
+        tmp,
+        sharded=False,
+        settings=settings,
+        action=StragglerAction.SWAP,
+        steps=args.max_steps,
+        short=args.smoke,
+        gc_storm=trigger,
+    )
     said = settings.describe(StragglerAction.SWAP)
-    print(f"{tag}: LM, DDP, 3 nodes x 1 worker, 1 spare"
-          + (", a second LM job of 2 nodes beside it" if beside else "") + f"; {said}",
-          flush=True)  # fmt: skip
+    print(
+        f"{tag}: LM, DDP, 3 nodes x 1 worker, 1 spare"
+        + (", a second LM job of 2 nodes beside it" if beside else "")
+        + f"; {said}",
+        flush=True,
+    )
     seconds = 60.0 * args.noise_minutes
     loads: list[float] = []
     noise: dict[str, Any] = {}
@@ -344,11 +475,20 @@ def noise_row(args: argparse.Namespace, root: Path, beside: bool) -> dict[str, A
     second = None
     if beside:
         other_dir = root / f"{tag}-second"
-        other = lm_job(f"{tag}-second", other_dir, sharded=False, settings=DEFAULTS,
-                       action=StragglerAction.OFF, steps=args.max_steps, short=args.smoke,
-                       nodes=2, spares=0)  # fmt: skip
-        second = LocalRun(other, printer=lambda line: None, workdir=str(other_dir),
-                          metrics_port=None)  # fmt: skip
+        other = lm_job(
+            f"{tag}-second",
+            other_dir,
+            sharded=False,
+            settings=DEFAULTS,
+            action=StragglerAction.OFF,
+            steps=args.max_steps,
+            short=args.smoke,
+            nodes=2,
+            spares=0,
+        )
+        second = LocalRun(
+            other, printer=lambda line: None, workdir=str(other_dir), metrics_port=None
+        )
     with second if second is not None else contextlib.nullcontext():
         result = run(spec, tmp, noisy)
         if second is not None:
@@ -377,10 +517,16 @@ def noise_row(args: argparse.Namespace, root: Path, beside: bool) -> dict[str, A
         "load_max": round(max(loads), 2) if loads else None,
     }
     start = min((e.time for e in evs), default=0.0)
-    said_evs = [e for e in evs if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped",
-                                             "StragglerKept")]  # fmt: skip
-    print(f"{tag}: {out}" + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}"
-                                    for e in said_evs), flush=True)  # fmt: skip
+    said_evs = [
+        e
+        for e in evs
+        if e.type in ("Straggler", "StragglerCleared", "StragglerSwapped", "StragglerKept")
+    ]
+    print(
+        f"{tag}: {out}"
+        + "".join(f"\n  {e.time - start:7.1f}s {e.type}: {e.message}" for e in said_evs),
+        flush=True,
+    )
     return out
 
 
@@ -398,8 +544,7 @@ def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for action in off_first if i % 2 == 0 else off_first[::-1]:
             name = f"overhead-{i}-{action.value}"
             tmp = root / name
-            spec = job(name, tmp, args, nodes=3, spares=0, action=action,
-                       steps=args.overhead_steps)  # fmt: skip
+            spec = job(name, tmp, args, nodes=3, spares=0, action=action, steps=args.overhead_steps)
             run(spec, tmp)
             done, _ = step_times(tmp)
             first, last = done[min(done) + 10], done[max(done)]  # past the warm-up
@@ -408,8 +553,11 @@ def overhead_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             pair[action.value] = r
             rates[action.value].append(r)
         ratios.append(pair["report"] / pair["off"])
-        print(f"overhead pair {i}: off {pair['off']:.2f}, report {pair['report']:.2f} steps/s, "
-              f"ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
+        print(
+            f"overhead pair {i}: off {pair['off']:.2f}, report {pair['report']:.2f} steps/s, "
+            f"ratio {ratios[-1]:.4f}",
+            flush=True,
+        )
     return {
         "job": f"busy loop of {args.compute:g} s CPU a step, 3 nodes, heartbeat {args.heartbeat}",
         "pairs": len(ratios),
@@ -432,10 +580,21 @@ def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for action in (StragglerAction.OFF, StragglerAction.REPORT):
             name = f"side-{i}-{action.value}"
             dirs.append(root / name)
-            specs.append(job(name, dirs[-1], args, nodes=3, spares=0, action=action,
-                             steps=args.overhead_steps))  # fmt: skip
-        runs = [LocalRun(spec, printer=lambda line: None, workdir=str(d), metrics_port=None)
-                for spec, d in zip(specs, dirs, strict=True)]  # fmt: skip
+            specs.append(
+                job(
+                    name,
+                    dirs[-1],
+                    args,
+                    nodes=3,
+                    spares=0,
+                    action=action,
+                    steps=args.overhead_steps,
+                )
+            )
+        runs = [
+            LocalRun(spec, printer=lambda line: None, workdir=str(d), metrics_port=None)
+            for spec, d in zip(specs, dirs, strict=True)
+        ]
         with runs[0], runs[1]:
             for local in runs:
                 local.wait()
@@ -446,8 +605,11 @@ def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if off is None or report is None:
             continue
         ratios.append(report / off)
-        print(f"side by side {i}: off {off:.2f}, report {report:.2f} steps/s over "
-              f"{end - start:.0f} s, ratio {ratios[-1]:.4f}", flush=True)  # fmt: skip
+        print(
+            f"side by side {i}: off {off:.2f}, report {report:.2f} steps/s over "
+            f"{end - start:.0f} s, ratio {ratios[-1]:.4f}",
+            flush=True,
+        )
     if not ratios:
         return {"pairs": 0}
     return {
@@ -460,49 +622,96 @@ def side_by_side_rows(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", nargs="*", default=["cost", *HEADLINE],
-                        help="rows to run: " + ", ".join(HEADLINE) + "; extra: "
-                        "fast-settings-1.5x, fast-settings-3x, overhead, side_by_side, "
-                        "link (any ddp-/fsdp-/fast-settings-<factor>x)")  # fmt: skip
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        default=["cost", *HEADLINE],
+        help="rows to run: " + ", ".join(HEADLINE) + "; extra: "
+        "fast-settings-1.5x, fast-settings-3x, overhead, side_by_side, "
+        "link (any ddp-/fsdp-/fast-settings-<factor>x)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each slow row")
-    parser.add_argument("--warm-steps", type=int, default=20,
-                        help="steps trained before the healthy reference starts")  # fmt: skip
-    parser.add_argument("--healthy-seconds", type=float, default=30.0,
-                        help="healthy training before the onset: the reference rate")  # fmt: skip
-    parser.add_argument("--after-seconds", type=float, default=45.0,
-                        help="training after the swap before the job is stopped")  # fmt: skip
-    parser.add_argument("--give-up-seconds", type=float, default=150.0,
-                        help="no swap this long after the onset: the run goes on")  # fmt: skip
-    parser.add_argument("--rate-window", type=float, default=5.0,
-                        help="seconds of the windows the recovery's rate is read over")  # fmt: skip
-    parser.add_argument("--max-steps", type=int, default=1_000_000,
-                        help="the LM jobs' max_steps (a long job: stopped by the row)")  # fmt: skip
-    parser.add_argument("--slowdown", choices=["work", "stop"], default="work",
-                        help="work: the slow node's steps do FACTOR times the CPU work; stop: "
-                        "its workers SIGSTOPped 1 - 1/FACTOR of every 100 ms")  # fmt: skip
+    parser.add_argument(
+        "--warm-steps",
+        type=int,
+        default=20,
+        help="steps trained before the healthy reference starts",
+    )
+    parser.add_argument(
+        "--healthy-seconds",
+        type=float,
+        default=30.0,
+        help="healthy training before the onset: the reference rate",
+    )
+    parser.add_argument(
+        "--after-seconds",
+        type=float,
+        default=45.0,
+        help="training after the swap before the job is stopped",
+    )
+    parser.add_argument(
+        "--give-up-seconds",
+        type=float,
+        default=150.0,
+        help="no swap this long after the onset: the run goes on",
+    )
+    parser.add_argument(
+        "--rate-window",
+        type=float,
+        default=5.0,
+        help="seconds of the windows the recovery's rate is read over",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=1_000_000,
+        help="the LM jobs' max_steps (a long job: stopped by the row)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        choices=["stall", "work", "stop"],
+        default="stall",
+        help="stall: the slow node's steps wait (sleep) FACTOR - 1 times what "
+        "they took; work: they spin that much more CPU; stop: its workers "
+        "SIGSTOPped 1 - 1/FACTOR of every 100 ms",
+    )
+    parser.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="apply the nominal factor as it is (the slow node's measured "
+        "factor is still reported); by default what is applied is adjusted "
+        "until the measured factor is the nominal one",
+    )
     parser.add_argument("--noise-minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1, help="the noise rows' bursts and pauses")
-    parser.add_argument("--compute", type=float, default=0.05,
-                        help="extra rows' busy-loop job: CPU seconds per step")  # fmt: skip
+    parser.add_argument(
+        "--compute",
+        type=float,
+        default=0.05,
+        help="extra rows' busy-loop job: CPU seconds per step",
+    )
     parser.add_argument("--steps", type=int, default=400, help="the link row's steps")
     parser.add_argument("--onset", type=int, default=80, help="the link row's onset step")
     parser.add_argument("--heartbeat", default="1s", help="extra rows' heartbeat_interval")
     parser.add_argument("--overhead-pairs", type=int, default=6, help="pairs of off/report runs")
     parser.add_argument("--overhead-steps", type=int, default=250, help="steps of each such run")
     parser.add_argument("--link-rate", default="100mbit", help="the link row's tbf rate")
-    parser.add_argument("--link-width", type=int, default=512,
-                        help="the link row's model: width x width parameters")  # fmt: skip
+    parser.add_argument(
+        "--link-width", type=int, default=512, help="the link row's model: width x width parameters"
+    )
     args = parse(parser, SMOKE)
     for row in args.rows:
         known = {"cost", "overhead", "side_by_side", "link", *HEADLINE}
         if row not in known and not SLOW_ROW.match(row):
-            parser.error(f"--rows: unknown row {row!r}; rows: {', '.join(sorted(known))} "
-                         f"or ddp-/fsdp-/fast-settings-<factor>x, e.g. ddp-2x")  # fmt: skip
+            parser.error(
+                f"--rows: unknown row {row!r}; rows: {', '.join(sorted(known))} "
+                f"or ddp-/fsdp-/fast-settings-<factor>x, e.g. ddp-2x"
+            )
     figures: dict[str, Any] = {
         "machine_cores": os.cpu_count(),
         "settings_note": "headline rows: the job file's defaults but stragglers.action swap "
-                         "(the default action is report); extra rows name their settings",
-    }  # fmt: skip
+        "(the default action is report); extra rows name their settings",
+    }
     with tempfile.TemporaryDirectory(prefix="ringmaster-stragglers-") as d:
         root = Path(d)
         for row in args.rows:
@@ -528,13 +737,15 @@ def main() -> None:
             print(f"({row}: {time.monotonic() - started:.0f} s)", flush=True)
     figures["units"] = {
         "*_s": "seconds (call_s, swap_s: from the onset; back_to_95pct_after_swap_s: from "
-               "the swap to the end of the first window at 95 % of the healthy rate)",
+        "the swap to the end of the first window at 95 % of the healthy rate)",
         "*_ratio": "step rate / the same run's healthy step rate",
+        "*_factor": "the slow node's compute time per step / the median of its peers' "
+        "(applied_factor: the stretch k applied last, see --slowdown)",
         "healthy_steps_per_s": "steps per second",
         "median/min/max": "over the row's repeats",
         "overhead_pct": "percent of the step rate",
         "load_*": "1-minute load average",
-    }  # fmt: skip
+    }
     print(result_line(figures, args.smoke))
 
 

@@ -19,6 +19,14 @@ step after its group formed is not timed, and a window whose worker changed
 generation is not judged), a window with too few steps.  A node called a
 straggler is called again only after it has been back under the threshold
 for ``windows`` windows (it is then reported as recovered).
+
+A window closes every heartbeat interval.  A worker that timed fewer than
+:data:`MIN_STEPS` steps in it (its steps take longer than a third of the
+interval: a long step, or a node slowed that far) is judged over as many
+intervals back as its last :data:`MIN_STEPS` steps took (up to
+:data:`REACH_BACK`), so a job is judged every interval whatever its step
+time; what a slow node costs the job is counted over the steps new in the
+window only (:attr:`NodeTiming.new_steps`), never twice.
 """
 
 from __future__ import annotations
@@ -31,10 +39,20 @@ from orchestrator.spec.job import StragglerSpec
 from orchestrator.state import keys
 from orchestrator.state.records import Plan, ProgressRecord, Telemetry
 
-__all__ = ["MIN_STEPS", "NodeTiming", "Straggler", "StragglerWatch", "node_timings"]
+__all__ = [
+    "MIN_STEPS",
+    "REACH_BACK",
+    "NodeTiming",
+    "Straggler",
+    "StragglerWatch",
+    "node_timings",
+    "window_starts",
+]
 
 #: Steps a worker must have timed in a window for the window to say anything of it.
 MIN_STEPS = 3
+#: Heartbeat intervals a window reaches back at most for a worker's :data:`MIN_STEPS`.
+REACH_BACK = 10
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,13 @@ class NodeTiming:
     compute_s: float
     wait_s: float
     steps: int
+    #: steps new since the previous window (None: all of ``steps``; fewer when the
+    #: window reached back for :data:`MIN_STEPS`)
+    new: int | None = None
+
+    @property
+    def new_steps(self) -> int:
+        return self.steps if self.new is None else self.new
 
 
 @dataclass(frozen=True)
@@ -84,9 +109,16 @@ class Straggler:
 
 
 def node_timings(
-    before: dict[str, Telemetry], progress: dict[str, ProgressRecord], plan: Plan
+    before: dict[str, Telemetry],
+    progress: dict[str, ProgressRecord],
+    plan: Plan,
+    latest: dict[str, Telemetry] | None = None,
 ) -> dict[str, NodeTiming] | None:
     """Each member's timing over the window from ``before`` to ``progress``.
+
+    Args:
+        latest: the previous window's end, where ``before`` reaches further back:
+            the steps since it are the window's new ones (:attr:`NodeTiming.new`).
 
     Returns:
         The nodes with enough timed steps (:data:`MIN_STEPS`), or None when the
@@ -108,13 +140,42 @@ def node_timings(
             steps = now.timed_steps - old.timed_steps
             if steps < MIN_STEPS:
                 continue
+            last = latest.get(w) if latest is not None else None
+            new = None
+            if last is not None and last.generation == now.generation:
+                new = max(now.timed_steps - last.timed_steps, 0)
             timing = NodeTiming(
-                (now.compute_s - old.compute_s) / steps, (now.wait_s - old.wait_s) / steps, steps
+                (now.compute_s - old.compute_s) / steps,
+                (now.wait_s - old.wait_s) / steps,
+                steps,
+                new,
             )
             if slowest is None or timing.compute_s > slowest.compute_s:
                 slowest = timing
         if slowest is not None:
             out[m.node] = slowest
+    return out
+
+
+def window_starts(
+    history: list[dict[str, Telemetry]], progress: dict[str, ProgressRecord]
+) -> dict[str, Telemetry]:
+    """Where each worker's window starts: the latest of the past windows' ends
+    (``history``, oldest first) it has timed :data:`MIN_STEPS` steps since, in its
+    generation and with no save between; the last window's end when none has."""
+    out = dict(history[-1])
+    for w, p in progress.items():
+        now = p.telemetry
+        saved = (now.checkpoint_blocking_s, now.checkpoint_upload_s)
+        for past in reversed(history):
+            old = past.get(w)
+            if old is None or old.generation != now.generation or now.timed_steps < old.timed_steps:
+                break
+            if (old.checkpoint_blocking_s, old.checkpoint_upload_s) != saved:
+                break  # a save between: not reached back over
+            if now.timed_steps - old.timed_steps >= MIN_STEPS:
+                out[w] = old
+                break
     return out
 
 
@@ -148,7 +209,8 @@ class StragglerWatch:
     links: LinkWatch = field(init=False)
     #: the last window asks the agents to measure their links
     probe_wanted: bool = False
-    _before: dict[str, Telemetry] = field(default_factory=dict)
+    #: the ends of the last :data:`REACH_BACK` windows (each worker's totals), oldest first
+    _history: list[dict[str, Telemetry]] = field(default_factory=list)
     _window_at: float | None = None
     _generation: int = 0
 
@@ -161,18 +223,22 @@ class StragglerWatch:
         """Close a window when one is due (every :attr:`window_s` of ``mono``) and judge
         it: the nodes newly called stragglers and those cleared (see :meth:`judge`)."""
         if plan.generation != self._generation:  # a new group: its timings start over
-            self._generation, self._before, self._window_at = plan.generation, {}, None
+            self._generation, self._history, self._window_at = plan.generation, [], None
             self.forget(set(self.slowdowns) - {m.node for m in plan.members})
         if self._window_at is not None and mono - self._window_at < self.window_s:
             return [], []
-        before, self._before = self._before, {w: p.telemetry for w, p in progress.items()}
+        history = self._history
+        self._history = [*history, {w: p.telemetry for w, p in progress.items()}][-REACH_BACK:]
         self._window_at = mono
-        timings = node_timings(before, progress, plan) if before else None
+        timings = None
+        if history:
+            before = window_starts(history, progress)
+            timings = node_timings(before, progress, plan, latest=history[-1])
         if not timings:
             return [], []
         self.timings = timings
         called, cleared = self.judge(timings)
-        per_step = {n: (t.compute_s, t.wait_s, t.steps) for n, t in timings.items()}
+        per_step = {n: (t.compute_s, t.wait_s, t.new_steps) for n, t in timings.items()}
         self.probe_wanted, cost, ended = self.links.window(plan.generation, per_step, mono)
         slow_link = next((n for n, s in self.flagged.items() if s.cause == "link"), None)
         if slow_link is not None and ended:
@@ -229,7 +295,7 @@ class StragglerWatch:
             self.slowdowns[node] = round(slowdown, 3)
             slow = slowdown >= self.spec.threshold
             if slow or node in self.flagged:
-                excess = max(mine.compute_s - median, 0.0) * mine.steps
+                excess = max(mine.compute_s - median, 0.0) * mine.new_steps
                 self.lost[node] = self.lost.get(node, 0.0) + excess
             else:
                 self.lost.pop(node, None)

@@ -11,7 +11,7 @@ quarantined, and the job finishes with every step applied exactly once and the s
 parameters as a run without the slowdown (computed: :mod:`tests.chaos.tiny_by_hand`).
 No other straggler call is made in the whole run: not before the slowdown, not on
 the healthy node, not after the swap.  The sharded job's steps are timed from FSDP2's
-own collectives (:mod:`agents.runtime.sharded_timing`): without them it would never
+own collectives (:mod:`agents.state.sharded_timing`): without them it would never
 be called.
 """
 

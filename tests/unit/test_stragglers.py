@@ -15,7 +15,12 @@ import pytest
 
 from agents.runtime.step_timing import StepTiming
 from agents.runtime.telemetry import WorkerTelemetry
-from orchestrator.controller.stragglers import NodeTiming, StragglerWatch, node_timings
+from orchestrator.controller.stragglers import (
+    NodeTiming,
+    StragglerWatch,
+    node_timings,
+    window_starts,
+)
 from orchestrator.spec.job import StragglerSpec
 from orchestrator.state.records import Member, Plan, ProgressRecord, Telemetry
 
@@ -162,6 +167,63 @@ def what_a_slow_node_costs_is_summed_from_its_first_slow_window() -> None:
     assert watch.flagged == {} and watch.lost == {}  # cleared: its cost is forgotten
 
 
+def _tick(
+    watch: StragglerWatch, beats: Beats, step_s: dict[str, float], steps: int, at: list[float]
+) -> tuple[list, list[str]]:
+    """One heartbeat interval of ``steps`` steps, then the controller's tick."""
+    beats.window(step_s, steps=steps)
+    at[0] += watch.window_s
+    return watch.tick(PLAN, beats.progress(), at[0])
+
+
+def a_job_of_long_steps_is_judged_every_window() -> None:
+    # 1 step per 2 s window: each window reaches back to the last 3 steps
+    watch, beats, at = StragglerWatch(StragglerSpec(threshold=1.2, windows=5)), Beats(), [0.0]
+    healthy, slow = {"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 3.0}
+    for _ in range(6):
+        assert _tick(watch, beats, healthy, 1, at) == ([], [])
+    assert watch.timings["c"].steps == 3 and watch.timings["c"].new_steps == 1
+    verdicts = [_tick(watch, beats, slow, 1, at) for _ in range(5)]
+    assert [v[0] for v in verdicts[:4]] == [[], [], [], []]
+    (called,) = verdicts[4][0]  # the fifth window in a row above the threshold
+    assert called.node == "c" and called.slowdown == pytest.approx(3.0)
+    # what it cost the job, counted over each window's new step only (at most 2 s a
+    # step; less while its window still held healthy steps): never twice
+    assert 6.0 < watch.lost["c"] <= 10.0
+
+
+def a_window_reaches_back_neither_over_a_save_nor_into_another_generation() -> None:
+    def ends(steps: int, saved: float | None = None, generation: int = 1) -> Telemetry:
+        return Telemetry(generation=generation, timed_steps=steps, checkpoint_blocking_s=saved)
+
+    history = [
+        {"a-0": ends(10), "b-0": ends(10), "c-0": ends(10)},
+        {"a-0": ends(11), "b-0": ends(11), "c-0": ends(11)},
+        {"a-0": ends(12, saved=0.3), "b-0": ends(12), "c-0": ends(0, generation=2)},
+    ]
+    now = {"a-0": ends(13, saved=0.3), "b-0": ends(13), "c-0": ends(1, generation=2)}
+    progress = {
+        w: ProgressRecord(
+            step=0,
+            generation=t.generation,
+            rank=0,
+            world_size=3,
+            pid=1,
+            beat=0.0,
+            step_time=0.0,
+            telemetry=t,
+        )
+        for w, t in now.items()
+    }
+    starts = window_starts(history, progress)
+    assert starts["b-0"].timed_steps == 10  # 3 steps back
+    assert starts["a-0"].timed_steps == 12  # not over its save: 1 step, not judged
+    assert starts["c-0"].generation == 2  # not into the last generation
+    assert node_timings(starts, progress, PLAN, latest=history[-1]) == {
+        "b": NodeTiming(0.0, 0.0, 3, 1)
+    }
+
+
 SCENARIOS: list[Callable[[], None]] = [
     a_slow_node_is_called_after_its_windows,
     noisy_but_healthy_is_never_called,
@@ -172,6 +234,8 @@ SCENARIOS: list[Callable[[], None]] = [
     one_node_with_timings_has_no_peers,
     two_nodes_the_slower_is_called,
     what_a_slow_node_costs_is_summed_from_its_first_slow_window,
+    a_job_of_long_steps_is_judged_every_window,
+    a_window_reaches_back_neither_over_a_save_nor_into_another_generation,
 ]
 
 

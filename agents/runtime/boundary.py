@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from agents.state.sharded_timing import CollectiveTiming
     from checkpoint.triggers import SaveTrigger
     from orchestrator.state.records import ControlRecord
 
@@ -123,11 +124,19 @@ class Agreement:
         return self.checkpoint_requested > self.checkpoint_served
 
 
-def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
+def agree(
+    mine: Proposal,
+    group: dist.ProcessGroup | None = None,
+    timing: CollectiveTiming | None = None,
+) -> Agreement:
     """All-reduce ``mine`` with every rank's (a collective: every rank calls it).
 
     ``group`` is the generation's gloo control group under NCCL, so the
-    boundary never waits on the GPU stream (None: the default group).
+    boundary never waits on the GPU stream (None: the default group).  The
+    all-reduce waits for the slowest rank to reach the boundary: with
+    ``timing`` (the worker's step timing) that wait is counted as one, not as
+    compute (a rank slow after its last gradient bucket, in its optimizer step
+    say, is waited for here, and untimed its peers would look as slow as it).
     """
     vec = torch.zeros(_LEN, dtype=torch.int64)
     vec[_GENERATION] = mine.generation
@@ -138,7 +147,10 @@ def agree(mine: Proposal, group: dist.ProcessGroup | None = None) -> Agreement:
     vec[_SAVE_DUE] = int(mine.save_due_by_time)
     vec[_NEG_EVERY] = -max(1, mine.every)  # MAX of the negatives: the fewest steps
     vec[_UNSETTLED] = int(mine.save_unsettled)
+    started = timing.collective_started() if timing is not None else None
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    if timing is not None:
+        timing.collective_ended(started)
     return Agreement(
         generation=int(vec[_GENERATION]),
         checkpoint_requested=int(vec[_CHECKPOINT]),

@@ -522,7 +522,8 @@ class Session:
             save_unsettled=self._saving.unsettled(),
         )
         with self._failures.collective():
-            return agree(mine, group=self._groups.control if self._groups is not None else None)
+            control = self._groups.control if self._groups is not None else None
+            return agree(mine, group=control, timing=self._failures.timing)
 
     # -- the end -----------------------------------------------------------------------
 

@@ -14,6 +14,11 @@ where the peers wait for a slow rank, not at the last gradient bucket.  That
 broadcast counts as a wait.  Untimed, it counted as compute on every rank and
 a slow rank computed as long as its peers: the straggler benchmark's LM node
 held 3x slower measured 1.0x and was never called.
+
+A rank slow after its last gradient bucket (in its optimizer step, say) is
+waited for at the next collective every rank meets: the step boundary's vote
+(:func:`agents.runtime.boundary.agree`, here after every step).  That wait
+counts too.
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _train(rank: int, world: int, buffers: bool) -> dict[str, Any]:
+def _train(rank: int, world: int, buffers: bool, slow_after: bool) -> dict[str, Any]:
     from torch import nn
 
+    from agents.runtime.boundary import Proposal, agree
     from agents.runtime.elastic_ddp import ElasticDDP
     from agents.runtime.failures import CollectiveFailures
     from agents.runtime.step_timing import StepTiming
@@ -64,10 +70,14 @@ def _train(rank: int, world: int, buffers: bool) -> dict[str, Any]:
             timing.steps = 0
             timing.step_done()  # the clock starts
         opt.zero_grad()
-        if rank == world - 1:
+        if rank == world - 1 and not slow_after:
             _spin(SLOW_S)
         model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
         opt.step()
+        if slow_after:
+            if rank == world - 1:
+                _spin(SLOW_S)
+            agree(Proposal(0, 0, 0, False, False, False), timing=timing)
         timing.step_done()
     model.drop()
     return {
@@ -78,9 +88,15 @@ def _train(rank: int, world: int, buffers: bool) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("buffers", [True, False], ids=["buffers", "no-buffers"])
-def test_the_slow_rank_of_a_ddp_model_computes_longer_its_peer_waits(buffers: bool) -> None:
-    results = run_gloo(_train, 2, buffers, timeout=150)
+@pytest.mark.parametrize(
+    ("buffers", "slow_after"),
+    [(True, False), (False, False), (False, True)],
+    ids=["buffers", "no-buffers", "slow-after-the-gradients-then-a-vote"],
+)
+def test_the_slow_rank_of_a_ddp_model_computes_longer_its_peer_waits(
+    buffers: bool, slow_after: bool
+) -> None:
+    results = run_gloo(_train, 2, buffers, slow_after, timeout=150)
     slow, healthy = results[-1], results[0]
     assert (slow["buffers"] > 0) == buffers, slow
     assert all(r["steps"] == STEPS for r in results), [r["steps"] for r in results]

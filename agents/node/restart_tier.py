@@ -10,7 +10,7 @@ torchrun script.  :class:`RestartTier` runs it for a
   (the stop sequence of their process groups: SIGTERM, :data:`STOP_GRACE`,
   SIGKILL, so nothing a worker started outlives it) and launches new ones from the
   standbys with torchrun's environment for that generation
-  (:func:`torchrun_env`), then starts fresh standbys in the background;
+  (:func:`agents.node.torchrun_env.torchrun_env`), then starts fresh standbys in the background;
 * ``MASTER_ADDR``/``MASTER_PORT``: the agent of the generation's rank-0 node
   picks a free port on its address, launches rank 0 (whose worker hosts the
   TCPStore there through ``env://``), publishes the address once that port
@@ -44,36 +44,29 @@ import contextlib
 import logging
 import time
 
-from agents.api import ENV_RECOVERY, RECOVERY_RESTART
 from agents.node.api import Outcome, PlanSource, TierSetup
 from agents.node.break_reports import write_node_reports
 from agents.node.store_address import AwaitedStore, PendingStore
+from agents.node.torchrun_env import torchrun_env
 from agents.node.warm_standby import WarmWorker
 from agents.node.worker_exits import emit_worker_exited
 from agents.node.worker_process import WorkerProcess, stop_workers
 from orchestrator.api import EtcdError
-from orchestrator.checkpoint_root.reach import script_checkpoint_dir
+from orchestrator.checkpoint_root.reach import ENV_CHECKPOINT_DIR, script_checkpoint_dir
 from orchestrator.process_lifetime import free_port
 from orchestrator.state import events, keys, records
 from orchestrator.state.records import BreakReport, DoneRecord, Member, Plan
 
 __all__ = [
-    "ENV_CHECKPOINT_DIR",
     "FIRST_OUTPUT_WAIT",
     "RETURNED_GRACE",
     "RestartTier",
     "first_progress",
     "refill_delay",
-    "torchrun_env",
 ]
 
 log = logging.getLogger("ringmaster.agent")
 
-#: Where the script keeps its own checkpoints
-#: (:func:`orchestrator.checkpoint_root.reach.script_checkpoint_dir`).
-ENV_CHECKPOINT_DIR = "RINGMASTER_CHECKPOINT_DIR"
-#: torchrun's default role name.
-ROLE_NAME = "default"
 #: Seconds a worker gets between SIGTERM and SIGKILL when its generation ends.
 STOP_GRACE = 1.0
 #: Seconds the workers get between SIGTERM and SIGKILL when the agent leaves.
@@ -93,47 +86,6 @@ RETURNED_GRACE = 30.0
 #: Seconds after a launch the agent waits for a line of output from its new workers
 #: before it reports the generation's progress as not told by the script.
 FIRST_OUTPUT_WAIT = 30.0
-
-
-def torchrun_env(
-    *,
-    job: str,
-    plan: Plan,
-    member: Member,
-    local_rank: int,
-    master: tuple[str, int],
-    max_restarts: int,
-    error_file: str,
-) -> dict[str, str]:
-    """The variables torchrun gives a worker, for one generation.
-
-    Ranks follow the plan: ``member``'s workers take ``rank_base + local_rank``;
-    ``GROUP_RANK`` is the member's place in the plan.  The restart count is
-    the generation's (every new generation restarts every worker), so it is
-    the same on every rank, a spare's included.
-    """
-    rank = member.rank_base + local_rank
-    world = plan.world_size
-    group_rank = next(i for i, m in enumerate(plan.members) if m.node == member.node)
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "GROUP_RANK": str(group_rank),
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": ROLE_NAME,
-        "ROLE_WORLD_SIZE": str(world),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(member.nproc),
-        "GROUP_WORLD_SIZE": str(len(plan.members)),
-        "MASTER_ADDR": master[0],
-        "MASTER_PORT": str(master[1]),
-        "TORCHELASTIC_RUN_ID": job,
-        "TORCHELASTIC_RESTART_COUNT": str(max(plan.generation - 1, 0)),
-        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_ERROR_FILE": error_file,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        ENV_RECOVERY: RECOVERY_RESTART,
-    }
 
 
 class RestartTier:

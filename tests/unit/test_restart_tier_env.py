@@ -15,9 +15,9 @@ from agents.node.restart_tier import (
     REFILL_DELAY,
     first_progress,
     refill_delay,
-    torchrun_env,
 )
 from agents.node.store_address import listening
+from agents.node.torchrun_env import torchrun_env
 from orchestrator.checkpoint_root.reach import script_checkpoint_dir
 from orchestrator.controller.job import launched
 from orchestrator.spec.job import CheckpointSpec, EntrypointSpec, JobSpec

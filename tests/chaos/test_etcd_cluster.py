@@ -50,6 +50,7 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7), f"{k} differs"
 
 
+@pytest.mark.long  # short form: the soak's etcd-restart (chaos/test_soak.py)
 def test_one_member_killed_training_goes_on(
     tmp_path: Path, cluster: EtcdCluster, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -132,6 +132,7 @@ def _all_applied(tmp: Path, workers: int, step: int) -> bool:
     return len(logs) == workers and all(step in seq for seq in logs.values())
 
 
+@pytest.mark.long  # short form: the soak's worker-hang (chaos/test_soak.py)
 def test_sigstop_worker_hang_is_detected_and_recovered(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
@@ -152,6 +153,7 @@ def test_sigstop_worker_hang_is_detected_and_recovered(
     assert_same_params(torch.load(tmp_path / "final.pt"), reference)
 
 
+@pytest.mark.long  # short form: the soak's controller-kill (chaos/test_soak.py)
 def test_sigkill_leader_controller_standby_takes_over(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
@@ -195,6 +197,7 @@ def _wait_for_worker_at_step(run, step: int, timeout: float = 90) -> int:  # typ
     raise AssertionError(f"job did not reach step {step} in {timeout}s")
 
 
+@pytest.mark.long  # short form: the soak's preemption (chaos/test_soak.py)
 def test_sigterm_node_saves_within_grace_then_spare_takes_over(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -59,6 +59,7 @@ def cartpole_job(name: str, tmp: Path, spares: int) -> JobSpec:
     )
 
 
+@pytest.mark.long  # short form: the flagship LM's node kill (integration/test_flagship_example.py)
 def test_cartpole_policy_survives_a_node_kill_unchanged(tmp_path: Path) -> None:
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
     ref_dir.mkdir()

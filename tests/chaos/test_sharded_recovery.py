@@ -200,7 +200,12 @@ def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
 
 @pytest.mark.parametrize(
     ("sharding", "mesh", "optimizer"),
-    [("hsdp", None, "sgd"), ("mesh", "tensor=2", "adam"), ("mesh", "pipeline=2", "adam")],
+    [
+        ("hsdp", None, "sgd"),
+        # short form of tensor twins: the tensor-parallel tests above
+        pytest.param("mesh", "tensor=2", "adam", marks=pytest.mark.long),
+        ("mesh", "pipeline=2", "adam"),
+    ],
 )
 def test_slices_come_from_twins(
     tmp_path: Path, sharding: str, mesh: str | None, optimizer: str

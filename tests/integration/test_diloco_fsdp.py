@@ -75,6 +75,8 @@ def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(tmp_path: Path) -> None
     assert_same_params(assembled(tmp_path / "out"), hand.final())
 
 
+# short form: test_diloco.py's site lost whole; a site's slices: the buddy test below
+@pytest.mark.long
 def test_a_site_whose_node_dies_comes_back_from_the_global_model(tmp_path: Path) -> None:
     lines: list[str] = []
     spec = fsdp_sites_job(
@@ -240,6 +242,7 @@ def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(
     assert_same_params(assembled(tmp_path / "out"), want)
 
 
+@pytest.mark.long  # short form: test_diloco.py's checkpoint resumed on another world size
 def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path: Path) -> None:
     """Two sites of two ranks save at step 20 (after its outer step): the first site's
     ranks write the model's slices, every rank its slice's outer state.  The same

@@ -86,6 +86,8 @@ def test_lm_example_ends_with_the_same_loss_after_a_node_kill(tmp_path: Path) ->
         assert mine["tokens"] == theirs["tokens"] and mine["step"] == STEPS
 
 
+# short form: the LM's node kill above; tensor parallel: chaos/test_sharded_recovery.py
+@pytest.mark.long
 def test_tensor_parallel_lm_ends_with_the_same_loss_after_a_node_kill(tmp_path: Path) -> None:
     """examples/lm_mesh.yaml: 2 replicas x tensor 2; the killed node's slices come from
     its twins and the run ends with the uninterrupted run's losses."""

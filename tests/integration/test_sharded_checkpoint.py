@@ -26,6 +26,7 @@ def _close(a: Any, b: Any) -> bool:
     return abs(float(a) - float(b)) <= 1e-6 * (1 + abs(float(a)))
 
 
+@pytest.mark.long  # short form: the mesh checkpoints resumed across layouts below
 def test_fsdp_checkpoint_resumes_on_three_ranks_into_ddp_and_hsdp(
     gloo: Any, tmp_path: Path
 ) -> None:
@@ -40,6 +41,7 @@ def test_fsdp_checkpoint_resumes_on_three_ranks_into_ddp_and_hsdp(
             assert _close(out["state"], saved[0]["state"]), f"{mode} rank {r} of {world} differs"
 
 
+@pytest.mark.long  # short form: the mesh checkpoints resumed across layouts below
 def test_hsdp_and_ddp_checkpoints_resume_sharded(gloo: Any, tmp_path: Path) -> None:
     hsdp = f"file://{tmp_path}/hsdp"
     saved = gloo(train_and_save, 4, hsdp, "hsdp")

@@ -16,6 +16,13 @@ spare available; whatever a fault used up (a
 node, a controller) is replaced by a fresh process, as a cluster would.  The
 seed and the schedule are printed, so a failing run can be replayed with
 ``RINGMASTER_SOAK_SEED``.
+
+The job has a fixed length, and on a loaded machine faults go in later than
+planned (each waits for the last one's repair while the job trains on).  So the
+workers hold before a step near the end (``--hold-at``) until every fault has
+gone in (the injector then writes the go-file); a held job makes no progress, so
+there the progress rule is dropped.  ``upload-kill`` needs an upload in flight,
+which a held job never has: it is always the first fault.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ def plan_faults(seed: int, count: int, first_step: int, gap: int) -> list[Fault]
     while len(kinds) < count:
         kinds.append(rng.choice(KINDS))
     rng.shuffle(kinds)
+    kinds.remove("upload-kill")  # first: it needs uploads, which a held job has none of
+    kinds.insert(0, "upload-kill")
     return [Fault(kind, first_step + i * gap) for i, kind in enumerate(kinds)]
 
 
@@ -82,6 +91,9 @@ class Injector:
     checkpoint_dir: Path
     rng: random.Random
     cluster: EtcdCluster
+    #: the step the workers hold before until ``go_file`` exists
+    hold_at: int
+    go_file: Path
     done: list[Fault] = field(default_factory=list)
     _nodes_started: int = 0
     _controllers_started: int = 0
@@ -101,6 +113,8 @@ class Injector:
             self.cluster.restart(self._etcd_down[0])
             self.run.print(f"[soak] etcd member {self._etcd_down[0]} restarted")
             self._etcd_down = None
+        if not self.pending:
+            self.release()
         if not self.pending or self._etcd_down is not None:
             return
         fault = self.pending[0]
@@ -110,9 +124,10 @@ class Injector:
         if status is None or status.phase is not JobPhase.RUNNING or status.step < fault.at_step:
             return
         last = self.done[-1] if self.done else None
+        held = status.step >= self.hold_at - 1
         if last is not None and (
             status.updated_at < last.injected_at + 0.5  # no news since the last fault
-            or status.step < last.injected_step + MIN_GAP
+            or (status.step < last.injected_step + MIN_GAP and not held)
         ):
             return
         if not status.spare_nodes or len(status.active_nodes) < self.run.spec.nodes.max:
@@ -126,6 +141,10 @@ class Injector:
         self._inject(fault, active)
         self.done.append(fault)
         self.run.print(f"[soak] injected {fault}")
+
+    def release(self) -> None:
+        """Let held workers go on (every fault is in, or the test gives up)."""
+        self.go_file.touch()
 
     def _upload_in_flight(self) -> bool:
         """A checkpoint directory without a manifest appeared since the last look."""

@@ -41,6 +41,7 @@ FAULTS = int(os.environ.get("RINGMASTER_SOAK_FAULTS", str(len(KINDS))))
 SEED = int(os.environ.get("RINGMASTER_SOAK_SEED", "0")) or random.SystemRandom().randrange(1, 10**6)
 FIRST, GAP, CKPT_EVERY = 20, 60, 30
 STEPS = FIRST + FAULTS * GAP + 150  # room for faults that wait for a warm spare
+HOLD_AT = STEPS - 40  # the workers wait there until every fault is in (tests/chaos/soak.py)
 
 
 def soak_job(name: str, tmp: Path) -> JobSpec:
@@ -59,6 +60,10 @@ def soak_job(name: str, tmp: Path) -> JobSpec:
                     str(tmp / "final.pt"),
                     "--step-log",
                     str(tmp / "steps"),
+                    "--hold-at",
+                    str(HOLD_AT),
+                    "--go-file",
+                    str(tmp / "go"),
                 ],
                 "env": {"RINGMASTER_LOG_EVERY": "1000", "RINGMASTER_TEST_SLOW_WRITE_S": "0.4"},
             },
@@ -92,7 +97,9 @@ def test_soak_every_fault_kind_nothing_lost(tmp_path: Path) -> None:
         EtcdCluster(3) as cluster,
         quiet_run(spec, lines, controllers=2, etcd=EtcdOptions(cluster.endpoints)) as run,
     ):
-        injector = Injector(run, faults, run_dir / "ckpt", random.Random(SEED), cluster)
+        injector = Injector(
+            run, faults, run_dir / "ckpt", random.Random(SEED), cluster, HOLD_AT, run_dir / "go"
+        )
         client = run._client
         assert client is not None
         deadline = time.monotonic() + 780
@@ -102,6 +109,7 @@ def test_soak_every_fault_kind_nothing_lost(tmp_path: Path) -> None:
             if status is not None and status.phase.terminal:
                 break
             time.sleep(0.1)
+        injector.release()  # (given up: the asserts below say which fault never went in)
         result = run.wait()
     report = f"seed {SEED}; injected: {', '.join(map(str, injector.done))}"
     assert result.phase is JobPhase.SUCCEEDED, report + "\n" + summary(result, lines)

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+# a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
+pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE_GB = 0.02

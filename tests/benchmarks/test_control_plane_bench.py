@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+# a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
+pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 NODES, WORKERS = 50, 8

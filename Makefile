@@ -47,8 +47,8 @@ unit: $(STAMP)
 # the edit loop: lint, types, import contracts and the unit tests (no services)
 check: lint typecheck unit
 
-chaos: $(STAMP) slurm  # the long soak (12 faults of every kind in one run) and the `long` variants
-	RINGMASTER_SOAK_FAULTS=12 $(PY) -m pytest -m 'chaos or long' $(PYTEST_ARGS)
+chaos: $(STAMP) slurm  # the long soak (12 faults of every kind in one run), 10 fault-free runs, the `long` variants
+	RINGMASTER_SOAK_FAULTS=12 RINGMASTER_FAULT_FREE_RUNS=10 $(PY) -m pytest -m 'chaos or long' $(PYTEST_ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 

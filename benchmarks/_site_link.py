@@ -93,8 +93,8 @@ class SiteLink:
                 node = IsolatedNode(f"site{name}").create()
                 self.sites.append(Site(name, node, f"wan{name}{tag}"[:15], f"{subnet}.{i + 1}"))
             a, b = self.sites
-            _sh("ip", "link", "add", a.wan_if, "netns", a.node.namespace, "type", "veth",
-                "peer", "name", b.wan_if, "netns", b.node.namespace)  # fmt: skip
+            veth = ["type", "veth", "peer", "name", b.wan_if, "netns", b.node.namespace]
+            _sh("ip", "link", "add", a.wan_if, "netns", a.node.namespace, *veth)
             for site in self.sites:
                 ns = site.node.namespace
                 _sh("ip", "-n", ns, "addr", "add", f"{site.wan_ip}/24", "dev", site.wan_if)
@@ -112,8 +112,9 @@ class SiteLink:
     def _name_files(self) -> None:
         names = ["127.0.0.1 localhost"]
         for site in self.sites:
-            names += [f"{site.wan_ip} site-{site.name}", f"{site.node.node_ip} ctl-{site.name}",
-                      f"{site.node.host_ip} host-{site.name}"]  # fmt: skip
+            names.append(f"{site.wan_ip} site-{site.name}")
+            names.append(f"{site.node.node_ip} ctl-{site.name}")
+            names.append(f"{site.node.host_ip} host-{site.name}")
         for site in self.sites:
             etc = NETNS_ETC / site.node.namespace
             etc.mkdir(parents=True, exist_ok=True)

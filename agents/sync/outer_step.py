@@ -4,19 +4,27 @@ Runs in the training process; no collective is called here.  Per fragment
 of the model, the *anchor* is the flat float32 copy of its parameters, in
 host memory, as they were after the last outer step (the sites' common,
 global value).  On a GPU worker the outer state thus costs no device memory;
-a sync copies the fragment out and back (out twice with a delay) once per
-``inner_steps`` steps.  A
-site's *pseudo-gradient* is the anchor minus its parameters now: what its
-inner steps moved, with the sign of a gradient.  The sites' average goes
-through SGD with (Nesterov) momentum on the anchor::
+a sync copies the fragment out and back (out twice where alpha is above 0)
+once per ``inner_steps`` steps.  A site's *pseudo-gradient* is the anchor
+minus its parameters now: what its inner steps moved, with the sign of a
+gradient.  The sites' average goes through SGD with (Nesterov) momentum on
+the anchor::
 
     buf    = momentum * buf + g
     update = g + momentum * buf     (nesterov)      or  buf  (sgd)
     anchor = anchor - lr * update
 
-and every site's parameters become the new anchor.  With a delay (Streaming
-DiLoCo) the inner steps taken while the average travelled are kept: the
-parameters become the new anchor plus what those steps changed.
+and the new anchor is the global fragment.  Each site then merges it with
+its own (Streaming DiLoCo, Douillard et al. 2025, section 2.3)::
+
+    params = alpha * local + (1 - alpha) * anchor
+
+where ``local`` is the site's own fragment now: with a delay, the inner steps
+taken while the average travelled are in it.  ``alpha`` 0 (DiLoCo's) replaces
+the site's fragment with the global one; the anchor, where the next
+pseudo-gradient counts from, is the global fragment either way.  Each
+fragment has its own momentum buffer: fragments sync at different steps, and
+their outer steps never mix.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 
 from orchestrator.spec.sync import OuterOptimizerName, OuterOptimizerSpec
 
-__all__ = ["OuterOptimizer", "average", "flatten", "pseudo_gradient", "write_back"]
+__all__ = ["OuterOptimizer", "average", "flatten", "merge_into", "pseudo_gradient", "write_back"]
 
 
 def flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -76,6 +84,14 @@ def average(contributions: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor
         if w:
             out.add_(g.float(), alpha=w)
     return out.div_(total)
+
+
+def merge_into(params: Sequence[torch.Tensor], global_: torch.Tensor, alpha: float) -> None:
+    """``params`` (a site's fragment now) become ``alpha * params + (1 - alpha) *
+    global_`` (the new global fragment), each in its own dtype; with ``alpha`` 0 they
+    become ``global_``.  Every rank of a site computes it from the same numbers, so
+    the site's replicas stay alike."""
+    write_back(params, torch.lerp(global_, flatten(params), alpha) if alpha else global_)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from a live peer of its site; it goes into durable checkpoints.
 At each step boundary (:meth:`OuterSync.after_step`) a fragment whose sync is
 due computes its pseudo-gradient; the site's leader sends it to the other
 sites' leaders (an all-gather on the leaders' group, encoded as
-``sync.outer_quantization`` says) and, once the result is due, averages the
-sites' contributions, hands the average to its site's ranks (a broadcast on
-the site's group) and every rank applies the outer step.  With a delay the
-all-gather runs in the background while the next inner steps compute.
+``SyncSpec.quantization`` says) and, once the result is due, averages the
+sites' contributions, hands the average to its site's ranks (a broadcast on the
+site's group), and every rank takes the outer step and merges its result with
+its own fragment (``SyncSpec.mixing``).  With a delay the all-gather runs while
+the next inner steps compute.  Each fragment has its own momentum and count.
 
 The last boundary of the run (:attr:`OuterSync.end`) waits for every sync still
 under way, applies it, and leaves each fragment at its anchor: training ends
@@ -43,7 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agents.sync.outer_step import OuterOptimizer, average, flatten, pseudo_gradient, write_back
+from agents.sync.outer_step import (
+    OuterOptimizer,
+    average,
+    flatten,
+    merge_into,
+    pseudo_gradient,
+    write_back,
+)
 from agents.sync.quantize import decode, empty_like_payload, encode, payload_bytes
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
@@ -188,8 +196,8 @@ class OuterSync:
         """Load the outer state of the same slice from another site (this rank's slice
         came from a buddy's copy in its site, at ``done`` steps): the anchors, momentum
         and counts are the sites' common values; this site's own pseudo-gradients of
-        the syncs under way are not in it, so they count with weight 0 (with a delay,
-        what the slice moved stays in it and goes into the next sync)."""
+        the syncs under way are not in it, so they count with weight 0 (what the slice
+        moved is in its parameters, merged with the result as every site's are)."""
         self.load_state_dict(state)
         for delta in self.pending_delta:
             delta.zero_()
@@ -305,8 +313,9 @@ class OuterSync:
         if done > self.started == 0 and not any(self.counts) and not self._pending():
             log.warning(
                 "no outer state came with the model at step %d (a checkpoint saved under "
-                "sync.mode ddp?): the sites' anchors start from the parameters now", done,
-            )  # fmt: skip
+                "sync.mode ddp?): the sites' anchors start from the parameters now",
+                done,
+            )
             self.anchor_to_parameters(done)
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
             if self.pending_at[f] != NOT_PENDING and f not in self.resolved:
@@ -333,7 +342,7 @@ class OuterSync:
         groups = self._need_groups()
         if not groups.is_leader:
             return
-        kind = self.spec.outer_quantization
+        kind = self.spec.quantization
         mine = encode(self.pending_delta[f], kind)
         numel = self.pending_delta[f].numel()
         sites = len(groups.sites)
@@ -354,8 +363,7 @@ class OuterSync:
         self.totals.bytes_between_sites += (sites - 1) * payload_bytes(numel, kind)
 
     def _finish(self, f: int, done: int) -> None:
-        """Wait for fragment ``f``'s sync, share the average in the site, take the outer step."""
-        old = self.anchors[f].clone()
+        """Wait for fragment ``f``'s sync, share the average, take the outer step, merge."""
         if f in self.resolved:  # its outer step went through on another site
             self.anchors[f], self.momentum[f] = self.resolved.pop(f)
         else:
@@ -363,19 +371,17 @@ class OuterSync:
             if avg is None:  # every site that contributed is gone
                 log.warning(
                     "fragment %d: no site that contributed to the sync started at step %d "
-                    "is here any more: no outer step", f, self.pending_at[f],
-                )  # fmt: skip
+                    "is here any more: no outer step",
+                    f,
+                    self.pending_at[f],
+                )
                 self.pending_at[f] = NOT_PENDING
                 self.pending_weight[f] = 0.0
                 return
             self._optimizer.step(self.anchors[f], self.momentum[f], avg)
             if self._began[f]:
                 self._took.append(time.perf_counter() - self._began[f])
-        if self.schedule.delay_steps:  # keep what the inner steps since the start changed
-            moved = flatten(self._fragments[f]) - (old - self.pending_delta[f])
-            write_back(self._fragments[f], self.anchors[f] + moved)
-        else:
-            write_back(self._fragments[f], self.anchors[f])
+        merge_into(self._fragments[f], self.anchors[f], self.spec.mixing)
         self.counts[f] += 1
         self.pending_at[f] = NOT_PENDING
         self.pending_weight[f] = 0.0
@@ -392,7 +398,7 @@ class OuterSync:
             flight = self._inflight.pop(f)
             for work in flight.works:
                 work.wait()
-            kind = self.spec.outer_quantization
+            kind = self.spec.quantization
             parts = zip(*flight.gathered, strict=True)
             weights = flight.weights.tolist()
             if sum(weights) > 0:

@@ -152,7 +152,14 @@ DESCRIPTIONS: dict[str, str] = {
     "sync.outer_optimizer.name": "nesterov (SGD with Nesterov momentum) or sgd.",
     "sync.outer_optimizer.lr": "Outer learning rate (0.7 in the DiLoCo paper).",
     "sync.outer_optimizer.momentum": "Outer momentum (0.9 in the DiLoCo paper).",
-    "sync.outer_quantization": "How pseudo-gradients travel: none, bf16, 8bit or 4bit.",
+    "sync.outer_quantization": (
+        "How pseudo-gradients travel: none, bf16, 8bit, 4bit (uniform) or e3m0 (4-bit "
+        "floats); unset: e3m0 under streaming_diloco, none under diloco (the papers')."
+    ),
+    "sync.alpha": (
+        "Share of a site's own fragment kept when the global one arrives, at least 0 and "
+        "below 1; unset: 0.5 under streaming_diloco, 0 under diloco (the papers')."
+    ),
     "sync.site_label": "The node label whose value names a node's site (zone by default).",
     "resources": "Per-node pod resources.",
     "resources.image": "Container image with ringmaster and the training code.",
@@ -181,6 +188,7 @@ MINIMUMS: dict[str, int] = {
     "sync.inner_steps": 1,
     "sync.fragments": 1,
     "sync.delay_steps": 0,
+    "sync.alpha": 0,
     "resources.gpus": 0,
 }
 
@@ -213,6 +221,12 @@ RULES: dict[str, list[dict[str, str]]] = {
         {
             "rule": "has(self.script) != has(self.module)",
             "message": "give exactly one of 'script' (a path) or 'module' (python -m name)",
+        }
+    ],
+    "sync": [
+        {
+            "rule": "!has(self.alpha) || self.alpha < 1.0",
+            "message": "sync.alpha must be below 1: at 1 a site never takes the global model",
         }
     ],
     "rendezvous.tls": [

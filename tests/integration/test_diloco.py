@@ -4,8 +4,9 @@ Two sites by the ``zone`` label: ``a`` (node-2) and ``b`` (node-0, node-1),
 one warm spare in ``b`` (node-3, started once the job trains), each a
 separate process talking gloo, on a real etcd.  Each site trains alone (DDP among its own ranks) for
 ``inner_steps`` steps, then the sites average their pseudo-gradients and take
-an outer Nesterov step (Streaming DiLoCo: two fragments at staggered steps,
-4-bit pseudo-gradients, results used two steps after they start).  node-1 of
+an outer Nesterov step (Streaming DiLoCo at the paper's defaults: two fragments
+at staggered steps, pseudo-gradients as 4-bit floats, results used two steps
+after they start and merged half and half with each site's own fragment).  node-1 of
 site ``b`` is killed mid-run and the spare takes its slot: it receives site
 ``b``'s inner state from the other node of ``b`` (not site ``a``'s), and the
 job ends with the parameters of the algorithm computed by hand in the test,
@@ -58,13 +59,8 @@ ZONES = {
 
 
 DILOCO = {"mode": "diloco", "inner_steps": 10}
-STREAMING = {
-    "mode": "streaming_diloco",
-    "inner_steps": 10,
-    "fragments": 2,
-    "delay_steps": 2,
-    "outer_quantization": "4bit",
-}
+#: at the paper's defaults: e3m0 pseudo-gradients, alpha 0.5
+STREAMING = {"mode": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay_steps": 2}
 
 
 def spare_ready(run: LocalRun, node: str, go: Path) -> None:
@@ -117,13 +113,18 @@ class HandRun:
     """examples/train_tiny.py under a delayed sync, by hand in one process.
 
     Each site's DDP step is the mean of its ranks' gradients.  When a fragment's sync
-    starts, each site's pseudo-gradient is taken (and encoded as it would travel);
-    ``delay_steps`` later the sites' average goes through the outer Nesterov step and
-    each site's fragment becomes the new anchor plus what its inner steps changed since.
+    starts, each site's pseudo-gradient is taken (and encoded as it would travel:
+    ``slices`` > 1 encodes each rank's rows of it apart, as an FSDP2 model in each site
+    sends them); ``delay_steps`` later the sites' average goes through the outer
+    Nesterov step (the new anchor) and each site's fragment becomes ``alpha`` times
+    itself (its inner steps since the start in it) plus ``1 - alpha`` times the anchor.
     """
 
-    def __init__(self, sync: SyncSpec, sites: list[list[int]], seed: int = 0) -> None:
+    def __init__(
+        self, sync: SyncSpec, sites: list[list[int]], seed: int = 0, slices: int = 1
+    ) -> None:
         self.sync = sync
+        self.slices = slices
         self.x, self.y = dataset()
         torch.manual_seed(seed)
         first = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
@@ -190,17 +191,33 @@ class HandRun:
         return self
 
     def _apply(self, f: int) -> None:
-        kind = self.sync.outer_quantization
         mine = [g for _, g in self.started[f]]
         weights = [w for w, _ in self.started.pop(f)]
-        n = self.anchors[f].numel()
-        sent = [decode(encode(g, kind), kind, n) for g in mine]
+        sent = [self._travelled(g, f) for g in mine]
         avg = average(list(zip(weights, sent, strict=True)))
-        old = self.anchors[f].clone()
         self.outer.step(self.anchors[f], self.bufs[f], avg)
-        for site, g in zip(self.frags, mine, strict=True):
-            moved = flatten(site[f]) - (old - g) if self.sync.delay_steps else 0
-            write_back(site[f], self.anchors[f] + moved)
+        alpha = self.sync.mixing
+        for site in self.frags:
+            local = flatten(site[f])  # with a delay, the steps since the start are in it
+            write_back(site[f], alpha * local + (1 - alpha) * self.anchors[f])
+
+    def _travelled(self, g: torch.Tensor, f: int) -> torch.Tensor:
+        """Fragment ``f``'s pseudo-gradient ``g`` as the other sites decode it: encoded
+        whole, or by slice (rank ``i`` of a site sends rows chunk ``i`` of each parameter
+        of the fragment, in order, as one vector)."""
+        kind = self.sync.quantization
+        if self.slices == 1:
+            return decode(encode(g, kind), kind, g.numel())
+        shapes = [p.shape for p in self.frags[0][f]]
+        pieces = g.split([s.numel() for s in shapes])
+        whole = [t.view(s).clone() for t, s in zip(pieces, shapes, strict=True)]
+        for i in range(self.slices):
+            rows = [t.chunk(self.slices)[i] for t in whole]
+            flat = torch.cat([r.reshape(-1) for r in rows])
+            back = decode(encode(flat, kind), kind, flat.numel())
+            for r, piece in zip(rows, back.split([r.numel() for r in rows]), strict=True):
+                r.copy_(piece.view_as(r))
+        return torch.cat([t.reshape(-1) for t in whole])
 
     def resume_as(self, sites: list[list[int]]) -> HandRun:
         """A durable resume on ``sites``: every site starts from the first site's state."""

@@ -6,8 +6,10 @@ each site shards the MLP over its own two ranks (its gradients reduce-scattered
 inside the site only), and every ``inner_steps`` steps rank ``i`` of each site
 averages its slice's pseudo-gradient with rank ``i`` of the other site and
 takes the outer Nesterov step on its slice.  The run ends with the parameters
-of the algorithm computed by hand (the DDP test's :class:`HandRun`: the
-arithmetic is elementwise, so slicing the model changes no number).
+of the algorithm computed by hand (the DDP test's :class:`HandRun`, told of
+the 2 slices: the arithmetic is elementwise, but a quantized pseudo-gradient,
+Streaming DiLoCo's e3m0 by default, is encoded per slice, with a scale per
+block of each slice's rows).
 
 With a warm spare of zone ``a``: site ``a``'s node is SIGKILLed mid inner
 period and the spare takes its slot.  No rank of the site kept its slice, so
@@ -71,7 +73,7 @@ def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(tmp_path: Path) -> None
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
-    hand = HandRun(spec.sync, [[0, 1], [2, 3]], seed=0).train(0, STEPS)
+    hand = HandRun(spec.sync, [[0, 1], [2, 3]], seed=0, slices=2).train(0, STEPS)
     assert_same_params(assembled(tmp_path / "out"), hand.final())
 
 
@@ -98,7 +100,7 @@ def test_a_site_whose_node_dies_comes_back_from_the_global_model(tmp_path: Path)
     assert back and back[0].startswith("[node-2]"), summary(result, lines)
     lost_at = int(back[0].rsplit("at step ", 1)[1])
     assert lost_at % 10 != 0, lost_at  # mid inner period, where site b was
-    want = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, STEPS, lost_at=lost_at).final()
+    want = HandRun(spec.sync, [[0, 1], [2, 3]], slices=2).train(0, STEPS, lost_at=lost_at).final()
     assert_same_params(assembled(tmp_path / "out"), want)
 
 
@@ -238,7 +240,7 @@ def test_a_replaced_rank_takes_its_slice_from_its_buddy_in_the_site(
     assert f"slice 1 of site a of step {hold} " in restored[0], restored
     assert not any("had no state" in line for line in lines), summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
-    want = HandRun(load_job_data(base).sync, [[0, 1], [2, 3]]).train(0, STEPS).final()
+    want = HandRun(load_job_data(base).sync, [[0, 1], [2, 3]], slices=2).train(0, STEPS).final()
     assert_same_params(assembled(tmp_path / "out"), want)
 
 
@@ -268,7 +270,7 @@ def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert any("resumed from" in line and "at step 20" in line for line in lines)
-    want = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, 20).resume_as([[0, 1], [2, 3]])
+    want = HandRun(spec.sync, [[0, 1], [2, 3]], slices=2).train(0, 20).resume_as([[0, 1], [2, 3]])
     assert_same_params(assembled(tmp_path / "out"), want.train(20, STEPS).final())
 
     # the same sites with one rank each: every slice's outer state is cut anew
@@ -286,6 +288,6 @@ def test_a_checkpoint_resumes_each_slices_outer_state_on_the_same_sites(tmp_path
         "the outer state was saved on sites of 2 rank(s) each and is resharded to 1" in line
         for line in lines
     ), summary(result, lines)
-    hand = HandRun(spec.sync, [[0, 1], [2, 3]]).train(0, 20).resume_as([[0, 1], [2, 3]])
+    hand = HandRun(spec.sync, [[0, 1], [2, 3]], slices=2).train(0, 20).resume_as([[0, 1], [2, 3]])
     hand.train(20, resume.step).resume_as([[0], [1]]).train(resume.step, STEPS + 20)
     assert_same_params(assembled(tmp_path / "out"), hand.final())

@@ -4,10 +4,11 @@ Four real gloo processes form two sites of two ranks; rank ``i`` of each site
 holds rows chunk ``i`` of every parameter (as ``fully_shard`` cuts them) and
 runs :class:`~agents.sync.outer_sync.OuterSync` on those rows only, on the
 groups of ``form_site_groups(..., per_slice=True)``: Streaming DiLoCo with two
-fragments (cut by the whole parameters), a delay of two steps and 4-bit
-pseudo-gradients.  The inner steps are replaced by known moves of each site's
-parameters.  The hand computation runs the same algorithm on each slice
-(quantised per slice, as it travels), and the slices assemble into the
+fragments (cut by the whole parameters), a delay of two steps, and the paper's
+defaults: 4-bit float (E3M0) pseudo-gradients, each site's fragment merged half
+and half with the global one.  The inner steps are replaced by known moves of
+each site's parameters.  The hand computation runs the same algorithm on each
+slice (quantised per slice, as it travels), and the slices assemble into the
 parameters it ends with, the same on both sites.
 """
 
@@ -22,7 +23,7 @@ import torch
 from agents.sync.outer_step import OuterOptimizer, average, flatten, pseudo_gradient, write_back
 from agents.sync.quantize import decode, encode
 from agents.sync.schedule import FragmentSchedule, cut_fragments
-from orchestrator.spec.sync import SyncSpec
+from orchestrator.spec.sync import OuterQuantization, SyncSpec
 from tests.gloo import run_gloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -30,13 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SHAPES = [(6, 5), (6,), (3, 2)]
 SLICES = 2
 END = 20
-SYNC = {
-    "mode": "streaming_diloco",
-    "inner_steps": 8,
-    "fragments": 2,
-    "delay_steps": 2,
-    "outer_quantization": "4bit",
-}
+#: at the paper's defaults: e3m0 pseudo-gradients, alpha 0.5
+SYNC = {"mode": "streaming_diloco", "inner_steps": 8, "fragments": 2, "delay_steps": 2}
 
 
 def _spec() -> SyncSpec:
@@ -99,7 +95,7 @@ def _by_hand(spec: SyncSpec) -> list[list[torch.Tensor]]:
     schedule = FragmentSchedule(spec.inner_steps, spec.fragments, spec.delay_steps)
     runs = cut_fragments([torch.Size(s).numel() for s in SHAPES], spec.fragments)
     opt = OuterOptimizer.of_spec(spec.outer_optimizer)
-    kind = spec.outer_quantization
+    kind, alpha = spec.quantization, spec.mixing
     sites = [_initial(), _initial()]
 
     def frag(site: int, index: int, f: int) -> list[torch.Tensor]:
@@ -129,11 +125,10 @@ def _by_hand(spec: SyncSpec) -> list[list[torch.Tensor]]:
                 mine = sent.pop((i, f))
                 n = anchors[(i, f)].numel()
                 avg = average([(1.0, decode(encode(g, kind), kind, n)) for g in mine])
-                old = anchors[(i, f)].clone()
                 opt.step(anchors[(i, f)], bufs[(i, f)], avg)
-                for s, g in enumerate(mine):
-                    moved = flatten(frag(s, i, f)) - (old - g)
-                    write_back(frag(s, i, f), anchors[(i, f)] + moved)
+                for s in (0, 1):  # each site's own slice: its steps since the start in it
+                    local = flatten(frag(s, i, f))
+                    write_back(frag(s, i, f), alpha * local + (1 - alpha) * anchors[(i, f)])
         if done == END:
             for s in (0, 1):
                 for (i, f), a in anchors.items():
@@ -142,8 +137,10 @@ def _by_hand(spec: SyncSpec) -> list[list[torch.Tensor]]:
 
 
 def test_each_slice_syncs_with_its_twins_as_the_algorithm_by_hand() -> None:
+    spec = _spec()
+    assert spec.quantization is OuterQuantization.E3M0 and spec.mixing == 0.5
     got: list[Any] = run_gloo(_site_rank, 4)
-    want = _by_hand(_spec())
+    want = _by_hand(spec)
     for rank, values in enumerate(got):
         site, index = divmod(rank, SLICES)
         expected = flatten(_chunks(want[site], index))

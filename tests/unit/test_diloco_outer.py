@@ -119,7 +119,9 @@ def test_encodings_round_trip_within_their_step(kind: OuterQuantization) -> None
     buffers = empty_like_payload(1000, kind)
     assert [(b.shape, b.dtype) for b in buffers] == [(p.shape, p.dtype) for p in payload]
     y = decode(payload, kind, 1000)
-    bound = {"none": 0.0, "bf16": 2**-8, "8bit": 0.5 / 127, "4bit": 0.5 / 7}[kind.value]
+    # half a step of each form, of the block's largest value (e3m0: between 1/2 and 1)
+    bound = {"none": 0.0, "bf16": 2**-8, "8bit": 0.5 / 127, "4bit": 0.5 / 7, "e3m0": 0.25}
+    bound = bound[kind.value]
     assert (x - y).abs().max() <= bound * x.abs().max() + 1e-12
     assert torch.equal(decode(payload, kind, 1000), y)  # every site decodes the same bits
 
@@ -127,6 +129,86 @@ def test_encodings_round_trip_within_their_step(kind: OuterQuantization) -> None
 def test_four_bits_cost_an_eighth_of_float32_and_the_scales() -> None:
     n = 1 << 20
     assert payload_bytes(n, OuterQuantization.NONE) / payload_bytes(n, OuterQuantization.INT4) > 7.7
+    assert payload_bytes(n, OuterQuantization.E3M0) == payload_bytes(n, OuterQuantization.INT4)
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 1000, 3 * 256])
+def test_e3m0_payload_is_half_a_byte_a_value_and_a_scale_a_block(numel: int) -> None:
+    kind = OuterQuantization.E3M0
+    x = torch.linspace(-1.0, 1.0, numel)
+    payload = encode(x, kind)
+    blocks = -(-numel // 256)
+    assert [(t.dtype, t.numel()) for t in payload] == [
+        (torch.uint8, blocks * 128),
+        (torch.float32, blocks),
+    ]
+    assert sum(t.numel() * t.element_size() for t in payload) == payload_bytes(numel, kind)
+    assert payload_bytes(numel, kind) == blocks * (128 + 4)
+    assert decode(payload, kind, numel).numel() == numel
+
+
+def _e3m0_values(scale: float) -> list[float]:
+    """Every value e3m0 represents in a block whose largest magnitude is ``scale``."""
+    magnitudes = [0.0] + [scale * 2.0**-k for k in range(7)]
+    return magnitudes + [-m for m in magnitudes[1:]]
+
+
+def test_e3m0_gives_back_every_value_it_represents_exactly() -> None:
+    """A sign, 3 exponent bits, no mantissa: 0 and the block's largest magnitude times
+    2**0 .. 2**-6, of either sign.  Two blocks of other scales, each value exact."""
+    kind = OuterQuantization.E3M0
+    first = torch.tensor(_e3m0_values(0.0123) * 17)[:256]  # fills a block
+    second = torch.tensor(_e3m0_values(-3.5e-5))  # the largest of this block is 3.5e-5
+    x = torch.cat([first, second])
+    y = decode(encode(x, kind), kind, x.numel())
+    assert torch.equal(y, x)
+
+
+def test_e3m0_rounds_each_value_to_the_nearest_level_on_the_number_line() -> None:
+    """Against a brute force over the levels: the nearest by absolute difference; a tie
+    goes to the larger magnitude; and the sign is kept."""
+    kind = OuterQuantization.E3M0
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, generator=g) * torch.rand(4096, generator=g) ** 4
+    y = decode(encode(x, kind), kind, x.numel())
+    for block in range(x.numel() // 256):
+        xs = x[block * 256 : (block + 1) * 256]
+        levels = torch.tensor(_e3m0_values(float(xs.abs().max())))
+        distance = (xs[:, None] - levels[None, :]).abs()
+        best = distance.min(dim=1).values
+        got = y[block * 256 : (block + 1) * 256]
+        assert torch.equal((xs - got).abs(), best)  # no level is nearer
+    # ties, relative to a largest magnitude of 1: halfway goes up; below 2**-7 goes to 0
+    x = torch.tensor([1.0, 0.75, 0.7499, -0.375, -0.3749, 2.0**-7, 0.99 * 2.0**-7, 3 * 2.0**-8])
+    y = decode(encode(x, kind), kind, x.numel())
+    assert y.tolist() == [1.0, 1.0, 0.5, -0.5, -0.25, 2.0**-6, 0.0, 2.0**-6]
+
+
+def test_e3m0_keeps_zero_and_blocks_of_zeros() -> None:
+    """Zero is a level; a block of zeros has a scale of 0 and decodes to zeros (no
+    division by its scale), and a tiny value beside a large one goes to 0."""
+    kind = OuterQuantization.E3M0
+    x = torch.zeros(600)
+    x[300], x[301] = 1.0, 1e-4
+    payload = encode(x, kind)
+    assert payload[1].tolist() == [0.0, 1.0, 0.0]
+    y = decode(payload, kind, 600)
+    assert not torch.isnan(y).any()
+    assert y[300] == 1.0 and y[301] == 0.0 and int((y != 0).sum()) == 1
+
+
+@pytest.mark.parametrize("kind", [OuterQuantization.E3M0, OuterQuantization.INT4])
+def test_four_bit_codes_are_the_same_every_time(kind: OuterQuantization) -> None:
+    """Every site decodes every site's payload: encoding the same values twice gives the
+    same bytes, and a payload received into fresh buffers decodes to the same bits."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10_000, generator=g) * 1e-3
+    first, again = encode(x, kind), encode(x.clone(), kind)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    received = empty_like_payload(x.numel(), kind)
+    for buffer, part in zip(received, first, strict=True):
+        buffer.copy_(part)
+    assert torch.equal(decode(received, kind, x.numel()), decode(first, kind, x.numel()))
 
 
 # -- sites ---------------------------------------------------------------------------------
@@ -218,6 +300,53 @@ def test_sync_defaults_come_from_the_papers() -> None:
     assert spec.inner_steps == 100 and spec.fragments == 1
     assert spec.outer_optimizer.lr == 0.7 and spec.outer_optimizer.momentum == 0.9
     assert spec.site_label == "zone"
+    # DiLoCo: float32 pseudo-gradients, and the global parameters replace a site's
+    assert spec.outer_quantization is None and spec.alpha is None
+    assert spec.quantization is OuterQuantization.NONE and spec.mixing == 0.0
+    # Streaming DiLoCo: 4-bit floats, and a site keeps half of its own fragment
+    streaming = _job({"mode": "streaming_diloco", "fragments": 4}).sync  # type: ignore[attr-defined]
+    assert streaming.quantization is OuterQuantization.E3M0 and streaming.mixing == 0.5
+    # under ddp nothing travels between sites
+    ddp = _job({}).sync  # type: ignore[attr-defined]
+    assert ddp.quantization is OuterQuantization.NONE and ddp.mixing == 0.0
+
+
+_MODES: dict[str, dict[str, object]] = {
+    "diloco": {"mode": "diloco"},
+    "streaming_diloco": {"mode": "streaming_diloco", "fragments": 2},
+}
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+@pytest.mark.parametrize(
+    ("written", "kind"),
+    [
+        ("none", OuterQuantization.NONE),
+        ("bf16", OuterQuantization.BF16),
+        ("8bit", OuterQuantization.INT8),
+        ("4bit", OuterQuantization.INT4),
+        ("e3m0", OuterQuantization.E3M0),
+    ],
+)
+def test_a_written_quantization_is_used_in_either_mode(
+    mode: str, written: str, kind: OuterQuantization
+) -> None:
+    """Job files written before the default followed the mode keep their meaning: the
+    uniform ``4bit`` stays the uniform integers, ``none`` float32."""
+    spec = _job({**_MODES[mode], "outer_quantization": written}).sync  # type: ignore[attr-defined]
+    assert spec.outer_quantization is kind and spec.quantization is kind
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [("diloco", 0.25), ("streaming_diloco", 0)])
+def test_a_written_alpha_is_used_in_either_mode(mode: str, alpha: float) -> None:
+    spec = _job({**_MODES[mode], "alpha": alpha}).sync  # type: ignore[attr-defined]
+    assert spec.alpha == alpha and spec.mixing == alpha
+
+
+def test_an_old_ddp_job_file_that_wrote_no_quantization_still_loads() -> None:
+    """``outer_quantization: none`` was the default: a job file under mode ddp that wrote
+    it loads as before; any other value is refused there (it would be ignored)."""
+    assert _job({"outer_quantization": "none"}).sync.quantization is OuterQuantization.NONE  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -245,6 +374,13 @@ def test_sync_defaults_come_from_the_papers() -> None:
             "got {name: sgd, lr: 1, momentum: 0}",
         ),
         ({"outer_quantization": "4bit"}, "sync.outer_quantization", "got 4bit"),
+        ({"mode": "ddp", "outer_quantization": "e3m0"}, "sync.outer_quantization", "got e3m0"),
+        ({"mode": "ddp", "alpha": 0.5}, "sync.alpha", "diloco and streaming_diloco only"),
+        ({"alpha": 0}, "sync.alpha", "got 0: remove it, or set sync.mode"),
+        ({"mode": "streaming_diloco", "fragments": 2, "alpha": 1}, "sync.alpha", "below 1"),
+        ({"mode": "diloco", "alpha": 1}, "sync.alpha", "never take the global model"),
+        ({"mode": "diloco", "alpha": -0.1}, "sync.alpha", "at least 0"),
+        ({"mode": "diloco", "alpha": "half"}, "sync.alpha", "must be"),
         ({"mode": "ddp", "site_label": "rack"}, "sync.site_label", "set sync.mode"),
         ({"mode": "diloco", "outer_optimizer": {"lr": 0}}, "sync.outer_optimizer.lr", "above 0"),
         (

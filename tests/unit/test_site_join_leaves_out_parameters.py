@@ -106,8 +106,9 @@ def test_the_outer_buffers_a_new_site_does_not_need_are_left_out_too() -> None:
 def test_a_new_site_keeps_only_its_own_steps_when_a_delayed_sync_lands() -> None:
     """Site a started fragment 0's sync at step 4 having moved it by +1; site b comes back
     without state, takes a's state and the anchors, trains one step (+0.5), and the
-    sync's result (a's outer step: the anchor + 1) lands at step 5.  Site b ends at the
-    new anchor plus its own step, not plus a's pseudo-gradient as well."""
+    sync's result (a's outer step: the anchor + 1) lands at step 5.  Site b merges that
+    global fragment with its own (the anchor plus its own step, not plus a's
+    pseudo-gradient as well), half and half as Streaming DiLoCo does."""
     from agents.sync.outer_step import flatten, pseudo_gradient
     from agents.sync.outer_sync import NOT_PENDING, OuterSync
 
@@ -139,7 +140,9 @@ def test_a_new_site_keeps_only_its_own_steps_when_a_delayed_sync_lands() -> None
     after = anchor + 1.0  # a's outer step (averaging: a was the only contributor)
     b.resolved[0] = (after, torch.zeros_like(after))
     b.after_step(5)
-    assert torch.allclose(flatten(b_first), after + 0.5)
+    assert b.spec.mixing == 0.5
+    own = anchor + 0.5
+    assert torch.allclose(flatten(b_first), 0.5 * own + 0.5 * after)  # the anchor + 0.75
     assert b.counts[0] == 1 and b.pending_at[0] == NOT_PENDING
 
 

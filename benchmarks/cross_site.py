@@ -158,8 +158,8 @@ def rows(args: argparse.Namespace) -> list[Row]:
 def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
     from orchestrator.spec.loader import load_job_data
 
-    train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2",
-             "--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]  # fmt: skip
+    train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2"]
+    train += ["--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]
     return load_job_data(
         {
             "name": f"xsite-{row.name.replace('_', '-')}",
@@ -218,8 +218,8 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
         def agent(node: str, site: Any) -> None:
             labels = f"zone={site.name},rack=r{site.name},host={node}"
             endpoints = ",".join(etcd.endpoints_on(site.node.host_ip))
-            argv = ["agent", "--job", job, "--node", node, "--labels", labels,
-                    "--address", site.wan_ip, "--etcd", endpoints]  # fmt: skip
+            argv = ["agent", "--job", job, "--node", node, "--labels", labels]
+            argv += ["--address", site.wan_ip, "--etcd", endpoints]
             env = {"GLOO_SOCKET_IFNAME": site.wan_if, "OMP_NUM_THREADS": "1"}
             services.start(node, argv, env=env, prefix=site.command([]))
 

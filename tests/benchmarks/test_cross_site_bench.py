@@ -20,7 +20,8 @@ import pytest
 
 from tests.faults.netns import unavailable_reason
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+# a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
+pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 

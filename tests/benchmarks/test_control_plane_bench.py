@@ -8,34 +8,20 @@ a new plan after each kind of node failure, and every worker seeing it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmarks.runner import run_benchmark
+
 # a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
 pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[2]
 NODES, WORKERS = 50, 8
 
 
 def _bench(args: list[str]) -> tuple[dict[str, Any], str]:
-    """Run the benchmark; its JSON line, and its output for the failure messages."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "control_plane.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, output
-    return json.loads(done.stdout.strip().splitlines()[-1]), output
+    return run_benchmark("control_plane", args, timeout=200)
 
 
 def test_short_run_reports_plans_fanout_and_etcd_load() -> None:

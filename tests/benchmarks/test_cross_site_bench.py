@@ -11,19 +11,13 @@ Needs root for the namespaces; skipped otherwise, as the benchmark itself skips.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.benchmarks.runner import run_benchmark
 from tests.faults.netns import unavailable_reason
 
 # a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
 pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(240)]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_streaming_diloco_row_crosses_the_limited_link() -> None:
@@ -49,17 +43,7 @@ def test_a_streaming_diloco_row_crosses_the_limited_link() -> None:
         "--delay-steps",
         "1",
     ]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "cross_site.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=220,
-        check=False,
-    )
-    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, output
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result, _ = run_benchmark("cross_site", args, timeout=220)
     assert result["steps"] == 30 and result["streaming_fragments"] == 2, result
     assert result["streaming_100mbit_steps_per_s"] > 0, result
     # tiny as the model is, its 4-bit fragments and the step boundary's votes crossed

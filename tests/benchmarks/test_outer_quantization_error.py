@@ -12,29 +12,15 @@ are), which is what the benchmark's conclusion rests on.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.runner import run_benchmark
 
 pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(120)]
 
 
 def test_every_encoding_is_measured_on_every_data_set() -> None:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/outer_quantization_error.py", "--smoke"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result, _ = run_benchmark("outer_quantization_error", ["--smoke"], timeout=100)
     assert result["smoke"] is True and result["lm_parameters"] > 0, result
     for data in ("lm", "gaussian", "student_t3"):
         errors = [result[f"{data}_{kind}_rel_l2"] for kind in ("bf16", "8bit", "4bit", "e3m0")]

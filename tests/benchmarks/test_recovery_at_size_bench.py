@@ -11,35 +11,21 @@ receiver, and a receiver whose healed state equals the survivor's.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmarks.runner import run_benchmark
+
 # a benchmark's short run with its figures checked: `make bench-smoke` (CI runs it beside make test)
 pytestmark = [pytest.mark.bench_smoke, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
 SIZE_GB = 0.02
 
 
 def _bench(args: list[str]) -> tuple[dict[str, Any], str]:
-    """Run the benchmark; its JSON line, and its output for the failure messages."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "recovery_at_size.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=270,
-        check=False,
-    )
-    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, output
-    return json.loads(done.stdout.strip().splitlines()[-1]), output
+    return run_benchmark("recovery_at_size", args, timeout=270)
 
 
 def test_a_heal_of_20_mb_is_measured_against_the_wire_and_equals_the_survivors_state() -> None:

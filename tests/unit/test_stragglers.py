@@ -29,6 +29,23 @@ pytestmark = pytest.mark.unit
 PLAN = Plan(1, [Member("a", 0, 1), Member("b", 1, 1), Member("c", 2, 1)], spares=["d"])
 
 
+def _progress(totals: dict[str, Telemetry]) -> dict[str, ProgressRecord]:
+    """Each worker's progress record carrying ``totals`` (the rest is not judged)."""
+    return {
+        w: ProgressRecord(
+            step=0,
+            generation=t.generation,
+            rank=i,
+            world_size=len(totals),
+            pid=1,
+            beat=0.0,
+            step_time=0.0,
+            telemetry=t,
+        )
+        for i, (w, t) in enumerate(totals.items())
+    }
+
+
 class Beats:
     """Heartbeats of the plan's workers: running totals, one window at a time."""
 
@@ -50,19 +67,7 @@ class Beats:
             self.totals[w] = t
 
     def progress(self) -> dict[str, ProgressRecord]:
-        return {
-            w: ProgressRecord(
-                step=0,
-                generation=1,
-                rank=i,
-                world_size=3,
-                pid=1,
-                beat=0.0,
-                step_time=0.0,
-                telemetry=t,
-            )
-            for i, (w, t) in enumerate(self.totals.items())
-        }
+        return _progress(self.totals)
 
 
 def _judge(
@@ -202,19 +207,7 @@ def a_window_reaches_back_neither_over_a_save_nor_into_another_generation() -> N
         {"a-0": ends(12, saved=0.3), "b-0": ends(12), "c-0": ends(0, generation=2)},
     ]
     now = {"a-0": ends(13, saved=0.3), "b-0": ends(13), "c-0": ends(1, generation=2)}
-    progress = {
-        w: ProgressRecord(
-            step=0,
-            generation=t.generation,
-            rank=0,
-            world_size=3,
-            pid=1,
-            beat=0.0,
-            step_time=0.0,
-            telemetry=t,
-        )
-        for w, t in now.items()
-    }
+    progress = _progress(now)
     starts = window_starts(history, progress)
     assert starts["b-0"].timed_steps == 10  # 3 steps back
     assert starts["a-0"].timed_steps == 12  # not over its save: 1 step, not judged

@@ -12,12 +12,12 @@ collectives ends with the same parameters (they are FSDP2's calls, not new ones)
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 
+from tests.faults.busy import spin
 from tests.gloo import run_gloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -29,12 +29,6 @@ WARM = 2
 #: seconds of extra compute per step on the slow rank (long beside a shared
 #: machine's scheduling noise: the assertions compare the ranks, not the clock)
 SLOW_S = 0.15
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> dict[str, Any]:
@@ -65,7 +59,7 @@ def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> d
             timing.step_done()  # the clock starts
         opt.zero_grad()
         if rank == world - 1:
-            _spin(SLOW_S)
+            spin(SLOW_S)
         net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
         opt.step()
         timing.step_done()

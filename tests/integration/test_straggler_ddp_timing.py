@@ -23,12 +23,12 @@ counts too.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 
+from tests.faults.busy import spin
 from tests.gloo import run_gloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -39,12 +39,6 @@ WARM = 2
 #: seconds of extra compute per step on the slow rank (long beside a shared
 #: machine's scheduling noise: the assertions compare the ranks, not the clock)
 SLOW_S = 0.15
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def _train(rank: int, world: int, buffers: bool, slow_after: bool) -> dict[str, Any]:
@@ -71,12 +65,12 @@ def _train(rank: int, world: int, buffers: bool, slow_after: bool) -> dict[str, 
             timing.step_done()  # the clock starts
         opt.zero_grad()
         if rank == world - 1 and not slow_after:
-            _spin(SLOW_S)
+            spin(SLOW_S)
         model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
         opt.step()
         if slow_after:
             if rank == world - 1:
-                _spin(SLOW_S)
+                spin(SLOW_S)
             agree(Proposal(0, 0, 0, False, False, False), timing=timing)
         timing.step_done()
     model.drop()

@@ -113,8 +113,6 @@ class Injector:
             self.cluster.restart(self._etcd_down[0])
             self.run.print(f"[soak] etcd member {self._etcd_down[0]} restarted")
             self._etcd_down = None
-        if not self.pending:
-            self.release()
         if not self.pending or self._etcd_down is not None:
             return
         fault = self.pending[0]
@@ -141,6 +139,8 @@ class Injector:
         self._inject(fault, active)
         self.done.append(fault)
         self.run.print(f"[soak] injected {fault}")
+        if not self.pending:
+            self.release()
 
     def release(self) -> None:
         """Let held workers go on (every fault is in, or the test gives up)."""

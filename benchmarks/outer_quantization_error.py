@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from agents.sync.outer_step import flatten  # noqa: E402
+from agents.sync.outer_step import flatten, write_back  # noqa: E402
 from agents.sync.quantize import BLOCK, decode, encode, payload_bytes  # noqa: E402
 from benchmarks._smoke import parse, result_line  # noqa: E402
 from orchestrator.spec.sync import OuterQuantization  # noqa: E402
@@ -113,10 +113,7 @@ def lm_pseudo_gradients(
     out = []
     for site in (0, 1):
         with torch.no_grad():
-            offset = 0
-            for p in params:
-                p.copy_(start_params[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            write_back(params, start_params)
         opt.load_state_dict(start_opt)
         for k in range(warmup, warmup + inner_steps):
             step(k, site, 2)

@@ -29,8 +29,8 @@ session carries out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +96,19 @@ class Proposal:
     #: this rank's asynchronous save is still uploading
     save_unsettled: bool = False
 
+    def vector(self) -> tuple[int, ...]:
+        """As the integers the vote all-reduces with MAX."""
+        vec = [0] * _LEN
+        vec[_GENERATION] = self.generation
+        vec[_CHECKPOINT] = self.checkpoint_requested
+        vec[_SEEN] = self.checkpoint_served
+        vec[_STOP] = int(self.stop)
+        vec[_ETCD_LOST] = int(self.etcd_lost)
+        vec[_SAVE_DUE] = int(self.save_due_by_time)
+        vec[_NEG_EVERY] = -max(1, self.every)  # MAX of the negatives: the fewest steps
+        vec[_UNSETTLED] = int(self.save_unsettled)
+        return tuple(vec)
+
 
 @dataclass(frozen=True)
 class Agreement:
@@ -118,6 +131,33 @@ class Agreement:
         no save outcome taken (no rank knows whether the others' saves ended)."""
         return cls(generation, served, served, False, False, False, save_unsettled=True)
 
+    @classmethod
+    def of_vector(cls, vec: Sequence[int]) -> Agreement:
+        """The agreement a vector of :meth:`Proposal.vector`'s form holds (its MAX)."""
+        return cls(
+            generation=int(vec[_GENERATION]),
+            checkpoint_requested=int(vec[_CHECKPOINT]),
+            checkpoint_served=int(vec[_SEEN]),
+            stop=bool(vec[_STOP]),
+            etcd_lost=bool(vec[_ETCD_LOST]),
+            save_due_by_time=bool(vec[_SAVE_DUE]),
+            every=-int(vec[_NEG_EVERY]),
+            save_unsettled=bool(vec[_UNSETTLED]),
+        )
+
+    def vector(self) -> tuple[int, ...]:
+        """This agreement as integers whose element-wise MAX with another's agrees both."""
+        return Proposal(
+            self.generation,
+            self.checkpoint_requested,
+            self.checkpoint_served,
+            self.stop,
+            self.etcd_lost,
+            self.save_due_by_time,
+            self.every,
+            self.save_unsettled,
+        ).vector()
+
     @property
     def checkpoint_request_new(self) -> bool:
         """A request no rank has served yet (a replacement has seen none, its peers have)."""
@@ -138,29 +178,12 @@ def agree(
     compute (a rank slow after its last gradient bucket, in its optimizer step
     say, is waited for here, and untimed its peers would look as slow as it).
     """
-    vec = torch.zeros(_LEN, dtype=torch.int64)
-    vec[_GENERATION] = mine.generation
-    vec[_CHECKPOINT] = mine.checkpoint_requested
-    vec[_SEEN] = mine.checkpoint_served
-    vec[_STOP] = int(mine.stop)
-    vec[_ETCD_LOST] = int(mine.etcd_lost)
-    vec[_SAVE_DUE] = int(mine.save_due_by_time)
-    vec[_NEG_EVERY] = -max(1, mine.every)  # MAX of the negatives: the fewest steps
-    vec[_UNSETTLED] = int(mine.save_unsettled)
+    vec = torch.tensor(mine.vector(), dtype=torch.int64)
     started = timing.collective_started() if timing is not None else None
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     if timing is not None:
         timing.collective_ended(started)
-    return Agreement(
-        generation=int(vec[_GENERATION]),
-        checkpoint_requested=int(vec[_CHECKPOINT]),
-        checkpoint_served=int(vec[_SEEN]),
-        stop=bool(vec[_STOP]),
-        etcd_lost=bool(vec[_ETCD_LOST]),
-        save_due_by_time=bool(vec[_SAVE_DUE]),
-        every=-int(vec[_NEG_EVERY]),
-        save_unsettled=bool(vec[_UNSETTLED]),
-    )
+    return Agreement.of_vector(vec.tolist())
 
 
 #: Why the runtime saves (the ``reason`` an ``on_save`` callback and a checkpoint record get).
@@ -191,16 +214,19 @@ class StepBoundary:
     """One worker's vote schedule and the control requests it served.
 
     The first boundary of every generation votes (:meth:`joined`); each vote
-    agrees on how many steps pass before the next.  Under a delayed sync the
-    sites vote only where they meet anyway (``meets``: a fragment's outer sync
-    starts there), so a slow site holds the others back only at outer syncs.
+    agrees on how many steps pass before the next.  Under a delayed sync each
+    site votes inside itself (``sites``), and what must happen at one step on
+    every site (the saves, the stop, taking the saves' outcomes) is agreed in
+    the outer syncs' rounds instead (:mod:`agents.sync.rounds`): a site never
+    waits for another between outer syncs.
     """
 
     def __init__(self) -> None:
         self._vote_at = 0
         self._served = 0
-        #: ``(step) -> bool``: the boundaries that may vote (None: every one)
-        self.meets: Callable[[int], bool] | None = None
+        #: a delayed sync's sites: votes are the site's own; saves and stops come
+        #: from the rounds' agreements (``across`` of :meth:`decide`)
+        self.sites = False
 
     def joined(self) -> None:
         """A generation was joined: its first boundary votes, on every rank."""
@@ -208,7 +234,7 @@ class StepBoundary:
 
     def votes_at(self, step: int) -> bool:
         """The boundary after ``step`` casts a vote."""
-        return step >= self._vote_at and (self.meets is None or self.meets(step))
+        return step >= self._vote_at
 
     def propose(
         self,
@@ -233,7 +259,12 @@ class StepBoundary:
         )
 
     def decide(
-        self, step: int, generation: int, agreed: Agreement | None, schedule: SaveTrigger
+        self,
+        step: int,
+        generation: int,
+        agreed: Agreement | None,
+        schedule: SaveTrigger,
+        across: Agreement | None = None,
     ) -> Decision:
         """What the boundary after ``step`` does.
 
@@ -243,11 +274,22 @@ class StepBoundary:
             agreed: the vote's outcome; None at a boundary without a vote (no
                 request, no stop, no outage, no save by time).
             schedule: the periodic save rule and its clock (``checkpoint.every_*``).
+            across: under a delayed sync (:attr:`sites`), what the sites agreed in
+                the outer syncs that finished at this boundary (None: none did):
+                the saves and the stop come from it alone, the site's own vote
+                gives the generation and the pause.
         """
         if agreed is None:
             agreed = Agreement.quiet(generation, self._served)
         else:
             self._vote_at = step + agreed.every
+        if self.sites:
+            controls = across if across is not None else Agreement.quiet(generation, self._served)
+            agreed = replace(
+                controls,
+                generation=max(agreed.generation, controls.generation),
+                etcd_lost=agreed.etcd_lost,
+            )
         # Every rank decides from the same reduced numbers (a replacement has seen
         # no request yet, its peers have): a request is new only if no rank served it.
         due = schedule.decide(

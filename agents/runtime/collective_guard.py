@@ -198,11 +198,13 @@ class CollectiveGuard:
                 if self._groups is not None and not self._relaxed:
                     self._apply(self.timeout.current(), force=True)
 
-    def between_sites(self) -> AbstractContextManager[None]:
+    def between_sites(self, grace_s: float = 0.0) -> AbstractContextManager[None]:
         """A boundary that waits for an outer result (a site's ranks wait in its
         broadcast while their leader waits for the other sites): every group gets
-        the timeout between sites where it is the longer."""
-        return self.relaxed(max(self.timeout.current(), self.timeout.between_sites()))
+        the timeout between sites where it is the longer, plus ``grace_s`` (how long
+        a round under a quorum waits for the sites beyond it)."""
+        between = self.timeout.between_sites() + grace_s
+        return self.relaxed(max(self.timeout.current(), between))
 
     def ended_by(self, error: BaseException) -> str:
         """What ended the failed step: ``timeout``, ``abort`` or ``error`` (it raised).
@@ -227,11 +229,8 @@ class CollectiveGuard:
         assert self._groups is not None
         if not force and abs(seconds - self._applied) <= _REAPPLY * self._applied:
             return
-        # while relaxed, the groups between sites get no less than the others
-        between = self.timeout.between_sites()
-        between = max(between, seconds) if self._relaxed else between
         try:
-            set_op_timeout(self._groups, timedelta(seconds=seconds), timedelta(seconds=between))
+            set_op_timeout(self._groups, timedelta(seconds=seconds))
             self._applied = seconds
         except (RuntimeError, AttributeError) as e:  # a torch without per-group timeouts
             log.debug("operation timeout not applied: %s", e)

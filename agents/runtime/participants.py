@@ -17,7 +17,7 @@ kinds exist:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,9 +34,34 @@ from agents.sync.outer_sync import OuterSync
 __all__ = ["BuddySnapshots", "DelayedSync", "StepParticipant"]
 
 
+#: What the session lends a participant (:meth:`StepParticipant.lend`): a vote in a
+#: group (the step boundary's, as integers), whether a newer generation is published,
+#: and the seconds a wait between sites may take.
+Vote = Callable[[dist.ProcessGroup], tuple[int, ...]]
+
+
 class StepParticipant:
     """One part of the step loop; this base takes part in nothing (a participant
     overrides what it does).  ``step`` is always the number of steps completed."""
+
+    #: its sites agree on the saves and the stop in rounds of their own, and each
+    #: votes inside itself between them (see :class:`agents.runtime.boundary.StepBoundary`)
+    across_sites = False
+
+    def lend(
+        self, vote: Vote, moved_on: Callable[[], bool], wait_limit: Callable[[], float]
+    ) -> None:
+        """The session's vote, its word of a newer generation, and its timeout between
+        sites (lent before each generation is joined)."""
+
+    def vote_group(self) -> dist.ProcessGroup | None:
+        """The group the step boundary votes in (None: the generation's control group)."""
+        return None
+
+    def agreed(self, step: int) -> tuple[int, ...] | None:
+        """What its sites agreed for the boundary after ``step`` (a vote's integers;
+        None: nothing there)."""
+        return None
 
     def tracked(self) -> Mapping[str, Stateful]:
         """State of its own that goes with the tracked objects (into durable
@@ -55,14 +80,13 @@ class StepParticipant:
         (the learnt operation timeout applies to them)."""
         return ()
 
-    def slow_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """Groups whose collectives may take many steps' time (their timeout is learnt
-        from :meth:`took`)."""
-        return ()
-
     def waits_at(self, step: int) -> bool:
         """:meth:`after_step` at ``step`` waits on a slow group (longer than a step)."""
         return False
+
+    def grace_s(self) -> float:
+        """Seconds such a wait may take beyond what the slow waits taught."""
+        return 0.0
 
     def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
         """Its work at the boundary after ``step`` (``tracked``: the worker's objects)."""
@@ -70,10 +94,6 @@ class StepParticipant:
     def took(self) -> list[float]:
         """Seconds each slow wait that finished since the last call took."""
         return []
-
-    def votes_at(self, step: int) -> bool:
-        """The boundary after ``step`` may cast the step boundary's vote."""
-        return True
 
     def behind(self, step: int) -> bool:
         """``step`` was completed elsewhere already: the boundary casts no vote."""
@@ -100,9 +120,33 @@ class DelayedSync(StepParticipant):
         failures: records a failure of its collectives as a peer's.
     """
 
+    across_sites = True
+
     def __init__(self, outer: OuterSync, failures: CollectiveFailures) -> None:
         self.outer = outer
         self._failures = failures
+
+    def lend(
+        self, vote: Vote, moved_on: Callable[[], bool], wait_limit: Callable[[], float]
+    ) -> None:
+        outer = self.outer
+
+        def site_vote() -> tuple[int, ...]:
+            groups = outer.groups
+            assert groups is not None, "a round starts inside a generation"
+            return vote(groups.inner_host)
+
+        outer.site_vote, outer.moved_on, outer.wait_limit = site_vote, moved_on, wait_limit
+
+    def vote_group(self) -> dist.ProcessGroup | None:
+        groups = self.outer.groups
+        return groups.inner_host if groups is not None else None
+
+    def agreed(self, step: int) -> tuple[int, ...] | None:
+        agreed = self.outer.agreed
+        for older in [s for s in agreed if s < step]:  # a boundary that did not ask
+            del agreed[older]
+        return agreed.pop(step, None)
 
     def tracked(self) -> Mapping[str, Stateful]:
         return {OUTER_STATE: self.outer}
@@ -125,13 +169,11 @@ class DelayedSync(StepParticipant):
         host = (groups.inner_host,) if groups.inner_host is not groups.inner else ()
         return (groups.inner, *host)
 
-    def slow_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """The leaders' group, on a site's leader."""
-        groups = self.outer.groups
-        return (groups.outer,) if groups is not None and groups.outer is not None else ()
-
     def waits_at(self, step: int) -> bool:
         return self.outer.waits_at(step)
+
+    def grace_s(self) -> float:
+        return self.outer.grace_s
 
     def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
         with self._failures.collective():
@@ -139,9 +181,6 @@ class DelayedSync(StepParticipant):
 
     def took(self) -> list[float]:
         return self.outer.took()
-
-    def votes_at(self, step: int) -> bool:
-        return self.outer.meets(step)  # the sites vote where they meet anyway
 
     def behind(self, step: int) -> bool:
         return step <= self.outer.catch_up_to  # a site catching up trains alone
@@ -166,6 +205,7 @@ class DelayedSync(StepParticipant):
             "site_bytes": totals.bytes_between_sites,
             "outer_wait_s": round(totals.outer_wait_s, 6),
             "last_outer_sync": max(totals.last_sync, default=0),
+            "outer_left_out": totals.left_out,
         }
 
 

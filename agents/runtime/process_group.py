@@ -89,9 +89,6 @@ class Groups:
         stepwise: groups formed in the generation whose collectives run once a
             step or more (a delayed sync's site groups): the learnt timeout
             applies to them as well.
-        between_sites: a delayed sync's leaders' group (on its site's leader),
-            whose collectives span many steps: a timeout learnt from the outer
-            syncs applies to it.
     """
 
     backend: str
@@ -99,7 +96,6 @@ class Groups:
     store: tuple[str, int]
     sockets: frozenset[int] = frozenset()
     stepwise: tuple[dist.ProcessGroup, ...] = ()
-    between_sites: tuple[dist.ProcessGroup, ...] = ()
 
     def each(self) -> list[dist.ProcessGroup]:
         """The data group, the control group when there is one of its own, then the
@@ -334,15 +330,10 @@ def hang_up(sockets: frozenset[int]) -> int:
     return done
 
 
-def set_op_timeout(
-    groups: Groups, timeout: timedelta, between_sites: timedelta | None = None
-) -> None:
-    """Give every later collective of ``groups`` at most ``timeout``, of the groups
-    between sites at most ``between_sites`` (None: ``timeout`` too)."""
+def set_op_timeout(groups: Groups, timeout: timedelta) -> None:
+    """Give every later collective of ``groups`` at most ``timeout``."""
     for group in groups.each():
         group.set_timeout(timeout)
-    for group in groups.between_sites:
-        group.set_timeout(timeout if between_sites is None else between_sites)
 
 
 #: How long the training thread lets go of the GIL after the last collective, so

@@ -55,6 +55,7 @@ from agents.runtime.telemetry import WorkerTelemetry
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
 from agents.state.api import Recovery
+from agents.sync.rounds import maximum
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.settings import SETTINGS
@@ -105,7 +106,6 @@ class Session:
         self._step_error: BaseException | None = None
         self._stop_requested = False
         self._votes = StepBoundary()
-        self._votes.meets = self._participants_meet
         self._saving = Saving(env, client, spec, self._fence, self._telemetry, self._state)
         self._watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
         self._guard = CollectiveGuard(OpTimeout.of_job(spec), self._watch.latest_generation)
@@ -203,6 +203,13 @@ class Session:
         (``sync.mode`` diloco or streaming_diloco); empty otherwise."""
         outer = self._models.outer
         return tuple(int(c) for c in outer.counts) if outer is not None else ()
+
+    @property
+    def outer_left_out(self) -> int:
+        """Outer steps this rank's site took without its own pseudo-gradient in them: it
+        reached the round after the others went ahead (``sync.quorum``)."""
+        outer = self._models.outer
+        return outer.totals.left_out if outer is not None else 0
 
     @property
     def step_failed(self) -> bool:
@@ -364,8 +371,9 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                slow = any(part.waits_at(st.step) for part in parts)
-                with self._guard.between_sites() if slow else contextlib.nullcontext():
+                slow = [part.grace_s() for part in parts if part.waits_at(st.step)]
+                waits = self._guard.between_sites(max(slow)) if slow else contextlib.nullcontext()
+                with waits:
                     for part in parts:
                         part.after_step(st.step, st.tracked)
                 for part in parts:  # the slow group's timeout is learnt from its waits
@@ -467,12 +475,13 @@ class Session:
         self._votes.joined()
         self._models.rebuild()
         parts = self._models.participants
+        self._votes.sites = any(part.across_sites for part in parts)
         for part in parts:
+            part.lend(self._site_vote, self._moved_on, self._guard.timeout.between_sites)
             part.joined(st.step if st.has_state else None)
         self._groups = dataclasses.replace(
             self._generations.settled(joined),
             stepwise=tuple(g for part in parts for g in part.step_groups()),
-            between_sites=tuple(g for part in parts for g in part.slow_groups()),
         )
         self._heartbeat.start()
         self._heartbeat.poke()
@@ -489,7 +498,9 @@ class Session:
             for part in self._models.participants:
                 seen = part.newest_generation(self._watch.latest_generation())
                 generation = max(generation, seen) if seen is not None else generation
-        decision = self._votes.decide(st.step, generation, agreed, self._saving.trigger)
+        rounds = [v for part in self._models.participants if (v := part.agreed(st.step))]
+        across = Agreement.of_vector(maximum(rounds)) if rounds else None
+        decision = self._votes.decide(st.step, generation, agreed, self._saving.trigger, across)
         if decision.pause:
             st.paused = f"etcd unreachable at step {st.step}"
             try:
@@ -511,7 +522,14 @@ class Session:
             self._telemetry.left_by = None  # this step ended well: nothing had to end it
             self._recover(f"generation {decision.generation} published", planned=True)
 
-    def _vote(self, step_seconds: float) -> Agreement:
+    def _moved_on(self) -> bool:
+        return self._watch.latest_generation() > self._state.generation
+
+    def _site_vote(self, group: dist.ProcessGroup) -> tuple[int, ...]:
+        """A vote inside ``group`` (a site's, at an outer sync's start), as integers."""
+        return self._vote(0.0, group).vector()
+
+    def _vote(self, step_seconds: float, group: dist.ProcessGroup | None = None) -> Agreement:
         contact = SETTINGS.etcd_contact_timeout.total_seconds()
         mine = self._votes.propose(
             generation=self._watch.latest_generation(),
@@ -521,9 +539,12 @@ class Session:
             step_seconds=step_seconds,
             save_unsettled=self._saving.unsettled(),
         )
+        if group is None:  # a delayed sync's site votes inside itself
+            group = next((g for p in self._models.participants if (g := p.vote_group())), None)
+        if group is None:
+            group = self._groups.control if self._groups is not None else None
         with self._failures.collective():
-            control = self._groups.control if self._groups is not None else None
-            return agree(mine, group=control, timing=self._failures.timing)
+            return agree(mine, group=group, timing=self._failures.timing)
 
     # -- the end -----------------------------------------------------------------------
 
@@ -567,11 +588,6 @@ class Session:
     def _stop_participants(self) -> None:
         for part in self._models.participants:
             part.stop()
-
-    def _participants_meet(self, step: int) -> bool:
-        """The boundary after ``step`` may vote: where every participant lets it (a
-        delayed sync's sites vote only where they meet anyway)."""
-        return all(part.votes_at(step) for part in self._models.participants)
 
     def close(self) -> None:
         """Leave: stop the heartbeat, the watches and the group, close the etcd client.

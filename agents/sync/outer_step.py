@@ -36,7 +36,15 @@ import torch
 
 from orchestrator.spec.sync import OuterOptimizerName, OuterOptimizerSpec
 
-__all__ = ["OuterOptimizer", "average", "flatten", "merge_into", "pseudo_gradient", "write_back"]
+__all__ = [
+    "OuterOptimizer",
+    "average",
+    "flatten",
+    "merge_into",
+    "pseudo_gradient",
+    "rebase",
+    "write_back",
+]
 
 
 def flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -92,6 +100,15 @@ def merge_into(params: Sequence[torch.Tensor], global_: torch.Tensor, alpha: flo
     become ``global_``.  Every rank of a site computes it from the same numbers, so
     the site's replicas stay alike."""
     write_back(params, torch.lerp(global_, flatten(params), alpha) if alpha else global_)
+
+
+def rebase(params: Sequence[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
+    """``params`` (a site's fragment now) keep what they moved from the ``old`` anchor, on
+    top of the ``new`` one: ``params - old + new``.  A site left out of a round (it came
+    after the others went ahead) takes the round's outer step this way: its own inner
+    steps are in none of it, so it keeps them, and its next pseudo-gradient (the new
+    anchor minus its parameters) carries them to the next round it takes part in."""
+    write_back(params, flatten(params).sub_(old).add_(new))
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,20 @@ but whose result is not used yet (with a delay).  A replacement receives it
 from a live peer of its site; it goes into durable checkpoints.
 
 At each step boundary (:meth:`OuterSync.after_step`) a fragment whose sync is
-due computes its pseudo-gradient; the site's leader sends it to the other
-sites' leaders (an all-gather on the leaders' group, encoded as
-``SyncSpec.quantization`` says) and, once the result is due, averages the
-sites' contributions, hands the average to its site's ranks (a broadcast on the
-site's group), and every rank takes the outer step and merges its result with
-its own fragment (``SyncSpec.mixing``).  With a delay the all-gather runs while
-the next inner steps compute.  Each fragment has its own momentum and count.
+due computes its pseudo-gradient; the site's leader offers it to the
+fragment's round (:mod:`agents.sync.round_exchange`, encoded as
+``SyncSpec.quantization`` says, weighted by the site's ranks) and, once the
+result is due, averages the contributions of the sites the round was decided
+with (``sync.quorum``), hands the average to its site's ranks (a broadcast on
+the site's group), and every rank takes the outer step and merges its result
+with its own fragment (``SyncSpec.mixing``); a site left out of the round
+keeps its own steps instead (:func:`~agents.sync.outer_step.rebase`).  With a
+delay the round runs while the next inner steps compute.  Each fragment has
+its own momentum and count.  What the sites agreed in a round (its saves, a
+stop) waits in :attr:`OuterSync.agreed` for the runtime.  The module is over
+450 lines because that state and what the boundary and a join do to it are
+one object's: the rules of a round and its I/O are in modules of their own
+(:mod:`agents.sync.rounds`, :mod:`agents.sync.round_exchange`).
 
 The last boundary of the run (:attr:`OuterSync.end`) waits for every sync still
 under way, applies it, and leaves each fragment at its anchor: training ends
@@ -50,9 +57,12 @@ from agents.sync.outer_step import (
     flatten,
     merge_into,
     pseudo_gradient,
+    rebase,
     write_back,
 )
-from agents.sync.quantize import decode, empty_like_payload, encode, payload_bytes
+from agents.sync.quantize import decode, empty_like_payload, encode
+from agents.sync.round_exchange import RoundExchange, RoundPlace, generation_store
+from agents.sync.rounds import Offer
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
 from orchestrator.spec.sync import SyncSpec
@@ -75,15 +85,9 @@ class SyncTotals:
     outer_wait_s: float = 0.0
     #: steps complete at each fragment's last applied sync
     last_sync: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _InFlight:
-    """A sync whose all-gather runs (on a site's leader)."""
-
-    works: list[Any]
-    gathered: list[list[torch.Tensor]]
-    weights: torch.Tensor
+    #: outer steps this site took without its own pseudo-gradient in them: it reached
+    #: the round after the others went ahead (``sync.quorum``)
+    left_out: int = 0
 
 
 class OuterSync:
@@ -120,7 +124,18 @@ class OuterSync:
         self.pending_at = [NOT_PENDING] * len(runs)
         self.pending_delta = [torch.zeros_like(a) for a in self.anchors]
         self.pending_weight = [0.0] * len(runs)
-        self._inflight: dict[int, _InFlight] = {}
+        self._rounds: dict[int, RoundExchange] = {}  # on a carrier: the rounds under way
+        self._votes: dict[int, tuple[int, ...]] = {}  # each round's site vote, at its start
+        #: the site's step-boundary vote as integers (set by the runtime): called on every
+        #: rank of a site at each round's start, a collective inside the site
+        self.site_vote: Callable[[], tuple[int, ...]] = lambda: ()
+        #: a newer generation is published (set by the runtime): a waiting round gives up
+        self.moved_on: Callable[[], bool] = lambda: False
+        #: seconds a round may wait for its quorum (set by the runtime)
+        self.wait_limit: Callable[[], float] = lambda: 2 * 3600.0
+        #: steps complete -> what the sites agreed in the rounds finished at that boundary
+        #: (the runtime takes it: the saves and the stop every site makes there)
+        self.agreed: dict[int, tuple[int, ...]] = {}
         #: fragment -> (anchor, momentum) after the outer step of its pending sync, as
         #: another site applied it while this site's generation broke (see site_join)
         self.resolved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -338,36 +353,49 @@ class OuterSync:
         self._exchange(f)
 
     def _exchange(self, f: int) -> None:
-        """The leader starts the all-gather of fragment ``f``'s pseudo-gradient."""
+        """Every rank of the site votes; its carrier (the leader, or each rank of an FSDP2
+        site) offers fragment ``f``'s pseudo-gradient to the round in the background
+        (:mod:`agents.sync.round_exchange`)."""
         groups = self._need_groups()
-        if not groups.is_leader:
+        self._votes[f] = self.site_vote()
+        if not (groups.is_leader or groups.per_slice):
             return
-        kind = self.spec.quantization
-        mine = encode(self.pending_delta[f], kind)
-        numel = self.pending_delta[f].numel()
-        sites = len(groups.sites)
-        gathered = [
-            list(bufs)
-            for bufs in zip(*(empty_like_payload(numel, kind) for _ in range(sites)), strict=True)
-        ]
-        weights = torch.zeros(sites, dtype=torch.float32)
-        works = [
-            dist.all_gather(gathered[i], mine[i], group=groups.outer, async_op=True)
-            for i in range(len(mine))
-        ]
-        weight = torch.tensor([self.pending_weight[f]], dtype=torch.float32)
-        works.append(
-            dist.all_gather(list(weights.split(1)), weight, group=groups.outer, async_op=True)
+        kind, numel = self.spec.quantization, self.pending_delta[f].numel()
+        mine = groups.sites.ranks[groups.index]
+        place = RoundPlace(
+            connect=generation_store(),
+            fragment=f,
+            at=self.pending_at[f],
+            site=groups.index,
+            sites=len(groups.sites),
+            carriers=len(mine) if groups.per_slice else 1,
+            slot=mine.index(groups.rank) if groups.per_slice else 0,
         )
-        self._inflight[f] = _InFlight(works, gathered, weights)
-        self.totals.bytes_between_sites += (sites - 1) * payload_bytes(numel, kind)
+        # a site counts by its tokens: every rank takes the same batch, so by its ranks
+        offer = Offer(self.pending_weight[f] * len(mine), self._votes[f], parts=0)
+        quorum = self.spec.quorum if self.spec.quorum is not None else len(groups.sites)
+        self._rounds[f] = RoundExchange(
+            place,
+            encode(self.pending_delta[f], kind),
+            lambda: empty_like_payload(numel, kind),
+            offer,
+            quorum,
+            self.spec.sync_timeout,
+        )
 
     def _finish(self, f: int, done: int) -> None:
         """Wait for fragment ``f``'s sync, share the average, take the outer step, merge."""
+        left_out = False
         if f in self.resolved:  # its outer step went through on another site
             self.anchors[f], self.momentum[f] = self.resolved.pop(f)
+            self._votes.pop(f, None)
         else:
-            avg = self._average(f)
+            avg, left_out, agreed = self._average(f)
+            if agreed:  # fragments finishing at one boundary: what any round agreed
+                seen = self.agreed.get(done, ())
+                self.agreed[done] = tuple(
+                    max(a, b) for a, b in zip(agreed, seen or agreed, strict=True)
+                )
             if avg is None:  # every site that contributed is gone
                 log.warning(
                     "fragment %d: no site that contributed to the sync started at step %d "
@@ -378,43 +406,63 @@ class OuterSync:
                 self.pending_at[f] = NOT_PENDING
                 self.pending_weight[f] = 0.0
                 return
+            before = self.anchors[f].clone() if left_out else None
             self._optimizer.step(self.anchors[f], self.momentum[f], avg)
             if self._began[f]:
                 self._took.append(time.perf_counter() - self._began[f])
-        merge_into(self._fragments[f], self.anchors[f], self.spec.mixing)
+            if before is not None:  # its own steps are not in the outer step: it keeps them
+                rebase(self._fragments[f], before, self.anchors[f])
+                self.totals.left_out += 1
+        if not left_out:
+            merge_into(self._fragments[f], self.anchors[f], self.spec.mixing)
         self.counts[f] += 1
         self.pending_at[f] = NOT_PENDING
         self.pending_weight[f] = 0.0
         self.totals.last_sync[f] = done
 
-    def _average(self, f: int) -> torch.Tensor | None:
-        """The sites' average pseudo-gradient of fragment ``f``, on every rank of the site;
-        None where no site contributed (every weight 0: they joined after it started)."""
+    def _average(self, f: int) -> tuple[torch.Tensor | None, bool, tuple[int, ...]]:
+        """Fragment ``f``'s round, on every rank of the site: the weighted average of the
+        pseudo-gradients that take part (None where none has a weight: every site that
+        did joined after the round started), whether this site was left out of it, and
+        what the sites agreed."""
         groups = self._need_groups()
         waited = time.perf_counter()
         numel = self.anchors[f].numel()
         avg: torch.Tensor | None = None
-        if groups.is_leader:
-            flight = self._inflight.pop(f)
-            for work in flight.works:
-                work.wait()
+        left_out = False
+        agreed = self._votes.pop(f, ())
+        if groups.is_leader or groups.per_slice:
+            result = self._rounds.pop(f).wait(self.moved_on, self.wait_limit() + self.grace_s)
             kind = self.spec.quantization
-            parts = zip(*flight.gathered, strict=True)
-            weights = flight.weights.tolist()
-            if sum(weights) > 0:
-                decoded = [decode(list(p), kind, numel) for p in parts]
-                avg = average(list(zip(weights, decoded, strict=True)))
+            if result.received:
+                avg = average([(w, decode(p, kind, numel)) for w, p in result.received])
+            left_out = not result.decision.takes_part(groups.index)
+            agreed = result.decision.agreement
+            self.totals.bytes_between_sites += result.bytes_read
         if len(groups.sites.ranks[groups.index]) > 1 and not groups.per_slice:  # the site's
-            # the last value says whether there is an average (1) or none (0)
-            shared = torch.zeros(numel + 1, dtype=torch.float32, device=groups.device)
+            # the last two values: whether there is an average (1) or none (0), and
+            # whether this site was left out of the round
+            shared = torch.zeros(numel + 2, dtype=torch.float32, device=groups.device)
+            votes = torch.tensor(agreed, dtype=torch.int64)  # on gloo: host memory
             if avg is not None:
                 shared[:numel].copy_(avg)
                 shared[numel] = 1.0
+            shared[numel + 1] = float(left_out)
             dist.broadcast(shared, src=groups.leader, group=groups.inner)
+            if votes.numel():
+                dist.broadcast(votes, src=groups.leader, group=groups.inner_host)
             host = shared.cpu()
             avg = host[:numel] if bool(host[numel]) else None
+            left_out = bool(host[numel + 1])
+            agreed = tuple(int(v) for v in votes.cpu())
         self.totals.outer_wait_s += time.perf_counter() - waited
-        return avg
+        return avg, left_out, agreed
+
+    @property
+    def grace_s(self) -> float:
+        """Seconds a round may wait beyond what the outer syncs taught: ``sync_timeout``
+        under a quorum (the others are waited for that long before it goes ahead)."""
+        return self.spec.sync_timeout.total_seconds() if self.spec.quorum is not None else 0.0
 
     @property
     def device(self) -> torch.device:
@@ -430,7 +478,11 @@ class OuterSync:
 
     def drop(self) -> None:
         """Forget the broken generation's groups and the syncs in flight on them."""
-        self._inflight.clear()
+        for round_ in self._rounds.values():
+            round_.cancel()
+        self._rounds.clear()
+        self._votes.clear()
+        self.agreed.clear()
         self.resolved.clear()
         self.groups = None
         self._took.clear()  # a new generation learns from its own syncs

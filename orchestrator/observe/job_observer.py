@@ -425,9 +425,11 @@ def _sharded_state(record: RecoveryRecord) -> str:
 
 def outer_loop(rank0: Telemetry, workers: list[ProgressRecord], step: int) -> dict[str, Any]:
     """What ``status`` says of a delayed sync: rank 0's outer loop, and the bytes every
-    site's leader received from the others (each crossing counted once), per step."""
+    site's leader received from the others (each crossing counted once), per step, and
+    the most outer steps a site took without its own pseudo-gradient."""
     between = sum(p.telemetry.site_bytes for p in workers)
     return {
+        "left_out": max((p.telemetry.outer_left_out for p in workers), default=0),
         "outer_steps": rank0.outer_steps,
         "last_outer_sync": rank0.last_outer_sync,
         "outer_wait_s": round(rank0.outer_wait_s, 3),
@@ -443,4 +445,5 @@ def outer_loop_text(sync: dict[str, Any]) -> str:
         f"{size_text(sync['site_bytes'])} between sites "
         f"({size_text(sync['site_bytes_per_step'])}/step); "
         f"rank 0 waited {sync['outer_wait_s']:.1f}s for outer results"
+        + (f"; a site was left out of {sync['left_out']}" if sync.get("left_out") else "")
     )

@@ -161,6 +161,11 @@ DESCRIPTIONS: dict[str, str] = {
         "below 1; unset: 0.5 under streaming_diloco, 0 under diloco (the papers')."
     ),
     "sync.site_label": "The node label whose value names a node's site (zone by default).",
+    "sync.quorum": (
+        "The least number of sites an outer sync goes ahead with once sync_timeout has "
+        "passed since the first site reached it; unset: every site."
+    ),
+    "sync.sync_timeout": "How long an outer sync waits for the sites beyond sync.quorum.",
     "resources": "Per-node pod resources.",
     "resources.image": "Container image with ringmaster and the training code.",
     "resources.cpu": "CPU request and limit of each agent pod.",
@@ -189,6 +194,7 @@ MINIMUMS: dict[str, int] = {
     "sync.fragments": 1,
     "sync.delay_steps": 0,
     "sync.alpha": 0,
+    "sync.quorum": 1,
     "resources.gpus": 0,
 }
 

@@ -26,6 +26,7 @@ replaces each site's parameters with the global ones (alpha 0).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 
 from orchestrator.spec.bounds import Problems
@@ -44,6 +45,8 @@ __all__ = [
 MAX_INNER_STEPS = 1_000_000
 #: Most fragments a model is cut into.
 MAX_FRAGMENTS = 1024
+#: Longest ``sync_timeout``: a day.
+MAX_SYNC_TIMEOUT = timedelta(days=1)
 
 
 class SyncMode(str, Enum):
@@ -126,6 +129,11 @@ class SyncSpec:
     alpha: float | None = None
     #: the node label whose value names a node's site
     site_label: str = "zone"
+    #: the least number of sites an outer sync goes ahead with once ``sync_timeout``
+    #: has passed since the first site reached it; None: every site (the papers')
+    quorum: int | None = None
+    #: how long an outer sync waits for the sites beyond ``quorum``
+    sync_timeout: timedelta = timedelta(seconds=60)
 
     @property
     def delayed(self) -> bool:
@@ -169,6 +177,24 @@ class SyncSpec:
             out.append(("alpha", f"must be at least 0 and below 1, got {self.alpha:g}: {_ALPHA}"))
         if not self.site_label.strip():
             out.append(("site_label", "must name a node label, e.g. zone"))
+        out += self._quorum_problems()
+        return out
+
+    def _quorum_problems(self) -> Problems:
+        out: Problems = []
+        if self.quorum is not None and self.quorum < 1:
+            out.append(("quorum", f"must be 1 or more sites, got {self.quorum}"))
+        if not timedelta(0) <= self.sync_timeout <= MAX_SYNC_TIMEOUT:
+            out.append(("sync_timeout", f"must be 0 s to 1 day, got {self.sync_timeout}"))
+        elif self.quorum is None and self.sync_timeout != SyncSpec().sync_timeout:
+            out.append(
+                (
+                    "sync_timeout",
+                    "bounds the wait for the sites beyond sync.quorum, and without a quorum "
+                    "every site is waited for: set sync.quorum (the least number of sites "
+                    "an outer sync goes ahead with), or remove sync_timeout",
+                )
+            )
         return out
 
     def _fragment_problems(self) -> Problems:
@@ -233,6 +259,8 @@ _DELAYED_FIELDS = (
     "outer_quantization",
     "alpha",
     "site_label",
+    "quorum",
+    "sync_timeout",
 )
 
 #: What ``alpha`` is, for the message that refuses one out of range.
@@ -249,4 +277,6 @@ def _shown(value: object) -> str:
         return f"{{name: {value.name.value}, lr: {value.lr:g}, momentum: {value.momentum:g}}}"
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}s"
     return str(value.value if isinstance(value, Enum) else value)

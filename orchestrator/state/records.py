@@ -188,11 +188,14 @@ class Telemetry(Record):
     timed_steps: int = 0
     #: a delayed sync (``sync.mode`` diloco, streaming_diloco): outer steps its site
     #: took (all fragments), bytes its site's leader received from the other sites,
-    #: seconds it waited for outer results, and the steps complete at its last outer step
+    #: seconds it waited for outer results, the steps complete at its last outer step,
+    #: and the outer steps its site took without its own pseudo-gradient (it reached
+    #: the round after the others went ahead: ``sync.quorum``)
     outer_steps: int = 0
     site_bytes: int = 0
     outer_wait_s: float = 0.0
     last_outer_sync: int = 0
+    outer_left_out: int = 0
 
 
 @dataclass

@@ -10,14 +10,13 @@ all-reducing and writes how its stuck collective ended to ``--out``.
 Arguments: RANK ETCD_ENDPOINT JOB --moved FILE --out FILE [--backend nccl|gloo]
 [--op-timeout SECONDS] (the guard's ceiling, what applies before any step is learnt)
 [--between-sites] (the ranks are two sites of a delayed sync, each its own leader:
-the stuck collective runs on the leaders' group, whose timeout the guard learns
-from two outer syncs of 0.05 s: its floor of 1 s, not the ceiling)
+rank 0 waits in an outer sync's round for rank 1's offer, as long as the guard
+learnt from two outer syncs of 0.05 s: its floor of 1 s, not the ceiling)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -29,8 +28,8 @@ import torch.distributed as dist
 
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.process_group import choose_device, form_group, teardown_group
-from agents.sync.site_groups import form_site_groups
-from agents.sync.sites import Sites
+from agents.sync.round_exchange import RoundExchange, RoundPlace, generation_store
+from agents.sync.rounds import Offer
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
 
@@ -50,13 +49,6 @@ def main() -> None:
     client = connect(EtcdOptions(endpoints=parse_endpoints(a.endpoint)))
     backend, device = choose_device(a.backend, a.rank if a.backend == "nccl" else 0)
     groups = form_group(client, a.job, 1, a.rank, 2, "127.0.0.1", backend=backend, device=device)
-    group = None  # the default group
-    if a.between_sites:
-        sites = Sites(("a", "b"), ((0,), (1,)))
-        site = form_site_groups(sites, a.rank, device, timedelta(seconds=a.op_timeout))
-        assert site.outer is not None  # each rank is its own site's leader
-        groups = dataclasses.replace(groups, between_sites=(site.outer,))
-        group = site.outer
     floor = 1.0 if a.between_sites else a.op_timeout
     guard = CollectiveGuard(
         OpTimeout(floor=floor, multiple=10, ceiling=a.op_timeout),
@@ -66,9 +58,9 @@ def main() -> None:
     if a.between_sites:
         guard.outer_synced(0.05)  # a generation's first sync is not learnt from
         guard.outer_synced(0.05)
-    t = torch.ones(1 << 16, device=device if group is None else torch.device("cpu"))
+    t = torch.ones(1 << 16, device=device)
     for _ in range(5):
-        dist.all_reduce(t, group=group, async_op=True).wait()
+        dist.all_reduce(t, async_op=True).wait()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if a.rank == 1:
@@ -77,8 +69,14 @@ def main() -> None:
         return
     started = time.monotonic()
     try:
+        if a.between_sites:  # a round of fragment 0 started at step 10 that rank 1 never offers to
+            place = RoundPlace(generation_store(), fragment=0, at=10, site=0, sites=2)
+            round_ = RoundExchange(
+                place, [t], lambda: [torch.empty_like(t)], Offer(1.0, (), 0), 2, timedelta(0)
+            )
+            round_.wait(lambda: False, guard.timeout.between_sites())
         while True:
-            dist.all_reduce(t, group=group, async_op=True).wait()
+            dist.all_reduce(t, async_op=True).wait()
     except Exception as e:  # the stuck collective's error is the result
         a.out.write_text(
             json.dumps(

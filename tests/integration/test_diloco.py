@@ -115,9 +115,10 @@ class HandRun:
     Each site's DDP step is the mean of its ranks' gradients.  When a fragment's sync
     starts, each site's pseudo-gradient is taken (and encoded as it would travel:
     ``slices`` > 1 encodes each rank's rows of it apart, as an FSDP2 model in each site
-    sends them); ``delay_steps`` later the sites' average goes through the outer
-    Nesterov step (the new anchor) and each site's fragment becomes ``alpha`` times
-    itself (its inner steps since the start in it) plus ``1 - alpha`` times the anchor.
+    sends them); ``delay_steps`` later the sites' average (each weighs as its ranks)
+    goes through the outer Nesterov step (the new anchor) and each site's fragment
+    becomes ``alpha`` times itself (its inner steps since the start in it) plus
+    ``1 - alpha`` times the anchor.
     """
 
     def __init__(
@@ -171,8 +172,11 @@ class HandRun:
             f = self.schedule.starts_at(done)
             if f is not None:  # a lost site's pseudo-gradient does not count
                 self.started_at[f] = done
-                self.started[f] = [
-                    (0.0 if lost and i == 0 else 1.0, pseudo_gradient(self.anchors[f], s[f]))
+                self.started[f] = [  # each site weighs as its ranks (its tokens)
+                    (
+                        0.0 if lost and i == 0 else float(len(self.sites[i])),
+                        pseudo_gradient(self.anchors[f], s[f]),
+                    )
                     for i, s in enumerate(self.frags)
                 ]
             if lost:

@@ -36,10 +36,9 @@ def test_a_wait_between_sites_ends_at_the_timeout_learnt_from_outer_syncs(
     etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     """Two sites of a delayed sync, one rank each: the other site's leader stops while
-    this one waits in a collective of the leaders' group.  The guard learnt from two
+    this one waits for its offer to an outer sync's round.  The guard learnt from two
     outer syncs of 0.05 s that such a wait may take its floor, 1 s: the wait ends
-    there, not at the ceiling the group was formed with (60 s here; torch's own
-    default for a new group is 30 minutes)."""
+    there, not at the ceiling (60 s here)."""
     result = run_stuck_pair(
         etcd.endpoint, tmp_path, backend="gloo", op_timeout=60.0, between_sites=True
     )

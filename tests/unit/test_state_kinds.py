@@ -83,8 +83,16 @@ def test_a_delayed_sync_takes_part_in_the_step_loop_through_the_participant_cont
     assert outer.end == 10  # the last outer step lands on the global model
     outer.catch_up_to = 6
     assert sync.behind(6) and not sync.behind(7)  # a site catching up casts no vote
-    assert [sync.votes_at(s) for s in range(1, 9)] == [outer.meets(s) for s in range(1, 9)]
-    assert sync.step_groups() == () and sync.slow_groups() == ()  # no generation joined yet
+    assert sync.across_sites  # saves and stops are agreed in its rounds
+    assert sync.step_groups() == () and sync.vote_group() is None  # no generation joined yet
+    outer.agreed.update({4: (1, 2), 6: (3, 4)})
+    assert sync.agreed(6) == (3, 4) and outer.agreed == {}  # an older agreement is dropped
     assert sync.newest_generation(3) == 3  # no site groups yet: this rank's own word
     figures = sync.telemetry()
-    assert set(figures) == {"outer_steps", "site_bytes", "outer_wait_s", "last_outer_sync"}
+    assert set(figures) == {
+        "outer_steps",
+        "site_bytes",
+        "outer_wait_s",
+        "last_outer_sync",
+        "outer_left_out",
+    }

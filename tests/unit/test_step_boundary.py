@@ -70,14 +70,21 @@ def test_gloo_losing_a_peer_is_a_peer_failure_wherever_it_was_raised() -> None:
     assert peer_failure(RuntimeError("socket timed out talking to my database"), None, None) is None
 
 
-def test_sites_vote_only_where_they_meet() -> None:
-    """Under a delayed sync a vote waits for the next boundary where an outer sync
-    starts: a slow site holds the others back there, not every few steps."""
-    votes = StepBoundary()
-    votes.meets = lambda step: step % 10 == 0
-    assert [s for s in range(1, 31) if votes.votes_at(s)] == [10, 20, 30]
-    plain = StepBoundary()
-    assert all(plain.votes_at(s) for s in range(1, 5))
+def test_a_sites_vote_leaves_saves_and_stops_to_the_rounds_agreement() -> None:
+    """Under a delayed sync each site votes inside itself: its vote moves it to a newer
+    generation and pauses it, but a save or a stop happens only where the sites agreed
+    on it in an outer sync's round (at the same step on every site)."""
+    b, never = StepBoundary(), SaveTrigger()
+    b.sites = True
+    site = Agreement(3, 5, 0, True, True, True, save_unsettled=False)
+    alone = b.decide(10, 2, site, never)
+    assert alone.saves == () and not alone.stop and not alone.settle
+    assert alone.generation == 3 and alone.pause and alone.served == 0
+    across = Agreement(2, 5, 0, True, False, False, save_unsettled=False)
+    both = b.decide(11, 2, site, never, across=across)
+    assert both.saves == ("requested", "stop") and both.stop and both.settle
+    assert both.generation == 3 and both.pause and both.served == 5
+    assert Agreement.of_vector(across.vector()) == across
 
 
 def test_a_saves_outcome_is_taken_only_where_every_ranks_save_has_ended() -> None:

@@ -41,6 +41,24 @@ def batch(step: int, rank: int, world: int, x: torch.Tensor, y: torch.Tensor):  
     return x[share], y[share]
 
 
+def train_step(
+    session: runtime.Session,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """Global batch ``step``'s share of this rank, one SGD step on it: its loss (the mean
+    over the global batch: the sum of per-rank sums / ``GLOBAL_BATCH``) and its samples."""
+    xb, yb = batch(step, session.rank, session.world_size, x, y)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(xb), yb, reduction="sum") * session.world_size / GLOBAL_BATCH
+    loss.backward()
+    opt.step()
+    return loss, len(yb)
+
+
 def node_number() -> int:
     """The number this worker's node name ends with (node-2: 2), else 0."""
     found = re.search(r"(\d+)$", os.environ.get("RINGMASTER_NODE", ""))
@@ -76,25 +94,18 @@ def main() -> None:
     model = session.wrap(nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     session.track(model=model, optimizer=opt)
-    loss = torch.tensor(0.0)
+    loss, samples = torch.tensor(0.0), 0
     log_every = int(os.environ.get("RINGMASTER_LOG_EVERY", "20"))
     for step in session.steps(args.steps or None):
         while step == args.hold_at and args.go_file and not os.path.exists(args.go_file):
             time.sleep(0.05)  # the same step on every rank: no collective waits on it
         with session.guard():
-            xb, yb = batch(step, session.rank, session.world_size, x, y)
-            opt.zero_grad()
-            # mean over the global batch: the sum of per-rank sums / GLOBAL_BATCH
-            loss = (
-                F.cross_entropy(model(xb), yb, reduction="sum") * session.world_size / GLOBAL_BATCH
-            )
-            loss.backward()
-            opt.step()
+            loss, samples = train_step(session, model, opt, step, x, y)
             if args.step_time:
                 time.sleep(args.step_time)
         if session.step_failed:
             continue  # the step runs again in the next generation
-        session.report(loss=loss.item(), samples=len(yb))
+        session.report(loss=loss.item(), samples=samples)
         if args.step_log:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
                 f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")

@@ -540,7 +540,8 @@ class Session:
             save_unsettled=self._saving.unsettled(),
         )
         if group is None:  # a delayed sync's site votes inside itself
-            group = next((g for p in self._models.participants if (g := p.vote_group())), None)
+            groups = (p.vote_group() for p in self._models.participants)
+            group = next((g for g in groups if g is not None), None)
         if group is None:
             group = self._groups.control if self._groups is not None else None
         with self._failures.collective():

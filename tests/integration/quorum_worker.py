@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the examples beside the tests
 
 from agents import runtime
-from examples.train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
+from examples.train_tiny import CLASSES, FEATURES, dataset, train_step
 
 
 def main() -> None:
@@ -42,13 +41,7 @@ def main() -> None:
     session.track(model=model, optimizer=opt)
     for step in session.steps():
         with session.guard():
-            xb, yb = batch(step, session.rank, session.world_size, x, y)
-            opt.zero_grad()
-            loss = (
-                F.cross_entropy(model(xb), yb, reduction="sum") * session.world_size / GLOBAL_BATCH
-            )
-            loss.backward()
-            opt.step()
+            train_step(session, model, opt, step, x, y)
             time.sleep(pause)
     if session.finished:
         flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])

@@ -157,7 +157,7 @@ def join_sites(
                 table[r] = table[src]
         if step == NO_STATE:
             restore(put_back(state, capture()))  # its own parameters: the anchors follow
-            outer.start_from_anchors()
+            outer.start_from_anchors(best)
             step = best
             log.warning(
                 "site %s had no state: it starts from the sites' common parameters at step %d",

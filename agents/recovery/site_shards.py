@@ -194,7 +194,7 @@ def join_site_shards(
     if step == NO_STATE:
         assert state is not None
         outer.load_state_dict(state["outer"])
-        outer.start_from_anchors()
+        outer.start_from_anchors(best)
         step, source = best, SOURCE_PEER
         log.warning(
             "site %s had no state: it starts from the sites' common parameters at step %d",

@@ -155,6 +155,7 @@ class OuterSync:
         #: (:mod:`agents.recovery.outer_reshard` cuts it to the new slices)
         self.saved_piece: dict[str, Any] | None = None
         self._began = [0.0] * len(runs)  # when each fragment's sync under way started here
+        self._blank_through = -1  # syncs that start up to here weigh 0 (start_from_anchors)
         self._took: list[float] = []
 
     @property
@@ -198,14 +199,16 @@ class OuterSync:
         unused = [] if self._optimizer.momentum else list(self.momentum)
         return [*self.pending_delta, *unused]
 
-    def start_from_anchors(self) -> None:
-        """A site without state starts from the sites' common parameters: its parameters
-        become the anchors, and it contributes nothing to the syncs under way (its
-        pseudo-gradients are zero, their weights 0)."""
+    def start_from_anchors(self, done: int) -> None:
+        """A site without state starts from the sites' common parameters at ``done``
+        steps: its parameters become the anchors, and it contributes nothing to the
+        syncs under way nor to one that starts at ``done`` itself (it trained none of
+        their steps: its pseudo-gradients are zero, their weights 0)."""
         for f in range(self.fragments):
             self.take_anchor(f)
             self.pending_delta[f].zero_()
         self.pending_weight = [0.0] * self.fragments
+        self._blank_through = done
 
     def take_from_another_site(self, state: dict[str, Any], done: int) -> None:
         """Load the outer state of the same slice from another site (this rank's slice
@@ -348,7 +351,7 @@ class OuterSync:
     def _start(self, f: int, at: int) -> None:
         self._began[f] = time.perf_counter()
         self.pending_delta[f] = pseudo_gradient(self.anchors[f], self._fragments[f])
-        self.pending_weight[f] = 1.0
+        self.pending_weight[f] = 0.0 if at <= self._blank_through else 1.0
         self.pending_at[f] = at
         self._exchange(f)
 
@@ -483,6 +486,7 @@ class OuterSync:
         self._rounds.clear()
         self._votes.clear()
         self.agreed.clear()
+        self._blank_through = -1
         self.resolved.clear()
         self.groups = None
         self._took.clear()  # a new generation learns from its own syncs

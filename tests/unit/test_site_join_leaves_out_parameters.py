@@ -129,7 +129,7 @@ def test_a_new_site_keeps_only_its_own_steps_when_a_delayed_sync_lands() -> None
     b.pending_delta[0].fill_(7.0)  # whatever a fresh process holds: not used
     sent = without_parameters(a.state_dict, [*a.parameters, *a.not_for_a_new_site()])
     b.load_state_dict(put_back(sent, b.state_dict()))
-    b.start_from_anchors()
+    b.start_from_anchors(4)
     b_first = [site_b.weight]
     assert torch.equal(flatten(b_first), anchor)
     assert b.pending_weight == [0.0, 0.0] and not b.pending_delta[0].any()

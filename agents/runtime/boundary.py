@@ -227,8 +227,6 @@ class StepBoundary:
         #: a delayed sync's sites: votes are the site's own; saves and stops come
         #: from the rounds' agreements (``across`` of :meth:`decide`)
         self.sites = False
-        #: steps between votes, as the last vote agreed (the same on every rank)
-        self.every = 1
 
     def joined(self) -> None:
         """A generation was joined: its first boundary votes, on every rank."""
@@ -285,7 +283,6 @@ class StepBoundary:
             agreed = Agreement.quiet(generation, self._served)
         else:
             self._vote_at = step + agreed.every
-            self.every = agreed.every
         if self.sites:
             controls = across if across is not None else Agreement.quiet(generation, self._served)
             agreed = replace(

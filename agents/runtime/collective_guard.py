@@ -149,7 +149,6 @@ class CollectiveGuard:
         self._relaxed = 0
         self._newer_seen_at: float | None = None
         self._aborted: int | None = None
-        self._tolerated = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="collective-guard", daemon=True)
         self._thread.start()
@@ -161,16 +160,8 @@ class CollectiveGuard:
         with self._lock:
             self._groups, self._generation = groups, generation
             self._newer_seen_at = None
-            self._tolerated = 0
             self.timeout.new_generation()
             self._apply(self.timeout.current(), force=True)
-
-    def tolerate(self, generation: int) -> None:
-        """``generation`` is published, and this worker trains on in its groups for now
-        (a delayed sync's site that it leaves unchanged): do not abort them for it."""
-        with self._lock:
-            self._tolerated = max(self._tolerated, generation)
-            self._newer_seen_at = None
 
     def detach(self) -> None:
         """Stop guarding (before the groups are torn down)."""
@@ -249,7 +240,7 @@ class CollectiveGuard:
             with self._lock:
                 if self._groups is None or self._relaxed or self._aborted == self._generation:
                     continue
-                if self._latest() <= max(self._generation, self._tolerated):
+                if self._latest() <= self._generation:
                     self._newer_seen_at = None
                     continue
                 now = time.monotonic()

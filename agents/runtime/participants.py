@@ -30,8 +30,6 @@ from agents.state.buddy_copies import BuddyCopies
 from agents.state.sharding import ShardedModel
 from agents.state.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
-from agents.sync.sites import site_unchanged
-from orchestrator.state.records import Plan
 
 __all__ = ["BuddySnapshots", "DelayedSync", "StepParticipant"]
 
@@ -64,16 +62,6 @@ class StepParticipant:
         """What its sites agreed for the boundary after ``step`` (a vote's integers;
         None: nothing there)."""
         return None
-
-    def trains_through(self, old: Plan, new: Plan, node: str) -> bool:
-        """This worker (of ``node``) may train on in ``old``'s groups although ``new`` is
-        published, up to the next boundary where :meth:`syncs_at` (it never objects)."""
-        return True
-
-    def syncs_at(self, step: int) -> bool:
-        """The boundary after ``step`` meets other sites (a worker training on through a
-        newer generation leaves there)."""
-        return False
 
     def tracked(self) -> Mapping[str, Stateful]:
         """State of its own that goes with the tracked objects (into durable
@@ -153,18 +141,6 @@ class DelayedSync(StepParticipant):
     def vote_group(self) -> dist.ProcessGroup | None:
         groups = self.outer.groups
         return groups.inner_host if groups is not None else None
-
-    def trains_through(self, old: Plan, new: Plan, node: str) -> bool:
-        """Its site is the same in ``new`` (another site's node was replaced): it trains
-        on until its next outer sync, where it joins ``new`` with the site that
-        recovers, instead of pausing for that site's join now.  Not a site of FSDP2
-        slices (its join settles slices between the sites)."""
-        return not self.outer.rank_local and site_unchanged(
-            old, new, self.outer.spec.site_label, node
-        )
-
-    def syncs_at(self, step: int) -> bool:
-        return self.outer.meets(step) or self.outer.waits_at(step)
 
     def agreed(self, step: int) -> tuple[int, ...] | None:
         agreed = self.outer.agreed

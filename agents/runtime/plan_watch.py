@@ -153,11 +153,6 @@ class PlanWatcher:
         with self._cond:
             return self._plan.generation if self._plan else 0
 
-    def latest(self) -> Plan | None:
-        """The newest plan seen (None: none yet)."""
-        with self._cond:
-            return self._plan
-
     def revision_of(self, generation: int) -> int:
         """``mod_revision`` of the plan of ``generation``; -1 when it is no longer current."""
         with self._cond:

@@ -71,12 +71,6 @@ log = logging.getLogger("ringmaster.worker")
 #: ``fn(session, reason)``: a script's callback before each durable save.
 SaveFn = Callable[["Session", str], None]
 
-#: Vote intervals (about 0.5 s of training each) a delayed sync's site trains on
-#: through a newer generation that leaves it as it is, before it joins that
-#: generation even if no outer sync came: the recovering site's ranks wait for it
-#: to form the new group (for 30 s at most: ``process_group.DEFAULT_FORM_TIMEOUT``).
-TRAIN_THROUGH_VOTES = 10
-
 
 class Session:
     """One worker's view of the job, across generations; build it with :func:`~agents.runtime.init`.
@@ -112,10 +106,6 @@ class Session:
         self._step_error: BaseException | None = None
         self._stop_requested = False
         self._votes = StepBoundary()
-        #: (generation, step): a newer generation that leaves this worker's site as it
-        #: is; the site trains on in its groups and leaves at its next outer sync, or at
-        #: that step at the latest (see :meth:`_trains_through`)
-        self._deferred: tuple[int, int] | None = None
         self._saving = Saving(env, client, spec, self._fence, self._telemetry, self._state)
         self._watch = PlanWatcher(client, env.job, os.environ.get(ENV_PLAN_FEED))
         self._guard = CollectiveGuard(OpTimeout.of_job(spec), self._watch.latest_generation)
@@ -381,12 +371,6 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                if self._deferred is not None and self._leaves_now(st.step):
-                    generation = self._deferred[0]
-                    why = f"generation {generation} published; this site trained on to step"
-                    self._telemetry.left_by = None  # the step ended well: nothing ended it
-                    self._recover(f"{why} {st.step}, where it meets the others", planned=True)
-                    continue
                 slow = [part.grace_s() for part in parts if part.waits_at(st.step)]
                 waits = self._guard.between_sites(max(slow)) if slow else contextlib.nullcontext()
                 with waits:
@@ -485,7 +469,6 @@ class Session:
         st.plan, st.generation = joined.plan, joined.generation
         st.rank, st.world_size = joined.rank, joined.world_size
         st.step, st.has_state = joined.step, joined.has_state
-        self._deferred = None
         if joined.restored_from is not None:
             st.restored_from = joined.restored_from
         self._telemetry.state_restored(st.step)
@@ -525,8 +508,6 @@ class Session:
             finally:
                 st.paused = None
         self._heartbeat.poke()
-        if decision.generation > st.generation and self._trains_through(decision.generation):
-            return  # no save either: a save's collective would span the other sites
         if decision.settle:
             self._saving.poll()
         if decision.saves:  # a save's collectives may wait on rank 0's storage: no learnt timeout
@@ -540,40 +521,6 @@ class Session:
         if decision.generation > st.generation:
             self._telemetry.left_by = None  # this step ended well: nothing had to end it
             self._recover(f"generation {decision.generation} published", planned=True)
-
-    def _trains_through(self, generation: int) -> bool:
-        """Under a delayed sync, the newest plan (``generation`` or newer) leaves this
-        worker's site as it was (another site's node was replaced): the site trains on
-        in its own groups and joins the new generation at its next outer sync, where
-        it meets the site that recovers anyway, instead of pausing for that site's
-        join now.  At most :data:`TRAIN_THROUGH_VOTES` vote intervals: the recovering
-        site's ranks wait for it to form the new generation's group.  Every rank of
-        the site decides alike (it acts on the site's agreed generation and steps)."""
-        st, newest = self._state, self._watch.latest()
-        parts = self._models.participants
-        if not self._votes.sites or st.plan is None or newest is None:
-            return False
-        if newest.generation < generation or not all(
-            part.trains_through(st.plan, newest, self._env.node) for part in parts
-        ):
-            return False
-        if self._deferred is None:
-            log.warning(
-                "generation %d leaves this site as it is: it trains on to its next outer sync",
-                newest.generation,
-            )
-            self._deferred = (newest.generation, st.step + TRAIN_THROUGH_VOTES * self._votes.every)
-        else:
-            self._deferred = (newest.generation, self._deferred[1])
-        self._guard.tolerate(newest.generation)
-        return True
-
-    def _leaves_now(self, step: int) -> bool:
-        """A site training on through a newer generation leaves at the boundary after
-        ``step``: it meets the other sites there, or its time ran out."""
-        assert self._deferred is not None
-        parts = self._models.participants
-        return step >= self._deferred[1] or any(part.syncs_at(step) for part in parts)
 
     def _moved_on(self) -> bool:
         return self._watch.latest_generation() > self._state.generation

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from orchestrator.state.records import Plan
 from orchestrator.topology import site_of
 
-__all__ = ["Sites", "site_unchanged"]
+__all__ = ["Sites"]
 
 
 @dataclass(frozen=True)
@@ -60,33 +60,3 @@ class Sites:
             if rank in ranks:
                 return i
         raise ValueError(f"rank {rank} is in none of the sites {self.names}")
-
-
-def site_unchanged(old: Plan, new: Plan, label: str, node: str) -> bool:
-    """``node``'s site is the same in ``new`` as in ``old``: the same members with the same
-    ranks, at the same place among the sites, in a world of the same size (so its ranks
-    read the same shares of each global batch).  Such a site need not leave ``old`` at
-    once for ``new``: it may train on to its next outer sync (see
-    :meth:`agents.runtime.participants.DelayedSync.trains_through`)."""
-    before = _site_in(old, label, node)
-    return (
-        old.world_size == new.world_size
-        and before is not None
-        and before == _site_in(new, label, node)
-    )
-
-
-def _site_in(
-    plan: Plan, label: str, node: str
-) -> tuple[str, int, list[tuple[str, int, int]]] | None:
-    """``node``'s site in ``plan``: its name, its place among the sites, its members."""
-    me = plan.member(node)
-    if me is None:
-        return None
-    name = site_of(me.node, me.labels, label)
-    members = [
-        (m.node, m.rank_base, m.nproc)
-        for m in plan.members
-        if site_of(m.node, m.labels, label) == name
-    ]
-    return name, Sites.of_plan(plan, label).names.index(name), members

@@ -266,17 +266,9 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     assert result.recoveries >= 1, summary(result, lines)
     assert_exactly_once(tmp_path, STEPS)
-    schedule = FragmentSchedule(10, spec.sync.fragments, spec.sync.delay_steps)
-    # site a (node-2) is left as it was by the replacement in site b: it trains on in the
-    # first generation's groups up to the boundary where it meets site b, not pausing
-    # for site b's join at once
-    last = _last_step_in(tmp_path, "node-2-0", generation=1)
-    assert schedule.starts_at(last + 1) is not None or schedule.applies_at(last + 1) is not None, (
-        last,
-        summary(result, lines),
-    )
     # status: the outer loop's steps (fragments' syncs applied by rank 0) and bytes
     assert status is not None and status.sync, summary(result, lines)
+    schedule = FragmentSchedule(10, spec.sync.fragments, spec.sync.delay_steps)
     applied = len(schedule.starts_between(0, STEPS))  # the end applies what it started
     assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync
     assert status.sync["site_bytes"] > 0, status.sync
@@ -305,24 +297,12 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     back = [line for line in lines if "site a had no state" in line]
     assert back and back[0].startswith("[node-3]"), summary(result, lines)
-    # site b is left as it was: it trains on to its next meeting with site a, where the
-    # spare starts from the anchors, its pseudo-gradient of that sync weighing nothing
+    # site b leaves the generation at its next step (not at its next meeting with site a):
+    # the spare starts from the anchors there, and the next sync averages both sites
     lost_at = int(back[0].rsplit("at step ", 1)[1])
-    assert lost_at % 10 == 0, lost_at  # an outer sync's step
+    assert lost_at % 10 != 0, lost_at  # mid inner period, where site b was
     want = HandRun(spec.sync, [[0], [1, 2]]).train(0, STEPS, lost_at=lost_at).final()
     assert_same_params(torch.load(tmp_path / "final.pt"), want)
-
-
-def _last_step_in(tmp: Path, worker: str, generation: int) -> int:
-    """The last step ``worker``'s step log shows it applied in ``generation``."""
-    steps = [
-        int(line.split()[0])
-        for log in (tmp / "steps").glob(f"{worker}-*.log")
-        for line in log.read_text().splitlines()
-        if int(line.split()[1]) == generation
-    ]
-    assert steps, f"{worker} logged no step in generation {generation}"
-    return max(steps)
 
 
 def _step(run: LocalRun) -> int:

@@ -18,6 +18,7 @@ kinds exist:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,13 +32,24 @@ from agents.state.sharding import ShardedModel
 from agents.state.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
 
-__all__ = ["BuddySnapshots", "DelayedSync", "StepParticipant"]
+__all__ = ["BuddySnapshots", "DelayedSync", "Lent", "StepParticipant"]
 
 
-#: What the session lends a participant (:meth:`StepParticipant.lend`): a vote in a
-#: group (the step boundary's, as integers), whether a newer generation is published,
-#: and the seconds a wait between sites may take.
-Vote = Callable[[dist.ProcessGroup], tuple[int, ...]]
+@dataclass(frozen=True)
+class Lent:
+    """What the session lends its participants (:meth:`StepParticipant.lend`).
+
+    Attributes:
+        vote: the step boundary's vote in a group, as integers.
+        moved_on: a newer generation is published.
+        wait_limit: seconds a wait between sites may take, as the outer syncs taught.
+        longest_wait: seconds a wait between sites may take at most.
+    """
+
+    vote: Callable[[dist.ProcessGroup], tuple[int, ...]]
+    moved_on: Callable[[], bool]
+    wait_limit: Callable[[], float]
+    longest_wait: Callable[[], float]
 
 
 class StepParticipant:
@@ -48,10 +60,8 @@ class StepParticipant:
     #: votes inside itself between them (see :class:`agents.runtime.boundary.StepBoundary`)
     across_sites = False
 
-    def lend(
-        self, vote: Vote, moved_on: Callable[[], bool], wait_limit: Callable[[], float]
-    ) -> None:
-        """The session's vote, its word of a newer generation, and its timeout between
+    def lend(self, lent: Lent) -> None:
+        """The session's vote, its word of a newer generation, and its timeouts between
         sites (lent before each generation is joined)."""
 
     def vote_group(self) -> dist.ProcessGroup | None:
@@ -84,8 +94,9 @@ class StepParticipant:
         """:meth:`after_step` at ``step`` waits on a slow group (longer than a step)."""
         return False
 
-    def grace_s(self) -> float:
-        """Seconds such a wait may take beyond what the slow waits taught."""
+    def grace_s(self, step: int) -> float:
+        """Seconds such a wait at the boundary after ``step`` may take beyond what the
+        slow waits taught."""
         return 0.0
 
     def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:
@@ -126,17 +137,16 @@ class DelayedSync(StepParticipant):
         self.outer = outer
         self._failures = failures
 
-    def lend(
-        self, vote: Vote, moved_on: Callable[[], bool], wait_limit: Callable[[], float]
-    ) -> None:
+    def lend(self, lent: Lent) -> None:
         outer = self.outer
 
         def site_vote() -> tuple[int, ...]:
             groups = outer.groups
             assert groups is not None, "a round starts inside a generation"
-            return vote(groups.inner_host)
+            return lent.vote(groups.inner_host)
 
-        outer.site_vote, outer.moved_on, outer.wait_limit = site_vote, moved_on, wait_limit
+        outer.site_vote, outer.moved_on = site_vote, lent.moved_on
+        outer.wait_limit, outer.longest_wait = lent.wait_limit, lent.longest_wait
 
     def vote_group(self) -> dist.ProcessGroup | None:
         groups = self.outer.groups
@@ -172,7 +182,9 @@ class DelayedSync(StepParticipant):
     def waits_at(self, step: int) -> bool:
         return self.outer.waits_at(step)
 
-    def grace_s(self) -> float:
+    def grace_s(self, step: int) -> float:
+        if self.outer.waits_for_all(step):
+            return self.outer.longest_wait()
         return self.outer.grace_s
 
     def after_step(self, step: int, tracked: Mapping[str, Any]) -> None:

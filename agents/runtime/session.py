@@ -48,6 +48,7 @@ from agents.runtime.failures import (
 )
 from agents.runtime.generation import DataPlane, Generations, Joined
 from agents.runtime.heartbeat import Heartbeat
+from agents.runtime.participants import Lent
 from agents.runtime.plan_watch import PlanWatcher
 from agents.runtime.process_group import Groups, choose_device, hang_up, quiesce, teardown_group
 from agents.runtime.saving import Saving
@@ -371,7 +372,7 @@ class Session:
                         for w in self._models.ddps:
                             st.hook.after_optimizer_step(w.module)  # local SGD averages here
                 st.step, st.has_state = current + 1, True
-                slow = [part.grace_s() for part in parts if part.waits_at(st.step)]
+                slow = [part.grace_s(st.step) for part in parts if part.waits_at(st.step)]
                 waits = self._guard.between_sites(max(slow)) if slow else contextlib.nullcontext()
                 with waits:
                     for part in parts:
@@ -476,8 +477,10 @@ class Session:
         self._models.rebuild()
         parts = self._models.participants
         self._votes.sites = any(part.across_sites for part in parts)
+        timeout = self._guard.timeout
+        lent = Lent(self._site_vote, self._moved_on, timeout.between_sites, lambda: timeout.ceiling)
         for part in parts:
-            part.lend(self._site_vote, self._moved_on, self._guard.timeout.between_sites)
+            part.lend(lent)
             part.joined(st.step if st.has_state else None)
         self._groups = dataclasses.replace(
             self._generations.settled(joined),

@@ -131,8 +131,10 @@ class OuterSync:
         self.site_vote: Callable[[], tuple[int, ...]] = lambda: ()
         #: a newer generation is published (set by the runtime): a waiting round gives up
         self.moved_on: Callable[[], bool] = lambda: False
-        #: seconds a round may wait for its quorum (set by the runtime)
+        #: seconds a round may wait for its quorum, as the outer syncs taught (set by
+        #: the runtime), and at most (a fragment's last round waits for every site)
         self.wait_limit: Callable[[], float] = lambda: 2 * 3600.0
+        self.longest_wait: Callable[[], float] = lambda: 2 * 3600.0
         #: steps complete -> what the sites agreed in the rounds finished at that boundary
         #: (the runtime takes it: the saves and the stop every site makes there)
         self.agreed: dict[int, tuple[int, ...]] = {}
@@ -377,6 +379,8 @@ class OuterSync:
         # a site counts by its tokens: every rank takes the same batch, so by its ranks
         offer = Offer(self.pending_weight[f] * len(mine), self._votes[f], parts=0)
         quorum = self.spec.quorum if self.spec.quorum is not None else len(groups.sites)
+        if self._final(self.pending_at[f]):  # the run ends on every site's last steps
+            quorum = len(groups.sites)
         self._rounds[f] = RoundExchange(
             place,
             encode(self.pending_delta[f], kind),
@@ -435,7 +439,9 @@ class OuterSync:
         left_out = False
         agreed = self._votes.pop(f, ())
         if groups.is_leader or groups.per_slice:
-            result = self._rounds.pop(f).wait(self.moved_on, self.wait_limit() + self.grace_s)
+            at = self.pending_at[f]
+            limit = self.longest_wait() if self._final(at) else self.wait_limit() + self.grace_s
+            result = self._rounds.pop(f).wait(self.moved_on, limit)
             kind = self.spec.quantization
             if result.received:
                 avg = average([(w, decode(p, kind, numel)) for w, p in result.received])
@@ -466,6 +472,20 @@ class OuterSync:
         """Seconds a round may wait beyond what the outer syncs taught: ``sync_timeout``
         under a quorum (the others are waited for that long before it goes ahead)."""
         return self.spec.sync_timeout.total_seconds() if self.spec.quorum is not None else 0.0
+
+    def waits_for_all(self, done: int) -> bool:
+        """The boundary with ``done`` steps complete waits in a fragment's last round of
+        the run, for every site (see :meth:`_final`)."""
+        starting = [at for at, _ in self.schedule.starts_between(self.started, done)]
+        finishing = [at for at in self.pending_at if self._due(at, done)]
+        now = starting if self.schedule.delay_steps == 0 or self._is_last(done) else []
+        return any(self._final(at) for at in [*now, *finishing])
+
+    def _final(self, at: int) -> bool:
+        """A round started at ``at`` is its fragment's last of the run: it waits for every
+        site, whatever ``sync.quorum`` (a site behind finishes the run in it, rather than
+        be stopped once the others are done, its last steps in no outer step)."""
+        return self.end is not None and at + self.schedule.inner_steps > self.end
 
     @property
     def device(self) -> torch.device:

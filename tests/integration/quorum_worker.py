@@ -1,4 +1,4 @@
-"""A worker of tests/integration/test_diloco_quorum.py: examples/train_tiny.py's model and
+"""A worker of tests/integration/test_diloco_rounds.py: examples/train_tiny.py's model and
 data under the job's delayed sync, where the nodes named by ``--slow`` take ``--slow-time``
 more seconds a step.  At the end every worker writes ``OUT_DIR/<worker>.json``: its node,
 its outer steps per fragment, the outer steps its site was left out of, and its final

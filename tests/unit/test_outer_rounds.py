@@ -2,7 +2,7 @@
 
 The carriers here are threads of one process sharing torch's in-process
 ``HashStore``; the rounds of real jobs (a ``TCPStore`` hosted by a generation's
-rank 0, sites in separate processes) are in tests/integration/test_diloco_quorum.py.
+rank 0, sites in separate processes) are in tests/integration/test_diloco_rounds.py.
 """
 
 from __future__ import annotations

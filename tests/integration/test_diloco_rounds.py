@@ -1,4 +1,5 @@
-"""Outer syncs by quorum in a real local job: a slow site is left out, not waited for.
+"""Outer syncs as rounds in real local jobs: a slow site left out by a quorum, a stop
+agreed in a round.
 
 Two sites of one node each (``zone`` a: node-0, b: node-1), separate processes
 talking gloo, on a real etcd; the rounds go through the generation's real
@@ -8,7 +9,9 @@ a ``sync_timeout`` of 0.1 s: site a goes ahead without b, b comes to the
 round afterwards, takes the same outer step without its own pseudo-gradient
 in it (left out) and keeps its inner steps for its next round.  Every outer
 step is taken once on each site (the same count), and both end on the same
-global model.
+global model.  No vote crosses the sites between outer syncs: a stop reaches
+them in the next round's agreement, and every site stops (and saves) at the
+boundary where that round finishes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import pytest
 
 from orchestrator.api import JobPhase
 from orchestrator.spec.loader import load_job_data
-from tests.chaos.jobs import quiet_run, summary, tiny_job
+from orchestrator.state import jobs, keys, records
+from orchestrator.state.checkpoint_record import CheckpointRecord
+from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job, wait_for_step
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -55,3 +60,22 @@ def test_a_slow_site_is_left_out_of_outer_syncs_and_every_step_is_taken_once(
     assert fast["left_out"] == 0, "the fast site is never waited out"
     assert slow["left_out"] >= 1, "the slow site came after the quorum went ahead"
     assert fast["params"] == slow["params"], "both sites end on the one global model"
+
+
+def test_a_stop_is_agreed_in_an_outer_sync_and_every_site_saves_and_stops_there(
+    tmp_path: Path,
+) -> None:
+    base = tiny_job("rounds-stop", tmp_path, steps=1000, spares=0, step_time=0.05).to_dict()
+    base["sync"] = {"mode": "diloco", "inner_steps": INNER}
+    lines: list[str] = []
+    with quiet_run(load_job_data(base), lines, node_labels=ZONES) as run:
+        wait_for_step(run, 2 * INNER + 2)
+        jobs.request_stop(run.client, "rounds-stop")
+        result = run.wait()
+        saved = records.read(run.client, keys.job_checkpoint("rounds-stop"), CheckpointRecord)
+    assert result.phase is JobPhase.STOPPED, summary(result, lines)
+    last = {worker: steps[-1] for worker, steps in step_log(tmp_path).items()}
+    assert len(last) == 2 and len(set(last.values())) == 1, last  # one step on both sites
+    stopped_at = next(iter(last.values())) + 1
+    assert stopped_at % INNER == 0, last  # where an outer sync finished
+    assert saved is not None and saved.step == stopped_at, (saved, last)

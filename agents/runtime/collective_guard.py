@@ -9,11 +9,11 @@ promises nothing either way.  Two things end such a wait here:
   never less than ``comm.op_timeout_floor`` and never more than twice
   ``fault_tolerance.hang_timeout`` (the fixed timeout used before enough
   steps were seen).  It ends the wait on every backend.  Under a delayed
-  sync the sites' leaders' group, whose all-gathers span many steps, and a
-  boundary that waits for an outer result take ``multiple`` times the
+  sync a leader's wait for an outer sync's round, which spans many steps,
+  and a boundary that waits for an outer result take ``multiple`` times the
   slowest recent outer sync instead (within the same floor and ceiling;
   the ceiling until this generation finished its second: its first may
-  wait for a site catching up).
+  wait for a site catching up; plus ``sync.sync_timeout`` under a quorum).
 * **an abort when the generation moves on**: once etcd shows a newer
   generation (the controller declared a peer dead) and the current step has
   not reached its boundary within a short grace, the generation's groups are

@@ -171,8 +171,8 @@ class DelayedSync(StepParticipant):
 
     def step_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Its site groups: their collectives run every step (the site's DDP, the check
-        of :meth:`newest_generation`).  The leaders' group is left out: an outer sync
-        may take many steps' time across a slow link."""
+        of :meth:`newest_generation`).  The outer syncs' rounds go through no group of
+        their own (:mod:`agents.sync.round_exchange`)."""
         groups = self.outer.groups
         if groups is None:
             return ()

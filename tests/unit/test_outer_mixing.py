@@ -1,7 +1,7 @@
 """The outer step as the papers define it, run by :class:`OuterSync` in a real gloo group.
 
-One rank, one site (the all-gather of the leaders' group is a real one, of one
-payload): each fragment's sync sends the site's pseudo-gradient encoded as the
+One rank, one site (the round goes through the generation's real store, with one
+offer): each fragment's sync sends the site's pseudo-gradient encoded as the
 spec resolves it, the outer Nesterov step moves the fragment's anchor (the
 global fragment), and the fragment's parameters become ``alpha * local + (1 -
 alpha) * global``, where ``local`` holds the steps taken while the sync was

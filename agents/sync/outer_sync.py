@@ -338,7 +338,11 @@ class OuterSync:
             )
             self.anchor_to_parameters(done)
         for f in sorted(range(self.fragments), key=lambda i: self.pending_at[i]):
-            if self.pending_at[f] != NOT_PENDING and f not in self.resolved:
+            if self.pending_at[f] == NOT_PENDING:
+                continue
+            if f in self.resolved:  # its outer step went through on another site: no
+                self._votes[f] = self.site_vote()  # round, but the site's vote all the same
+            else:  # (each of a site's ranks votes for every sync under way)
                 self._began[f] = time.perf_counter()
                 self._exchange(f)
         self.after_step(done)

@@ -203,29 +203,29 @@ class RoundExchange:
 
     def _decision(self, store: dist.Store) -> RoundDecision:
         place = self.place
+        offers: dict[int, Offer] = {}
         poll, first_seen = _POLL_FIRST_S, time.monotonic()
         while True:
             if self._cancelled.is_set():
                 raise RuntimeError("cancelled: the generation broke")
             if store.check(["decision"]):
                 return RoundDecision.decode(store.get("decision"))
-            offers = self._offers(store)
-            if ready(
-                len(offers), place.sites, self._quorum, time.monotonic() - first_seen, self._timeout
-            ):
+            self._read_offers(store, offers)
+            waited = time.monotonic() - first_seen
+            if ready(len(offers), place.sites, self._quorum, waited, self._timeout):
                 mine = decide(offers).encode()
                 return RoundDecision.decode(store.compare_set("decision", "", mine))
             time.sleep(poll)
             poll = min(_POLL_MAX_S, poll * 2)
 
-    def _offers(self, store: dist.Store) -> dict[int, Offer]:
-        """The sites whose every carrier has offered, with the first carrier's offer."""
-        place, out = self.place, {}
+    def _read_offers(self, store: dist.Store, offers: dict[int, Offer]) -> None:
+        """Add to ``offers`` the sites whose every carrier has offered since the last look
+        (with the first carrier's offer); an offer once read is not read again."""
+        place = self.place
         for site in range(place.sites):
             keys = [place.offer_key(site, slot) for slot in range(place.carriers)]
-            if store.check(keys):
-                out[site] = Offer.decode(store.get(keys[0]))
-        return out
+            if site not in offers and store.check(keys):
+                offers[site] = Offer.decode(store.get(keys[0]))
 
 
 def generation_store() -> Callable[[], dist.Store]:

@@ -17,6 +17,10 @@ agent only:
   of the job is over (its phase final, or a newer run started), the workers
   get :data:`ENDED_GRACE` to end by themselves (they do, normally: a worker
   waiting for a plan sees the phase), then the agent leaves and stops them.
+  A worker that recorded the end of its training loop is past the job's steps,
+  in the rest of its script (a final evaluation, an export): the agent waits
+  for it to exit, as torchrun waits for its workers, for up to the job's
+  ``fault_tolerance.hang_timeout`` after the run ended.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from agents.node.worker_process import WorkerProcess, stop_workers
 from orchestrator.api import EtcdError
 from orchestrator.state import keys, records
 from orchestrator.state.api import RecordError
-from orchestrator.state.records import CheckpointRecord
+from orchestrator.state.records import CheckpointRecord, DoneRecord
 
 __all__ = ["InProcessTier"]
 
@@ -112,15 +116,33 @@ class InProcessTier:
                     ended_at = None
                 elif ended_at is None:
                     ended_at = time.monotonic()
-                elif time.monotonic() - ended_at >= ENDED_GRACE:
+                elif (over := time.monotonic() - ended_at) >= ENDED_GRACE and (
+                    over >= self._ended_grace()
+                ):
                     running = len(self.workers) - finished
                     return Outcome(
                         f"{ended.reason}; {running} worker(s) still running "
-                        f"{ENDED_GRACE:g}s later are stopped",
+                        f"{over:.0f}s later are stopped",
                         exit_code=ended.exit_code,
                     )
             setup.stop.wait(POLL)
         return Outcome("stopped")
+
+    def _ended_grace(self) -> float:
+        """Seconds the workers may run on once the run is over: :data:`ENDED_GRACE`, or
+        the job's hang timeout while a running worker is past its training loop."""
+        setup = self.setup
+        for w in self.workers.values():
+            if w.exit_code() is not None:
+                continue
+            key = keys.job_done(setup.job) + keys.worker_id(setup.node, w.local_rank)
+            try:
+                done = records.read(setup.client, key, DoneRecord)
+            except (EtcdError, RecordError):
+                continue  # not known to be done: the short grace
+            if done is not None and done.at >= w.started_at:
+                return max(ENDED_GRACE, setup.spec.fault_tolerance.hang_timeout.total_seconds())
+        return ENDED_GRACE
 
     def close(self) -> None:
         stop_workers(self.workers.values(), STOP_GRACE)

@@ -3,9 +3,12 @@
 The flagship example: what a real training loop looks like under ringmaster.
 
 * data: the bytes of a module that ships with Python (``argparse.py``, about
-  100 KB), cut into fixed windows; :class:`agents.runtime.data.ElasticLoader` reads each
-  step's global batch with two worker processes, so a step that runs again
-  reads the same batch and a replacement continues at the exact sample;
+  100 KB), or with ``--corpus stdlib`` the source of the whole standard library
+  (about 30 MB, which a small model cannot memorize; whole files, one in
+  twenty, held out: about 1.5 MB), cut into fixed windows;
+  :class:`agents.runtime.data.ElasticLoader` reads each step's global batch
+  with two worker processes, so a step that runs again reads the same batch
+  and a replacement continues at the exact sample;
 * model: a byte-level causal transformer (pre-norm encoder layers with a causal
   mask), trained under ``torch.autocast("cpu", dtype=torch.bfloat16)``;
 * optimizer: AdamW with a linear warm-up and a cosine decay (``LambdaLR``);
@@ -30,6 +33,9 @@ import dataclasses
 import json
 import math
 import os
+import sysconfig
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,16 +67,54 @@ FULL = Size()
 SHORT = Size(context=32, width=32, layers=1, heads=2, global_batch=8)
 
 
+#: ``--eval-every``: the held-out bytes of each logged loss (the first ones: the same
+#: text at every step and in every run, cheap enough to log often).
+EVAL_EVERY_BYTES = 256 * 1024
+#: The corpora ``--corpus`` names.
+CORPORA = ("argparse", "stdlib")
+#: ``stdlib``: a file whose path hashes to 0 modulo this is held out (one in twenty).
+HELD_OUT_ONE_IN = 20
+
+
 def corpus() -> bytes:
     """The text: the source of ``argparse``, as installed with this Python."""
     return Path(argparse.__file__).read_bytes()
 
 
-def split_corpus() -> tuple[torch.Tensor, torch.Tensor]:
-    """The text as bytes: the first 95 % to train on, the rest held out."""
-    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
-    split = int(len(text) * 0.95)
-    return text[:split], text[split:]
+def stdlib_files() -> list[tuple[str, Path]]:
+    """Every ``.py`` file of this Python's standard library (installed packages not),
+    by its path under the library's root, in that order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if not {"site-packages", "dist-packages"} & set(rel.parts):
+            found.append((rel.as_posix(), path))
+    return sorted(found)
+
+
+def split_corpus(name: str = "argparse") -> tuple[torch.Tensor, torch.Tensor]:
+    """The text as bytes, to train on and held out.
+
+    ``argparse``: its first 95 % and the rest.  ``stdlib``: whole files, a file
+    held out when the CRC-32 of its path is 0 modulo :data:`HELD_OUT_ONE_IN`, so that
+    no held-out text was seen in training and every machine with this Python
+    splits alike.
+    """
+    if name == "argparse":
+        text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+        split = int(len(text) * 0.95)
+        return text[:split], text[split:]
+    if name != "stdlib":
+        raise ValueError(f"--corpus {name!r}: not one of {', '.join(CORPORA)}")
+    train, held = bytearray(), bytearray()
+    for rel, path in stdlib_files():
+        into = held if zlib.crc32(rel.encode()) % HELD_OUT_ONE_IN == 0 else train
+        into += path.read_bytes() + b"\n"
+    return (
+        torch.frombuffer(train, dtype=torch.uint8),
+        torch.frombuffer(held, dtype=torch.uint8),
+    )
 
 
 class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -142,12 +186,18 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: torch.Tensor, context: int) -> float:
-    """Mean next-byte loss (fp32) on the held-out windows."""
+def evaluate(model: nn.Module, data: torch.Tensor, context: int, batch: int = 256) -> float:
+    """Mean next-byte loss (fp32) on the held-out windows, ``batch`` windows at a time."""
     windows = Windows(data, context)
-    x = torch.stack([windows[i][0] for i in range(len(windows))])
-    y = torch.stack([windows[i][1] for i in range(len(windows))])
-    return float(F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)))
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch):
+        pairs = [windows[i] for i in range(start, min(start + batch, len(windows)))]
+        x = torch.stack([p[0] for p in pairs])
+        y = torch.stack([p[1] for p in pairs])
+        logits = model(x).float().reshape(-1, VOCAB)
+        total += float(F.cross_entropy(logits, y.reshape(-1), reduction="sum"))
+        count += y.numel()
+    return total / count
 
 
 def main() -> None:
@@ -161,14 +211,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="0: the form's own (2)")
     parser.add_argument("--out", help="directory: each rank writes its final numbers there")
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--corpus", choices=CORPORA, default="argparse", help="the text")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' and data order's")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps: rank 0 logs the loss on the first 256 KB held out (0: never)",
+    )
     args = parser.parse_args()
     size = SHORT if args.short or os.environ.get("RINGMASTER_LM_SHORT") == "1" else FULL
     size = dataclasses.replace(
         size, width=args.width or size.width, layers=args.layers or size.layers
     )
 
-    torch.manual_seed(0)
-    train_data, held_out = split_corpus()
+    torch.manual_seed(args.seed)
+    train_data, held_out = split_corpus(args.corpus)
 
     session = runtime.init()
     total = args.steps or session.spec.max_steps
@@ -180,7 +238,11 @@ def main() -> None:
     seen = TokenCount()
     session.track(model=model, optimizer=opt, scheduler=sched, ema=ema, tokens=seen)
     loader = ElasticLoader(
-        Windows(train_data, size.context), session, size.global_batch, seed=1, num_workers=2
+        Windows(train_data, size.context),
+        session,
+        size.global_batch,
+        seed=args.seed + 1,
+        num_workers=2,
     )
 
     loss_sum = torch.zeros(())
@@ -213,6 +275,11 @@ def main() -> None:
         if session.rank == 0 and step % args.log_every == 0:
             lr = sched.get_last_lr()[0]
             print(f"step {step} loss {mean:.4f} lr {lr:.2e} world {session.world_size}", flush=True)
+        if session.rank == 0 and args.eval_every and (step + 1) % args.eval_every == 0:
+            started = time.monotonic()
+            loss = evaluate(net, held_out[:EVAL_EVERY_BYTES], size.context)
+            took = time.monotonic() - started
+            print(f"eval after step {step} loss {loss:.4f} ({took:.2f}s)", flush=True)
     loader.close()
     if session.finished:
         final = {

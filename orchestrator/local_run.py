@@ -156,6 +156,8 @@ class LocalRun:
         self._embedded: EmbeddedEtcd | None = None
         self._client: EtcdClient | None = None
         self._threads: list[threading.Thread] = []
+        #: processes of a name started again (a node's agent after its death)
+        self._earlier: list[_Proc] = []
         self._lineage: str | None = None
         #: the run's own scratch directory (torch's compile cache): removed at the end
         self._scratch: str | None = None
@@ -198,6 +200,8 @@ class LocalRun:
             stderr=subprocess.STDOUT,
         )
         proc = _Proc(name, popen)
+        if name in self.procs:  # a node started again: its earlier agent's pipe closes at the end
+            self._earlier.append(self.procs[name])
         self.procs[name] = proc
         t = threading.Thread(target=self._pump, args=(name, popen.stdout), daemon=True)
         t.start()
@@ -405,12 +409,13 @@ class LocalRun:
                 continue
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(max(deadline - time.monotonic(), 0.1))
-        stop_groups([p.popen for p in self.procs.values()], 5.0, whole_tree=True)
+        every = [*self._earlier, *self.procs.values()]
+        stop_groups([p.popen for p in every], 5.0, whole_tree=True)
         for t in self._threads:
             t.join(timeout=2)
         if self.folder is not None:
             self.folder.flush()
-        for proc in self.procs.values():
+        for proc in every:
             if proc.popen.stdout is not None:
                 proc.popen.stdout.close()
         if self._lineage is not None:  # the run's writers are gone, however it ended

@@ -144,6 +144,33 @@ def start_members(spec: JobSpec, world: World, warm: list[str]) -> tuple[list[st
     return active, [n for n in ordered if n in waiting]
 
 
+def joining(
+    spec: JobSpec,
+    world: World,
+    plan: Plan,
+    dropped: dict[str, float | None],
+    restart_tier: bool,
+) -> list[str]:
+    """The warm nodes a generation below ``nodes.max`` takes in (a scale-up), in
+    topology order, up to ``nodes.max``: none is a member, none is known gone, and
+    none is a node a plan dropped whose agent has not started again since.
+    """
+    members = {m.node for m in plan.members}
+    room = spec.nodes.max - len(members)
+    if room <= 0:
+        return []
+    found = []
+    for node, info in world.nodes.items():
+        if node in members or node in world.agents_gone:
+            continue
+        failed_agent = dropped.get(node)
+        if failed_agent is not None and info.started <= failed_agent:
+            continue  # the failed agent's registration, not yet expired
+        if is_warm(spec, world, node, restart_tier):
+            found.append(node)
+    return topology_ordered(spec, world, found)[:room]
+
+
 def start_ready(spec: JobSpec, world: World, warm: list[str], since_min: float | None) -> bool:
     """Whether the first generation can start now.
 

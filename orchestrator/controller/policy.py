@@ -26,7 +26,9 @@ Per job it:
 * puts a warm spare from the failed node's rack (then zone) in its place
   (:mod:`orchestrator.controller.plans`); scales down to ``nodes.min`` when no
   spare is left and fails the job when fewer than ``nodes.min`` remain for
-  ``rendezvous.join_timeout``;
+  ``rendezvous.join_timeout``; scales a running generation below ``nodes.max``
+  up again with the nodes that join (a failed node's agent started again, a
+  node late for the start; the in-process tier only);
 * keeps the sites of one size, once a worker reported that its model is sharded
   in each site (:mod:`orchestrator.controller.site_balance`);
 * treats a step that raised an error of the training script's own (a break
@@ -333,6 +335,39 @@ class _Decider:
             else:
                 self.phase(JobPhase.RUNNING, message)
             self.m.recovery_started = None
+        elif status.phase is JobPhase.RUNNING and not self.restart_tier and not kills:
+            self.scale_up(plan)
+
+    def scale_up(self, plan: Plan) -> None:
+        """A generation below ``nodes.max`` takes in the warm nodes that joined since (a
+        node back after a failure, one late for the start), as torchrun's rendezvous
+        admits nodes that join; the in-process tier only (the restart tier would restart
+        every worker from the script's checkpoint)."""
+        added = plans.joining(self.spec, self.w, plan, self.m.dropped, self.restart_tier)
+        if not added:
+            return
+        members = [m.node for m in plan.members]
+        order = members + added
+        spares = [
+            n
+            for n in topology_ordered(self.spec, self.w, list(self.w.nodes))
+            if n not in order and self.warm(n)
+        ]
+        if self.m.equal_sites:  # a site that would outgrow the others waits
+            order, left_out = balanced_order(self.spec, self.w, order)
+            spares += left_out
+        joined = [n for n in order if n not in members]
+        if not joined:
+            return
+        for node in joined:
+            self.m.dropped.pop(node, None)
+        why = f"scaled up to {len(order)} nodes: {', '.join(joined)} joined"
+        self.status.spare_nodes = spares
+        self.actions.append(Emit("ScaledUp", why, {"nodes": joined}))
+        self.actions.append(PublishPlan(self.make_plan(plan.generation + 1, order, spares, why)))
+        self.m.recovery_started = self.w.mono
+        self.m.recovery_step = self.status.step
+        self.phase(JobPhase.RECOVERING, f"generation {plan.generation + 1}: {why}")
 
     def wait_for_reports(self, plan: Plan) -> bool:
         """Restart tier: give silent members, not known dead, time to report first."""
@@ -440,6 +475,9 @@ class _Decider:
             )
             return
         waited, spare_wait_s = plans.end_wait(self.m, self.w, members, order)  # it is over
+        for node in failed:  # back in a generation only with a new agent
+            info = self.w.nodes.get(node)
+            self.m.dropped[node] = info.started if info is not None else None
         for node in sorted(failed):
             if node not in self.status.failed_nodes:
                 self.status.failed_nodes.append(node)

@@ -334,3 +334,36 @@ def test_a_diloco_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> No
     assert any("resumed from" in line and "at step 20" in line for line in lines)
     want = HandRun(spec.sync, [[0], [1, 2]]).train(0, 20).resume_as([[0], [1]]).train(20, STEPS)
     assert_same_params(torch.load(tmp_path / "final.pt"), want.final())
+
+
+def test_a_site_lost_without_a_spare_rejoins_when_its_node_comes_back(tmp_path: Path) -> None:
+    """No spare: site a's only node dies and the generation scales down to site b alone,
+    which trains on and takes its outer steps alone.  The node's agent starts again (the
+    machine is back): the generation scales up to ``nodes.max``, site a comes back from
+    the global parameters, and the run ends with every step applied once and every outer
+    step counted once."""
+    lines: list[str] = []
+    base = diloco_job("diloco-back", tmp_path, 0, DILOCO).to_dict()
+    base["nodes"] = {"min": 2, "max": 3, "spares": 0}
+    spec = load_job_data(base)
+    with quiet_run(spec, lines, node_labels=ZONES) as run:
+        wait_for("a step 2-4 past a sync", lambda: _step(run) % 10 in (2, 3, 4))
+        run.kill_node("node-2")  # site a's only node
+        lost = _step(run)
+        # site b alone takes an outer step before the node is back
+        wait_for("site b's outer step alone", lambda: _step(run) >= (lost // 10 + 1) * 10 + 2)
+        run.add_node("node-2", rack="rack-1")
+        result = run.wait()
+        status = jobs.read_status(run.client, spec.name)
+    assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
+    types = [e.type for e in result.events]
+    assert "ScaledUp" in types, types
+    up = next(e for e in result.events if e.type == "ScaledUp")
+    assert up.data["nodes"] == ["node-2"], up
+    back = [line for line in lines if "site a had no state" in line]
+    assert back and back[-1].startswith("[node-2]"), summary(result, lines)
+    assert_exactly_once(tmp_path, STEPS)
+    assert status is not None and status.active_nodes == ["node-0", "node-1", "node-2"], status
+    schedule = FragmentSchedule(10, spec.sync.fragments, spec.sync.delay_steps)
+    applied = len(schedule.starts_between(0, STEPS))
+    assert applied - 1 <= status.sync["outer_steps"] <= applied, status.sync

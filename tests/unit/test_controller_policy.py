@@ -505,6 +505,52 @@ def scale_down_to_nodes_min_without_spares() -> None:
     assert _order(new) == ["a"] and new.reason == "scaled down to 1 nodes"
 
 
+def a_node_back_after_a_scale_down_rejoins_with_a_new_agent() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=2, spares=0))
+    run.tick(_world(["a", "b"], _plan(1, "a", "b"), reports={"a-0": _report()}, dead={"b"}))
+    (down,) = run.plans()
+    assert _order(down) == ["a"]
+    world = _world(["a"], down, mono=60.0)
+    world.progress["a-0"] = _beat(2, step=12)  # generation 2 trains
+    run.tick(world)
+    assert run.status.phase is JobPhase.RUNNING and run.plans() == []
+    # b's failed agent's registration, its beats still fresh: not taken back
+    world = _world(["a", "b"], down, mono=61.0)
+    world.progress["a-0"] = _beat(2, step=13)
+    run.tick(world)
+    assert run.plans() == [] and run.status.phase is JobPhase.RUNNING
+    # b's agent started again (the node is back): the generation grows to nodes.max
+    world.nodes["b"] = dataclasses.replace(_node("b"), started=NOW - 1)
+    world.mono = 62.0
+    run.tick(world)
+    (up,) = run.plans()
+    assert _order(up) == ["a", "b"] and up.generation == 3
+    assert up.reason == "scaled up to 2 nodes: b joined"
+    assert run.status.phase is JobPhase.RECOVERING
+    assert [(e.type, e.data) for e in run.of(Emit)] == [("ScaledUp", {"nodes": ["b"]})]
+    assert run.of(DeclareFailed) == [] and run.status.recoveries == 1  # the scale-down's
+
+
+def a_node_late_for_the_start_joins_up_to_nodes_max() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=2, spares=0))
+    run.tick(_world(["a", "b", "c"], _plan(1, "a")))
+    (up,) = run.plans()
+    assert _order(up) == ["a", "c"]  # one slot: the first in topology order (a's rack)
+    assert up.reason == "scaled up to 2 nodes: c joined" and up.spares == ["b"]
+
+
+def a_generation_at_nodes_max_keeps_its_spares() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=2, spares=1))
+    run.tick(_world(["a", "b", "c"], _plan(1, "a", "b")))
+    assert run.plans() == [] and run.status.phase is JobPhase.RUNNING
+
+
+def restart_tier_does_not_scale_up() -> None:
+    run = Run(_spec(min_nodes=1, max_nodes=2, spares=0, recovery=RecoveryMode.RESTART))
+    run.tick(_world(["a", "b"], _plan(1, "a")))
+    assert run.plans() == []
+
+
 def no_spare_left_waits_then_fails() -> None:
     run = Run(_spec(min_nodes=2, max_nodes=2, spares=0))
     plan = _plan(1, "a", "b")
@@ -907,6 +953,10 @@ SCENARIOS: list[Callable[[], None]] = [
     every_heartbeat_stopped_is_not_a_hang,
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,
+    a_node_back_after_a_scale_down_rejoins_with_a_new_agent,
+    a_node_late_for_the_start_joins_up_to_nodes_max,
+    a_generation_at_nodes_max_keeps_its_spares,
+    restart_tier_does_not_scale_up,
     no_spare_left_waits_then_fails,
     a_replacement_that_waited_for_a_spare_says_so,
     user_error_restarts_then_fails_without_a_recovery,

@@ -63,6 +63,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -294,6 +295,11 @@ def run_row(row: Row, args: argparse.Namespace, link: Any, etcd: Any, tmp: Path)
             ROW_TIMEOUT_S,
             lines,
         )
+        # the agents leave once their workers end: each worker evaluates its model first
+        for name, proc in services.procs.items():
+            if name.startswith("node-"):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=ROW_TIMEOUT_S)
         found = [e for e in events.list_events(client, job) if e.type == "Recovered"]
         if found:
             recovered = dict(found[0].data)

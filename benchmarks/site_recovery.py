@@ -27,11 +27,26 @@ leaves it at its next step once the controller publishes the next one, and
 waits in the new generation's join for site b's replacement, so its rate
 during site b's recovery is far below the target.
 
+A second row loses a whole site for ``--outage`` seconds (a minute): the same
+job with no spare, ``nodes`` from 2 to 3, ``--outage-steps`` steps.  Past
+``--kill-after`` steps, mid inner period, site a's only node (node-2) is
+SIGKILLed; the generation scales down to site b, which trains on alone and
+takes its outer steps alone; ``--outage`` seconds later node-2's agent starts
+again, the generation scales up to ``nodes.max`` and site a comes back from the
+global parameters.  The same job runs again without the outage as its
+reference.  Reported: site b's step rate through the outage (from the loss to
+site a's first step back) against its rate before, site b's longest gap
+between two steps, site a's time from its agent's start to its first step back
+(its rejoin), and the final training loss of the run against the reference's
+(site a's inner steps since the last outer step before the loss are lost with
+it, by design).
+
 Usage::
 
     python benchmarks/site_recovery.py [--steps 400] [--inner-steps 100] [--step-time 0.1]
 
-``--smoke``: 60 steps of 0.05 s, ``inner_steps`` 20.  The last stdout line is one
+``--smoke``: 60 steps of 0.05 s, ``inner_steps`` 20; the outage 3 s in a run of
+400 steps.  The last stdout line is one
 JSON object of headline figures.
 """
 
@@ -50,7 +65,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._smoke import parse, result_line  # noqa: E402
 
-SMOKE = {"steps": 60, "inner_steps": 20, "step_time": 0.05, "kill_after": 25}
+SMOKE = {
+    "steps": 60,
+    "inner_steps": 20,
+    "step_time": 0.05,
+    "kill_after": 25,
+    "outage": 3.0,
+    "outage_steps": 400,
+}
 #: the step the job waits at until the spare is warm (train_tiny's --hold-at)
 HOLD_AT = 5
 ZONES = {
@@ -72,6 +94,97 @@ def job(args: argparse.Namespace, tmp: Path) -> Any:
     spec["nodes"] = {"min": 3, "max": 3, "spares": 1}
     spec["sync"] = {"mode": "diloco", "inner_steps": args.inner_steps}
     return load_job_data(spec)
+
+
+def outage_job(args: argparse.Namespace, tmp: Path) -> Any:
+    """The outage row's job: sites a (node-2) and b (node-0, node-1), no spare, 2..3 nodes."""
+    from orchestrator.spec.loader import load_job_data
+    from tests.chaos.jobs import tiny_job
+
+    spec = tiny_job(
+        "site-outage", tmp, steps=args.outage_steps, step_time=args.step_time, spares=0
+    ).to_dict()
+    spec["nodes"] = {"min": 2, "max": 3, "spares": 0}
+    spec["sync"] = {"mode": "diloco", "inner_steps": args.inner_steps}
+    return load_job_data(spec)
+
+
+def run_outage(args: argparse.Namespace, tmp: Path, lose: bool) -> dict[str, Any]:
+    """The outage row's job, with site a lost for ``args.outage`` seconds or without."""
+    import torch
+
+    from orchestrator.api import JobPhase
+    from orchestrator.local_run import LocalRun
+
+    lines: list[str] = []
+    run = LocalRun(
+        outage_job(args, tmp), printer=lines.append, workdir=str(REPO), node_labels=ZONES
+    )
+    lost_at = back_at = None
+    with run:
+        if lose:
+            h = args.inner_steps
+            _wait(
+                lines,
+                f"a step past {args.kill_after}, mid inner period",
+                lambda s: s.step >= args.kill_after and h // 4 <= s.step % h <= 3 * h // 4,
+                run,
+            )
+            lost_at = time.time()
+            run.kill_node("node-2")  # site a's only node
+            time.sleep(args.outage)  # how long the site stays down: the scenario itself
+            back_at = time.time()
+            run.add_node("node-2", rack="rack-1")
+        result = run.wait()
+    if result.phase is not JobPhase.SUCCEEDED:
+        raise RuntimeError(f"the job ended {result.phase.value}:\n" + "\n".join(lines[-40:]))
+    steps = _step_logs(tmp / "steps")
+    if lose and not any(t > back_at for _, _, t in steps.get("node-2-0", [])):
+        raise RuntimeError("the run ended before site a was back: give it more --outage-steps")
+    return {
+        "lost_at": lost_at,
+        "back_at": back_at,
+        "params": torch.load(tmp / "final.pt"),
+        "steps": steps,
+    }
+
+
+def train_loss(params: dict[str, Any]) -> float:
+    """train_tiny's loss over its whole data set with ``params`` (rank 0's final ones)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from examples.train_tiny import CLASSES, FEATURES, dataset
+
+    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+    model.load_state_dict({k.removeprefix("module."): v for k, v in params.items()})
+    x, y = dataset()
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x), y))
+
+
+def outage_figures(lost: dict[str, Any], clean: dict[str, Any]) -> dict[str, Any]:
+    at, back_at = lost["lost_at"], lost["back_at"]
+    b = lost["steps"]["node-0-0"]
+    back = min(t for _, _, t in lost["steps"]["node-2-0"] if t > back_at)
+    before = [t for s, _, t in b if s > HOLD_AT + 2 and t < at]
+    fault_free = (len(before) - 1) / (before[-1] - before[0])
+    during = sum(1 for _, _, t in b if at < t <= back)
+    after = [t for _, _, t in b if t > at]
+    gaps = [y - x for x, y in zip([at, *after], after, strict=False)]
+    loss, ref = train_loss(lost["params"]), train_loss(clean["params"])
+    return {
+        "outage_s": round(back_at - at, 1),
+        "outage_site_b_steps_per_s_before": round(fault_free, 2),
+        "outage_site_b_steps_per_s_through": round(during / (back - at), 2),
+        "outage_site_b_rate_ratio": round(during / (back - at) / fault_free, 3),
+        "outage_site_b_longest_gap_s": round(max(gaps), 3),
+        "outage_site_a_rejoin_s": round(back - back_at, 3),
+        "outage_final_train_loss": round(loss, 5),
+        "outage_reference_train_loss": round(ref, 5),
+        "outage_final_loss_vs_reference_pct": round(100 * (loss / ref - 1), 2),
+    }
 
 
 def run_job(args: argparse.Namespace, tmp: Path, kill: bool) -> dict[str, Any]:
@@ -176,14 +289,22 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, default=100, help="the job file's default")
     p.add_argument("--step-time", type=float, default=0.1, help="seconds a step is padded to")
     p.add_argument("--kill-after", type=int, default=150)
+    p.add_argument("--outage", type=float, default=60.0, help="seconds site a is down")
+    p.add_argument("--outage-steps", type=int, default=1200, help="max_steps of the outage row")
+    p.add_argument("--no-outage", action="store_true", help="skip the outage row")
     args = parse(p, SMOKE)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "killed").mkdir()
-        (tmp / "clean").mkdir()
+        for sub in ("killed", "clean", "lost", "whole"):
+            (tmp / sub).mkdir()
         killed = run_job(args, tmp / "killed", kill=True)
         clean = run_job(args, tmp / "clean", kill=False)
+        if not args.no_outage:
+            lost = run_outage(args, tmp / "lost", lose=True)
+            whole = run_outage(args, tmp / "whole", lose=False)
     out = figures(killed, clean, args)
+    if not args.no_outage:
+        out.update(outage_figures(lost, whole))
     print(f"site a, fault-free:          {out['site_a_steps_per_s_fault_free']:.2f} steps/s")
     print(
         f"site a, during b's recovery: {out['site_a_steps_per_s_during_b_recovery']:.2f} "
@@ -193,6 +314,16 @@ def main() -> None:
     print(f"site a's longest step gap:   {out['site_a_longest_gap_s']:.2f} s")
     print(f"site a's run, beyond the fault-free run's: {out['site_a_seconds_lost']:.2f} s")
     print(f"final parameters vs fault-free: max |diff| {out['final_params_max_abs_diff']:.3g}")
+    if not args.no_outage:
+        print(
+            f"site a down {out['outage_s']:.0f} s: site b "
+            f"{out['outage_site_b_steps_per_s_through']} steps/s through it against "
+            f"{out['outage_site_b_steps_per_s_before']} before "
+            f"({100 * out['outage_site_b_rate_ratio']:.0f} %), longest gap "
+            f"{out['outage_site_b_longest_gap_s']:.2f} s; site a back training "
+            f"{out['outage_site_a_rejoin_s']:.2f} s after its agent started; final loss "
+            f"{out['outage_final_loss_vs_reference_pct']:+.2f} % against the run without it"
+        )
     print(result_line(out, args.smoke))
 
 

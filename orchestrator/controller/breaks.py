@@ -117,6 +117,8 @@ def failure_reason(
     failed: Set[str], dead: Set[str], hung: Set[str], closed: Set[str] = frozenset()
 ) -> str:
     """Why ``failed`` are replaced, in the words of the failure event."""
+    if not failed:
+        return "every member reported the break and none is gone (a collective failed or timed out)"
     names = ", ".join(sorted(failed))
     if failed <= closed:
         return f"agent of {names} gone (its liveness watch closed)"

@@ -243,9 +243,8 @@ class JobController:
                 seen_at=action.seen_at,
                 spare_wait_s=action.spare_wait_s,
             )
-            log.warning(
-                "[%s] %s failed: %s (%s)", job, ", ".join(sorted(action.nodes)), action.why, cause
-            )
+            who = ", ".join(sorted(action.nodes)) or "no node"
+            log.warning("[%s] %s failed: %s (%s)", job, who, action.why, cause)
             for node in sorted(action.nodes):
                 events.emit(
                     client,

@@ -485,7 +485,12 @@ class _Decider:
             self.m.recovery_started = self.w.mono
             self.m.recovery_step = self.status.step
         self.status.recoveries += 1
-        reason = ("; ".join(swapped) or f"scaled down to {len(kept)} nodes") + waited
+        if swapped:
+            reason = "; ".join(swapped) + waited
+        elif failed:
+            reason = f"scaled down to {len(kept)} nodes" + waited
+        else:
+            reason = "the same nodes again: " + why
         # the failed nodes' last heartbeats still look fresh for a moment: not spares
         self.status.spare_nodes = [n for n in spares if n not in failed]
         new_plan = self.make_plan(plan.generation + 1, order, spares, reason)

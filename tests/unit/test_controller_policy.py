@@ -505,6 +505,21 @@ def scale_down_to_nodes_min_without_spares() -> None:
     assert _order(new) == ["a"] and new.reason == "scaled down to 1 nodes"
 
 
+def every_member_reporting_the_break_regroups_the_same_nodes() -> None:
+    run = Run(_spec())
+    timed_out = _report(reason="step boundary 160 failed: timed out waiting 5000ms")
+    world = _world(
+        ["a", "b", "c"], _plan(1, "a", "b"), reports={"a-0": timed_out, "b-0": timed_out}
+    )
+    run.tick(world)
+    (new,) = run.plans()
+    assert _order(new) == ["a", "b"] and new.spares == ["c"]
+    why = "every member reported the break and none is gone (a collective failed or timed out)"
+    assert new.reason == f"the same nodes again: {why}"
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == frozenset() and declared.why == why
+
+
 def a_node_back_after_a_scale_down_rejoins_with_a_new_agent() -> None:
     run = Run(_spec(min_nodes=1, max_nodes=2, spares=0))
     run.tick(_world(["a", "b"], _plan(1, "a", "b"), reports={"a-0": _report()}, dead={"b"}))
@@ -953,6 +968,7 @@ SCENARIOS: list[Callable[[], None]] = [
     every_heartbeat_stopped_is_not_a_hang,
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,
+    every_member_reporting_the_break_regroups_the_same_nodes,
     a_node_back_after_a_scale_down_rejoins_with_a_new_agent,
     a_node_late_for_the_start_joins_up_to_nodes_max,
     a_generation_at_nodes_max_keeps_its_spares,

@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test check lint typecheck unit bench bench-smoke chaos slurm clean compat compat-newest
+.PHONY: venv demo test check lint typecheck unit bench bench-sync bench-smoke chaos slurm clean compat compat-newest
 
 venv: $(STAMP)
 
@@ -61,6 +61,13 @@ bench: $(BENCH_STAMP)
 	@set -e; for b in benchmarks/[a-z]*.py; do \
 		echo "== $$b"; $(PY) $$b; \
 	done
+
+# every figure of docs/sync.md: the encodings, training across two sites (needs root for
+# the network namespaces; about 1.5 hours here), a failure in one site and a site lost
+bench-sync: $(BENCH_STAMP)
+	$(PY) benchmarks/outer_quantization_error.py
+	$(PY) benchmarks/cross_site.py --averaging --int4
+	$(PY) benchmarks/site_recovery.py
 
 # every benchmark's --smoke form (every row's code path, nothing measured); CI runs it
 # beside `make test`

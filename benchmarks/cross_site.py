@@ -19,7 +19,10 @@ row once per seed of ``--seeds`` (the initial weights and the data order):
   job file's defaults: the Nesterov outer step (lr 0.7, momentum 0.9), and for
   Streaming DiLoCo 4-bit floats (e3m0) and ``alpha`` 0.5; H as
   ``examples/diloco.yaml`` (20), 40 outer steps (800 steps);
-* ``--powersgd``: DDP with the PowerSGD hook across it, an extra row;
+* extra rows, each with its flag: ``--powersgd``, DDP with the PowerSGD hook
+  across the link; ``--averaging``, DiLoCo with plain averaging as the outer
+  step (SGD, lr 1, no momentum: local SGD); ``--int4``, Streaming DiLoCo with
+  the uniform 4-bit integers (a scale per block of 256) instead of e3m0;
 * ``--kill``: ``diloco_kill``, DiLoCo with a warm spare in site b, site b's
   only node SIGKILLed (agent and workers) mid inner period: the spare takes its
   slot and, its site having no live state left, starts from the global
@@ -101,6 +104,8 @@ SMOKE = {
     "warm_steps": 2,
     "eval_every": 20,
     "powersgd": True,
+    "averaging": True,
+    "int4": True,
     "kill": True,
     "kill_steps": 300,
 }
@@ -166,6 +171,14 @@ def rows(args: argparse.Namespace) -> list[Row]:
             Row(f"diloco_{rate}", rate, sync=diloco),
             Row(f"streaming_{rate}", rate, sync=streaming),
         ]
+        if args.averaging:
+            averaging = {"name": "sgd", "lr": 1.0, "momentum": 0.0}
+            shapes.append(
+                Row(f"diloco_avg_{rate}", rate, sync={**diloco, "outer_optimizer": averaging})
+            )
+        if args.int4:
+            int4 = {**streaming, "outer_quantization": "4bit"}
+            shapes.append(Row(f"streaming_int4_{rate}", rate, sync=int4))
     out = [dataclasses.replace(r, seed=seed) for r in shapes for seed in seeds(args)]
     if args.kill:
         first = args.rates.split(",")[0]
@@ -201,7 +214,9 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
             "nproc_per_node": args.ranks_per_site,
             "max_steps": row.steps or args.steps,
             "checkpoint": {"url": f"file://{out}/ckpt", "every_steps": 0},
-            "comm": row.comm,
+            # rank 0 alone evaluates the curve's points while the others wait in a
+            # collective: that pause is not a lost peer (README, "GPUs and NCCL")
+            "comm": {**row.comm, "op_timeout_floor": "120s"},
             "sync": row.sync,
             "fault_tolerance": {"hang_timeout": "120s", "heartbeat_interval": "500ms"},
         }
@@ -526,6 +541,12 @@ def main() -> int:
         "--eval-every", type=int, default=80, help="steps between the curve's points (0: none)"
     )
     parser.add_argument("--powersgd", action="store_true", help="add DDP + PowerSGD rows")
+    parser.add_argument(
+        "--averaging", action="store_true", help="add DiLoCo rows with averaging as the outer step"
+    )
+    parser.add_argument(
+        "--int4", action="store_true", help="add Streaming rows with the uniform 4-bit integers"
+    )
     parser.add_argument("--kill", action="store_true", help="add the SIGKILL rows")
     parser.add_argument("--only", default="", help="run only these rows (names, commas)")
     parser.add_argument("--keep-logs", default="", help="directory: each row's output")

@@ -247,6 +247,12 @@ def main() -> None:
 
     loss_sum = torch.zeros(())
     for step in session.steps(total or None):
+        if session.rank == 0 and args.eval_every and step and step % args.eval_every == 0:
+            # past the step boundary: an outer sync due there is applied (the global model)
+            started = time.monotonic()
+            loss = evaluate(net, held_out[:EVAL_EVERY_BYTES], size.context)
+            took = time.monotonic() - started
+            print(f"eval after step {step - 1} loss {loss:.4f} ({took:.2f}s)", flush=True)
         with session.guard():
             x, y = loader.batch(step)
             opt.zero_grad()
@@ -275,11 +281,6 @@ def main() -> None:
         if session.rank == 0 and step % args.log_every == 0:
             lr = sched.get_last_lr()[0]
             print(f"step {step} loss {mean:.4f} lr {lr:.2e} world {session.world_size}", flush=True)
-        if session.rank == 0 and args.eval_every and (step + 1) % args.eval_every == 0:
-            started = time.monotonic()
-            loss = evaluate(net, held_out[:EVAL_EVERY_BYTES], size.context)
-            took = time.monotonic() - started
-            print(f"eval after step {step} loss {loss:.4f} ({took:.2f}s)", flush=True)
     loader.close()
     if session.finished:
         final = {

@@ -17,9 +17,9 @@ agent only:
   of the job is over (its phase final, or a newer run started), the workers
   get :data:`ENDED_GRACE` to end by themselves (they do, normally: a worker
   waiting for a plan sees the phase), then the agent leaves and stops them.
-  A worker that recorded the end of its training loop is past the job's steps,
-  in the rest of its script (a final evaluation, an export): the agent waits
-  for it to exit, as torchrun waits for its workers, for up to the job's
+  While a worker that recorded the end of its training loop runs on (it is in
+  the rest of its script: a final evaluation, an export), the agent waits for
+  its workers to exit, as torchrun waits for its workers, for up to the job's
   ``fault_tolerance.hang_timeout`` after the run ended.
 """
 
@@ -61,6 +61,8 @@ class InProcessTier:
         self.launched_at: float | None = None
         self.progress_at: float | None = None  # the workers report their steps themselves
         self._preempted_at: float | None = None
+        #: workers (local rank, start time) seen past their training loop
+        self._past_loop: set[tuple[int, float]] = set()
 
     def start(self) -> None:
         """Start every worker (the agent registers them once all are up); a stop ends
@@ -130,18 +132,23 @@ class InProcessTier:
 
     def _ended_grace(self) -> float:
         """Seconds the workers may run on once the run is over: :data:`ENDED_GRACE`, or
-        the job's hang timeout while a running worker is past its training loop."""
+        the job's hang timeout while a running worker is past its training loop (once
+        seen so, a worker stays so: a failed read later does not shorten its time)."""
         setup = self.setup
+        long = max(ENDED_GRACE, setup.spec.fault_tolerance.hang_timeout.total_seconds())
         for w in self.workers.values():
             if w.exit_code() is not None:
                 continue
+            if (w.local_rank, w.started_at) in self._past_loop:
+                return long
             key = keys.job_done(setup.job) + keys.worker_id(setup.node, w.local_rank)
             try:
                 done = records.read(setup.client, key, DoneRecord)
             except (EtcdError, RecordError):
                 continue  # not known to be done: the short grace
             if done is not None and done.at >= w.started_at:
-                return max(ENDED_GRACE, setup.spec.fault_tolerance.hang_timeout.total_seconds())
+                self._past_loop.add((w.local_rank, w.started_at))
+                return long
         return ENDED_GRACE
 
     def close(self) -> None:

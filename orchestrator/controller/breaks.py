@@ -76,7 +76,8 @@ def judge_break(
         return None  # a planned switch: the new generation is already published
     # whoever neither answered nor reported; if every silent member's agent
     # answers (a worker of theirs died, not the node), those members
-    failed = (silent - late) or silent
+    # with every member reported: those whose agent went since (else nobody)
+    failed = (silent - late) or silent or (gone & {m.node for m in plan.members})
     why = failure_reason(failed, world.dead, hung, set(world.closed))
     return Verdict(failed, why, gone & failed)
 

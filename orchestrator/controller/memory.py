@@ -37,7 +37,8 @@ class Memory:
     #: the model is sharded in each site (a worker reported sites of different sizes):
     #: every plan from then on keeps the sites of one size
     equal_sites: bool = False
-    #: nodes a plan replaced or dropped, with the start time of the agent that failed
-    #: (``NodeRecord.started``; None: not registered then): a node rejoins a generation
-    #: by a scale-up only with an agent started since
+    #: nodes a plan replaced or dropped, with the time of their registration then
+    #: (``NodeRecord.started``; None: not registered): a node rejoins a generation by a
+    #: scale-up only with a registration written since (its agent started again, or
+    #: re-registered a restarted worker); not kept across a change of leader
     dropped: dict[str, float | None] = field(default_factory=dict)

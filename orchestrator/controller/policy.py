@@ -335,7 +335,9 @@ class _Decider:
             else:
                 self.phase(JobPhase.RUNNING, message)
             self.m.recovery_started = None
-        elif status.phase is JobPhase.RUNNING and not self.restart_tier and not kills:
+        elif status.phase is JobPhase.RUNNING and not (
+            self.restart_tier or kills or self.control.stop or w.done
+        ):  # not while a stop or the end is under way: a joining worker would hold it up
             self.scale_up(plan)
 
     def scale_up(self, plan: Plan) -> None:
@@ -347,7 +349,7 @@ class _Decider:
         if not added:
             return
         members = [m.node for m in plan.members]
-        order = members + added
+        order = topology_ordered(self.spec, self.w, members + added, previous=members)
         spares = [
             n
             for n in topology_ordered(self.spec, self.w, list(self.w.nodes))
@@ -357,8 +359,8 @@ class _Decider:
             order, left_out = balanced_order(self.spec, self.w, order)
             spares += left_out
         joined = [n for n in order if n not in members]
-        if not joined:
-            return
+        if not joined or not set(members) <= set(order):
+            return  # a balance that would leave a member out is not a scale-up
         for node in joined:
             self.m.dropped.pop(node, None)
         why = f"scaled up to {len(order)} nodes: {', '.join(joined)} joined"

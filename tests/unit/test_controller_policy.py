@@ -520,6 +520,16 @@ def every_member_reporting_the_break_regroups_the_same_nodes() -> None:
     assert declared.nodes == frozenset() and declared.why == why
 
 
+def a_member_whose_agent_went_after_reporting_is_replaced() -> None:
+    run = Run(_spec())
+    reports = {"a-0": _report(), "b-0": _report()}
+    run.tick(_world(["a", "b", "c"], _plan(1, "a", "b"), reports=reports, dead={"b"}))
+    (new,) = run.plans()
+    assert _order(new) == ["a", "c"]
+    (declared,) = run.of(DeclareFailed)
+    assert declared.nodes == frozenset({"b"})
+
+
 def a_node_back_after_a_scale_down_rejoins_with_a_new_agent() -> None:
     run = Run(_spec(min_nodes=1, max_nodes=2, spares=0))
     run.tick(_world(["a", "b"], _plan(1, "a", "b"), reports={"a-0": _report()}, dead={"b"}))
@@ -969,6 +979,7 @@ SCENARIOS: list[Callable[[], None]] = [
     outage_pauses_and_holds_fire_for_the_grace,
     scale_down_to_nodes_min_without_spares,
     every_member_reporting_the_break_regroups_the_same_nodes,
+    a_member_whose_agent_went_after_reporting_is_replaced,
     a_node_back_after_a_scale_down_rejoins_with_a_new_agent,
     a_node_late_for_the_start_joins_up_to_nodes_max,
     a_generation_at_nodes_max_keeps_its_spares,

@@ -123,13 +123,7 @@ def run_outage(args: argparse.Namespace, tmp: Path, lose: bool) -> dict[str, Any
     lost_at = back_at = None
     with run:
         if lose:
-            h = args.inner_steps
-            _wait(
-                lines,
-                f"a step past {args.kill_after}, mid inner period",
-                lambda s: s.step >= args.kill_after and h // 4 <= s.step % h <= 3 * h // 4,
-                run,
-            )
+            _wait_mid_inner_period(lines, args, run)
             lost_at = time.time()
             run.kill_node("node-2")  # site a's only node
             time.sleep(args.outage)  # how long the site stays down: the scenario itself
@@ -204,13 +198,7 @@ def run_job(args: argparse.Namespace, tmp: Path, kill: bool) -> dict[str, Any]:
         _wait(lines, "the spare", lambda s: "node-3" in s.spare_nodes, run)
         (tmp / "go").touch()
         if kill:
-            h = args.inner_steps
-            _wait(
-                lines,
-                f"a step past {args.kill_after}, mid inner period",
-                lambda s: s.step >= args.kill_after and h // 4 <= s.step % h <= 3 * h // 4,
-                run,
-            )
+            _wait_mid_inner_period(lines, args, run)
             killed_at = time.time()
             run.kill_node("node-1")
         result = run.wait()
@@ -222,6 +210,17 @@ def run_job(args: argparse.Namespace, tmp: Path, kill: bool) -> dict[str, Any]:
         "steps": _step_logs(tmp / "steps"),
         "recoveries": result.recoveries,
     }
+
+
+def _wait_mid_inner_period(lines: list[str], args: argparse.Namespace, run: Any) -> None:
+    """Wait for a step past ``--kill-after``, in the middle half of an inner period."""
+    h = args.inner_steps
+    _wait(
+        lines,
+        f"a step past {args.kill_after}, mid inner period",
+        lambda s: s.step >= args.kill_after and h // 4 <= s.step % h <= 3 * h // 4,
+        run,
+    )
 
 
 def _wait(lines: list[str], what: str, check: Any, run: Any, timeout: float = 300) -> None:

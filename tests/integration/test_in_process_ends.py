@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +60,22 @@ def _tier(client: EtcdClient, tmp: Path, job: str, fifo: Path) -> tuple[InProces
     return tier, script
 
 
+def _ended(
+    client: EtcdClient, tmp: Path, prefix: str, done_after_start: float
+) -> tuple[InProcessTier, Path]:
+    """A tier whose one worker blocks on a FIFO, a done record for that worker's slot
+    ``done_after_start`` seconds after the worker started, and the job Succeeded."""
+    job = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    fifo = tmp / "release"
+    os.mkfifo(fifo)
+    tier, _ = _tier(client, tmp, job, fifo)
+    at = tier.workers[0].started_at + done_after_start
+    done = DoneRecord(step=10, generation=1, at=at)
+    records.write(client, keys.job_done(job) + keys.worker_id("node-0", 0), done)
+    records.write(client, keys.job_status(job), JobStatus(job, JobPhase.SUCCEEDED, run=1))
+    return tier, fifo
+
+
 def _supervise(tier: InProcessTier) -> tuple[threading.Thread, list[Outcome]]:
     outcome: list[Outcome] = []
     thread = threading.Thread(target=lambda: outcome.append(tier.supervise()), daemon=True)
@@ -79,10 +94,7 @@ def no_grace(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_worker_past_its_loop_finishes_its_script_after_the_job_succeeded(
     etcd_client: EtcdClient, tmp_path: Path
 ) -> None:
-    job = f"tail-{uuid.uuid4().hex[:8]}"
-    fifo = tmp_path / "release"
-    os.mkfifo(fifo)
-    tier, _ = _tier(etcd_client, tmp_path, job, fifo)
+    tier, fifo = _ended(etcd_client, tmp_path, "tail", done_after_start=0.5)
     waited = threading.Event()
     grace = tier._ended_grace
 
@@ -94,9 +106,6 @@ def test_a_worker_past_its_loop_finishes_its_script_after_the_job_succeeded(
 
     tier._ended_grace = seen  # type: ignore[method-assign]
     worker = tier.workers[0]
-    done = DoneRecord(step=10, generation=1, at=time.time())
-    records.write(etcd_client, keys.job_done(job) + keys.worker_id("node-0", 0), done)
-    records.write(etcd_client, keys.job_status(job), JobStatus(job, JobPhase.SUCCEEDED, run=1))
     thread, outcome = _supervise(tier)
     try:
         assert waited.wait(20), "the tier never weighed the finished worker's own grace"
@@ -116,15 +125,8 @@ def test_a_worker_past_its_loop_finishes_its_script_after_the_job_succeeded(
 def test_a_worker_still_in_its_loop_is_stopped_once_the_job_succeeded(
     etcd_client: EtcdClient, tmp_path: Path
 ) -> None:
-    job = f"loop-{uuid.uuid4().hex[:8]}"
-    fifo = tmp_path / "never"
-    os.mkfifo(fifo)
-    tier, _ = _tier(etcd_client, tmp_path, job, fifo)
-    worker = tier.workers[0]
     # a done record of an earlier worker on this slot is not this one's
-    old = DoneRecord(step=10, generation=1, at=worker.started_at - 60)
-    records.write(etcd_client, keys.job_done(job) + keys.worker_id("node-0", 0), old)
-    records.write(etcd_client, keys.job_status(job), JobStatus(job, JobPhase.SUCCEEDED, run=1))
+    tier, _ = _ended(etcd_client, tmp_path, "loop", done_after_start=-60)
     thread, outcome = _supervise(tier)
     try:
         thread.join(30)

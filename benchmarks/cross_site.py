@@ -52,9 +52,11 @@ Usage::
 
     python benchmarks/cross_site.py [--rates 100mbit] [--seeds 0,1,2] [--steps 800]
 
-``--smoke``: every row (the extras too) at one rate (1 Gbit/s), one seed, 40
-steps of a 32-wide one-layer model on ``argparse.py`` (the kill rows 300: their
-spare must be up first), H 4, two fragments, timed from step 2.
+``--smoke``: every row (the extras too) at one rate (1 Gbit/s), one seed, one
+rank per site, 40 steps of a 32-wide one-layer model on ``argparse.py`` (the
+kill rows 300: their spare must be up first), H 4, two fragments, timed from
+step 2.  (``tests/benchmarks/test_cross_site_bench.py`` runs a row with two
+ranks per site.)
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ LOG_EVERY = 1
 SMOKE = {
     "rates": "1gbit",
     "seeds": "0",
+    "ranks_per_site": 1,
     "corpus": "argparse",
     "steps": 40,
     "width": 32,

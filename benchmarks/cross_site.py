@@ -206,7 +206,7 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
 
     train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2"]
     train += ["--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]
-    train += ["--corpus", args.corpus, "--seed", str(row.seed)]
+    train += ["--corpus", args.corpus, "--seed", str(row.seed), "--final-eval", "first-of-node"]
     if args.eval_every:
         train += ["--eval-every", str(args.eval_every)]
     return load_job_data(
@@ -221,7 +221,8 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
             # collective: that pause is not a lost peer (README, "GPUs and NCCL")
             "comm": {**row.comm, "op_timeout_floor": "120s"},
             "sync": row.sync,
-            "fault_tolerance": {"hang_timeout": "120s", "heartbeat_interval": "500ms"},
+            # the workers' final evaluation runs inside the agents' end grace (hang_timeout)
+            "fault_tolerance": {"hang_timeout": "600s", "heartbeat_interval": "500ms"},
         }
     )
 

@@ -219,6 +219,13 @@ def main() -> None:
         default=0,
         help="steps: rank 0 logs the loss on the first 256 KB held out (0: never)",
     )
+    parser.add_argument(
+        "--final-eval",
+        choices=("every-rank", "first-of-node"),
+        default="every-rank",
+        help="who evaluates the final model on the whole held-out text (first-of-node: "
+        "each node's first worker; the node's ranks hold one replica)",
+    )
     args = parser.parse_args()
     size = SHORT if args.short or os.environ.get("RINGMASTER_LM_SHORT") == "1" else FULL
     size = dataclasses.replace(
@@ -282,7 +289,8 @@ def main() -> None:
             lr = sched.get_last_lr()[0]
             print(f"step {step} loss {mean:.4f} lr {lr:.2e} world {session.world_size}", flush=True)
     loader.close()
-    if session.finished:
+    evaluates = args.final_eval == "every-rank" or session.local_rank == 0
+    if session.finished and evaluates:
         final = {
             "step": session.step,
             "eval_loss": evaluate(net, held_out, size.context),

@@ -153,7 +153,7 @@ def joining(
 ) -> list[str]:
     """The warm nodes a generation below ``nodes.max`` takes in (a scale-up), in
     topology order, up to ``nodes.max``: none is a member, none is known gone, and
-    none is a node a plan dropped whose agent has not started again since.
+    none is a node a plan dropped that has not registered again since.
     """
     members = {m.node for m in plan.members}
     room = spec.nodes.max - len(members)
@@ -165,7 +165,7 @@ def joining(
             continue
         failed_agent = dropped.get(node)
         if failed_agent is not None and info.started <= failed_agent:
-            continue  # the failed agent's registration, not yet expired
+            continue  # its registration from before the failure, not yet expired
         if is_warm(spec, world, node, restart_tier):
             found.append(node)
     return topology_ordered(spec, world, found)[:room]

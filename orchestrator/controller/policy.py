@@ -477,7 +477,7 @@ class _Decider:
             )
             return
         waited, spare_wait_s = plans.end_wait(self.m, self.w, members, order)  # it is over
-        for node in failed:  # back in a generation only with a new agent
+        for node in failed:  # back in a generation only once registered again
             info = self.w.nodes.get(node)
             self.m.dropped[node] = info.started if info is not None else None
         for node in sorted(failed):

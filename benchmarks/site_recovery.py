@@ -147,11 +147,10 @@ def train_loss(params: dict[str, Any]) -> float:
     """train_tiny's loss over its whole data set with ``params`` (rank 0's final ones)."""
     import torch
     import torch.nn.functional as F
-    from torch import nn
 
-    from examples.train_tiny import CLASSES, FEATURES, dataset
+    from examples.train_tiny import dataset, make_model
 
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+    model = make_model()
     model.load_state_dict({k.removeprefix("module."): v for k, v in params.items()})
     x, y = dataset()
     with torch.no_grad():

@@ -33,6 +33,12 @@ def dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, labels
 
 
+def make_model() -> nn.Sequential:
+    """The MLP this example trains (its parameters' names are those of ``final.pt``
+    without DDP's ``module.``)."""
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+
 def batch(step: int, rank: int, world: int, x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
     """Rank ``rank``'s share of global batch ``step`` (global sample offset step*GLOBAL_BATCH)."""
     start = (step * GLOBAL_BATCH) % SAMPLES
@@ -91,7 +97,7 @@ def main() -> None:
     torch.manual_seed(node_number() if args.seed_by_node else 0)
     session = runtime.init()
     x, y = (t.to(session.device) for t in dataset())  # the worker's GPU, where it has one
-    model = session.wrap(nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES)))
+    model = session.wrap(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     session.track(model=model, optimizer=opt)
     loss, samples = torch.tensor(0.0), 0

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from train_tiny import CLASSES, FEATURES, GLOBAL_BATCH, batch, dataset
+from train_tiny import GLOBAL_BATCH, batch, dataset
+from train_tiny import make_model as tiny_model
 
 __all__ = ["GLOBAL_BATCH", "StepLog", "batch", "dataset", "loss_of", "make_model", "make_opt"]
 
@@ -34,7 +35,7 @@ LR, MOMENTUM = 0.05, 0.9
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+    return tiny_model()
 
 
 def make_opt(params: object) -> torch.optim.Optimizer:

@@ -144,6 +144,11 @@ class _Decider:
     def warm(self, node: str) -> bool:
         return is_warm(self.spec, self.w, node, self.restart_tier)
 
+    def warm_nodes(self, but: set[str]) -> list[str]:
+        """The warm nodes other than ``but``, in topology order."""
+        every = topology_ordered(self.spec, self.w, list(self.w.nodes))
+        return [n for n in every if n not in but and self.warm(n)]
+
     def make_plan(self, generation: int, order: list[str], spares: list[str], why: str) -> Plan:
         return make_plan(self.spec, self.w, generation, order, spares, why)
 
@@ -350,11 +355,7 @@ class _Decider:
             return
         members = [m.node for m in plan.members]
         order = topology_ordered(self.spec, self.w, members + added, previous=members)
-        spares = [
-            n
-            for n in topology_ordered(self.spec, self.w, list(self.w.nodes))
-            if n not in order and self.warm(n)
-        ]
+        spares = self.warm_nodes(but=set(order))
         if self.m.equal_sites:  # a site that would outgrow the others waits
             order, left_out = balanced_order(self.spec, self.w, order)
             spares += left_out
@@ -451,11 +452,7 @@ class _Decider:
     def replace(self, plan: Plan, verdict: breaks.Verdict) -> None:
         failed, why = verdict.failed, verdict.why
         members = [m.node for m in plan.members]
-        spares = [
-            n
-            for n in topology_ordered(self.spec, self.w, list(self.w.nodes))
-            if n not in members and n not in failed and self.warm(n)
-        ]
+        spares = self.warm_nodes(but=set(members) | set(failed))
         order, swapped, spares = swap_in_spares(self.spec, self.w, plan, failed, spares)
         if self.restart_tier:  # a spare may have no checkpoint to broadcast from
             order = survivor_first(order, members, failed)

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._smoke import parse, result_line  # noqa: E402
+from benchmarks._worker_end import exit_now, keep  # noqa: E402
 
 SUBNET = "10.77.0"
 RACK_OF_NODE = (0, 0, 1, 1)
@@ -328,7 +329,7 @@ def worker_train(args: dict[str, Any]) -> dict[str, Any]:
             torch.nn.ReLU(),
             torch.nn.Linear(hidden // 2, 10),
         )
-        ddp = DDP(model)
+        ddp = keep(DDP(model))  # never freed: see benchmarks/_worker_end.py
         hook = build_comm_hook(spec, ddp)
         hook.register(ddp)
         dgc = spec.compression.type == CompressionKind.TOPK and spec.compression.momentum > 0
@@ -468,9 +469,9 @@ def main() -> int:
         import torch.distributed as dist
 
         result = WORKERS[args.worker](json.loads(args.worker_args))
-        dist.destroy_process_group()
+        dist.barrier()  # no rank leaves while a peer is still in the last collective
         print(json.dumps(result), flush=True)
-        return 0
+        exit_now()
     reason = _can_build()
     if reason is not None:
         _log(f"SKIPPED: network namespaces unavailable ({reason})")

@@ -30,13 +30,14 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agents.runtime.step_timing import StepTiming  # noqa: E402
 from benchmarks._smoke import parse, result_line  # noqa: E402
+from benchmarks._worker_end import exit_now, keep  # noqa: E402
 
 PORT = 29533
 WORLD = 3
@@ -63,8 +64,9 @@ class WallTiming(StepTiming):
         self.done_wall = time.time()
 
 
-def worker(rank: int, addr: str, out: str, steps: int, compute: float) -> None:
-    """One rank: ``steps`` DDP steps; a JSON row per step to ``out``."""
+def worker(rank: int, addr: str, out: str, steps: int, compute: float) -> NoReturn:
+    """One rank: ``steps`` DDP steps; a JSON row per step to ``out``; then the process
+    ends (:mod:`benchmarks._worker_end`)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -77,7 +79,7 @@ def worker(rank: int, addr: str, out: str, steps: int, compute: float) -> None:
     store = dist.TCPStore(addr, PORT, WORLD, serves, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    ddp = DDP(nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 512)))
+    ddp = keep(DDP(nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 512))))
     timing = WallTiming()
     DDP.register_comm_hook(ddp, None, CollectiveFailures(timing).allreduce_hook())
     x = torch.randn(16, 1024)
@@ -98,9 +100,9 @@ def worker(rank: int, addr: str, out: str, steps: int, compute: float) -> None:
                 "wait": timing.wait_s - wait0,
             }
         )
-    dist.barrier()
     Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    dist.barrier()
+    exit_now()
 
 
 def measure(rate: str, slow: int, steps: int, compute: float) -> dict[str, Any]:
@@ -138,9 +140,15 @@ def measure(rate: str, slow: int, steps: int, compute: float) -> dict[str, Any]:
                     env=dict(env, GLOO_SOCKET_IFNAME=ifname),
                 )
             )
-        for p in procs:
-            if p.wait(timeout=600) != 0:
-                raise RuntimeError(f"a rank exited with {p.returncode}")
+        try:
+            for r, p in enumerate(procs):
+                if p.wait(timeout=600) != 0:
+                    raise RuntimeError(f"rank {r} exited with {p.returncode}")
+        finally:  # a rank that failed or hung takes the others with it
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         rows = [json.loads(Path(f"{d}/{r}.json").read_text())[SKIP:] for r in range(WORLD)]
     n = min(len(r) for r in rows)
     compute_ms = [1e3 * statistics.mean(x["compute"] for x in rows[r]) for r in range(WORLD)]

@@ -8,10 +8,10 @@ disposing of the last collective's work, which needs the GIL: the worker
 never exits (py-spy: ``~ProcessGroupGloo`` in ``std::thread::join`` on the
 main thread, ``~AsyncWork`` in ``gil_scoped_acquire`` on gloo's).
 
-The product's workers narrow that window (:func:`agents.runtime.process_group.quiesce`);
-a benchmark's worker has nothing left to do once its result is out, so it
-closes it for good: :func:`keep` holds every DDP for the life of the process
-and :func:`exit_now` leaves without running a destructor.
+The product's workers avoid it the same way (:mod:`agents.node.warm_standby`
+holds every group until ``os._exit``); a benchmark's gloo workers are plain
+processes, so they do it here: :func:`keep` holds every DDP for the life of
+the process and :func:`exit_now` leaves without running a destructor.
 """
 
 from __future__ import annotations

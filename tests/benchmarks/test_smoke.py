@@ -16,8 +16,10 @@ listed at the end of the session (``conftest.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,27 +45,28 @@ def test_the_benchmarks_are_found() -> None:
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_smoke_run(script: Path, request: pytest.FixtureRequest) -> None:
     started = time.monotonic()
+    # a session of its own: a run that overstays is stopped with everything it started
+    proc = subprocess.Popen(
+        [sys.executable, str(script.relative_to(REPO)), "--smoke"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(
-            [sys.executable, str(script.relative_to(REPO)), "--smoke"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        out, err = _interrupt(proc)
         pytest.fail(
             f"{script.name} --smoke did not end within {TIMEOUT_S:g}s: a smoke run takes "
             f"seconds to minutes; make its --smoke form smaller, or raise "
-            f"RINGMASTER_SMOKE_TIMEOUT.\nstdout:\n{(out or '')[-4000:]}\n"
-            f"stderr:\n{(err or '')[-4000:]}",
+            f"RINGMASTER_SMOKE_TIMEOUT.\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}",
             pytrace=False,
         )
     finally:
         request.config.stash[SMOKE_SECONDS][script.stem] = time.monotonic() - started
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
     assert done.returncode == 0, f"{script.name} --smoke exited {done.returncode}\n{output}"
     lines = done.stdout.strip().splitlines()
@@ -83,3 +86,19 @@ def test_smoke_run(script: Path, request: pytest.FixtureRequest) -> None:
     )
     if result.get("skipped"):
         pytest.skip(f"{script.name} cannot run here: {result.get('reason', 'no reason given')}")
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Stop a run that overstayed: Ctrl-C to its whole session first, so that its
+    ``finally`` blocks remove what it made (network namespaces, servers) and the next
+    benchmark starts on a clean machine; SIGKILL to whatever is left 30 s later.
+    Returns its stdout and stderr."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return out or "", err or ""

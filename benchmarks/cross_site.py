@@ -28,7 +28,8 @@ row once per seed of ``--seeds`` (the initial weights and the data order):
   slot and, its site having no live state left, starts from the global
   parameters; and ``diloco_kill_peer``, site b of two nodes, one of them
   SIGKILLed (more ranks, so more tokens per step: its loss is not compared).
-  Both run for the first seed only.
+  Both run for the first seed only, without the curve's evaluations: rank 0
+  evaluating for seconds while the kill lands would count in the recovery.
 
 Per row and seed: steps per second (rank 0's step log, from step ``WARM_STEPS``
 to the last logged step, less the seconds of its ``--eval-every`` evaluations,
@@ -207,7 +208,7 @@ def job_spec(row: Row, args: argparse.Namespace, out: Path) -> Any:
     train = ["--width", str(args.width), "--layers", str(args.layers), "--accum", "2"]
     train += ["--warmup", "20", "--log-every", str(LOG_EVERY), "--out", str(out)]
     train += ["--corpus", args.corpus, "--seed", str(row.seed), "--final-eval", "first-of-node"]
-    if args.eval_every:
+    if args.eval_every and not row.kill:  # rank 0's pause would count in the recovery
         train += ["--eval-every", str(args.eval_every)]
     return load_job_data(
         {

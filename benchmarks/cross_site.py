@@ -543,7 +543,10 @@ def main() -> int:
         "--outer-quantization", default="", help="Streaming DiLoCo's (default: the paper's)"
     )
     parser.add_argument(
-        "--eval-every", type=int, default=80, help="steps between the curve's points (0: none)"
+        "--eval-every",
+        type=int,
+        default=-1,
+        help="steps between the curve's points (0: none; default: 4 outer steps, 4 x H)",
     )
     parser.add_argument("--powersgd", action="store_true", help="add DDP + PowerSGD rows")
     parser.add_argument(
@@ -565,6 +568,8 @@ def main() -> int:
         help="steps not timed at the start of a row; PowerSGD's start_iter",
     )
     args = parse(parser, SMOKE)
+    if args.eval_every < 0:
+        args.eval_every = 4 * args.inner_steps
     from tests.faults.netns import unavailable_reason
 
     reason = unavailable_reason()

@@ -63,10 +63,15 @@ bench: $(BENCH_STAMP)
 	done
 
 # every figure of docs/sync.md: the encodings, training across two sites (needs root for
-# the network namespaces; about 1.5 hours here), a failure in one site and a site lost
+# the network namespaces; about 2.5 hours here) at H 20 and at the spec's H 100, a node
+# killed in a site, a failure in one site and a site lost
 bench-sync: $(BENCH_STAMP)
 	$(PY) benchmarks/outer_quantization_error.py
 	$(PY) benchmarks/cross_site.py --averaging --int4
+	$(PY) benchmarks/cross_site.py --seeds 0 --inner-steps 100 --steps 4000 --eval-every 80 \
+		--only ddp_nolimit,diloco_100mbit,streaming_100mbit
+	$(PY) benchmarks/cross_site.py --seeds 0 --kill \
+		--only diloco_100mbit,diloco_kill_100mbit,diloco_kill_peer_100mbit
 	$(PY) benchmarks/site_recovery.py
 
 # every benchmark's --smoke form (every row's code path, nothing measured); CI runs it

@@ -52,6 +52,7 @@ __all__ = [
     "die_with_parent",
     "exit_status",
     "free_port",
+    "free_ports",
     "kill_tree",
     "signal_group",
     "start_group",
@@ -274,3 +275,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports nobody listens on at ``host`` now.
+
+    Each is held until all are picked: :func:`free_port` called twice may give
+    the same port twice (the kernel hands a released port out again), and a
+    child told to listen on both then fails with "address already in use".
+    """
+    with contextlib.ExitStack() as held:
+        socks = [
+            held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.api import EmbeddedEtcdError
-from orchestrator.process_lifetime import free_port, signal_group, start_group, stop_groups
+from orchestrator.process_lifetime import free_ports, signal_group, start_group, stop_groups
 from orchestrator.settings import SETTINGS
 
 #: How long to wait for a fresh etcd to answer.
@@ -171,8 +171,10 @@ class EmbeddedEtcd:
         self.compaction_retention = int(compaction_retention)
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="rm-etcd-"))
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        # two distinct ports: the same one twice would fail etcd's start ("address in use")
+        spare = [p for p in free_ports(3) if p not in (client_port, peer_port)]
+        self.client_port = client_port or spare.pop()
+        self.peer_port = peer_port or spare.pop()
         self.name = name
         self.start_timeout = start_timeout
         self.tls = tls

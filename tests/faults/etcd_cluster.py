@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.etcd.embedded import find_etcd_binary
-from orchestrator.process_lifetime import die_with_parent, free_port
+from orchestrator.process_lifetime import die_with_parent, free_ports
 
 #: How long a starting member (or a whole cluster) may take to become healthy.
 START_TIMEOUT = 30.0
@@ -84,8 +84,9 @@ class EtcdCluster:
         self._own_root = root is None
         self.root = root or Path(tempfile.mkdtemp(prefix="rm-etcd-cluster-"))
         hosts = ("127.0.0.1", *extra_hosts)
+        ports = free_ports(2 * size)  # distinct, within a member and across members
         self.members = [
-            Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}", hosts)
+            Member(f"m{i}", ports[2 * i], ports[2 * i + 1], self.root / f"m{i}", hosts)
             for i in range(size)
         ]
         self._token = f"rm-{self.root.name}"

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from orchestrator.process_lifetime import free_port, kill_tree, start_group, stop_groups
+from orchestrator.process_lifetime import free_ports, kill_tree, start_group, stop_groups
 
 __all__ = ["SlurmCluster", "SlurmClusterError", "find_program", "slurm_skip_reason"]
 
@@ -76,7 +76,8 @@ class SlurmCluster:
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.ctld: subprocess.Popen[bytes] | None = None
         self.slurmd: dict[str, subprocess.Popen[bytes]] = {}
-        self._ports = {name: free_port() for name in self.names}
+        *ports, self._ctld_port = free_ports(len(self.names) + 1)  # all distinct
+        self._ports = dict(zip(self.names, ports, strict=True))
 
     # -- configuration -----------------------------------------------------------------
 
@@ -88,7 +89,7 @@ class SlurmCluster:
         lines = [
             f"ClusterName=rm{os.getpid()}",
             "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
+            f"SlurmctldPort={self._ctld_port}",
             f"SlurmUser={user}",
             f"SlurmdUser={user}",
             "AuthType=auth/none",

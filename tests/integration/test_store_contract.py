@@ -21,6 +21,7 @@ processes), and queues under concurrent pushers and poppers.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing as mp
 import queue
@@ -402,6 +403,9 @@ def test_concurrent_pushers_and_poppers_take_each_item_once(
 
 
 def _split_rank(endpoint: str, prefix: str, rank: int, world: int, out: Any) -> None:
+    # Seen once in a full run: one rank never answered (its stack was not kept).  A rank
+    # still here after 60 s prints every thread's stack to stderr, which the test shows.
+    faulthandler.dump_traceback_later(60)
     try:
         import torch
 

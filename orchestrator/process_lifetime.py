@@ -163,7 +163,7 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float | None) -> int | Non
     return exit_status(proc)
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
     """Send ``sig`` to ``proc``'s process group (to ``proc`` alone if it leads none).
 
     Nothing is sent once ``proc`` is reaped: its pid may be another process's by then.
@@ -272,9 +272,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     The child it is for binds it next; another process may take it first, as
     with any port picked this way.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -16,7 +16,6 @@ listed at the end of the session (``conftest.py``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.process_lifetime import signal_group
 from tests.benchmarks.conftest import SMOKE_SECONDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,10 +66,9 @@ def test_smoke_run(script: Path, request: pytest.FixtureRequest) -> None:
         )
     finally:
         request.config.stash[SMOKE_SECONDS][script.stem] = time.monotonic() - started
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    output = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, f"{script.name} --smoke exited {done.returncode}\n{output}"
-    lines = done.stdout.strip().splitlines()
+    output = f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
+    assert proc.returncode == 0, f"{script.name} --smoke exited {proc.returncode}\n{output}"
+    lines = stdout.strip().splitlines()
     assert lines, f"{script.name} --smoke printed nothing\n{output}"
     try:
         result = json.loads(lines[-1])
@@ -93,12 +92,10 @@ def _interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
     ``finally`` blocks remove what it made (network namespaces, servers) and the next
     benchmark starts on a clean machine; SIGKILL to whatever is left 30 s later.
     Returns its stdout and stderr."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGINT)
+    signal_group(proc, signal.SIGINT)
     try:
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         out, err = proc.communicate()
     return out or "", err or ""

@@ -27,12 +27,17 @@ def test_free_ports_are_distinct_and_free() -> None:
             s.bind(("127.0.0.1", port))
 
 
-def test_an_embedded_etcd_gets_two_distinct_ports_or_keeps_the_ones_given(tmp_path: Path) -> None:
-    for _ in range(50):  # not started: the ports it would listen on
-        etcd = EmbeddedEtcd(data_dir=tmp_path)
-        assert etcd.client_port != etcd.peer_port
-    given = free_ports(1)[0]
-    etcd = EmbeddedEtcd(data_dir=tmp_path, client_port=given)
-    assert etcd.client_port == given and etcd.peer_port != given
-    etcd = EmbeddedEtcd(data_dir=tmp_path, peer_port=given)
-    assert etcd.peer_port == given and etcd.client_port != given
+def test_an_embedded_etcd_never_listens_twice_on_one_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not started: the ports it would listen on.  A port given for one listener may be
+    free, so the free ports offered may include it: the other listener never takes it."""
+    etcd = EmbeddedEtcd(data_dir=tmp_path)
+    assert etcd.client_port != etcd.peer_port
+    offered = free_ports(3)
+    monkeypatch.setattr("orchestrator.etcd.embedded.free_ports", lambda count: list(offered))
+    for given in offered:
+        etcd = EmbeddedEtcd(data_dir=tmp_path, client_port=given)
+        assert etcd.client_port == given and etcd.peer_port != given
+        etcd = EmbeddedEtcd(data_dir=tmp_path, peer_port=given)
+        assert etcd.peer_port == given and etcd.client_port != given

@@ -19,13 +19,30 @@ import queue
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator.process_lifetime import free_port
 
 
 class GlooRunError(RuntimeError):
     """A rank failed or the run timed out."""
+
+
+def answer_and_exit(results: Any, answer: object) -> NoReturn:
+    """Put a spawned rank's answer on ``results`` (a multiprocessing queue), wait until it
+    is sent, and end the process without running any destructor.
+
+    Freeing a gloo group (``destroy_process_group``, or the interpreter's own exit) joins
+    gloo's threads with the GIL held, and a thread still disposing of a finished
+    collective's work needs the GIL: the rank never ends.  A rank that tore its group
+    down before answering then never answered (seen once in a full run, in
+    ``test_store_contract``'s split-group test; the benchmarks' workers hung the same
+    way), so the answer goes first and the process ends at once.
+    """
+    results.put(answer)
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def _entry(
@@ -51,13 +68,11 @@ def _entry(
             world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
+        out = fn(rank, world_size, *args)
+        dist.barrier()  # no rank leaves while a peer may still need it
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        answer_and_exit(results, (rank, False, traceback.format_exc()))
+    answer_and_exit(results, (rank, True, out))
 
 
 def run_gloo(

@@ -27,6 +27,7 @@ from orchestrator.rendezvous.store import (
     EtcdStoreTimeoutError,
     RunLease,
 )
+from tests.gloo import answer_and_exit
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -247,10 +248,10 @@ def _gloo_rank(endpoint: str, prefix: str, rank: int, world: int, out: Any) -> N
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         dist.barrier()
-        dist.destroy_process_group()
-        out.put((rank, t.item()))
+        answer = (rank, t.item())
     except BaseException:
-        out.put((rank, traceback.format_exc()))
+        answer_and_exit(out, (rank, traceback.format_exc()))
+    answer_and_exit(out, answer)  # the group is never freed: see answer_and_exit
 
 
 @pytest.mark.timeout(90)

@@ -45,6 +45,7 @@ from orchestrator.rendezvous.store import (
     EtcdStoreTimeoutError,
 )
 from orchestrator.rendezvous.store_queues import StoreQueues
+from tests.gloo import answer_and_exit
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -403,8 +404,8 @@ def test_concurrent_pushers_and_poppers_take_each_item_once(
 
 
 def _split_rank(endpoint: str, prefix: str, rank: int, world: int, out: Any) -> None:
-    # Seen once in a full run: one rank never answered (its stack was not kept).  A rank
-    # still here after 60 s prints every thread's stack to stderr, which the test shows.
+    # A rank still here after 60 s prints every thread's stack to stderr, which the test
+    # shows.
     faulthandler.dump_traceback_later(60)
     try:
         import torch
@@ -431,11 +432,10 @@ def _split_rank(endpoint: str, prefix: str, rank: int, world: int, out: Any) -> 
         seen = [group_store.get(f"rank{r}") for r in range(world)]  # waits for the peer
         clones = len(store._clones)
         dist.barrier()
-        dist.destroy_process_group()
-        client.close()
-        out.put((rank, (t.item(), seen, clones)))
+        answer = (rank, (t.item(), seen, clones))
     except BaseException:
-        out.put((rank, traceback.format_exc()))
+        answer_and_exit(out, (rank, traceback.format_exc()))
+    answer_and_exit(out, answer)  # the groups are never freed: see answer_and_exit
 
 
 def _run_ranks(target: Callable[..., None], world: int, *args: Any) -> dict[int, Any]:

@@ -41,6 +41,9 @@ def small_etcd() -> Iterator[EmbeddedEtcd]:
         yield server
 
 
+# short form: the quorum loss's pause and resume (chaos/test_etcd_cluster.py); NOSPACE counted
+# as etcd being away: integration/test_etcd_nospace.py
+@pytest.mark.long
 def test_nospace_pauses_the_job_and_it_resumes_after_compaction(
     tmp_path: Path, small_etcd: EmbeddedEtcd
 ) -> None:

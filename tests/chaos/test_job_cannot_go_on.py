@@ -45,6 +45,9 @@ def test_a_script_that_fails_alike_on_every_node_fails_the_job_fast() -> None:
     assert result.wall_s < 60, result.wall_s
 
 
+# short form: test_a_script_that_fails_alike_on_every_node_fails_the_job_fast (the same
+# startup failure of every node: orchestrator/controller/plans.py startup_failure)
+@pytest.mark.long
 def test_a_missing_script_fails_the_job_within_seconds_naming_the_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "trian.py")
     lines: list[str] = []

@@ -54,6 +54,9 @@ def _assert_users_see(run, record: RecoveryRecord) -> None:  # type: ignore[no-u
     assert f'data-source="{record.source}" data-steps-lost="{record.steps_lost}"' in html
 
 
+# short form: the buddy copy in test_fsdp_reshards_in_memory_when_no_spare_is_left; adam's
+# state restored: test_slices_come_from_twins[mesh-pipeline=2-adam]
+@pytest.mark.long
 def test_fsdp_slice_comes_from_the_buddy_copy(tmp_path: Path) -> None:
     lines: list[str] = []
     spec = sharded_job(
@@ -170,6 +173,9 @@ def test_tensor_parallel_replicas_shrink_in_memory_when_no_spare_is_left(tmp_pat
     assert_same_params(assembled(tmp_path / "out"), fault_free(STEPS))
 
 
+# short form: test_fsdp_without_redundancy_falls_back_to_the_durable_checkpoint; mesh
+# checkpoints resumed: integration/test_sharded_checkpoint.py
+@pytest.mark.long
 def test_tensor_parallel_without_a_twin_goes_on_from_the_durable_checkpoint(
     tmp_path: Path,
 ) -> None:

@@ -116,7 +116,12 @@ def test_a_slowed_node_is_swapped_for_the_spare_and_nothing_is_lost(tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("sharding", "redundancy"),
-    [("hsdp", None), pytest.param("fsdp", 1, marks=pytest.mark.long)],
+    [
+        # short form: the DDP job's swap above; HSDP's slice from its twin:
+        # chaos/test_sharded_recovery.py; FSDP2's step timing: integration/test_sharded_timing.py
+        pytest.param("hsdp", None, marks=pytest.mark.long),
+        pytest.param("fsdp", 1, marks=pytest.mark.long),
+    ],
     ids=["hsdp-twin", "fsdp-buddy"],
 )
 def test_a_slowed_node_of_a_sharded_job_is_swapped_and_nothing_is_lost(

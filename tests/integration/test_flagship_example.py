@@ -27,7 +27,7 @@ from tests.chaos.jobs import REPO, quiet_run, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 36
+STEPS = 28  # saves due at 8, 16, 24: at least two commit
 KILL_AT = 8
 
 

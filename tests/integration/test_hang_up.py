@@ -22,8 +22,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 #: the group's operation timeout: a wait that is not ended by the hang-up lasts this long
 OP_TIMEOUT_S = 6.0
-#: how long the rank that left keeps its group alive (beyond the timeout)
-LINGER_S = OP_TIMEOUT_S + 2
 
 
 def _leave_while_a_peer_waits(rank: int, world_size: int) -> dict[str, float | str]:
@@ -39,7 +37,10 @@ def _leave_while_a_peer_waits(rank: int, world_size: int) -> dict[str, float | s
     if rank == 1:  # the survivor that learnt of the break first and left
         time.sleep(0.5)
         shut = hang_up(sockets)
-        time.sleep(LINGER_S)  # the group stays alive: only the hang-up can end the wait
+        # the group stays alive until both peers' waits have ended (they meet this rank in
+        # a barrier of the world group, whose connections were not hung up, only then):
+        # only the hang-up can end the wait
+        dist.barrier()
         del group
         return {"shut": float(shut)}
     started = time.monotonic()
@@ -48,7 +49,9 @@ def _leave_while_a_peer_waits(rank: int, world_size: int) -> dict[str, float | s
         error = ""
     except RuntimeError as e:
         error = str(e)
-    return {"waited": time.monotonic() - started, "error": error}
+    waited = time.monotonic() - started
+    dist.barrier()  # lets the rank that left drop its group
+    return {"waited": waited, "error": error}
 
 
 def test_a_peer_waiting_on_a_survivor_that_hung_up_fails_at_once() -> None:

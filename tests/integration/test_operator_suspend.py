@@ -55,8 +55,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300
 
 # long enough that the agents still training after the suspend checkpoint (at most
 # preemptionGrace) cannot reach the end
-STEPS = 300
-STEP_TIME = 0.04
+STEPS = 350
+STEP_TIME = 0.02
 SUSPEND_AT = 25
 JOB = "suspend"
 NAMESPACE = "ml"

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 JOB = Path(__file__).with_name("torchrun_job.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 NODES = 3
-STEPS = 50
+STEPS = 30  # 3 s in a world of 3 (killed after step 5), 3 s again in a world of 2
 
 
 def _records(out: Path, tag: str) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ def test_torchrun_finishes_after_a_node_is_killed(
     etcd: EmbeddedEtcd, tmp_path: Path, victim: str
 ) -> None:
     run_id = f"torchrun-{uuid.uuid4().hex[:10]}"
-    conf = "last_call_timeout=3,join_timeout=90,close_timeout=10,read_timeout=30"
+    conf = "last_call_timeout=1,join_timeout=90,close_timeout=10,read_timeout=30"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for i in range(NODES):

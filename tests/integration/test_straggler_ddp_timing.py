@@ -82,15 +82,31 @@ def _train(rank: int, world: int, buffers: bool, slow_after: bool) -> dict[str, 
     }
 
 
-@pytest.mark.parametrize(
-    ("buffers", "slow_after"),
-    [(True, False), (False, False), (False, True)],
-    ids=["buffers", "no-buffers", "slow-after-the-gradients-then-a-vote"],
-)
+#: ``(buffers, slow_after)`` of each case, by its test id
+CASES = {
+    "buffers": (True, False),
+    "no-buffers": (False, False),
+    "slow-after-the-gradients-then-a-vote": (False, True),
+}
+
+
+def _train_each(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Every case in turn, each with its own model, its own DDP and its own clock."""
+    return {case: _train(rank, world, *args) for case, args in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict[str, dict[str, Any]]]:
+    """The cases' results by rank: one pair of gloo processes trains them all."""
+    return run_gloo(_train_each, 2, timeout=150)
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_the_slow_rank_of_a_ddp_model_computes_longer_its_peer_waits(
-    buffers: bool, slow_after: bool
+    trained: list[dict[str, dict[str, Any]]], case: str
 ) -> None:
-    results = run_gloo(_train, 2, buffers, slow_after, timeout=150)
+    buffers, _ = CASES[case]
+    results = [by_case[case] for by_case in trained]
     slow, healthy = results[-1], results[0]
     assert (slow["buffers"] > 0) == buffers, slow
     assert all(r["steps"] == STEPS for r in results), [r["steps"] for r in results]

@@ -39,14 +39,16 @@ pytestmark = pytest.mark.integration
 OTHER_RUN = "one-writer@1764000000.000000"
 
 
-def _job_file(tmp: Path, steps: int, step_time: float) -> Path:
+def _job_file(tmp: Path, steps: int, step_time: float, hold_at: int | None = None) -> Path:
+    """``hold_at``: every worker waits before that step until ``tmp/go`` exists."""
     (tmp / "steps").mkdir(exist_ok=True)
     script = REPO / "examples" / "train_tiny.py"
+    hold = f", --hold-at, '{hold_at}', --go-file, {tmp / 'go'}" if hold_at is not None else ""
     path = tmp / "job.yaml"
     path.write_text(
         "name: one-writer\n"
         f"entrypoint: {{script: {script}, args: [--step-time, '{step_time}', "
-        f"--step-log, {tmp / 'steps'}]}}\n"
+        f"--step-log, {tmp / 'steps'}{hold}]}}\n"
         "nodes: {min: 1, max: 1}\n"
         f"max_steps: {steps}\n"
         f"checkpoint: {{url: 'file://{tmp}/ckpt', every_steps: 20, keep: 10}}\n"
@@ -82,7 +84,10 @@ def _foreign_marker(heartbeat_at: float) -> WriterMarker:
 def test_a_second_run_on_the_same_root_is_refused_and_the_first_is_untouched(
     tmp_path: Path,
 ) -> None:
-    _job_file(tmp_path, steps=120, step_time=0.1)
+    # the first run holds before step 30 (its save of step 20 begun) until the second is
+    # refused: it is still training then, however long the second takes to start (0.1 s
+    # steps: each async save uploads before the next is due, none skipped)
+    _job_file(tmp_path, steps=60, step_time=0.1, hold_at=30)
     marker = tmp_path / "ckpt" / MARKER_NAME
     first = _run(tmp_path, "first.txt")
     try:
@@ -107,6 +112,7 @@ def test_a_second_run_on_the_same_root_is_refused_and_the_first_is_untouched(
         assert first.poll() is None  # the refusal touched nothing of the first run
         assert WriterMarker.decode(marker.read_bytes()).token == holder.token
 
+        (tmp_path / "go").touch()
         assert first.wait(timeout=150) == 0, (tmp_path / "first.txt").read_text()[-3000:]
     finally:
         if first.poll() is None:
@@ -114,7 +120,7 @@ def test_a_second_run_on_the_same_root_is_refused_and_the_first_is_untouched(
     out = (tmp_path / "first.txt").read_text()
     assert "Phase: Succeeded" in out, out[-3000:]
     saved = checkpoints(f"file://{tmp_path}/ckpt")
-    assert [c.step for c in saved] == [20, 40, 60, 80, 100, 120]
+    assert [c.step for c in saved] == [20, 40, 60]
     assert all(c.committed and c.manifest is not None for c in saved)
     assert {c.manifest.run_id for c in saved if c.manifest} == {holder.run_id}
     assert not marker.exists()  # released as the run ended

@@ -283,16 +283,18 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
     last outer step), with site b's optimizer state, while site b trains on undisturbed
     until the sites meet."""
     lines: list[str] = []
-    spec = diloco_job("diloco-site", tmp_path, 1, DILOCO)
+    spec = diloco_job("diloco-site", tmp_path, 1, DILOCO, step_time=0.1)
     run = quiet_run(spec, lines, node_labels={**ZONES, "node-3": {"zone": "a"}})
     run.node_names = lambda: ["node-0", "node-1", "node-2"]  # type: ignore[method-assign]
     with run:
         wait_for_step(run, 0)
         run.add_node("node-3", rack="rack-1")
-        spare_ready(run, "node-3", tmp_path / "go")
-        # mid inner period: the site goes between two outer syncs
-        wait_for("a step 2-4 past a sync", lambda: _step(run) % 10 in (2, 3, 4))
+        wait_for_spare(run, "node-3")
+        # mid inner period (every worker holds before step HOLD_AT): the site goes between
+        # two outer syncs, and site b goes on only once the new generation is planned
         run.kill_node("node-2")
+        wait_for("node-2 declared failed", lambda: "node-2" in _failed(run))
+        (tmp_path / "go").touch()
         result = run.wait()
     assert result.phase is JobPhase.SUCCEEDED, summary(result, lines)
     back = [line for line in lines if "site a had no state" in line]
@@ -308,6 +310,11 @@ def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path)
 def _step(run: LocalRun) -> int:
     status = jobs.read_status(run.client, run.spec.name)
     return status.step if status is not None else 0
+
+
+def _failed(run: LocalRun) -> list[str]:
+    status = jobs.read_status(run.client, run.spec.name)
+    return status.failed_nodes if status is not None else []
 
 
 def test_a_diloco_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:

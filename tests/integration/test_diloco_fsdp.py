@@ -62,6 +62,8 @@ def fsdp_sites_job(
     return load_job_data(base)
 
 
+# short form: the buddy test's streaming run below (FSDP sites, by hand, a kill added)
+@pytest.mark.long
 def test_fsdp_in_each_site_ends_as_the_algorithm_by_hand(tmp_path: Path) -> None:
     """Streaming DiLoCo, fault free, two ranks per site on one node.  Plain DiLoCo's
     fault-free steps are part of the tests below (a kill, a checkpoint), each ending

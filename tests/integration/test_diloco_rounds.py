@@ -30,7 +30,7 @@ from tests.chaos.jobs import quiet_run, step_log, summary, tiny_job, wait_for_st
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, INNER = 30, 5
+STEPS, INNER = 15, 5
 ZONES = {"node-0": {"zone": "a"}, "node-1": {"zone": "b"}}
 
 

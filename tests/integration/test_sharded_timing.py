@@ -12,6 +12,7 @@ collectives ends with the same parameters (they are FSDP2's calls, not new ones)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,7 +32,9 @@ WARM = 2
 SLOW_S = 0.15
 
 
-def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool, slow_s: float
+) -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -59,7 +62,7 @@ def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> d
             timing.step_done()  # the clock starts
         opt.zero_grad()
         if rank == world - 1:
-            spin(SLOW_S)
+            spin(slow_s)
         net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
         opt.step()
         timing.step_done()
@@ -76,6 +79,26 @@ def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> d
     }
 
 
+Train = Callable[[int, tuple[int, ...], bool, float], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def train() -> Train:
+    """``_train`` on real ranks, each setting run once: the fsdp test's timed run is
+    also the one the equality test compares."""
+    runs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+
+    def run(world: int, mesh_shape: tuple[int, ...], timed: bool, slow_s: float) -> Any:
+        key = (world, mesh_shape, timed, slow_s)
+        if key not in runs:
+            runs[key] = run_gloo(
+                _train, world, mesh_shape, timed, slow_s, timeout=150, env=ONE_THREAD
+            )
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize(
     ("world", "mesh_shape"),
     [
@@ -86,9 +109,9 @@ def _train(rank: int, world: int, mesh_shape: tuple[int, ...], timed: bool) -> d
     ids=["fsdp", "hsdp-2x1", "hsdp-2x2"],
 )
 def test_the_slow_rank_of_a_sharded_model_computes_longer_its_peers_wait(
-    world: int, mesh_shape: tuple[int, ...]
+    train: Train, world: int, mesh_shape: tuple[int, ...]
 ) -> None:
-    results = run_gloo(_train, world, mesh_shape, True, timeout=150, env=ONE_THREAD)
+    results = train(world, mesh_shape, True, SLOW_S)
     slow, healthy = results[-1], results[0]
     assert all(r["installed"] for r in results)
     assert all(r["steps"] == STEPS for r in results), [r["steps"] for r in results]
@@ -99,9 +122,9 @@ def test_the_slow_rank_of_a_sharded_model_computes_longer_its_peers_wait(
     assert healthy["wait"] > 2 * slow["wait"], (slow, healthy)
 
 
-def test_timed_collectives_train_what_fsdp2_s_own_train() -> None:
-    timed = run_gloo(_train, 2, (2,), True, timeout=150, env=ONE_THREAD)
-    plain = run_gloo(_train, 2, (2,), False, timeout=150, env=ONE_THREAD)
+def test_timed_collectives_train_what_fsdp2_s_own_train(train: Train) -> None:
+    timed = train(2, (2,), True, SLOW_S)  # the fsdp run above
+    plain = train(2, (2,), False, 0.0)  # no slow rank: a busy loop changes no parameter
     assert [r["installed"] for r in plain] == [False, False]
     for a, b in zip(timed, plain, strict=True):
         for name, p in a["params"].items():

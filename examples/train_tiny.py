@@ -76,7 +76,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="0: the job's max_steps")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--out", help="rank 0 writes the final parameters here")
-    parser.add_argument("--step-log", help="directory: each worker logs the steps it applied")
+    parser.add_argument(
+        "--step-log",
+        help="directory: each worker logs the steps it applied (step, generation, rank, time, "
+        "the durable checkpoint its state was last resumed from or '-')",
+    )
     parser.add_argument(
         "--hold-at",
         type=int,
@@ -114,7 +118,8 @@ def main() -> None:
         session.report(loss=loss.item(), samples=samples)
         if args.step_log:
             with open(os.path.join(args.step_log, f"{session.worker}-{os.getpid()}.log"), "a") as f:
-                f.write(f"{step} {session.generation} {session.rank} {time.time()}\n")
+                resumed = session.restored_from or "-"  # the durable checkpoint its state came from
+                f.write(f"{step} {session.generation} {session.rank} {time.time()} {resumed}\n")
         if session.rank == 0 and step % log_every == 0:
             print(f"step {step} loss {loss.item():.4f} world {session.world_size}", flush=True)
     if session.finished and session.rank == 0:

@@ -198,7 +198,7 @@ def test_one_recovery_whose_phases_sum_to_the_measured_time(observed: Observed) 
     firsts = []
     for seq_file in sorted((observed.tmp / "steps").glob("*.log")):
         for line in seq_file.read_text().splitlines():
-            step, gen, _rank, at = line.split()
+            step, gen, _rank, at = line.split()[:4]
             if int(gen) == 2:
                 firsts.append((float(at), int(step)))
                 break

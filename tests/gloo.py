@@ -13,6 +13,7 @@ traceback; a run that does not finish within ``timeout`` is killed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -28,20 +29,26 @@ class GlooRunError(RuntimeError):
     """A rank failed or the run timed out."""
 
 
-def answer_and_exit(results: Any, answer: object) -> NoReturn:
+def answer_and_exit(
+    results: Any, answer: object, teardown: Callable[[], None] | None = None
+) -> NoReturn:
     """Put a spawned rank's answer on ``results`` (a multiprocessing queue), wait until it
-    is sent, and end the process without running any destructor.
+    is sent, run ``teardown`` if given, and end the process without running any
+    destructor.
 
     Freeing a gloo group (``destroy_process_group``, or the interpreter's own exit) joins
     gloo's threads with the GIL held, and a thread still disposing of a finished
     collective's work needs the GIL: the rank never ends.  A rank that tore its group
     down before answering then never answered (seen once in a full run, in
     ``test_store_contract``'s split-group test; the benchmarks' workers hung the same
-    way), so the answer goes first and the process ends at once.
+    way), so the answer goes first.
     """
     results.put(answer)
     results.close()
     results.join_thread()
+    if teardown is not None:
+        with contextlib.suppress(Exception):
+            teardown()
     os._exit(0)
 
 
@@ -68,11 +75,19 @@ def _entry(
             world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        out = fn(rank, world_size, *args)
-        dist.barrier()  # no rank leaves while a peer may still need it
+        answer = (rank, True, fn(rank, world_size, *args))
     except BaseException:
-        answer_and_exit(results, (rank, False, traceback.format_exc()))
-    answer_and_exit(results, (rank, True, out))
+        answer = (rank, False, traceback.format_exc())
+    # The answer first (a teardown that hangs costs the run a kill, not its answer), then
+    # the group goes as before: a function's peers see this rank leave.
+    answer_and_exit(results, answer, teardown=_destroy_groups)
+
+
+def _destroy_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_gloo(

@@ -119,7 +119,8 @@ class NodeWatch:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for _, future in self._pending.values():  # those still running close on landing
-            if future.done() and future.exception() is None:
+            # (one that shutdown cancelled before it ran opened nothing, and would raise)
+            if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().close()
         for _, conn in self._open.values():
             conn.close()

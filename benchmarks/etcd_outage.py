@@ -119,7 +119,7 @@ def step_times(tmp: Path, steps: int = STEPS) -> tuple[dict[int, float], int, in
     for f in (tmp / "steps").glob("*.log"):
         seen = collections.Counter()
         for line in f.read_text().splitlines():
-            step, _, _, at = line.split()
+            step, _, _, at = line.split()[:4]
             seen[int(step)] += 1
             first[int(step)] = min(first.get(int(step), float("inf")), float(at))
         twice += sum(1 for c in seen.values() if c > 1)

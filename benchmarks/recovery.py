@@ -142,7 +142,7 @@ def _entries(log_dir: Path, by_file: bool) -> list[tuple[float, int, str]]:
     out = []
     for f in log_dir.glob("*.log"):
         for line in f.read_text().splitlines():
-            step, generation, _rank, t = line.split()
+            step, generation, _rank, t = line.split()[:4]
             out.append((float(t), int(step), f.stem if by_file else generation))
     return sorted(out)
 
@@ -263,7 +263,7 @@ def _mean_step_s(logs: Path) -> float:
     times = sorted(
         float(t)
         for f in logs.glob("*.log")
-        for _step, _gen, rank, t in (line.split() for line in f.read_text().splitlines())
+        for _step, _gen, rank, t in (line.split()[:4] for line in f.read_text().splitlines())
         if rank == "0"
     )
     a, b = len(times) // 4, 3 * len(times) // 4

@@ -242,7 +242,7 @@ def _step_logs(where: Path) -> dict[str, list[tuple[int, int, float]]]:
     for log in sorted(where.glob("*.log")):
         worker = re.sub(r"-\d+$", "", log.stem)  # the file is <worker>-<pid>.log
         for line in log.read_text().splitlines():
-            step, generation, _rank, at = line.split()
+            step, generation, _rank, at = line.split()[:4]
             out.setdefault(worker, []).append((int(step), int(generation), float(at)))
     return {w: sorted(v, key=lambda s: s[2]) for w, v in out.items()}
 

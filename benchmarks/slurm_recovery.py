@@ -55,7 +55,7 @@ def _entries(logs: Path) -> list[tuple[float, int, str]]:
     out = []
     for f in logs.glob("*.log"):
         for line in f.read_text().splitlines():
-            step, generation, _rank, at = line.split()
+            step, generation, _rank, at = line.split()[:4]
             out.append((float(at), int(step), generation))
     return sorted(out)
 

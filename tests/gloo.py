@@ -38,10 +38,9 @@ def answer_and_exit(
 
     Freeing a gloo group (``destroy_process_group``, or the interpreter's own exit) joins
     gloo's threads with the GIL held, and a thread still disposing of a finished
-    collective's work needs the GIL: the rank never ends.  A rank that tore its group
-    down before answering then never answered (seen once in a full run, in
-    ``test_store_contract``'s split-group test; the benchmarks' workers hung the same
-    way), so the answer goes first.
+    collective's work needs the GIL: the rank never ends (the benchmarks' workers hung
+    so).  A rank that tore its group down before answering would then never answer, so
+    the answer goes first.
     """
     results.put(answer)
     results.close()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-import re
 import sys
 import time
 from pathlib import Path
 
+from checkpoint.commit import parse_step_dir
 from orchestrator.api import JobPhase
 from orchestrator.local_run import LocalRun, RunResult
 from orchestrator.spec.job import JobSpec
@@ -104,22 +104,22 @@ def assert_exactly_once(tmp: Path, steps: int) -> None:
 
     A worker applies steps again only when its state was dropped and then came from a
     durable checkpoint (fenced out while it held state, then back with nothing live
-    left to take state from): it then starts, in a later generation, at the step after
-    that checkpoint's (``examples/train_tiny.py`` logs the checkpoint it last resumed
-    from).
+    left to take state from): it then starts, in a later generation, at that checkpoint's
+    step, the first the checkpoint does not hold (``examples/train_tiny.py`` logs the
+    checkpoint it last resumed from).
     """
-    logs = step_log(tmp)
-    assert logs, "no step logs written"
-    for worker, records in _step_records(tmp).items():
-        for (step0, gen0, _), (step, gen, resumed) in itertools.pairwise(records):
+    records = _step_records(tmp)
+    assert records, "no step logs written"
+    for worker, seq in records.items():
+        for (step0, gen0, _), (step, gen, resumed) in itertools.pairwise(seq):
             if step > step0:
                 continue
-            after = _checkpoint_step(resumed)
+            after = parse_step_dir(resumed.rstrip("/").rsplit("/", 1)[-1])
             assert gen > gen0 and after is not None and step == after, (
                 f"{worker} applied step {step} twice or out of order (generation {gen0} "
-                f"to {gen}, its state last resumed from {resumed}): {logs[worker]}"
+                f"to {gen}, its state last resumed from {resumed}): {[r[0] for r in seq]}"
             )
-    counts = collections.Counter(s for seq in logs.values() for s in set(seq))
+    counts = collections.Counter(s for seq in records.values() for s in {r[0] for r in seq})
     missing = [s for s in range(steps) if counts[s] == 0]
     assert not missing, f"steps never applied: {missing}"
 
@@ -131,12 +131,6 @@ def _step_records(tmp: Path) -> dict[str, list[tuple[int, int, str]]]:
         fields = [line.split() for line in f.read_text().splitlines()]
         out[f.stem] = [(int(v[0]), int(v[1]), v[4] if len(v) > 4 else "-") for v in fields]
     return out
-
-
-def _checkpoint_step(url: str) -> int | None:
-    """The step of a checkpoint named by its URL (``.../step-0000000270-<id>``)."""
-    found = re.search(r"/step-(\d+)-[^/]*/?$", url)
-    return int(found.group(1)) if found else None
 
 
 def summary(result: RunResult, lines: list[str]) -> str:

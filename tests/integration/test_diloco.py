@@ -280,8 +280,9 @@ def test_hot_swap_in_a_site_ends_as_the_algorithm_by_hand(
 def test_a_site_lost_whole_comes_back_from_the_global_parameters(tmp_path: Path) -> None:
     """Site a's only node dies; a spare of zone a takes its place with no state of the
     site left anywhere: it starts from the anchors (the sites' common parameters at the
-    last outer step), with site b's optimizer state, while site b trains on undisturbed
-    until the sites meet."""
+    last outer step), with site b's optimizer state.  Every worker holds before
+    :data:`HOLD_AT`, mid inner period, until node-2 is declared failed; site b then
+    trains on until the sites meet."""
     lines: list[str] = []
     spec = diloco_job("diloco-site", tmp_path, 1, DILOCO, step_time=0.1)
     run = quiet_run(spec, lines, node_labels={**ZONES, "node-3": {"zone": "a"}})

@@ -175,25 +175,32 @@ def test_survivors_reform_after_rank0_dies_and_get_a_fresh_master_address(
 ) -> None:
     run_id = _run_id()
     nodes = [create_handler(_params(etcd, run_id, 2, 3)) for _ in range(3)]
-    first = _all([n.next_rendezvous for n in nodes])
-    assert [i.rank for i in first] == [0, 1, 2]  # node order: creation order
-    old_port = _port(first[0])
-    assert {_port(i) for i in first} == {old_port}
+    try:
+        first = _all([n.next_rendezvous for n in nodes])
+        assert [i.rank for i in first] == [0, 1, 2]  # node order: creation order
+        old_port = _port(first[0])
+        assert {_port(i) for i in first} == {old_port}
 
-    # Node 0 (rank 0, host of the workers' store) dies: no more heartbeats.
-    dead = nodes[0]
-    assert isinstance(dead, EtcdRendezvousHandler)
-    dead._stop_heartbeats()
-    dead._shared_tcp_store_server = None  # its server goes away with it
-    started = time.monotonic()
-    second = _all([nodes[1].next_rendezvous, nodes[2].next_rendezvous])
-    took = time.monotonic() - started
-    assert [i.rank for i in second] == [0, 1]
-    assert all(i.world_size == 2 for i in second)
-    new_port = _port(second[0])
-    assert _port(second[1]) == new_port != old_port
-    # 3 missed 1 s heartbeats + 1 s last call + polling: seconds, not torch's 15 s + 30 s.
-    assert took < 10, took
+        # Node 0 (rank 0, host of the workers' store) dies: no more heartbeats.
+        dead = nodes[0]
+        assert isinstance(dead, EtcdRendezvousHandler)
+        dead._stop_heartbeats()
+        dead._shared_tcp_store_server = None  # its server goes away with it
+        started = time.monotonic()
+        second = _all([nodes[1].next_rendezvous, nodes[2].next_rendezvous])
+        took = time.monotonic() - started
+        assert [i.rank for i in second] == [0, 1]
+        assert all(i.world_size == 2 for i in second)
+        new_port = _port(second[0])
+        assert _port(second[1]) == new_port != old_port
+        # 3 missed 1 s heartbeats + 1 s last call + polling: seconds, not torch's 15 s + 30 s.
+        assert took < 10, took
+    finally:
+        # Each handler's keep-alive timer is stopped here, on this thread: a handler
+        # left to the collector may be freed on its own timer's thread, whose finalizer
+        # then joins itself (an unraisable error in whichever test runs then).
+        for node in nodes:
+            node.shutdown()
 
 
 _NODE = textwrap.dedent(

@@ -31,6 +31,7 @@ from agents.state.buddy_copies import BuddyCopies
 from agents.state.sharding import ShardedModel
 from agents.state.tracked_optimizers import optimizers_of, others_of
 from agents.sync.outer_sync import OuterSync
+from agents.sync.round_media import RoundMedium
 
 __all__ = ["BuddySnapshots", "DelayedSync", "Lent", "StepParticipant"]
 
@@ -44,12 +45,14 @@ class Lent:
         moved_on: a newer generation is published.
         wait_limit: seconds a wait between sites may take, as the outer syncs taught.
         longest_wait: seconds a wait between sites may take at most.
+        rounds: where the generation's outer syncs keep their records and bytes.
     """
 
     vote: Callable[[dist.ProcessGroup], tuple[int, ...]]
     moved_on: Callable[[], bool]
     wait_limit: Callable[[], float]
     longest_wait: Callable[[], float]
+    rounds: RoundMedium
 
 
 class StepParticipant:
@@ -147,6 +150,7 @@ class DelayedSync(StepParticipant):
 
         outer.site_vote, outer.moved_on = site_vote, lent.moved_on
         outer.wait_limit, outer.longest_wait = lent.wait_limit, lent.longest_wait
+        outer.rounds = lent.rounds
 
     def vote_group(self) -> dist.ProcessGroup | None:
         groups = self.outer.groups

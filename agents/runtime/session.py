@@ -56,6 +56,7 @@ from agents.runtime.telemetry import WorkerTelemetry
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
 from agents.state.api import Recovery
+from agents.sync.round_media import PieceServer, RoundsInEtcd
 from agents.sync.rounds import maximum
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -93,6 +94,9 @@ class Session:
     ) -> None:
         self._env = env
         self._client = client
+        #: this worker's store of its outer syncs' pseudo-gradients (listens from the
+        #: first round it carries)
+        self._pieces = PieceServer(env.address)
         self._spec = spec
         self._state = WorkerState()
         self._finished = False
@@ -478,7 +482,13 @@ class Session:
         parts = self._models.participants
         self._votes.sites = any(part.across_sites for part in parts)
         timeout = self._guard.timeout
-        lent = Lent(self._site_vote, self._moved_on, timeout.between_sites, lambda: timeout.ceiling)
+        lent = Lent(
+            self._site_vote,
+            self._moved_on,
+            timeout.between_sites,
+            lambda: timeout.ceiling,
+            RoundsInEtcd(self._client, self._env.job, st.generation, self._pieces),
+        )
         for part in parts:
             part.lend(lent)
             part.joined(st.step if st.has_state else None)

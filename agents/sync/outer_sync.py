@@ -61,7 +61,8 @@ from agents.sync.outer_step import (
     write_back,
 )
 from agents.sync.quantize import decode, empty_like_payload, encode
-from agents.sync.round_exchange import RoundExchange, RoundPlace, generation_store
+from agents.sync.round_exchange import RoundExchange, RoundPlace
+from agents.sync.round_media import RoundMedium, RoundsInStore
 from agents.sync.rounds import Offer
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
@@ -129,6 +130,9 @@ class OuterSync:
         #: the site's step-boundary vote as integers (set by the runtime): called on every
         #: rank of a site at each round's start, a collective inside the site
         self.site_vote: Callable[[], tuple[int, ...]] = lambda: ()
+        #: where the rounds keep their records and bytes (set by the runtime for each
+        #: generation: etcd and each carrier's own store); by default the generation's store
+        self.rounds: RoundMedium = RoundsInStore()
         #: a newer generation is published (set by the runtime): a waiting round gives up
         self.moved_on: Callable[[], bool] = lambda: False
         #: seconds a round may wait for its quorum, as the outer syncs taught (set by
@@ -372,7 +376,6 @@ class OuterSync:
         kind, numel = self.spec.quantization, self.pending_delta[f].numel()
         mine = groups.sites.ranks[groups.index]
         place = RoundPlace(
-            connect=generation_store(),
             fragment=f,
             at=self.pending_at[f],
             site=groups.index,
@@ -386,6 +389,7 @@ class OuterSync:
         if self._final(self.pending_at[f]):  # the run ends on every site's last steps
             quorum = len(groups.sites)
         self._rounds[f] = RoundExchange(
+            self.rounds,
             place,
             encode(self.pending_delta[f], kind),
             lambda: empty_like_payload(numel, kind),

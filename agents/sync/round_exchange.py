@@ -1,26 +1,26 @@
-"""One round of an outer sync between sites, carried through the generation's store.
+"""One round of an outer sync between sites.
 
 Runs in the training process, in a thread of its own per round (on a site's
 leader, or on every rank of an FSDP2 site: each carries its own slice), so
 that the round's bytes travel while the next inner steps compute.  The rules
-(who takes part, what is agreed) are :mod:`agents.sync.rounds`'; this module
-does the I/O:
+(who takes part, what is agreed) are :mod:`agents.sync.rounds'`; where the
+round's records and bytes are kept is its medium's
+(:mod:`agents.sync.round_media`).  This module runs the round:
 
-1. the site's pseudo-gradient goes into the store in pieces of at most
-   :data:`PIECE_BYTES` (the store refuses values above 8 MiB), then its offer;
+1. the site's pseudo-gradient is put where the other sites read it, in pieces
+   of at most :data:`~agents.sync.round_media.PIECE_BYTES`, then its offer
+   says where;
 2. the thread reads the offers until the round may be decided, and then
-   creates the decision record unless another site did first (a
-   compare-and-set on an absent key: one decision per round, whoever wins);
+   creates the decision record unless another site did first (one decision
+   per round, whoever wins);
 3. it reads the pseudo-gradients of the sites that take part, decodes them
-   and hands them over with the decision; the last site to have read them
-   deletes the round's data.
+   and hands them over with the decision; what nobody reads any more is
+   dropped.
 
-The store is the generation's bootstrap store (hosted by its rank 0), reached
-through a connection of the thread's own.  Sites that are not there never
-hold the others: the round goes ahead with those that are (``quorum``) once
-``timeout`` has passed.  A round of a broken generation dies with its store:
-:meth:`RoundExchange.cancel` ends the thread, and the new generation starts
-the round again in its own store.
+Sites that are not there never hold the others: the round goes ahead with
+those that are (``quorum``) once ``timeout`` has passed.  A round of a broken
+generation is given up (:meth:`RoundExchange.cancel` ends the thread), and
+the new generation starts it again.
 """
 
 from __future__ import annotations
@@ -32,50 +32,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from agents.sync.round_media import PIECE_BYTES, RoundLink, RoundMedium, RoundPlace
 from agents.sync.rounds import Offer, RoundDecision, decide, ready
 
-__all__ = ["PIECE_BYTES", "RoundExchange", "RoundPlace", "RoundResult", "generation_store"]
+__all__ = ["PIECE_BYTES", "RoundExchange", "RoundPlace", "RoundResult"]
 
-#: Largest value the exchange writes to the store (torch's store takes up to 8 MiB).
-PIECE_BYTES = 4 << 20
 #: How often a waiting round reads the offers: first, and at most.
 _POLL_FIRST_S = 0.002
 _POLL_MAX_S = 0.05
-
-
-@dataclass(frozen=True)
-class RoundPlace:
-    """Where a round is: the generation's store, and who this carrier is in it.
-
-    Attributes:
-        connect: opens the generation's store (:func:`generation_store`).
-        fragment: the fragment synced.
-        at: the steps complete when the round started (with the fragment, its name).
-        site: this carrier's site.
-        sites: the number of sites in the generation.
-        carriers: carriers per site (1, or each site's ranks for FSDP2 slices).
-        slot: this carrier's index in its site (its slice; 0 for a leader).
-    """
-
-    connect: Callable[[], dist.Store]
-    fragment: int
-    at: int
-    site: int
-    sites: int
-    carriers: int = 1
-    slot: int = 0
-
-    @property
-    def prefix(self) -> str:
-        return f"ringmaster-outer/f{self.fragment}/a{self.at}/"
-
-    def data_key(self, site: int, part: int) -> str:
-        return f"data/{site}/{self.slot}/{part}"
-
-    def offer_key(self, site: int, slot: int) -> str:
-        return f"offer/{site}/{slot}"
 
 
 @dataclass(frozen=True)
@@ -85,7 +50,7 @@ class RoundResult:
 
     decision: RoundDecision
     received: list[tuple[float, list[torch.Tensor]]]
-    #: bytes read from the store for the other sites' pseudo-gradients
+    #: bytes read from other sites for their pseudo-gradients
     bytes_read: int
     #: seconds from the start of the round to its decision, as this carrier saw it
     waited_s: float
@@ -95,6 +60,7 @@ class RoundExchange:
     """Offers one site's pseudo-gradient to a round and brings back the round's decision.
 
     Args:
+        medium: where the round's records and bytes are kept.
         place: the round and this carrier's place in it.
         payload: the encoded pseudo-gradient (:func:`agents.sync.quantize.encode`).
         like: empty tensors of the payload's shapes and dtypes, for reading another
@@ -106,6 +72,7 @@ class RoundExchange:
 
     def __init__(
         self,
+        medium: RoundMedium,
         place: RoundPlace,
         payload: Sequence[torch.Tensor],
         like: Callable[[], list[torch.Tensor]],
@@ -114,9 +81,10 @@ class RoundExchange:
         timeout: timedelta,
     ) -> None:
         self.place = place
+        self._medium = medium
         self._blob = _to_bytes(payload)
         self._like = like
-        self._offer = Offer(offer.weight, offer.agreement, _pieces(len(self._blob)))
+        self._offer = offer
         self._quorum = quorum
         self._timeout = timeout.total_seconds()
         self._cancelled = threading.Event()
@@ -174,85 +142,46 @@ class RoundExchange:
 
     def _carry(self) -> RoundResult:
         place, began = self.place, time.monotonic()
-        store = dist.PrefixStore(place.prefix, place.connect())
-        for part in range(self._offer.parts):
-            piece = self._blob[part * PIECE_BYTES : (part + 1) * PIECE_BYTES]
-            store.set(place.data_key(place.site, part), piece)  # type: ignore[arg-type]
-        store.set(place.offer_key(place.site, place.slot), self._offer.encode())
-        decision = self._decision(store)
+        link = self._medium.open(place, self._cancelled)
+        stored = link.put(self._blob)
+        link.offer(Offer(self._offer.weight, self._offer.agreement, stored.parts, stored.source))
+        decision, offers = self._decision(link)
         waited = time.monotonic() - began
         received: list[tuple[float, list[torch.Tensor]]] = []
         read = 0
-        for site, weight, parts in zip(
-            decision.sites, decision.weights, decision.parts, strict=True
-        ):
+        for site, weight in zip(decision.sites, decision.weights, strict=True):
             if weight <= 0:
                 continue
             if site == place.site:
                 blob = self._blob
             else:
-                blob = b"".join(_get(store, place.data_key(site, part)) for part in range(parts))
+                blob = link.fetch(site, offers[site, place.slot])
                 read += len(blob)
             received.append((weight, _from_bytes(blob, self._like())))
-        if store.add(f"read/{place.slot}", 1) == place.sites:  # the last reader cleans up
-            for site in range(place.sites):
-                parts = Offer.decode(store.get(place.offer_key(site, place.slot))).parts
-                for part in range(parts):
-                    store.delete_key(place.data_key(site, part))
+        link.finish(decision, offers)
         return RoundResult(decision, received, read, waited)
 
-    def _decision(self, store: dist.Store) -> RoundDecision:
+    def _decision(self, link: RoundLink) -> tuple[RoundDecision, dict[tuple[int, int], Offer]]:
+        """The round's decision (read, or made here once it may go ahead), with the
+        offers present when it was seen."""
         place = self.place
-        offers: dict[int, Offer] = {}
         poll, first_seen = _POLL_FIRST_S, time.monotonic()
         while True:
             if self._cancelled.is_set():
                 raise RuntimeError("cancelled: the generation broke")
-            if store.check(["decision"]):
-                return RoundDecision.decode(store.get("decision"))
-            self._read_offers(store, offers)
+            offers, decision = link.look()
+            if decision is not None:
+                return decision, offers
+            complete = {  # the sites whose every carrier offered, by their first carrier's
+                site: offers[site, 0]
+                for site in range(place.sites)
+                if all((site, slot) in offers for slot in range(place.carriers))
+            }
             waited = time.monotonic() - first_seen
-            if ready(len(offers), place.sites, self._quorum, waited, self._timeout):
-                mine = decide(offers).encode()
-                return RoundDecision.decode(store.compare_set("decision", "", mine))
+            if ready(len(complete), place.sites, self._quorum, waited, self._timeout):
+                return link.decide(decide(complete)), offers
             time.sleep(poll)
             poll = min(_POLL_MAX_S, poll * 2)
-
-    def _read_offers(self, store: dist.Store, offers: dict[int, Offer]) -> None:
-        """Add to ``offers`` the sites whose every carrier has offered since the last look
-        (with the first carrier's offer); an offer once read is not read again."""
-        place = self.place
-        for site in range(place.sites):
-            keys = [place.offer_key(site, slot) for slot in range(place.carriers)]
-            if site not in offers and store.check(keys):
-                offers[site] = Offer.decode(store.get(keys[0]))
-
-
-def generation_store() -> Callable[[], dist.Store]:
-    """How a round's thread reaches the default group's store (the generation's
-    bootstrap store): a connection of its own to a ``TCPStore``, else the store itself
-    (an in-process one)."""
-    from torch.distributed import distributed_c10d
-
-    store: dist.Store = distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if not isinstance(store, dist.TCPStore):
-        base = store
-        return lambda: base
-    host, port = store.host, store.port
-    return lambda: dist.TCPStore(
-        host, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
-    )
-
-
-def _get(store: dist.Store, key: str) -> bytes:
-    value = store.get(key)
-    return bytes(value)
-
-
-def _pieces(size: int) -> int:
-    return max(1, -(-size // PIECE_BYTES))
 
 
 def _to_bytes(payload: Sequence[torch.Tensor]) -> bytes:

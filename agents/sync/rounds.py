@@ -43,32 +43,44 @@ class Offer:
             (one that joined after the round started).
         agreement: its site's step-boundary vote, as integers.
         parts: how many stored pieces its pseudo-gradient is cut into.
+        source: where the pieces are served (``host:port`` of its carrier's own
+            store), or "" where they are in the round's own store.
     """
 
     weight: float
     agreement: tuple[int, ...]
     parts: int
+    source: str = ""
 
     def encode(self) -> str:
         return json.dumps(
-            {"weight": self.weight, "agreement": list(self.agreement), "parts": self.parts}
+            {
+                "weight": self.weight,
+                "agreement": list(self.agreement),
+                "parts": self.parts,
+                "source": self.source,
+            }
         )
 
     @classmethod
     def decode(cls, text: str | bytes) -> Offer:
         raw = json.loads(text)
-        return cls(float(raw["weight"]), tuple(int(v) for v in raw["agreement"]), int(raw["parts"]))
+        return cls(
+            float(raw["weight"]),
+            tuple(int(v) for v in raw["agreement"]),
+            int(raw["parts"]),
+            str(raw.get("source", "")),
+        )
 
 
 @dataclass(frozen=True)
 class RoundDecision:
-    """A decided round: the sites that take part (ascending), their weights, what they
-    agreed, and each one's number of stored pieces."""
+    """A decided round: the sites that take part (ascending), their weights and what
+    they agreed (where each one's pseudo-gradient is, its carriers' offers say)."""
 
     sites: tuple[int, ...]
     weights: tuple[float, ...]
     agreement: tuple[int, ...]
-    parts: tuple[int, ...]
 
     def encode(self) -> str:
         return json.dumps(
@@ -76,7 +88,6 @@ class RoundDecision:
                 "sites": list(self.sites),
                 "weights": list(self.weights),
                 "agreement": list(self.agreement),
-                "parts": list(self.parts),
             }
         )
 
@@ -87,7 +98,6 @@ class RoundDecision:
             tuple(int(s) for s in raw["sites"]),
             tuple(float(w) for w in raw["weights"]),
             tuple(int(v) for v in raw["agreement"]),
-            tuple(int(p) for p in raw["parts"]),
         )
 
     def takes_part(self, site: int) -> bool:
@@ -124,7 +134,6 @@ def decide(offers: Mapping[int, Offer]) -> RoundDecision:
         sites=sites,
         weights=tuple(offers[s].weight for s in sites),
         agreement=agreement,
-        parts=tuple(offers[s].parts for s in sites),
     )
 
 

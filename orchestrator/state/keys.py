@@ -242,6 +242,16 @@ def pg_store(job: str, generation: int) -> str:
     return job_prefix(job) + f"pg/{int(generation)}/"
 
 
+def outer_rounds(job: str, generation: int) -> str:
+    """The records of a generation's outer syncs between sites (offers, decisions)."""
+    return pg_store(job, generation) + "outer/"
+
+
+def outer_round(job: str, generation: int, fragment: int, at: int) -> str:
+    """One round: fragment ``fragment``'s sync started when ``at`` steps were complete."""
+    return outer_rounds(job, generation) + f"f{int(fragment)}/a{int(at)}/"
+
+
 def job_logs(job: str) -> str:
     return job_prefix(job) + "logs/"
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.process_group import choose_device, form_group, teardown_group
-from agents.sync.round_exchange import RoundExchange, RoundPlace, generation_store
+from agents.sync.round_exchange import RoundExchange, RoundPlace
+from agents.sync.round_media import RoundsInStore
 from agents.sync.rounds import Offer
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
@@ -70,9 +71,15 @@ def main() -> None:
     started = time.monotonic()
     try:
         if a.between_sites:  # a round of fragment 0 started at step 10 that rank 1 never offers to
-            place = RoundPlace(generation_store(), fragment=0, at=10, site=0, sites=2)
+            place = RoundPlace(fragment=0, at=10, site=0, sites=2)
             round_ = RoundExchange(
-                place, [t], lambda: [torch.empty_like(t)], Offer(1.0, (), 0), 2, timedelta(0)
+                RoundsInStore(),
+                place,
+                [t],
+                lambda: [torch.empty_like(t)],
+                Offer(1.0, (), 0),
+                2,
+                timedelta(0),
             )
             round_.wait(lambda: False, guard.timeout.between_sites())
         while True:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from agents.sync.outer_step import flatten, rebase
 from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace
+from agents.sync.round_media import STORE_PREFIX, RoundsInStore
 from agents.sync.rounds import Offer, RoundDecision, decide, maximum, ready
 
 pytestmark = pytest.mark.unit
@@ -33,19 +34,20 @@ def test_a_round_goes_ahead_with_every_site_or_with_a_quorum_after_the_timeout()
 
 
 def test_a_decision_takes_the_offers_in_site_order_and_the_maximum_of_their_votes() -> None:
-    offers = {2: Offer(2.0, (1, 7, -3), 1), 0: Offer(1.0, (4, 0, -5), 3)}
+    offers = {2: Offer(2.0, (1, 7, -3), 1), 0: Offer(1.0, (4, 0, -5), 3, "10.0.0.1:4000")}
     decision = decide(offers)
     assert decision.sites == (0, 2) and decision.weights == (1.0, 2.0)
-    assert decision.agreement == (4, 7, -3) and decision.parts == (3, 1)
+    assert decision.agreement == (4, 7, -3)
     assert RoundDecision.decode(decision.encode()) == decision
+    assert Offer.decode(offers[0].encode()) == offers[0]
     assert decision.takes_part(2) and not decision.takes_part(1)
     assert maximum([(1, 2), (3,)]) == (3, 2)
     with pytest.raises(ValueError):
         decide({})
 
 
-def _place(store: dist.Store, site: int, sites: int = 2) -> RoundPlace:
-    return RoundPlace(lambda: store, fragment=1, at=20, site=site, sites=sites)
+def _place(site: int, sites: int = 2) -> RoundPlace:
+    return RoundPlace(fragment=1, at=20, site=site, sites=sites)
 
 
 def _offer(
@@ -59,7 +61,8 @@ def _offer(
     timeout_s: float = 60.0,
 ) -> RoundExchange:
     return RoundExchange(
-        _place(store, site),
+        RoundsInStore(lambda: store),
+        _place(site),
         [value],
         lambda: [torch.empty_like(value)],
         Offer(weight, vote, parts=0),
@@ -80,7 +83,8 @@ def test_two_sites_receive_each_others_pseudo_gradients_and_clean_up() -> None:
         values = [float(p[0][0]) for _, p in got.received]
         assert weights == [2.0, 1.0] and values == [1.0, 3.0]  # in site order
     assert got_a.bytes_read == got_b.bytes_read == 5 * 4  # only the other site's
-    prefix = _place(store, 0).prefix
+    prefix = STORE_PREFIX + _place(0).name
+    assert store.check([prefix + "offer/0/0", prefix + "offer/1/0"])  # the offers stay
     assert not store.check([prefix + "data/0/0/0"]) and not store.check([prefix + "data/1/0/0"])
 
 
@@ -104,7 +108,8 @@ def test_a_pseudo_gradient_larger_than_a_stored_value_travels_in_pieces() -> Non
     a, b = _offer(store, 0, big), _offer(store, 1, -big)
     got = a.wait(NEVER, 60.0)
     b.wait(NEVER, 60.0)
-    assert got.decision.parts == (2, 2)
+    offer = Offer.decode(store.get(STORE_PREFIX + _place(0).name + "offer/0/0"))
+    assert offer.parts == 2
     assert torch.equal(got.received[1][1][0], -big)
 
 
@@ -114,7 +119,8 @@ def test_a_round_without_its_quorum_gives_up_when_the_generation_moves_on() -> N
     with pytest.raises(RuntimeError, match="newer generation"):
         alone.wait(lambda: True, 30.0)
     alone = RoundExchange(
-        RoundPlace(lambda: store, fragment=0, at=40, site=0, sites=2),
+        RoundsInStore(lambda: store),
+        RoundPlace(fragment=0, at=40, site=0, sites=2),
         [torch.ones(3)],
         lambda: [torch.empty(3)],
         Offer(1.0, (), 0),

@@ -1,0 +1,205 @@
+"""Rounds of outer syncs kept in a real etcd, each carrier's bytes served by its own store.
+
+Each site's carrier is a thread here with a :class:`PieceServer` of its own
+(a real ``TCPStore`` listening on 127.0.0.1): the records go through a real
+etcd, the pseudo-gradients from one carrier's server to the others'
+connections.  No generation store takes part.  Real jobs whose rounds go this
+way are in tests/integration/test_diloco_rounds.py and test_diloco.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace
+from agents.sync.round_media import PieceServer, RoundsInEtcd
+from agents.sync.rounds import Offer, RoundDecision
+from orchestrator.etcd.client import EtcdClient, connect
+from orchestrator.etcd.embedded import EmbeddedEtcd
+from orchestrator.etcd.options import EtcdOptions
+from orchestrator.state import keys
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+NEVER: Callable[[], bool] = lambda: False  # noqa: E731
+FRAGMENT, AT = 1, 20
+
+
+def _round(
+    medium: RoundsInEtcd,
+    site: int,
+    value: torch.Tensor,
+    *,
+    sites: int = 2,
+    weight: float = 1.0,
+    vote: tuple[int, ...] = (0,),
+    quorum: int = 2,
+    timeout_s: float = 60.0,
+) -> RoundExchange:
+    return RoundExchange(
+        medium,
+        RoundPlace(fragment=FRAGMENT, at=AT, site=site, sites=sites),
+        [value],
+        lambda: [torch.empty_like(value)],
+        Offer(weight, vote, parts=0),
+        quorum,
+        timedelta(seconds=timeout_s),
+    )
+
+
+def _served(server: PieceServer, generation: int, part: int = 0) -> bool:
+    """Whether ``server`` still holds a piece of the test's round (asked over TCP)."""
+    host, _, port = server.address.rpartition(":")
+    reader = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+    return reader.check([f"g{generation}/f{FRAGMENT}/a{AT}/{part}"])
+
+
+def _job() -> str:
+    return f"rounds-{uuid.uuid4().hex[:8]}"
+
+
+def test_three_sites_read_each_other_from_their_own_stores_and_decide_in_etcd(
+    etcd_client: EtcdClient,
+) -> None:
+    job, gen = _job(), 5
+    servers = [PieceServer("127.0.0.1") for _ in range(3)]
+    media = [RoundsInEtcd(etcd_client, job, gen, s) for s in servers]
+    values = [torch.full((6,), float(v)) for v in (1, 2, 3)]
+    rounds = [
+        _round(m, i, v, sites=3, weight=i + 1.0, vote=(i, -i))
+        for i, (m, v) in enumerate(zip(media, values, strict=True))
+    ]
+    got = [r.wait(NEVER, 60.0) for r in rounds]
+
+    prefix = keys.outer_round(job, gen, FRAGMENT, AT)
+    stored = {kv.key[len(prefix) :]: kv.value for kv in etcd_client.get_prefix(prefix)}
+    assert set(stored) == {"decision", "offer/0/0", "offer/1/0", "offer/2/0"}
+    decision = RoundDecision.decode(stored["decision"])
+    assert all(g.decision == decision for g in got)
+    assert decision.sites == (0, 1, 2) and decision.weights == (1.0, 2.0, 3.0)
+    assert decision.agreement == (2, 0)
+    for site, server in enumerate(servers):  # each offer names its own carrier's server
+        assert Offer.decode(stored[f"offer/{site}/0"]).source == server.address
+    for g in got:
+        assert [float(p[0][0]) for _, p in g.received] == [1.0, 2.0, 3.0]
+        assert g.bytes_read == 2 * 6 * 4  # the two other sites', from their servers
+    for server in servers:  # the last of the two other readers deleted each one's pieces
+        assert not _served(server, gen)
+
+
+def test_a_late_site_reads_the_decision_and_the_early_site_from_its_server(
+    etcd_client: EtcdClient,
+) -> None:
+    job, gen = _job(), 2
+    early_server, late_server = PieceServer("127.0.0.1"), PieceServer("127.0.0.1")
+    early = _round(
+        RoundsInEtcd(etcd_client, job, gen, early_server),
+        0,
+        torch.full((4,), 2.0),
+        quorum=1,
+        timeout_s=0.05,
+    )
+    first = early.wait(NEVER, 30.0)
+    assert first.decision.sites == (0,)
+    assert _served(early_server, gen), "the late site has not read it yet"
+    late = _round(
+        RoundsInEtcd(etcd_client, job, gen, late_server),
+        1,
+        torch.full((4,), 9.0),
+        quorum=1,
+        timeout_s=0.05,
+    )
+    second = late.wait(NEVER, 30.0)
+    assert second.decision == first.decision and not second.decision.takes_part(1)
+    assert [float(p[0][0]) for _, p in second.received] == [2.0]
+    assert not _served(early_server, gen), "read by every other site: deleted"
+    assert not _served(late_server, gen), "left out: nobody reads it, its carrier dropped it"
+
+
+def test_a_pseudo_gradient_larger_than_a_stored_value_travels_in_pieces(
+    etcd_client: EtcdClient,
+) -> None:
+    job, gen = _job(), 1
+    big = torch.arange(PIECE_BYTES // 4 + 1000, dtype=torch.float32)  # 2 pieces
+    servers = [PieceServer("127.0.0.1"), PieceServer("127.0.0.1")]
+    a, b = (
+        _round(RoundsInEtcd(etcd_client, job, gen, s), i, v)
+        for i, (s, v) in enumerate(zip(servers, (big, -big), strict=True))
+    )
+    got = a.wait(NEVER, 60.0)
+    b.wait(NEVER, 60.0)
+    offer = etcd_client.get(keys.outer_round(job, gen, FRAGMENT, AT) + "offer/1/0")
+    assert offer is not None and Offer.decode(offer.value).parts == 2
+    assert torch.equal(got.received[1][1][0], -big)
+    assert not any(_served(s, gen, part) for s in servers for part in (0, 1))
+
+
+def test_a_new_generation_prunes_the_older_rounds_and_their_pieces(
+    etcd_client: EtcdClient,
+) -> None:
+    job = _job()
+    server = PieceServer("127.0.0.1")
+    alone = _round(RoundsInEtcd(etcd_client, job, 3, server), 0, torch.ones(3), quorum=2)
+    with pytest.raises(RuntimeError, match="newer generation"):
+        alone.wait(lambda: True, 30.0)  # generation 3's round never completes
+    assert etcd_client.get_prefix(keys.outer_rounds(job, 3))
+    assert _served(server, 3)
+    etcd_client.put(keys.outer_round(job, 9, 0, 0) + "offer/0/0", "a later generation's")
+
+    again = _round(
+        RoundsInEtcd(etcd_client, job, 4, server), 0, torch.ones(3), quorum=1, timeout_s=0
+    )
+    again.wait(NEVER, 30.0)
+    assert not etcd_client.get_prefix(keys.outer_rounds(job, 3)), "site 0 pruned generation 3"
+    assert etcd_client.get_prefix(keys.outer_rounds(job, 9)), "a newer one is left alone"
+    assert not _served(server, 3), "generation 3's pieces went with the next round it kept"
+    assert server.serving() == [f"g4/f{FRAGMENT}/a{AT}/"]
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "etcd unavailable" in record.getMessage():
+            self.seen.set()
+
+
+def test_a_round_waits_out_an_etcd_outage(
+    private_etcd: tuple[EmbeddedEtcd, EtcdClient],
+) -> None:
+    server_etcd, _ = private_etcd
+    client = connect(EtcdOptions((server_etcd.endpoint,), op_timeout=timedelta(seconds=0.5)))
+    pid = server_etcd.pid
+    assert pid is not None
+    warnings = _Warnings()
+    logging.getLogger().addHandler(warnings)
+    try:
+        job, gen = _job(), 1
+        servers = [PieceServer("127.0.0.1"), PieceServer("127.0.0.1")]
+        os.kill(pid, signal.SIGSTOP)  # etcd stops answering: the round's calls time out
+        try:
+            a = _round(RoundsInEtcd(client, job, gen, servers[0]), 0, torch.ones(2))
+            assert warnings.seen.wait(30), "the round never met the outage"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        b = _round(RoundsInEtcd(client, job, gen, servers[1]), 1, torch.full((2,), 3.0))
+        got = a.wait(NEVER, 60.0)
+        assert (
+            b.wait(NEVER, 60.0).decision == got.decision == RoundDecision((0, 1), (1.0, 1.0), (0,))
+        )
+        assert [float(p[0][0]) for _, p in got.received] == [1.0, 3.0]
+    finally:
+        logging.getLogger().removeHandler(warnings)
+        client.close()

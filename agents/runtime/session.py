@@ -56,7 +56,7 @@ from agents.runtime.telemetry import WorkerTelemetry
 from agents.runtime.worker_state import WorkerState
 from agents.runtime.wrapping import WrappedModels, install_spec_hook
 from agents.state.api import Recovery
-from agents.sync.round_media import PieceServer, RoundsInEtcd
+from agents.sync.round_etcd import PieceServer, RoundsInEtcd
 from agents.sync.rounds import maximum
 from orchestrator.api import EtcdError
 from orchestrator.etcd.client import EtcdClient
@@ -94,9 +94,11 @@ class Session:
     ) -> None:
         self._env = env
         self._client = client
-        #: this worker's store of its outer syncs' pseudo-gradients (listens from the
-        #: first round it carries)
+        #: this worker's store of its outer syncs' pseudo-gradients, listening before any
+        #: group forms: its connections are never taken for a generation's own (hang_up)
         self._pieces = PieceServer(env.address)
+        if spec.sync.delayed:
+            self._pieces.start()
         self._spec = spec
         self._state = WorkerState()
         self._finished = False

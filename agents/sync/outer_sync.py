@@ -62,7 +62,7 @@ from agents.sync.outer_step import (
 )
 from agents.sync.quantize import decode, empty_like_payload, encode
 from agents.sync.round_exchange import RoundExchange, RoundPlace
-from agents.sync.round_media import RoundMedium, RoundsInStore
+from agents.sync.round_media import RoundMedium, RoundsInStore, generation_store
 from agents.sync.rounds import Offer
 from agents.sync.schedule import FragmentSchedule, cut_fragments
 from agents.sync.site_groups import SiteGroups
@@ -131,8 +131,8 @@ class OuterSync:
         #: rank of a site at each round's start, a collective inside the site
         self.site_vote: Callable[[], tuple[int, ...]] = lambda: ()
         #: where the rounds keep their records and bytes (set by the runtime for each
-        #: generation: etcd and each carrier's own store); by default the generation's store
-        self.rounds: RoundMedium = RoundsInStore()
+        #: generation: etcd and each carrier's own store); None: the generation's store
+        self.rounds: RoundMedium | None = None
         #: a newer generation is published (set by the runtime): a waiting round gives up
         self.moved_on: Callable[[], bool] = lambda: False
         #: seconds a round may wait for its quorum, as the outer syncs taught (set by
@@ -389,7 +389,7 @@ class OuterSync:
         if self._final(self.pending_at[f]):  # the run ends on every site's last steps
             quorum = len(groups.sites)
         self._rounds[f] = RoundExchange(
-            self.rounds,
+            self.rounds or RoundsInStore(generation_store()),
             place,
             encode(self.pending_delta[f], kind),
             lambda: empty_like_payload(numel, kind),

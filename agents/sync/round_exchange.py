@@ -38,9 +38,10 @@ from agents.sync.rounds import Offer, RoundDecision, decide, ready
 
 __all__ = ["PIECE_BYTES", "RoundExchange", "RoundPlace", "RoundResult"]
 
-#: How often a waiting round reads the offers: first, and at most.
+#: How often a waiting round reads the offers: first, and at most (a pause is also at
+#: most a twentieth of the wait so far, so a long wait reads its medium less often).
 _POLL_FIRST_S = 0.002
-_POLL_MAX_S = 0.05
+_POLL_MAX_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class RoundExchange:
         self._cancelled = threading.Event()
         self._done = threading.Event()
         self._result: RoundResult | None = None
+        self._link: RoundLink | None = None  # set by the round's thread
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"outer-round-f{place.fragment}-a{place.at}", daemon=True
@@ -116,7 +118,8 @@ class RoundExchange:
                     f"outer sync of fragment {self.place.fragment} (started at step "
                     f"{self.place.at}): a newer generation is published"
                 )
-            if time.monotonic() > deadline:
+            link = self._link  # an outage of the medium pauses the round
+            if time.monotonic() > deadline + (link.outage_s() if link is not None else 0.0):
                 self.cancel()
                 raise RuntimeError(
                     f"outer sync of fragment {self.place.fragment} (started at step "
@@ -142,7 +145,7 @@ class RoundExchange:
 
     def _carry(self) -> RoundResult:
         place, began = self.place, time.monotonic()
-        link = self._medium.open(place, self._cancelled)
+        link = self._link = self._medium.open(place, self._cancelled)
         stored = link.put(self._blob)
         link.offer(Offer(self._offer.weight, self._offer.agreement, stored.parts, stored.source))
         decision, offers = self._decision(link)
@@ -179,9 +182,15 @@ class RoundExchange:
             }
             waited = time.monotonic() - first_seen
             if ready(len(complete), place.sites, self._quorum, waited, self._timeout):
-                return link.decide(decide(complete)), offers
+                decision = link.decide(decide(complete))
+                while any((site, place.slot) not in offers for site in decision.sites):
+                    if self._cancelled.is_set():  # another carrier's decision, from a later
+                        raise RuntimeError("cancelled: the generation broke")  # look
+                    time.sleep(_POLL_FIRST_S)
+                    offers, _ = link.look()
+                return decision, offers
             time.sleep(poll)
-            poll = min(_POLL_MAX_S, poll * 2)
+            poll = min(_POLL_MAX_S, max(poll * 2, waited / 20))
 
 
 def _to_bytes(payload: Sequence[torch.Tensor]) -> bytes:

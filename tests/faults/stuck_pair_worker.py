@@ -29,7 +29,7 @@ import torch.distributed as dist
 from agents.runtime.collective_guard import CollectiveGuard, OpTimeout
 from agents.runtime.process_group import choose_device, form_group, teardown_group
 from agents.sync.round_exchange import RoundExchange, RoundPlace
-from agents.sync.round_media import RoundsInStore
+from agents.sync.round_media import RoundsInStore, generation_store
 from agents.sync.rounds import Offer
 from orchestrator.etcd.client import connect
 from orchestrator.etcd.options import EtcdOptions, parse_endpoints
@@ -73,7 +73,7 @@ def main() -> None:
         if a.between_sites:  # a round of fragment 0 started at step 10 that rank 1 never offers to
             place = RoundPlace(fragment=0, at=10, site=0, sites=2)
             round_ = RoundExchange(
-                RoundsInStore(),
+                RoundsInStore(generation_store()),
                 place,
                 [t],
                 lambda: [torch.empty_like(t)],

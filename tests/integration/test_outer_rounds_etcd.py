@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace
-from agents.sync.round_media import PieceServer, RoundsInEtcd
+from agents.sync.round_etcd import PieceServer, RoundsInEtcd
+from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace, RoundResult
 from agents.sync.rounds import Offer, RoundDecision
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
@@ -166,6 +166,53 @@ def test_a_new_generation_prunes_the_older_rounds_and_their_pieces(
     assert server.serving() == [f"g4/f{FRAGMENT}/a{AT}/"]
 
 
+def test_a_round_every_site_came_to_prunes_the_fragments_earlier_rounds(
+    etcd_client: EtcdClient,
+) -> None:
+    """Rounds of fragment 1 at steps 20, 30 (site 1 late: decided by a quorum of 1) and
+    40: the records of 20 stay until a round that every site came to (40) shows that
+    every site is past them; fragment 2's round is not touched."""
+    job, gen = _job(), 7
+    media = [RoundsInEtcd(etcd_client, job, gen, PieceServer("127.0.0.1")) for _ in range(2)]
+
+    def both(at: int, fragment: int = 1, late: bool = False) -> None:
+        def one(site: int, **kw: float) -> RoundExchange:
+            return RoundExchange(
+                media[site],
+                RoundPlace(fragment=fragment, at=at, site=site, sites=2),
+                [torch.ones(2)],
+                lambda: [torch.empty(2)],
+                Offer(1.0, (), 0),
+                **kw,  # type: ignore[arg-type]
+            )
+
+        if late:
+            one(0, quorum=1, timeout=timedelta(0)).wait(NEVER, 30.0)
+            one(1, quorum=1, timeout=timedelta(0)).wait(NEVER, 30.0)
+        else:
+            a, b = (one(s, quorum=2, timeout=timedelta(seconds=60)) for s in (0, 1))
+            a.wait(NEVER, 30.0)
+            b.wait(NEVER, 30.0)
+
+    def rounds() -> set[str]:
+        root = keys.outer_rounds(job, gen)
+        return {"/".join(kv.key[len(root) :].split("/")[:2]) for kv in etcd_client.get_prefix(root)}
+
+    both(20)
+    both(5, fragment=2)
+    both(30, late=True)
+    assert rounds() == {"f1/a20", "f2/a5", "f1/a30"}, "a quorum's round prunes nothing"
+    both(40)
+    assert rounds() == {"f2/a5", "f1/a40"}
+
+
+def _wait_into(round_: RoundExchange, limit_s: float, out: list) -> None:  # type: ignore[type-arg]
+    try:
+        out.append(round_.wait(NEVER, limit_s))
+    except BaseException as e:  # the test reads it
+        out.append(e)
+
+
 class _Warnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -188,14 +235,20 @@ def test_a_round_waits_out_an_etcd_outage(
     try:
         job, gen = _job(), 1
         servers = [PieceServer("127.0.0.1"), PieceServer("127.0.0.1")]
+        waited: list[RoundResult | BaseException] = []
         os.kill(pid, signal.SIGSTOP)  # etcd stops answering: the round's calls time out
         try:
             a = _round(RoundsInEtcd(client, job, gen, servers[0]), 0, torch.ones(2))
+            waiting = threading.Thread(target=_wait_into, args=(a, 1.0, waited))
+            waiting.start()  # a wait limit of 1 s, shorter than the outage
             assert warnings.seen.wait(30), "the round never met the outage"
+            threading.Event().wait(2.5)  # the outage lasts past the round's wait limit
         finally:
             os.kill(pid, signal.SIGCONT)
         b = _round(RoundsInEtcd(client, job, gen, servers[1]), 1, torch.full((2,), 3.0))
-        got = a.wait(NEVER, 60.0)
+        waiting.join(60)
+        assert len(waited) == 1 and isinstance(waited[0], RoundResult), waited
+        got = waited[0]
         assert (
             b.wait(NEVER, 60.0).decision == got.decision == RoundDecision((0, 1), (1.0, 1.0), (0,))
         )

@@ -7,6 +7,7 @@ rank 0, sites in separate processes) are in tests/integration/test_diloco_rounds
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from agents.sync.outer_step import flatten, rebase
-from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace
+from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace, _to_bytes
 from agents.sync.round_media import STORE_PREFIX, RoundsInStore
 from agents.sync.rounds import Offer, RoundDecision, decide, maximum, ready
 
@@ -129,6 +130,46 @@ def test_a_round_without_its_quorum_gives_up_when_the_generation_moves_on() -> N
     )
     with pytest.raises(RuntimeError, match="timed out"):
         alone.wait(NEVER, 0.2)
+
+
+class _BeatenToIt:
+    """A medium whose carrier loses the race to decide: just before its own decision, a
+    third site offers and another carrier decides with it (from a later look)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.inner = RoundsInStore(lambda: store)
+        self.store = store
+
+    def open(self, place: RoundPlace, stop: object) -> object:
+        link = self.inner.open(place, stop)  # type: ignore[arg-type]
+        decide = link.decide
+
+        def beaten(mine: RoundDecision) -> RoundDecision:
+            third = self.inner.open(dataclasses.replace(place, site=2), stop)  # type: ignore[arg-type]
+            stored = third.put(_to_bytes([torch.full((3,), 7.0)]))
+            third.offer(Offer(1.0, (5,), stored.parts))
+            decide(RoundDecision((0, 2), (1.0, 1.0), (5,)))
+            return decide(mine)
+
+        link.decide = beaten  # type: ignore[method-assign]
+        return link
+
+
+def test_a_carrier_that_loses_the_decision_reads_the_sites_it_did_not_see() -> None:
+    store = dist.HashStore()
+    medium = _BeatenToIt(store)
+    a = RoundExchange(
+        medium,  # type: ignore[arg-type]
+        RoundPlace(fragment=1, at=20, site=0, sites=3),
+        [torch.full((3,), 1.0)],
+        lambda: [torch.empty(3)],
+        Offer(1.0, (0,), 0),
+        quorum=1,
+        timeout=timedelta(0),
+    )
+    got = a.wait(NEVER, 30.0)
+    assert got.decision.sites == (0, 2) and got.decision.agreement == (5,)
+    assert [float(p[0][0]) for _, p in got.received] == [1.0, 7.0]
 
 
 def test_a_site_left_out_keeps_its_own_steps_on_the_new_anchor() -> None:

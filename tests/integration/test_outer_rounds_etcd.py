@@ -22,39 +22,17 @@ import torch
 import torch.distributed as dist
 
 from agents.sync.round_etcd import PieceServer, RoundsInEtcd
-from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace, RoundResult
+from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundResult
 from agents.sync.rounds import Offer, RoundDecision
 from orchestrator.etcd.client import EtcdClient, connect
 from orchestrator.etcd.embedded import EmbeddedEtcd
 from orchestrator.etcd.options import EtcdOptions
 from orchestrator.state import keys
+from tests.rounds import AT, FRAGMENT, offer_round
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 NEVER: Callable[[], bool] = lambda: False  # noqa: E731
-FRAGMENT, AT = 1, 20
-
-
-def _round(
-    medium: RoundsInEtcd,
-    site: int,
-    value: torch.Tensor,
-    *,
-    sites: int = 2,
-    weight: float = 1.0,
-    vote: tuple[int, ...] = (0,),
-    quorum: int = 2,
-    timeout_s: float = 60.0,
-) -> RoundExchange:
-    return RoundExchange(
-        medium,
-        RoundPlace(fragment=FRAGMENT, at=AT, site=site, sites=sites),
-        [value],
-        lambda: [torch.empty_like(value)],
-        Offer(weight, vote, parts=0),
-        quorum,
-        timedelta(seconds=timeout_s),
-    )
 
 
 def _served(server: PieceServer, generation: int, part: int = 0) -> bool:
@@ -76,7 +54,7 @@ def test_three_sites_read_each_other_from_their_own_stores_and_decide_in_etcd(
     media = [RoundsInEtcd(etcd_client, job, gen, s) for s in servers]
     values = [torch.full((6,), float(v)) for v in (1, 2, 3)]
     rounds = [
-        _round(m, i, v, sites=3, weight=i + 1.0, vote=(i, -i))
+        offer_round(m, i, v, sites=3, weight=i + 1.0, vote=(i, -i))
         for i, (m, v) in enumerate(zip(media, values, strict=True))
     ]
     got = [r.wait(NEVER, 60.0) for r in rounds]
@@ -102,7 +80,7 @@ def test_a_late_site_reads_the_decision_and_the_early_site_from_its_server(
 ) -> None:
     job, gen = _job(), 2
     early_server, late_server = PieceServer("127.0.0.1"), PieceServer("127.0.0.1")
-    early = _round(
+    early = offer_round(
         RoundsInEtcd(etcd_client, job, gen, early_server),
         0,
         torch.full((4,), 2.0),
@@ -112,7 +90,7 @@ def test_a_late_site_reads_the_decision_and_the_early_site_from_its_server(
     first = early.wait(NEVER, 30.0)
     assert first.decision.sites == (0,)
     assert _served(early_server, gen), "the late site has not read it yet"
-    late = _round(
+    late = offer_round(
         RoundsInEtcd(etcd_client, job, gen, late_server),
         1,
         torch.full((4,), 9.0),
@@ -133,7 +111,7 @@ def test_a_pseudo_gradient_larger_than_a_stored_value_travels_in_pieces(
     big = torch.arange(PIECE_BYTES // 4 + 1000, dtype=torch.float32)  # 2 pieces
     servers = [PieceServer("127.0.0.1"), PieceServer("127.0.0.1")]
     a, b = (
-        _round(RoundsInEtcd(etcd_client, job, gen, s), i, v)
+        offer_round(RoundsInEtcd(etcd_client, job, gen, s), i, v)
         for i, (s, v) in enumerate(zip(servers, (big, -big), strict=True))
     )
     got = a.wait(NEVER, 60.0)
@@ -149,14 +127,14 @@ def test_a_new_generation_prunes_the_older_rounds_and_their_pieces(
 ) -> None:
     job = _job()
     server = PieceServer("127.0.0.1")
-    alone = _round(RoundsInEtcd(etcd_client, job, 3, server), 0, torch.ones(3), quorum=2)
+    alone = offer_round(RoundsInEtcd(etcd_client, job, 3, server), 0, torch.ones(3), quorum=2)
     with pytest.raises(RuntimeError, match="newer generation"):
         alone.wait(lambda: True, 30.0)  # generation 3's round never completes
     assert etcd_client.get_prefix(keys.outer_rounds(job, 3))
     assert _served(server, 3)
     etcd_client.put(keys.outer_round(job, 9, 0, 0) + "offer/0/0", "a later generation's")
 
-    again = _round(
+    again = offer_round(
         RoundsInEtcd(etcd_client, job, 4, server), 0, torch.ones(3), quorum=1, timeout_s=0
     )
     again.wait(NEVER, 30.0)
@@ -176,21 +154,23 @@ def test_a_round_every_site_came_to_prunes_the_fragments_earlier_rounds(
     media = [RoundsInEtcd(etcd_client, job, gen, PieceServer("127.0.0.1")) for _ in range(2)]
 
     def both(at: int, fragment: int = 1, late: bool = False) -> None:
-        def one(site: int, **kw: float) -> RoundExchange:
-            return RoundExchange(
+        def one(site: int, quorum: int, timeout_s: float) -> RoundExchange:
+            value = torch.ones(2)
+            return offer_round(
                 media[site],
-                RoundPlace(fragment=fragment, at=at, site=site, sites=2),
-                [torch.ones(2)],
-                lambda: [torch.empty(2)],
-                Offer(1.0, (), 0),
-                **kw,  # type: ignore[arg-type]
+                site,
+                value,
+                fragment=fragment,
+                at=at,
+                quorum=quorum,
+                timeout_s=timeout_s,
             )
 
-        if late:
-            one(0, quorum=1, timeout=timedelta(0)).wait(NEVER, 30.0)
-            one(1, quorum=1, timeout=timedelta(0)).wait(NEVER, 30.0)
+        if late:  # site 0 goes ahead alone, site 1 comes after the decision
+            one(0, 1, 0.0).wait(NEVER, 30.0)
+            one(1, 1, 0.0).wait(NEVER, 30.0)
         else:
-            a, b = (one(s, quorum=2, timeout=timedelta(seconds=60)) for s in (0, 1))
+            a, b = (one(s, 2, 60.0) for s in (0, 1))
             a.wait(NEVER, 30.0)
             b.wait(NEVER, 30.0)
 
@@ -238,14 +218,14 @@ def test_a_round_waits_out_an_etcd_outage(
         waited: list[RoundResult | BaseException] = []
         os.kill(pid, signal.SIGSTOP)  # etcd stops answering: the round's calls time out
         try:
-            a = _round(RoundsInEtcd(client, job, gen, servers[0]), 0, torch.ones(2))
+            a = offer_round(RoundsInEtcd(client, job, gen, servers[0]), 0, torch.ones(2))
             waiting = threading.Thread(target=_wait_into, args=(a, 1.0, waited))
             waiting.start()  # a wait limit of 1 s, shorter than the outage
             assert warnings.seen.wait(30), "the round never met the outage"
             threading.Event().wait(2.5)  # the outage lasts past the round's wait limit
         finally:
             os.kill(pid, signal.SIGCONT)
-        b = _round(RoundsInEtcd(client, job, gen, servers[1]), 1, torch.full((2,), 3.0))
+        b = offer_round(RoundsInEtcd(client, job, gen, servers[1]), 1, torch.full((2,), 3.0))
         waiting.join(60)
         assert len(waited) == 1 and isinstance(waited[0], RoundResult), waited
         got = waited[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from agents.sync.outer_step import flatten, rebase
 from agents.sync.round_exchange import PIECE_BYTES, RoundExchange, RoundPlace, _to_bytes
 from agents.sync.round_media import STORE_PREFIX, RoundsInStore
 from agents.sync.rounds import Offer, RoundDecision, decide, maximum, ready
+from tests.rounds import offer_round
 
 pytestmark = pytest.mark.unit
 
@@ -51,25 +53,8 @@ def _place(site: int, sites: int = 2) -> RoundPlace:
     return RoundPlace(fragment=1, at=20, site=site, sites=sites)
 
 
-def _offer(
-    store: dist.Store,
-    site: int,
-    value: torch.Tensor,
-    *,
-    weight: float = 1.0,
-    vote: tuple[int, ...] = (0,),
-    quorum: int = 2,
-    timeout_s: float = 60.0,
-) -> RoundExchange:
-    return RoundExchange(
-        RoundsInStore(lambda: store),
-        _place(site),
-        [value],
-        lambda: [torch.empty_like(value)],
-        Offer(weight, vote, parts=0),
-        quorum,
-        timedelta(seconds=timeout_s),
-    )
+def _offer(store: dist.Store, site: int, value: torch.Tensor, **kw: Any) -> RoundExchange:
+    return offer_round(RoundsInStore(lambda: store), site, value, **kw)
 
 
 def test_two_sites_receive_each_others_pseudo_gradients_and_clean_up() -> None:

@@ -54,8 +54,10 @@ class PieceServer:
     """This process's store of its own pseudo-gradients, read by the other sites.
 
     A ``TCPStore`` listening on a port the system picks (on every interface;
-    ``host`` is the address the other sites reach this node at), started at
-    the first :meth:`keep` and kept for the life of the process.  A round's
+    ``host`` is the address the other sites reach this node at), started by
+    :meth:`start` (a session under a delayed sync starts it before any group
+    forms) or else at the first :meth:`keep`, and kept for the life of the
+    process.  A round's
     pieces go once the other sites have read them (their last reader deletes
     them), once this carrier finds nobody will (it is left out of the round),
     or at the first round of a later generation.

@@ -3,7 +3,7 @@
 Runs in the training process, in a thread of its own per round (on a site's
 leader, or on every rank of an FSDP2 site: each carries its own slice), so
 that the round's bytes travel while the next inner steps compute.  The rules
-(who takes part, what is agreed) are :mod:`agents.sync.rounds'`; where the
+(who takes part, what is agreed) are in :mod:`agents.sync.rounds`; where the
 round's records and bytes are kept is its medium's
 (:mod:`agents.sync.round_media`).  This module runs the round:
 

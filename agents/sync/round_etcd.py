@@ -34,7 +34,7 @@ from agents.sync.round_media import (
     read_pieces,
 )
 from agents.sync.rounds import Offer, RoundDecision
-from orchestrator.api import EtcdUnavailableError
+from orchestrator.api import EtcdError, EtcdUnavailableError
 from orchestrator.etcd.client import EtcdClient
 from orchestrator.etcd.retry import retry_unavailable
 from orchestrator.state import keys
@@ -170,11 +170,15 @@ class RoundsInEtcd:
         """Drop the rounds of older generations (site 0's first carrier, at its first
         round: every older round was started again in this generation, or finished)."""
         root = keys.job_prefix(self._job) + "pg/"
-        found = link.call(lambda: self._client.get_keys(root), "list rounds")
-        with_rounds = {k[len(root) :].split("/")[0] for k in found if "/outer/" in k}
+        found = link.attempt(lambda: self._client.get_keys(root), "older generations' rounds")
+        with_rounds = {k[len(root) :].split("/")[0] for k in found or () if "/outer/" in k}
         for name in with_rounds:
             if name.isdigit() and int(name) < self.generation:
-                link.drop(keys.outer_rounds(self._job, int(name)))
+                self.drop(link, keys.outer_rounds(self._job, int(name)))
+
+    def drop(self, link: _EtcdLink, prefix: str) -> None:
+        """Delete ``prefix``'s records, best effort (the run's end clears what is left)."""
+        link.attempt(lambda: self._client.delete_prefix(prefix), prefix)
 
     def passed(self, place: RoundPlace) -> list[str]:
         """Every site offered to ``place``'s round: the fragment's earlier rounds, which
@@ -242,12 +246,23 @@ class _EtcdLink:
         self.pieces = f"g{medium.generation}/{place.name}"  # on each carrier's server
         self._sources: dict[str, dist.TCPStore] = {}
 
+    def attempt(self, fn: Callable[[], T], what: str) -> T | None:
+        """``fn`` against etcd once, for housekeeping: an error is logged, not raised (it
+        neither fails the round nor waits out an outage; its time counts as the
+        outage's while it runs)."""
+        self._outage.since = time.monotonic()
+        try:
+            result = fn()
+        except EtcdError as e:
+            self._outage.ended(time.monotonic())  # it met an outage (or failed): its time
+            log.warning("outer sync: %s not pruned: %s", what, e)
+            return None
+        self._outage.since = None  # it answered: no outage
+        return result
+
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn`` against etcd, an outage waited out (and timed: :meth:`outage_s`)."""
         return self.medium.retry(fn, what, self.stop, self._outage)
-
-    def drop(self, prefix: str) -> None:
-        self.call(lambda: self.client.delete_prefix(prefix), "prune rounds")
 
     def outage_s(self) -> float:
         return self._outage.seconds()
@@ -257,7 +272,7 @@ class _EtcdLink:
         return Offer(0.0, (), parts, source=self.medium.server.address)
 
     def offer(self, offer: Offer) -> None:
-        if self._prune:  # the first etcd call of the round (the open made none)
+        if self._prune:  # at site 0's first round of the generation
             self.medium.prune(self)
         key = f"{self.records}offer/{self.place.site}/{self.place.slot}"
         self.call(lambda: self.client.put(key, offer.encode()), "offer")
@@ -312,4 +327,4 @@ class _EtcdLink:
         self._sources.clear()
         if len(decision.sites) == self.place.sites:
             for prefix in self.medium.passed(self.place):
-                self.drop(prefix)
+                self.medium.drop(self, prefix)

@@ -35,6 +35,7 @@ import torch
 
 from agents.sync.round_media import PIECE_BYTES, RoundLink, RoundMedium, RoundPlace
 from agents.sync.rounds import Offer, RoundDecision, decide, ready
+from orchestrator.settings import SETTINGS
 
 __all__ = ["PIECE_BYTES", "RoundExchange", "RoundPlace", "RoundResult"]
 
@@ -111,15 +112,16 @@ class RoundExchange:
                 or the store failed.
         """
         deadline = time.monotonic() + limit_s
-        while not self._done.wait(0.05):
+        before = self._outage_s()  # an outage of the medium while waiting pauses the wait,
+        while not self._done.wait(0.05):  # up to the time a worker waits for a plan
             if moved_on():
                 self.cancel()
                 raise RuntimeError(
                     f"outer sync of fragment {self.place.fragment} (started at step "
                     f"{self.place.at}): a newer generation is published"
                 )
-            link = self._link  # an outage of the medium pauses the round
-            if time.monotonic() > deadline + (link.outage_s() if link is not None else 0.0):
+            paused = min(self._outage_s() - before, SETTINGS.plan_timeout.total_seconds())
+            if time.monotonic() > deadline + paused:
                 self.cancel()
                 raise RuntimeError(
                     f"outer sync of fragment {self.place.fragment} (started at step "
@@ -132,6 +134,10 @@ class RoundExchange:
             ) from (self._error)
         assert self._result is not None
         return self._result
+
+    def _outage_s(self) -> float:
+        link = self._link
+        return link.outage_s() if link is not None else 0.0
 
     # -- the thread ---------------------------------------------------------------------
 

@@ -223,11 +223,16 @@ class JobController:
         elif isinstance(action, Emit):
             events.emit(client, job, action.type, action.message, **action.data)
         elif isinstance(action, PhaseChanged):
-            events.emit(
-                client, job, "Phase", f"{action.phase.value}: {action.message}", **action.data
+            # the event and the status in one write: a leader that dies between the two
+            # would leave its successor to record the phase again
+            event = events.Event(
+                type="Phase",
+                message=f"{action.phase.value}: {action.message}",
+                source="controller",
+                data=dict(action.data),
             )
             log.warning("[%s] %s: %s", job, action.phase.value, action.message)
-            self._write_status()
+            self._write_status(with_event=event)
         elif isinstance(action, PublishPlan):
             self._publish(action.plan)
         elif isinstance(action, FailureSeen):
@@ -329,18 +334,28 @@ class JobController:
             generation=plan.generation,
         )
 
-    def _write_status(self) -> None:
+    def _write_status(self, with_event: events.Event | None = None) -> None:
+        """Write the status if it changed or is due for a refresh (``with_event``: and
+        append that event, in the same transaction: both or neither)."""
         data = self.status.to_dict()
         comparable = {k: v for k, v in data.items() if k not in ("updated_at", "led_at")}
         now = time.time()
         changed = comparable != self._last_written
-        if not changed and now - self.status.led_at < STATUS_REFRESH.total_seconds():
+        if with_event is None and (
+            not changed and now - self.status.led_at < STATUS_REFRESH.total_seconds()
+        ):
             return
         self._last_written = comparable
         if changed:
             self.status.updated_at = now
         self.status.led_at = now
-        records.write(self.client, keys.job_status(self.job), self.status)
+        status = (keys.job_status(self.job), self.status.encode())
+        if with_event is None:
+            self.client.put(*status)
+            return
+        key, value = events.entry(self.job, with_event)
+        self.client.put_many([(status[0], status[1].encode()), (key, value.encode())])
+        events.trim(self.client, self.job)
 
 
 def launched(plan: Plan, nodes: dict[str, NodeRecord]) -> dict[str, ProgressRecord]:

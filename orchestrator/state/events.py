@@ -19,7 +19,7 @@ from orchestrator.state import keys, records
 from orchestrator.state.records import Event
 from orchestrator.state.runs import list_runs, run_window
 
-__all__ = ["Event", "emit", "list_events", "record"]
+__all__ = ["Event", "emit", "entry", "list_events", "record", "trim"]
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,19 @@ TRIM_SLACK = keys.EVENTS_KEPT // 10
 
 def record(client: EtcdClient, job: str, event: Event) -> None:
     """Append ``event`` to the log of ``job``, dropping the oldest beyond the bound."""
-    key = keys.job_events(job) + f"{time.time_ns():020d}-{event.source}"
-    records.write(client, key, event)
+    key, value = entry(job, event)
+    client.put(key, value)
+    trim(client, job)
+
+
+def entry(job: str, event: Event) -> tuple[str, str]:
+    """The key and value that append ``event`` to the log of ``job`` (for a write that
+    puts it together with other keys, then calls :func:`trim`)."""
+    return keys.job_events(job) + f"{time.time_ns():020d}-{event.source}", event.encode()
+
+
+def trim(client: EtcdClient, job: str) -> None:
+    """Drop the oldest events of ``job`` beyond the bound."""
     client.keep_newest(keys.job_events(job), keys.EVENTS_KEPT, TRIM_SLACK)
 
 

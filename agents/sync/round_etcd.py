@@ -127,7 +127,7 @@ class PieceServer:
         self._kept.pop(prefix, None)
 
     def serving(self) -> list[str]:
-        """The prefixes served now (for tests and telemetry)."""
+        """The prefixes served now (what the tests look at)."""
         with self._lock:
             return sorted(self._kept)
 
@@ -196,37 +196,26 @@ class RoundsInEtcd:
             if at < place.at
         ]
 
-    def retry(
-        self, fn: Callable[[], T], what: str, stop: threading.Event, outage: _Outage | None = None
-    ) -> T:
-        """``fn`` against etcd, an outage waited out until ``stop`` is set (and timed in
-        ``outage``: a call in flight may be meeting one, so its time is left out of the
-        round's until it answers; then only an outage's is)."""
-        if outage is not None:
-            outage.since = time.monotonic()
-        try:
-            result = fn()
-        except EtcdUnavailableError:
-            try:
-                return retry_unavailable(fn, f"outer sync: {what}", stop=stop)
-            finally:
-                if outage is not None:
-                    outage.ended(time.monotonic())
-        if outage is not None:
-            outage.since = None  # it answered: no outage
-        return result
-
 
 @dataclass
 class _Outage:
-    """How long one round has waited for etcd: past outages, and the call under way."""
+    """How long one round has waited for etcd: the outages it met, and the call under
+    way (which may be meeting one: its time is left out of the round's until it
+    answers; then only an outage's is)."""
 
     past: float = 0.0
     since: float | None = None
 
-    def ended(self, now: float) -> None:
+    def begin(self) -> None:
+        self.since = time.monotonic()
+
+    def answered(self) -> None:
+        self.since = None
+
+    def ended(self) -> None:
+        """The call under way met an outage, now over: its time counts as one."""
         if self.since is not None:
-            self.past += now - self.since
+            self.past += time.monotonic() - self.since
             self.since = None
 
     def seconds(self) -> float:
@@ -250,26 +239,36 @@ class _EtcdLink:
         """``fn`` against etcd once, for housekeeping: an error is logged, not raised (it
         neither fails the round nor waits out an outage; its time counts as the
         outage's while it runs)."""
-        self._outage.since = time.monotonic()
+        self._outage.begin()
         try:
             result = fn()
         except EtcdError as e:
-            self._outage.ended(time.monotonic())  # it met an outage (or failed): its time
+            self._outage.ended()
             log.warning("outer sync: %s not pruned: %s", what, e)
             return None
-        self._outage.since = None  # it answered: no outage
+        self._outage.answered()
         return result
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        """``fn`` against etcd, an outage waited out (and timed: :meth:`outage_s`)."""
-        return self.medium.retry(fn, what, self.stop, self._outage)
+        """``fn`` against etcd, an outage waited out until the round is cancelled (and
+        timed: :meth:`outage_s`)."""
+        self._outage.begin()
+        try:
+            result = fn()
+        except EtcdUnavailableError:
+            try:
+                return retry_unavailable(fn, f"outer sync: {what}", stop=self.stop)
+            finally:
+                self._outage.ended()
+        self._outage.answered()
+        return result
 
     def outage_s(self) -> float:
         return self._outage.seconds()
 
-    def put(self, blob: bytes) -> Offer:
+    def put(self, blob: bytes) -> tuple[int, str]:
         parts = self.medium.server.keep(self.medium.generation, self.pieces, blob)
-        return Offer(0.0, (), parts, source=self.medium.server.address)
+        return parts, self.medium.server.address
 
     def offer(self, offer: Offer) -> None:
         if self._prune:  # at site 0's first round of the generation
@@ -320,9 +319,7 @@ class _EtcdLink:
         return self._sources[address]
 
     def finish(self, decision: RoundDecision, offers: dict[tuple[int, int], Offer]) -> None:
-        site = self.place.site
-        weighed = site in decision.sites and decision.weights[decision.sites.index(site)] > 0
-        if not weighed:  # nobody reads this carrier's pseudo-gradient
+        if not decision.read_from(self.place.site):  # nobody reads its pseudo-gradient
             self.medium.server.drop(self.pieces)
         self._sources.clear()
         if len(decision.sites) == self.place.sites:

@@ -25,6 +25,7 @@ the new generation starts it again.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -152,14 +153,14 @@ class RoundExchange:
     def _carry(self) -> RoundResult:
         place, began = self.place, time.monotonic()
         link = self._link = self._medium.open(place, self._cancelled)
-        stored = link.put(self._blob)
-        link.offer(Offer(self._offer.weight, self._offer.agreement, stored.parts, stored.source))
+        parts, source = link.put(self._blob)
+        link.offer(dataclasses.replace(self._offer, parts=parts, source=source))
         decision, offers = self._decision(link)
         waited = time.monotonic() - began
         received: list[tuple[float, list[torch.Tensor]]] = []
         read = 0
         for site, weight in zip(decision.sites, decision.weights, strict=True):
-            if weight <= 0:
+            if not decision.read_from(site):
                 continue
             if site == place.site:
                 blob = self._blob

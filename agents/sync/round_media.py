@@ -81,9 +81,9 @@ class RoundPlace:
 class RoundLink(Protocol):
     """One carrier's access to one round's records and bytes (used from one thread)."""
 
-    def put(self, blob: bytes) -> Offer:
-        """Keep this carrier's pseudo-gradient where the other sites read it; returns an
-        offer (weight 0, no vote) saying how many pieces it is and where it is."""
+    def put(self, blob: bytes) -> tuple[int, str]:
+        """Keep this carrier's pseudo-gradient where the other sites read it; returns how
+        many pieces it is and where they are served (:attr:`Offer.source`)."""
         ...
 
     def offer(self, offer: Offer) -> None:
@@ -156,10 +156,10 @@ class _StoreLink:
     def _data(self, site: int) -> str:
         return f"data/{site}/{self.place.slot}/"
 
-    def put(self, blob: bytes) -> Offer:
+    def put(self, blob: bytes) -> tuple[int, str]:
         for part, piece in enumerate(cut(blob)):
             self.store.set(f"{self._data(self.place.site)}{part}", piece)  # type: ignore[arg-type]
-        return Offer(0.0, (), pieces(len(blob)))
+        return pieces(len(blob)), ""
 
     def offer(self, offer: Offer) -> None:
         self.store.set(f"offer/{self.place.site}/{self.place.slot}", offer.encode())

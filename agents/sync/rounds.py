@@ -103,6 +103,11 @@ class RoundDecision:
     def takes_part(self, site: int) -> bool:
         return site in self.sites
 
+    def read_from(self, site: int) -> bool:
+        """``site``'s pseudo-gradient counts in the round (it takes part with a weight
+        above 0): the other sites read it."""
+        return site in self.sites and self.weights[self.sites.index(site)] > 0
+
     @property
     def weighed(self) -> bool:
         """Some site that takes part trained its part of the round (its weight is above 0)."""

@@ -44,6 +44,8 @@ def test_a_decision_takes_the_offers_in_site_order_and_the_maximum_of_their_vote
     assert RoundDecision.decode(decision.encode()) == decision
     assert Offer.decode(offers[0].encode()) == offers[0]
     assert decision.takes_part(2) and not decision.takes_part(1)
+    assert decision.read_from(2) and not decision.read_from(1)
+    assert not RoundDecision((0, 1), (1.0, 0.0), ()).read_from(1)  # in it, trained nothing
     assert maximum([(1, 2), (3,)]) == (3, 2)
     with pytest.raises(ValueError):
         decide({})
@@ -131,8 +133,8 @@ class _BeatenToIt:
 
         def beaten(mine: RoundDecision) -> RoundDecision:
             third = self.inner.open(dataclasses.replace(place, site=2), stop)  # type: ignore[arg-type]
-            stored = third.put(_to_bytes([torch.full((3,), 7.0)]))
-            third.offer(Offer(1.0, (5,), stored.parts))
+            parts, _ = third.put(_to_bytes([torch.full((3,), 7.0)]))
+            third.offer(Offer(1.0, (5,), parts))
             decide(RoundDecision((0, 2), (1.0, 1.0), (5,)))
             return decide(mine)
 
